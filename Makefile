@@ -1,0 +1,47 @@
+# Two commands do everything from a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/picker/api/v1/*.proto)
+GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
+
+.PHONY: install protos demo test lint bench bench-smoke validate-sim overhead clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	touch $(STAMP)
+
+install: $(STAMP) protos
+
+# Our own gRPC API, compiled with grpcio-tools; generated code is never committed.
+protos: $(GENERATED)
+picker/api/v1/%_pb2.py: protos/picker/api/v1/%.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+demo: install
+	$(BIN)/picker demo
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check picker tests bench
+	$(BIN)/mypy picker
+
+bench: install
+	$(BIN)/picker bench --mode fast
+
+bench-smoke: install
+	$(BIN)/picker bench --smoke
+
+overhead: install
+	$(BIN)/python bench/overhead.py
+
+validate-sim: install
+	$(BIN)/python bench/validate_sim.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info picker/api/v1/*_pb2*.py*

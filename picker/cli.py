@@ -1,0 +1,36 @@
+"""`picker` command line: each subcommand lives in its own module and is imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("picker.server", "run the ext_proc endpoint picker (gRPC), health service and metrics"),
+    "demo": ("picker.demo", "start Envoy, a simulated vLLM fleet and the picker; send sample requests"),
+    "envoy-config": ("picker.envoyconfig", "write a checked Envoy config that uses the picker"),
+    "explain": ("picker.explain", "ask a running picker why a request would go where it goes"),
+    "sim": ("picker.sim.cli", "run simulated vLLM servers (OpenAI API, /metrics, KV events)"),
+    "bench": ("picker.bench_cli", "compare routing strategies on the same trace and fleet"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="picker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = args_list[0] if args_list else None
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module_name)
+        if name == chosen:
+            importlib.import_module(module_name).add_arguments(sub_parser)
+    args = parser.parse_args(args_list)
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Per-endpoint state shared by discovery, metrics scraping, the scheduler and the ext_proc servicer."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split and validate "ip:port" ("[v6]:port" for IPv6); ValueError with a readable reason otherwise."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+    else:
+        host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"endpoint {text!r} is not ip:port")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"endpoint {text!r}: {host!r} is not an IP address") from None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"endpoint {text!r}: bad port {port_text!r}")
+    return host, int(port_text)
+
+
+@dataclass(slots=True)
+class EndpointMetrics:
+    """What a vLLM pod reports on /metrics (DESIGN.md §4); `updated_at` is the picker clock at the scrape."""
+
+    waiting: float = 0.0  # vllm:num_requests_waiting
+    running: float = 0.0  # vllm:num_requests_running
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
+    block_size: int | None = None  # vllm:cache_config_info{block_size}
+    num_gpu_blocks: int | None = None  # vllm:cache_config_info{num_gpu_blocks}
+    prefix_queries: float = 0.0  # vllm:prefix_cache_queries_total (tokens)
+    prefix_hits: float = 0.0  # vllm:prefix_cache_hits_total (tokens)
+    max_lora: int = 0
+    running_loras: frozenset[str] = frozenset()
+    waiting_loras: frozenset[str] = frozenset()
+    updated_at: float = -1.0  # never scraped
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    """One model-server pod. Identity is its "ip:port" address; the same object lives as long as the pod."""
+
+    address: str
+    ip: str
+    port: int
+    name: str = ""  # pod name when known (Kubernetes discovery), else the address
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    healthy: bool = True
+    # Our own view, updated from the ext_proc stream lifecycle because scraped metrics lag.
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    last_picked_at: float = -1.0
+    consecutive_failures: int = 0
+
+    @classmethod
+    def from_address(cls, address: str, name: str = "") -> Endpoint:
+        ip, port = parse_address(address)
+        canonical = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        return cls(address=canonical, ip=ip, port=port, name=name or canonical)
+
+    def metrics_age(self, now: float) -> float:
+        """Seconds since the last successful scrape (infinite when never scraped)."""
+        return float("inf") if self.metrics.updated_at < 0 else now - self.metrics.updated_at
+
+    def start_request(self, tokens: int, now: float) -> None:
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        self.last_picked_at = now
+
+    def finish_request(self, tokens: int) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+        self.in_flight_tokens = max(0, self.in_flight_tokens - tokens)

@@ -1,0 +1,174 @@
+"""The parsed inference request: what the decision core knows about one HTTP request.
+
+Parsing is separate from the ext_proc state machine so the same request object feeds the servicer, the
+`Explain` API and the in-process benchmark.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ApiKind(enum.Enum):
+    """OpenAI-style API families, told apart by the `:path` suffix."""
+
+    CHAT = "chat/completions"
+    COMPLETIONS = "completions"
+    RESPONSES = "responses"
+    EMBEDDINGS = "embeddings"
+    CONVERSATIONS = "conversations"
+
+
+# Longest suffix first so "/chat/completions" is not taken for "/completions".
+_PATH_SUFFIXES: tuple[tuple[str, ApiKind], ...] = (
+    ("/chat/completions", ApiKind.CHAT),
+    ("/completions", ApiKind.COMPLETIONS),
+    ("/responses", ApiKind.RESPONSES),
+    ("/embeddings", ApiKind.EMBEDDINGS),
+    ("/conversations", ApiKind.CONVERSATIONS),
+)
+
+
+def api_kind_for_path(path: str) -> ApiKind | None:
+    """Map a request path (query string ignored) to its API family; None for an unknown path."""
+    path = path.split("?", 1)[0].rstrip("/")
+    for suffix, kind in _PATH_SUFFIXES:
+        if path.endswith(suffix):
+            return kind
+    return None
+
+
+class RequestError(Exception):
+    """A request the picker refuses, with the HTTP status and machine-readable code the client gets."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """One request as the scheduler sees it. `prompt_text` is the canonical text prefix keys are made from."""
+
+    request_id: str
+    model: str
+    api: ApiKind | None = None
+    path: str = ""
+    prompt_text: str = ""
+    stream: bool = False
+    max_tokens: int | None = None
+    objective: str | None = None
+    priority: int = 0
+    fairness_id: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+    target_model: str | None = None  # after x-gateway-model-name-rewrite
+    subset: tuple[str, ...] | None = None  # Envoy subset hint: allowed "ip:port" (or "ip") values
+    body_bytes: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_body(self) -> bool:
+        return self.api is not None
+
+
+def _text_of_content(content: Any) -> str:
+    """Text of an OpenAI message `content`: a string, or the text parts of a multi-part list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+                elif part.get("type") in ("image_url", "input_image", "input_audio"):
+                    parts.append(json.dumps(part, sort_keys=True, separators=(",", ":")))
+            elif isinstance(part, str):
+                parts.append(part)
+        return "".join(parts)
+    if content is None:
+        return ""
+    return json.dumps(content, sort_keys=True, separators=(",", ":"))
+
+
+def render_messages(messages: list[Any], tools: Any = None) -> str:
+    """Render chat messages into one canonical text so equal conversation prefixes give equal text prefixes.
+
+    The layout mimics a chat template (role header, content, end marker) so its length tracks the
+    tokens the model server will see; tools come first because templates put them in the system part.
+    """
+    out: list[str] = []
+    if tools:
+        out.append("<|tools|>" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "<|end|>\n")
+    for message in messages:
+        if not isinstance(message, dict):
+            raise RequestError(400, "invalid_messages", "every entry of 'messages' must be an object")
+        role = message.get("role", "user")
+        out.append(f"<|{role}|>\n{_text_of_content(message.get('content'))}<|end|>\n")
+    return "".join(out)
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        # A list of strings (batch) or of token ids: both have a stable text form.
+        if all(isinstance(p, str) for p in prompt):
+            return "".join(prompt)
+        return json.dumps(prompt, separators=(",", ":"))
+    raise RequestError(400, "invalid_prompt", "'prompt' must be a string or a list")
+
+
+def parse_body(body: bytes, api: ApiKind) -> dict[str, Any]:
+    """Decode and validate a JSON request body; errors carry the 400 the client should get."""
+    if not body:
+        raise RequestError(400, "empty_body", f"a {api.value} request needs a JSON body")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, "invalid_utf8", f"request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestError(400, "invalid_json", f"request body is not JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, "invalid_json", "request body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError(400, "missing_model", "request body has no 'model' string")
+    return data
+
+
+def prompt_of(data: dict[str, Any], api: ApiKind) -> str:
+    """The canonical prompt text of a validated body for its API family."""
+    if api is ApiKind.CHAT:
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "missing_messages", "chat completions request has no 'messages' list")
+        return render_messages(messages, data.get("tools"))
+    if api is ApiKind.COMPLETIONS:
+        if "prompt" not in data:
+            raise RequestError(400, "missing_prompt", "completions request has no 'prompt'")
+        return _prompt_text(data["prompt"])
+    if api is ApiKind.RESPONSES:
+        item = data.get("input")
+        if item is None:
+            raise RequestError(400, "missing_input", "responses request has no 'input'")
+        instructions = data.get("instructions") or ""
+        if isinstance(item, list):
+            return str(instructions) + render_messages([m for m in item if isinstance(m, dict)])
+        return str(instructions) + _prompt_text(item)
+    if api is ApiKind.EMBEDDINGS:
+        if "input" not in data:
+            raise RequestError(400, "missing_input", "embeddings request has no 'input'")
+        return _prompt_text(data["input"])
+    # Conversations carry items, not a prompt: route on the model alone.
+    return ""

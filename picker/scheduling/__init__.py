@@ -1,0 +1,1 @@
+"""Scheduling: filters, scorers and pickers that turn (request, endpoints, index, clock) into a ranked list."""

@@ -1,0 +1,45 @@
+"""The seam between the ext_proc layer and policy: a scheduler ranks endpoints for one request, with no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from picker.endpoints.state import Endpoint
+from picker.requests import InferenceRequest
+
+
+@dataclass(slots=True)
+class CandidateScore:
+    """One endpoint's scores, for the Explain API and traces: scorer name -> [0,1], and the weighted total."""
+
+    endpoint: Endpoint
+    scores: dict[str, float] = field(default_factory=dict)
+    total: float = 0.0
+    filtered_by: str | None = None  # name of the filter that removed it, if any
+
+
+@dataclass(slots=True)
+class SchedulingResult:
+    """Ranked endpoints (best first) plus the why: profile used and every candidate's scores."""
+
+    ranked: list[Endpoint]
+    profile: str = "default"
+    candidates: list[CandidateScore] = field(default_factory=list)
+    prefix_blocks: int = 0  # blocks in the request's prefix key chain
+    prefix_matched_blocks: int = 0  # blocks the chosen endpoint already holds (index view)
+
+
+class Scheduler(Protocol):
+    """Pure policy: ranks `endpoints` for `request` at time `now`. Must not block or do I/O."""
+
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult: ...
+
+    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        """Called once the pick is final (e.g. to record the prompt's prefix on that endpoint)."""
+        ...
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        """Called when an endpoint leaves the pool (e.g. purge its prefix-index entries)."""
+        ...
