@@ -1,0 +1,85 @@
+"""Prefix keys: the prompt cut into fixed-size character blocks, each key a 64-bit xxh3 chained over its parent.
+
+Chaining makes key i stand for the whole prefix up to block i, so two prompts share key i exactly when they
+share their first i+1 blocks — what a KV cache can reuse. Characters (not tokens) keep this free of a
+tokenizer: ~4 characters per token, so a block of `block_size * 4` characters tracks one vLLM cache block.
+"""
+
+from __future__ import annotations
+
+from xxhash import xxh3_64_intdigest
+
+CHARS_PER_TOKEN = 4
+DEFAULT_BLOCK_CHARS = 16 * CHARS_PER_TOKEN  # vLLM GPU block size 16 tokens (GIE's 64 characters)
+DEFAULT_MAX_PREFIX_BLOCKS = 256
+
+
+def prefix_seed(model: str, adapter: str | None = None, cache_salt: str | None = None) -> int:
+    """Chain root for one (model, LoRA adapter, cache_salt): vLLM never shares cache blocks across these."""
+    material = f"{model}\x00{adapter or ''}\x00{cache_salt or ''}".encode()
+    return xxh3_64_intdigest(material)
+
+
+def prefix_keys(
+    text: str,
+    seed: int,
+    block_chars: int = DEFAULT_BLOCK_CHARS,
+    max_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
+) -> list[int]:
+    """Chained keys of `text`'s blocks (last partial block included), at most `max_blocks` of them.
+
+    Each key is xxh3_64(block bytes, seed=parent key): the 64-bit seed carries the chain without
+    concatenating buffers. ASCII text is encoded once and sliced (the same bytes as encoding each block,
+    so a prompt's keys do not depend on whether later text is ASCII).
+    """
+    if block_chars <= 0:
+        raise ValueError("block_chars must be positive")
+    end = min(len(text), block_chars * max_blocks)
+    parent = seed
+    if text.isascii():
+        data = text[:end].encode("ascii")
+        return [parent := xxh3_64_intdigest(data[i : i + block_chars], parent) for i in range(0, end, block_chars)]
+    return [
+        parent := xxh3_64_intdigest(text[i : min(i + block_chars, end)].encode("utf-8", "surrogatepass"), parent)
+        for i in range(0, end, block_chars)
+    ]
+
+
+class PrefixHasher:
+    """Prefix keys with fixed block geometry; `block_chars=None` derives it from the pods' block size."""
+
+    __slots__ = ("_block_chars", "max_blocks", "chars_per_token")
+
+    def __init__(
+        self,
+        block_chars: int | None = None,
+        max_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
+        chars_per_token: int = CHARS_PER_TOKEN,
+    ) -> None:
+        if block_chars is not None and block_chars <= 0:
+            raise ValueError("block_chars must be positive")
+        if max_blocks <= 0:
+            raise ValueError("max_blocks must be positive")
+        self._block_chars = block_chars
+        self.max_blocks = max_blocks
+        self.chars_per_token = chars_per_token
+
+    def block_chars(self, block_size_tokens: int | None) -> int:
+        """Configured block width, else the pods' block size in tokens x chars/token, else 64."""
+        if self._block_chars is not None:
+            return self._block_chars
+        if block_size_tokens:
+            return block_size_tokens * self.chars_per_token
+        return DEFAULT_BLOCK_CHARS
+
+    def keys(
+        self,
+        text: str,
+        model: str,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+        block_size_tokens: int | None = None,
+    ) -> list[int]:
+        return prefix_keys(
+            text, prefix_seed(model, adapter, cache_salt), self.block_chars(block_size_tokens), self.max_blocks
+        )

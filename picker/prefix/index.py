@@ -1,0 +1,35 @@
+"""The prefix index contract: which endpoint (probably) holds which prefix blocks in its KV cache.
+
+Batch-shaped on purpose — one call per request, whole key chains at a time — so a networked backend
+(Redis/Valkey) can serve each call with one round trip (pipeline or script).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+
+class PrefixIndex(Protocol):
+    def match(self, keys: Sequence[int], addresses: Collection[str] | None, now: float) -> dict[str, int]:
+        """Longest run of consecutive blocks from keys[0] each endpoint holds (live entries only).
+
+        Only endpoints in `addresses` (all when None) with at least one matched block appear.
+        """
+        ...
+
+    def record(self, keys: Sequence[int], address: str, now: float) -> None:
+        """`address` now holds every block of `keys` (the pick was made): insert or refresh, evict past capacity."""
+        ...
+
+    def remove_endpoint(self, address: str) -> None:
+        """Forget everything about `address` (it left the pool or its cache was cleared)."""
+        ...
+
+    def size(self) -> int:
+        """Number of (endpoint, block) entries held."""
+        ...
+
+    def set_capacity(self, address: str, blocks: int) -> None:
+        """Bound `address`'s entries (its KV cache size in blocks); shrinking evicts the least recently used."""
+        ...
