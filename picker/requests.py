@@ -172,3 +172,44 @@ def prompt_of(data: dict[str, Any], api: ApiKind) -> str:
         return _prompt_text(data["input"])
     # Conversations carry items, not a prompt: route on the model alone.
     return ""
+
+
+def build_request(
+    headers: dict[str, str],
+    body: bytes,
+    *,
+    request_id: str,
+    subset: tuple[str, ...] | None = None,
+) -> InferenceRequest:
+    """Turn request headers (+ body, when the API has one) into an InferenceRequest; RequestError on bad input."""
+    path = headers.get(":path", "")
+    api = api_kind_for_path(path)
+    request = InferenceRequest(
+        request_id=request_id,
+        model="",
+        api=api,
+        path=path,
+        objective=headers.get("x-gateway-inference-objective"),
+        fairness_id=headers.get("x-gateway-inference-fairness-id"),
+        session_id=headers.get("x-session-id"),
+        target_model=headers.get("x-gateway-model-name-rewrite"),
+        subset=subset,
+        body_bytes=len(body),
+        headers=headers,
+    )
+    if api is None:
+        return request
+    data = parse_body(body, api)
+    request.model = data["model"]
+    request.prompt_text = prompt_of(data, api)
+    request.stream = bool(data.get("stream"))
+    max_tokens = data.get("max_tokens", data.get("max_completion_tokens"))
+    request.max_tokens = max_tokens if isinstance(max_tokens, int) else None
+    salt = data.get("cache_salt")
+    request.cache_salt = salt if isinstance(salt, str) else None
+    return request
+
+
+def estimated_tokens(request: InferenceRequest) -> int:
+    """A cheap token estimate (≈4 characters per token) for in-flight accounting before metrics catch up."""
+    return len(request.prompt_text) // 4 + (request.max_tokens or 0)

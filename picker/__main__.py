@@ -1,0 +1,7 @@
+"""`python -m picker` is the same as the `picker` command."""
+
+import sys
+
+from picker.cli import main
+
+sys.exit(main())

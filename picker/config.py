@@ -1,0 +1,120 @@
+"""Server options: defaults, then `--config-file` (YAML), then command-line flags, in that order of strength."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: str | float | int) -> float:
+    """"50ms", "0.5s", "2m" or a number of seconds → seconds (GIE-style flag values)."""
+    if isinstance(value, int | float):
+        return float(value)
+    match = _DURATION.match(value)
+    if not match:
+        raise ValueError(f"{value!r} is not a duration (e.g. 50ms, 0.5s, 2m)")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_size(value: str | int) -> int:
+    """"16Mi", "1MiB", "512k" or bytes → bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.match(r"^\s*(\d+)\s*([kKmMgG]i?[bB]?)?\s*$", value)
+    if not match:
+        raise ValueError(f"{value!r} is not a size (e.g. 16Mi, 512Ki, 1048576)")
+    unit = (match.group(2) or "").lower().rstrip("b")
+    scale = {"": 1, "k": 1000, "ki": 1024, "m": 10**6, "mi": 2**20, "g": 10**9, "gi": 2**30}[unit]
+    return int(match.group(1)) * scale
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    host: str = "0.0.0.0"
+    grpc_port: int = 9002
+    grpc_health_port: int = 9003
+    metrics_port: int = 9090
+    endpoints: str = ""
+    endpoints_file: str = ""
+    refresh_metrics_interval: float = 0.05
+    metrics_staleness_threshold: float = 2.0
+    unhealthy_after_failures: int = 2
+    max_body_bytes: int = 16 * 2**20
+    pool_name: str = "default"
+    pool_namespace: str = "default"
+    fallback_endpoints: int = 1
+    strategy: str = "picker"
+    seed: int | None = None
+    log_level: str = "INFO"
+    otlp_endpoint: str = ""
+    # Policy sections passed through to the scheduler and admission builders (GIE-like names).
+    scheduling: dict[str, Any] = field(default_factory=dict)
+    admission: dict[str, Any] = field(default_factory=dict)
+
+
+_CONVERTERS: dict[str, Any] = {
+    "refresh_metrics_interval": parse_duration,
+    "metrics_staleness_threshold": parse_duration,
+    "max_body_bytes": parse_size,
+}
+
+
+def _apply(config: ServeConfig, key: str, value: Any, source: str) -> None:
+    name = key.replace("-", "_")
+    known = {f.name for f in fields(ServeConfig)}
+    if name not in known:
+        raise ValueError(f"{source}: unknown option {key!r}")
+    if name in _CONVERTERS:
+        value = _CONVERTERS[name](value)
+    setattr(config, name, value)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config file must be a YAML mapping")
+    return data
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags named as GIE's endpoint picker names them, so users can carry their manifests over."""
+    a = parser.add_argument
+    a("--config-file", help="YAML file with any of these options plus `scheduling` and `admission` sections")
+    a("--host", help="address every server binds (default 0.0.0.0)")
+    a("--grpc-port", type=int, help="ext_proc + picker.v1 API port (default 9002)")
+    a("--grpc-health-port", type=int, help="gRPC health port (default 9003)")
+    a("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 disables)")
+    a("--endpoints", help="static pool: ip:port,ip:port")
+    a("--endpoints-file", help="YAML/JSON list of endpoints, reloaded when it changes")
+    a("--refresh-metrics-interval", help="how often each endpoint's /metrics is scraped (default 50ms)")
+    a("--metrics-staleness-threshold", help="metrics older than this make an endpoint count as saturated")
+    a("--unhealthy-after-failures", type=int, help="failed scrapes before an endpoint stops being picked (2)")
+    a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
+    a("--pool-name", help="InferencePool name (metrics label)")
+    a("--pool-namespace", help="InferencePool namespace")
+    a("--fallback-endpoints", type=int, help="ranked endpoints to return (comma-separated); default 1")
+    a("--strategy", help="picker (default), round-robin, random, least-load, prefix-only")
+    a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
+    a("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    a("--otlp-endpoint", help="OTLP/gRPC collector for traces (e.g. http://127.0.0.1:4317); empty disables")
+
+
+def resolve(args: argparse.Namespace) -> ServeConfig:
+    """Merge defaults, the config file and explicit flags; ValueError with the offending option."""
+    config = ServeConfig()
+    if getattr(args, "config_file", None):
+        for key, value in load_config_file(args.config_file).items():
+            _apply(config, key, value, args.config_file)
+    for f in fields(ServeConfig):
+        value = getattr(args, f.name, None)
+        if value is not None and f.name not in ("scheduling", "admission"):
+            _apply(config, f.name, value, "command line")
+    return config

@@ -1,0 +1,78 @@
+"""Static endpoint sources: `--endpoints ip:port,...` and an `--endpoints-file` (YAML/JSON) reloaded on change."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+import yaml
+
+from picker.endpoints.pool import EndpointPool
+from picker.endpoints.state import Endpoint
+
+log = logging.getLogger(__name__)
+
+
+def parse_endpoint_list(text: str) -> list[Endpoint]:
+    """"ip:port,ip:port" → endpoints; ValueError naming the bad entry."""
+    return [Endpoint.from_address(part) for part in text.split(",") if part.strip()]
+
+
+def load_endpoints_file(path: Path) -> list[Endpoint]:
+    """A YAML or JSON list of "ip:port" strings or {address, name} objects (also {endpoints: [...]})."""
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if isinstance(data, dict):
+        data = data.get("endpoints", [])
+    if data is None:
+        return []
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of endpoints")
+    endpoints: list[Endpoint] = []
+    for item in data:
+        if isinstance(item, str):
+            endpoints.append(Endpoint.from_address(item))
+        elif isinstance(item, dict) and isinstance(item.get("address"), str):
+            endpoints.append(Endpoint.from_address(item["address"], str(item.get("name") or "")))
+        else:
+            raise ValueError(f"{path}: bad endpoint entry {item!r}")
+    return endpoints
+
+
+class EndpointsFileWatcher:
+    """Polls the file's mtime and size; a changed, valid file replaces the pool, an invalid one is logged and
+    ignored (the last good set keeps serving)."""
+
+    def __init__(self, path: Path, pool: EndpointPool, interval: float = 1.0) -> None:
+        self.path = path
+        self.pool = pool
+        self.interval = interval
+        self._signature: tuple[float, int] | None = None
+
+    def load_now(self) -> bool:
+        """Reload if the file changed; True when the pool was replaced."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            log.warning("endpoints file %s is missing; keeping %d endpoints", self.path, len(self.pool))
+            return False
+        signature = (stat.st_mtime, stat.st_size)
+        if signature == self._signature:
+            return False
+        self._signature = signature
+        try:
+            endpoints = load_endpoints_file(self.path)
+        except (ValueError, yaml.YAMLError, json.JSONDecodeError) as exc:
+            log.error("endpoints file %s is invalid, keeping the previous set: %s", self.path, exc)
+            return False
+        added, removed = self.pool.set_endpoints(endpoints)
+        log.info("endpoints file reloaded: %d endpoints (+%d, -%d)", len(self.pool), len(added), len(removed))
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.load_now()

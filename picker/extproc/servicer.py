@@ -1,0 +1,217 @@
+"""The ext_proc state machine: one gRPC stream per HTTP request, in either supported body mode.
+
+BUFFERED (recommended): headers are answered at once, the routing mutation rides on the body response.
+FULL_DUPLEX_STREAMED (GIE's mode): headers are held until the body ends, then one HeadersResponse with the
+mutation is sent and the body is echoed back in chunks. The servicer knows nothing of policy: it builds an
+InferenceRequest and hands it to the Director.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from picker.director import Decision, Director
+from picker.extproc import protocol as p
+from picker.requests import RequestError, api_kind_for_path, build_request
+
+log = logging.getLogger(__name__)
+
+_BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+
+
+class ProtocolViolation(Exception):
+    """Envoy (or a client pretending to be Envoy) sent messages in an order the protocol does not allow."""
+
+
+def _headers_of(message: pb.HttpHeaders) -> dict[str, str]:
+    # Envoy puts values in raw_value (bytes); `value` is only used by very old Envoys.
+    return {
+        h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value) for h in message.headers.headers
+    }
+
+
+def _subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
+    if not request.HasField("metadata_context"):
+        return None
+    namespaces = request.metadata_context.filter_metadata
+    if p.SUBSET_NAMESPACE not in namespaces:
+        return None
+    value = namespaces[p.SUBSET_NAMESPACE].fields.get(p.SUBSET_KEY)
+    if value is None:
+        return None
+    if value.HasField("list_value"):
+        return tuple(v.string_value for v in value.list_value.values if v.string_value)
+    if value.string_value:
+        return tuple(s.strip() for s in value.string_value.split(",") if s.strip())
+    return ()
+
+
+class _Stream:
+    """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
+
+    __slots__ = ("director", "max_body", "request_mode", "response_mode", "headers", "subset", "body",
+                 "body_len", "decision", "phase", "request_id", "generated_id")
+
+    def __init__(self, director: Director, max_body: int) -> None:
+        self.director = director
+        self.max_body = max_body
+        self.request_mode = p.BUFFERED
+        self.response_mode = p.NONE
+        self.headers: dict[str, str] | None = None
+        self.subset: tuple[str, ...] | None = None
+        self.body: list[bytes] = []
+        self.body_len = 0
+        self.decision: Decision | None = None
+        self.phase = "start"  # start → body → routed
+        self.request_id = ""
+        self.generated_id = False
+
+    async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if message.HasField("protocol_config"):
+            self.request_mode = message.protocol_config.request_body_mode
+            self.response_mode = message.protocol_config.response_body_mode
+        subset = _subset_hint(message)
+        if subset is not None:
+            self.subset = subset
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            return await self._on_request_headers(message.request_headers)
+        if kind == "request_body":
+            return await self._on_request_body(message.request_body)
+        if kind == "request_trailers":
+            return await self._on_request_trailers()
+        if kind == "response_headers":
+            if message.response_headers.end_of_stream:
+                self.release()
+            return [p.EMPTY_RESPONSE_HEADERS]
+        if kind == "response_body":
+            chunk = message.response_body
+            if chunk.end_of_stream:
+                self.release()
+            if self.response_mode == p.FULL_DUPLEX_STREAMED:
+                return [p.passthrough_response_chunk(chunk.body, chunk.end_of_stream)]
+            return [p.EMPTY_RESPONSE_BODY]
+        if kind == "response_trailers":
+            self.release()
+            return [p.EMPTY_RESPONSE_TRAILERS]
+        raise ProtocolViolation(f"processing request carries no known message ({kind or 'empty'})")
+
+    # Request side -------------------------------------------------------------------------------------
+
+    async def _on_request_headers(self, message: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        if self.phase != "start":
+            raise ProtocolViolation("request headers arrived twice")
+        headers = self.headers = _headers_of(message)
+        self.request_id = headers.get(p.REQUEST_ID_HEADER, "")
+        if not self.request_id:
+            self.request_id = uuid.uuid4().hex
+            self.generated_id = True
+        path = headers.get(":path", "")
+        api = api_kind_for_path(path)
+        if message.end_of_stream:
+            if api is not None and headers.get(":method", "POST").upper() not in _BODYLESS_METHODS:
+                return [self._reject(RequestError(400, "empty_body", f"a {api.value} request needs a JSON body"))]
+            # Header-only request (GET /v1/models, /health, ...): any ready endpoint will do.
+            return [await self._route(b"", by_headers=True)]
+        if api is None:
+            return [self._reject(RequestError(404, "unknown_path",
+                                              f"path {path.split('?', 1)[0]!r} is not an inference API this picker "
+                                              "routes (/v1/chat/completions, /v1/completions, /v1/responses, "
+                                              "/v1/embeddings, /v1/conversations)"))]
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            return [self._reject(self._too_large(int(length)))]
+        self.phase = "body"
+        if self.request_mode == p.FULL_DUPLEX_STREAMED:
+            return []  # hold the headers until the body is complete
+        return [p.EMPTY_REQUEST_HEADERS]
+
+    async def _on_request_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.phase != "body":
+            raise ProtocolViolation(f"request body arrived in phase {self.phase!r}")
+        if message.body:
+            self.body.append(message.body)
+            self.body_len += len(message.body)
+            if self.body_len > self.max_body:
+                return [self._reject(self._too_large(self.body_len))]
+        if not message.end_of_stream:
+            if self.request_mode == p.FULL_DUPLEX_STREAMED:
+                return []
+            return [p.EMPTY_REQUEST_BODY]
+        return await self._finish_body()
+
+    async def _on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        # Trailers end the body in streamed modes; answer them (GIE forgets, which stalls Envoy).
+        responses = await self._finish_body() if self.phase == "body" else []
+        if self.phase == "done":  # refused: the immediate response ends the stream
+            return responses
+        return [*responses, p.EMPTY_REQUEST_TRAILERS]
+
+    async def _finish_body(self) -> list[pb.ProcessingResponse]:
+        body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
+        self.body = []
+        if self.request_mode == p.FULL_DUPLEX_STREAMED:
+            routed = await self._route(body, by_headers=True)
+            if routed.HasField("immediate_response"):
+                return [routed]
+            return [routed, *p.streamed_body(body)]
+        return [await self._route(body, by_headers=False)]
+
+    async def _route(self, body: bytes, *, by_headers: bool) -> pb.ProcessingResponse:
+        assert self.headers is not None
+        try:
+            request = build_request(self.headers, body, request_id=self.request_id, subset=self.subset)
+            self.decision = await self.director.route(request)
+        except RequestError as err:
+            return self._reject(err)
+        self.phase = "routed"
+        extra = {p.REQUEST_ID_HEADER: self.request_id} if self.generated_id else None
+        destination = self.decision.destination
+        return p.route_by_headers(destination, extra) if by_headers else p.route_by_body(destination, extra)
+
+    def _too_large(self, size: int) -> RequestError:
+        return RequestError(413, "body_too_large", f"request body of {size} bytes exceeds the limit of "
+                            f"{self.max_body} bytes (--max-body-bytes)")
+
+    def _reject(self, err: RequestError) -> pb.ProcessingResponse:
+        self.phase = "done"
+        log.info("request %s refused: %d %s: %s", self.request_id, err.status, err.code, err.message)
+        return p.immediate(err.status, err.code, err.message, err.headers)
+
+    def release(self) -> None:
+        if self.decision is not None:
+            self.director.release(self.decision)
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    """`envoy.service.ext_proc.v3.ExternalProcessor/Process`: one bidirectional stream per HTTP request."""
+
+    def __init__(self, director: Director, max_body_bytes: int) -> None:
+        self.director = director
+        self.max_body_bytes = max_body_bytes
+
+    async def Process(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = _Stream(self.director, self.max_body_bytes)
+        try:
+            async for message in request_iterator:
+                for response in await stream.handle(message):
+                    yield response
+                if stream.phase == "done":
+                    return
+        except ProtocolViolation as exc:
+            log.warning("ext_proc protocol violation: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception:
+            # Never let one bad stream take the server down; Envoy applies its failure mode.
+            log.exception("ext_proc stream failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "picker internal error")
+        finally:
+            stream.release()

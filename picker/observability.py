@@ -1,0 +1,84 @@
+"""Prometheus metrics (GIE-compatible names, DESIGN.md §3) and OpenTelemetry tracing for decisions.
+
+One `PickerMetrics` per server, on its own registry, so several pickers can live in one process (tests,
+benchmarks) without clashing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from picker.endpoints.state import Endpoint
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30,
+                    45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)
+_SCHEDULER_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072)
+
+
+class PickerMetrics:
+    """The picker's own series. Label sets follow GIE so existing dashboards keep working."""
+
+    def __init__(self, pool_name: str = "default", registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.pool_name = pool_name
+        r = self.registry
+        labels = ["model_name", "target_model_name", "priority"]
+        self.requests = Counter("inference_objective_request", "Requests routed or refused, by model and priority.",
+                                labels, registry=r)
+        self.errors = Counter("inference_objective_request_error", "Requests refused by the picker, by error code.",
+                              [*labels, "error_code"], registry=r)
+        self.duration = Histogram("inference_objective_request_duration_seconds",
+                                  "Request duration from headers to end of response, seen by the picker.",
+                                  labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.input_tokens = Histogram("inference_objective_input_tokens", "Prompt tokens reported in usage.",
+                                      ["model_name", "target_model_name"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.output_tokens = Histogram("inference_objective_output_tokens", "Completion tokens reported in usage.",
+                                       ["model_name", "target_model_name"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.scheduler_duration = Histogram("inference_extension_scheduler_e2e_duration_seconds",
+                                            "Time to schedule one request (filters, scorers, pick).",
+                                            buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.avg_kv = Gauge("inference_pool_average_kv_cache_utilization", "Mean KV-cache utilisation of ready pods.",
+                            ["name"], registry=r)
+        self.avg_queue = Gauge("inference_pool_average_queue_size", "Mean waiting requests of ready pods.",
+                               ["name"], registry=r)
+        self.pod_queue = Gauge("inference_pool_per_pod_queue_size", "Waiting requests per pod.",
+                               ["name", "model_server_pod"], registry=r)
+        self.ready_pods = Gauge("inference_pool_ready_pods", "Pods the picker may route to.", ["name"], registry=r)
+        self.in_flight = Gauge("picker_endpoint_in_flight_requests", "Requests the picker routed that have not finished.",
+                               ["name", "model_server_pod"], registry=r)
+        self.index_size = Gauge("inference_extension_prefix_indexer_size", "Entries in the prefix index.",
+                                registry=r)
+        self.index_hit_ratio = Histogram("inference_extension_prefix_indexer_hit_ratio",
+                                         "Share of a request's prefix blocks the chosen pod already holds (index view).",
+                                         buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
+        self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
+                                           "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
+                                           "a signal for autoscaling.", ["name"], registry=r)
+
+    def observe_pool(self, endpoints: Iterable[Endpoint]) -> None:
+        """Refresh pool gauges from the latest endpoint state (called after each scrape round)."""
+        ready = [e for e in endpoints if e.healthy]
+        name = self.pool_name
+        self.ready_pods.labels(name).set(len(ready))
+        if ready:
+            self.avg_kv.labels(name).set(sum(e.metrics.kv_usage for e in ready) / len(ready))
+            self.avg_queue.labels(name).set(sum(e.metrics.waiting for e in ready) / len(ready))
+        queries = sum(e.metrics.prefix_queries for e in ready)
+        hits = sum(e.metrics.prefix_hits for e in ready)
+        self.pool_prefix_hit_ratio.labels(name).set(hits / queries if queries else 0.0)
+        for e in ready:
+            self.pod_queue.labels(name, e.name).set(e.metrics.waiting)
+            self.in_flight.labels(name, e.name).set(e.in_flight)
+
+    def forget_pod(self, endpoint: Endpoint) -> None:
+        for gauge in (self.pod_queue, self.in_flight):
+            try:
+                gauge.remove(self.pool_name, endpoint.name)
+            except KeyError:
+                pass

@@ -1,0 +1,130 @@
+"""`picker serve`: ext_proc + picker.v1 API on --grpc-port, gRPC health on --grpc-health-port, Prometheus on
+--metrics-port, endpoint discovery and metrics scraping in the background."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as extproc_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from picker import config as cfg
+from picker.api.service import PickerService, picker_pb2_grpc
+from picker.director import Director
+from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
+from picker.endpoints.pool import EndpointPool
+from picker.extproc.servicer import ExtProcServicer
+from picker.observability import PickerMetrics
+from picker.policy import build_admission, build_scheduler, start_scraper
+
+log = logging.getLogger("picker")
+
+EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_SERVICES = ("", "liveness", "readiness", EXTPROC_SERVICE)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cfg.add_arguments(parser)
+
+
+@dataclass
+class PickerServer:
+    """Everything `picker serve` runs, startable in-process (tests, demo) and stoppable cleanly."""
+
+    config: cfg.ServeConfig
+    pool: EndpointPool = field(default_factory=EndpointPool)
+    grpc_port: int = 0
+    health_port: int = 0
+    metrics_port: int = 0
+
+    async def start(self) -> None:
+        c = self.config
+        self.metrics = PickerMetrics(c.pool_name)
+        if c.endpoints:
+            self.pool.set_endpoints(parse_endpoint_list(c.endpoints))
+        self._tasks: list[asyncio.Task[None]] = []
+        if c.endpoints_file:
+            watcher = EndpointsFileWatcher(Path(c.endpoints_file), self.pool)
+            watcher.load_now()
+            self._tasks.append(asyncio.create_task(watcher.run()))
+        self.scheduler = build_scheduler(c)
+        self.director = Director(self.pool, self.scheduler, admission=build_admission(c), metrics=self.metrics,
+                                 fallbacks=c.fallback_endpoints)
+        scraper_task = start_scraper(c, self.pool, self.metrics)
+        if scraper_task is not None:
+            self._tasks.append(scraper_task)
+
+        limit = c.max_body_bytes + 2**20  # headroom for the protobuf envelope
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                   ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=options)
+        extproc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.director, c.max_body_bytes),
+                                                             self.server)
+        picker_pb2_grpc.add_PickerServicer_to_server(PickerService(self.director), self.server)
+        self.grpc_port = self.server.add_insecure_port(f"{c.host}:{c.grpc_port}")
+
+        self.health = health.aio.HealthServicer()
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        self.health_port = self.health_server.add_insecure_port(f"{c.host}:{c.grpc_health_port}")
+        if c.metrics_port >= 0:
+            http_server, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
+            self._http_server = http_server
+            self.metrics_port = http_server.server_port
+        await self.server.start()
+        await self.health_server.start()
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("picker serving ext_proc on %s:%d, health on %d, metrics on %d, %d endpoints",
+                 c.host, self.grpc_port, self.health_port, self.metrics_port, len(self.pool))
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Report NOT_SERVING first so Envoy's health check moves away, then drain streams."""
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.server.stop(grace)
+        await self.health_server.stop(0)
+        if getattr(self, "_http_server", None) is not None:
+            self._http_server.shutdown()
+
+
+async def serve(config: cfg.ServeConfig) -> None:
+    server = PickerServer(config)
+    await server.start()
+    print(f"picker: ext_proc on {config.host}:{server.grpc_port}, health on :{server.health_port}, "
+          f"metrics on :{server.metrics_port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = cfg.resolve(args)
+    except (ValueError, OSError) as exc:
+        print(f"picker serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except ValueError as exc:
+        print(f"picker serve: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,46 @@
+"""Shared fixtures: a real stack of backends, picker and Envoy (both body modes) on free loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from tests.support.processes import Backends, Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
+
+
+@dataclass
+class Stack:
+    backends: Backends
+    rogue: Backends
+    picker: Picker
+    envoys: dict[str, Envoy]
+
+    def check_alive(self) -> None:
+        for managed in (self.picker.process, *(e.process for e in self.envoys.values())):
+            assert managed.alive(), f"{managed.name} died:\n{managed.log()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    with process_scope("stack") as (logdir, started):
+        backends = start_backends(3, logdir)
+        started.append(backends.process)
+        rogue = start_backends(1, logdir, name="rogue")
+        started.append(rogue.process)
+        endpoints_file = logdir / "endpoints.yaml"
+        endpoints_file.write_text("".join(f"- {a}\n" for a in backends.addresses))
+        picker = start_picker(logdir, endpoints_file=endpoints_file, extra=["--max-body-bytes", "10Mi"])
+        started.append(picker.process)
+        envoys = {}
+        for mode in ("buffered", "full-duplex"):
+            envoys[mode] = start_envoy(logdir, picker, backends.addresses, mode=mode, name=f"envoy-{mode}")
+            started.append(envoys[mode].process)
+        yield Stack(backends, rogue, picker, envoys)
+
+
+@pytest.fixture(params=["buffered", "full-duplex"])
+def envoy(request: pytest.FixtureRequest, stack: Stack) -> Envoy:
+    """Each routing test runs through both ext_proc body modes."""
+    return stack.envoys[request.param]

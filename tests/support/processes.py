@@ -1,0 +1,179 @@
+"""Start and stop the real processes tests use (picker, Envoy, backends) on free loopback ports.
+
+Every process is a child of the test run and is ended by PID in `stop()`, which fixtures call in `finally`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from picker.envoyconfig import EnvoySettings, envoy_binary, render
+
+REPO = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((HOST, port)) == 0
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None
+               ) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not ready after {timeout}s")
+
+
+@dataclass
+class Managed:
+    """One child process with its log file; `stop()` ends it (SIGTERM, then SIGKILL) by PID."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def spawn(name: str, args: list[str], logdir: Path, env: dict[str, str] | None = None) -> Managed:
+    log_path = logdir / f"{name}.log"
+    handle = open(log_path, "wb")  # noqa: SIM115 - kept open for the child's lifetime
+    proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, **(env or {})}, start_new_session=False)
+    handle.close()
+    return Managed(name, proc, log_path)
+
+
+@dataclass
+class Backends:
+    addresses: list[str]
+    process: Managed
+
+
+def start_backends(count: int, logdir: Path, name: str = "backends") -> Backends:
+    addresses = [f"{HOST}:{free_port()}" for _ in range(count)]
+    process = spawn(name, [sys.executable, "-m", "tests.support.backend", *addresses], logdir)
+    for address in addresses:
+        wait_until(lambda a=address: port_open(int(a.rsplit(":", 1)[1])), 20, f"backend {address}", process.proc)
+    return Backends(addresses, process)
+
+
+@dataclass
+class Picker:
+    grpc_port: int
+    health_port: int
+    metrics_port: int
+    process: Managed
+    endpoints_file: Path | None = None
+
+
+def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_file: Path | None = None,
+                 extra: list[str] | None = None, name: str = "picker", grpc_port: int | None = None,
+                 health_port: int | None = None) -> Picker:
+    grpc_port = grpc_port or free_port()
+    health_port = health_port or free_port()
+    metrics_port = free_port()
+    args = [sys.executable, "-m", "picker", "serve", "--host", HOST, "--grpc-port", str(grpc_port),
+            "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--seed", "7"]
+    if endpoints is not None:
+        args += ["--endpoints", ",".join(endpoints)]
+    if endpoints_file is not None:
+        args += ["--endpoints-file", str(endpoints_file)]
+    args += extra or []
+    process = spawn(name, args, logdir)
+    wait_until(lambda: port_open(health_port) and port_open(grpc_port), 30, "picker", process.proc)
+    return Picker(grpc_port, health_port, metrics_port, process, endpoints_file)
+
+
+@dataclass
+class Envoy:
+    port: int
+    admin_port: int
+    process: Managed
+    config_path: Path
+    settings: EnvoySettings = field(default_factory=EnvoySettings)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def picker_healthy(self) -> bool:
+        with urllib.request.urlopen(f"http://{HOST}:{self.admin_port}/clusters", timeout=1) as response:
+            text = response.read().decode()
+        return any(line.startswith("picker::") and "health_flags::healthy" in line for line in text.splitlines())
+
+
+_base_id = iter(range(1000 + os.getpid() % 1000 * 100, 10**7))
+
+
+def start_envoy(logdir: Path, picker: Picker, pool: list[str], *, mode: str = "buffered", fail_open: bool = True,
+                name: str = "envoy", wait_for_picker: bool = True) -> Envoy:
+    settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=picker.grpc_port,
+                             picker_health_port=picker.health_port, pool=tuple(pool), mode=mode,
+                             failure_mode_allow=fail_open)
+    config_path = logdir / f"{name}.yaml"
+    config_path.write_text(render(settings))
+    process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),
+                           "-l", "warning", "--concurrency", "1"], logdir)
+    envoy = Envoy(settings.listen_port, settings.admin_port, process, config_path, settings)
+    wait_until(lambda: port_open(settings.listen_port), 30, "envoy", process.proc)
+    if wait_for_picker:
+        wait_until(envoy.picker_healthy, 30, "envoy sees the picker healthy", process.proc)
+    return envoy
+
+
+@contextlib.contextmanager
+def process_scope(prefix: str) -> Iterator[tuple[Path, list[Managed]]]:
+    """A log directory and a list of processes that are all stopped on exit, even on failure."""
+    logdir = Path(tempfile.mkdtemp(prefix=f"picker-{prefix}-"))
+    started: list[Managed] = []
+    try:
+        yield logdir, started
+    finally:
+        for managed in reversed(started):
+            managed.stop()

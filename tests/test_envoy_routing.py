@@ -1,0 +1,106 @@
+"""Requests through a real Envoy land where the picker said, in both body modes, for every body size."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+
+import aiohttp
+import pytest
+
+from tests.conftest import Stack
+from tests.support.processes import Envoy
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat_body(text: str = "hello", **extra: object) -> dict[str, object]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": text}], **extra}
+
+
+async def post(envoy: Envoy, path: str, payload: object, headers: dict[str, str] | None = None
+               ) -> tuple[int, dict[str, object]]:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    async with aiohttp.ClientSession() as session, session.post(envoy.url + path, data=data,
+                                                                  headers=headers or {}) as response:
+        return response.status, json.loads(await response.read())
+
+
+@pytest.mark.parametrize("path,payload", [
+    (CHAT, chat_body()),
+    (COMPLETIONS, {"model": "tiny", "prompt": "Once upon a time"}),
+])
+async def test_request_lands_on_the_picked_endpoint(envoy: Envoy, stack: Stack, path: str,
+                                                    payload: dict[str, object]) -> None:
+    served = set()
+    for _ in range(9):
+        status, body = await post(envoy, path, payload)
+        assert status == 200, body
+        assert body["served_by"] in stack.backends.addresses
+        # The pod that answered is exactly the one named in the picker's header.
+        assert body["destination_header"] == body["served_by"]
+        assert body["request_id"]
+        served.add(body["served_by"])
+    assert len(served) >= 2, "least-in-flight with random tie-break should spread idle traffic"
+
+
+async def test_sse_events_arrive_unbuffered(envoy: Envoy, stack: Stack) -> None:
+    payload = chat_body(stream=True, test_events=3, test_event_delay=0.4)
+    start = time.monotonic()
+    arrivals = []
+    async with aiohttp.ClientSession() as session, session.post(envoy.url + CHAT, json=payload) as response:
+        assert response.status == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                assert event["served_by"] == event["destination_header"]
+                arrivals.append(time.monotonic() - start)
+    assert len(arrivals) == 3
+    # The first event must not wait for the whole stream (0.8 s of later events).
+    assert arrivals[0] < 0.6 and arrivals[-1] - arrivals[0] > 0.6, arrivals
+
+
+@pytest.mark.parametrize("size", [1024, 256 * 1024, 8 * 2**20])
+async def test_bodies_arrive_intact(envoy: Envoy, size: int) -> None:
+    filler = "x" * (size - len(json.dumps(chat_body(""))))
+    raw = json.dumps(chat_body(filler)).encode()
+    assert abs(len(raw) - size) < 64
+    status, body = await post(envoy, CHAT, raw)
+    assert status == 200, body
+    assert body["body_bytes"] == len(raw)
+    assert body["body_sha256"] == hashlib.sha256(raw).hexdigest()
+
+
+async def test_trickled_body(envoy: Envoy) -> None:
+    raw = json.dumps(chat_body("slow " * 4000)).encode()
+
+    async def trickle():  # type: ignore[no-untyped-def]
+        for i in range(0, len(raw), 2048):
+            yield raw[i:i + 2048]
+            await asyncio.sleep(0.01)
+
+    async with aiohttp.ClientSession() as session, session.post(envoy.url + CHAT, data=trickle()) as response:
+        body = json.loads(await response.read())
+        assert response.status == 200, body
+    assert body["body_sha256"] == hashlib.sha256(raw).hexdigest()
+
+
+async def test_header_only_request_goes_to_a_pool_endpoint(envoy: Envoy, stack: Stack) -> None:
+    async with aiohttp.ClientSession() as session, session.get(envoy.url + "/v1/models") as response:
+        assert response.status == 200
+        body = await response.json()
+    assert body["served_by"] in stack.backends.addresses
+
+
+async def test_client_cannot_choose_its_endpoint(envoy: Envoy, stack: Stack) -> None:
+    rogue = stack.rogue.addresses[0]
+    for _ in range(4):
+        status, body = await post(envoy, CHAT, chat_body(), {"x-gateway-destination-endpoint": rogue})
+        assert status == 200
+        assert body["served_by"] in stack.backends.addresses
+    async with aiohttp.ClientSession() as session, session.get(f"http://{rogue}/test/count") as response:
+        assert (await response.json())["requests"] == 0
