@@ -1,0 +1,75 @@
+"""The error contract through a real Envoy: every refusal is a status plus a JSON reason, the picker stays up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from tests.conftest import Stack
+from tests.support.processes import Envoy
+
+CHAT = "/v1/chat/completions"
+
+
+async def send(envoy: Envoy, path: str, data: bytes, method: str = "POST") -> tuple[int, dict[str, object], str]:
+    async with aiohttp.ClientSession() as session, session.request(method, envoy.url + path, data=data) as response:
+        text = await response.text()
+        assert response.headers.get("content-type", "").startswith("application/json"), text
+        return response.status, json.loads(text), response.headers.get("retry-after", "")
+
+
+@pytest.mark.parametrize("path,data,status,code", [
+    (CHAT, b"{not json", 400, "invalid_json"),
+    (CHAT, b"[1, 2]", 400, "invalid_json"),
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), 400, "missing_model"),
+    (CHAT, json.dumps({"model": "tiny"}).encode(), 400, "missing_messages"),
+    ("/v1/completions", json.dumps({"model": "tiny"}).encode(), 400, "missing_prompt"),
+    (CHAT, b'{"model": "tiny", "messages": "\xff\xfe"}', 400, "invalid_utf8"),
+    (CHAT, b"", 400, "empty_body"),
+    ("/v1/unknown/thing", b'{"model": "tiny"}', 404, "unknown_path"),
+])
+async def test_bad_requests_get_json_errors(envoy: Envoy, stack: Stack, path: str, data: bytes, status: int,
+                                            code: str) -> None:
+    got, body, _ = await send(envoy, path, data)
+    assert got == status, body
+    error = body["error"]
+    assert isinstance(error, dict) and error["code"] == code and error["message"]
+    stack.check_alive()
+
+
+async def test_body_over_the_limit_is_413(envoy: Envoy, stack: Stack) -> None:
+    # The stack's picker runs with --max-body-bytes 10Mi (Envoy buffers up to 16 MiB).
+    raw = json.dumps({"model": "tiny", "prompt": "y" * (11 * 2**20)}).encode()
+    got, body, _ = await send(envoy, "/v1/completions", raw)
+    assert got == 413
+    assert body["error"]["code"] == "body_too_large"  # type: ignore[index]
+    stack.check_alive()
+
+
+async def test_no_endpoints_is_503_and_pool_file_reloads(envoy: Envoy, stack: Stack) -> None:
+    path = stack.picker.endpoints_file
+    assert path is not None
+    original = path.read_text()
+    try:
+        path.write_text("[]\n")
+        for _ in range(60):
+            got, body, _ = await send(envoy, CHAT, json.dumps({"model": "tiny", "messages": [
+                {"role": "user", "content": "hi"}]}).encode())
+            if got == 503:
+                break
+            await asyncio.sleep(0.1)
+        assert got == 503 and body["error"]["code"] == "no_endpoints"  # type: ignore[index]
+        async with aiohttp.ClientSession() as session, session.get(envoy.url + "/v1/models") as response:
+            assert response.status == 503
+    finally:
+        path.write_text(original + "# restored\n")
+    for _ in range(60):
+        async with aiohttp.ClientSession() as session, session.get(envoy.url + "/v1/models") as response:
+            if response.status == 200:
+                break
+        await asyncio.sleep(0.1)
+    assert response.status == 200
+    stack.check_alive()

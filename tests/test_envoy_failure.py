@@ -1,0 +1,97 @@
+"""Picker outages through a real Envoy: fail-open keeps serving from the pool, fail-closed answers 5xx fast,
+and a spoofed destination header never reaches a server outside the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+from tests.support.processes import Backends, Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
+
+CHAT = "/v1/chat/completions"
+PAYLOAD = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}).encode()
+
+
+@dataclass
+class OutageStack:
+    backends: Backends
+    rogue: Backends
+    picker: Picker
+    open_buffered: Envoy
+    open_full_duplex: Envoy
+    closed: Envoy
+
+
+@pytest.fixture(scope="module")
+def outage() -> Iterator[OutageStack]:
+    with process_scope("outage") as (logdir, started):
+        backends = start_backends(2, logdir)
+        rogue = start_backends(1, logdir, name="rogue")
+        started += [backends.process, rogue.process]
+        picker = start_picker(logdir, endpoints=backends.addresses)
+        started.append(picker.process)
+        envoys = [
+            start_envoy(logdir, picker, backends.addresses, mode="buffered", fail_open=True, name="open-buffered"),
+            start_envoy(logdir, picker, backends.addresses, mode="full-duplex", fail_open=True, name="open-fd"),
+            start_envoy(logdir, picker, backends.addresses, mode="buffered", fail_open=False, name="closed"),
+        ]
+        started += [e.process for e in envoys]
+        yield OutageStack(backends, rogue, picker, *envoys)
+
+
+async def load(envoy: Envoy, stop: asyncio.Event, results: list[tuple[float, int, str]],
+               headers: dict[str, str] | None = None) -> None:
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while not stop.is_set():
+            try:
+                async with session.post(envoy.url + CHAT, data=PAYLOAD, headers=headers or {}) as response:
+                    text = await response.text()
+                    served = json.loads(text).get("served_by", "") if response.status == 200 else text
+                    results.append((time.monotonic(), response.status, served))
+            except aiohttp.ClientError as exc:
+                results.append((time.monotonic(), -1, repr(exc)))
+
+
+async def test_picker_killed_under_load(outage: OutageStack) -> None:
+    stop = asyncio.Event()
+    results: dict[str, list[tuple[float, int, str]]] = {"open-buffered": [], "open-fd": [], "closed": []}
+    envoys = {"open-buffered": outage.open_buffered, "open-fd": outage.open_full_duplex, "closed": outage.closed}
+    tasks = [asyncio.create_task(load(envoys[name], stop, results[name])) for name in envoys for _ in range(3)]
+    await asyncio.sleep(1.0)
+    killed_at = time.monotonic()
+    outage.picker.process.kill()
+    await asyncio.sleep(2.5)
+    stop.set()
+    await asyncio.gather(*tasks)
+
+    after = [r for r in results["open-buffered"] if r[0] > killed_at]
+    assert len(after) > 10, "open-buffered: too few requests after the kill"
+    bad = [r for r in results["open-buffered"] if r[1] != 200 or r[2] not in outage.backends.addresses]
+    assert not bad, f"fail-open let requests fail: {bad[:3]}"
+    # Envoy 1.40 does not fail open in FULL_DUPLEX_STREAMED mode (GIE issue #1266): it answers 500, promptly.
+    # This is why our recommended config is BUFFERED; the assertion flags it if a later Envoy fixes this.
+    fd_after = [r for r in results["open-fd"] if r[0] > killed_at + 0.2]
+    assert fd_after and all(status == 500 for _, status, _ in fd_after), fd_after[:3]
+    closed_after = [r for r in results["closed"] if r[0] > killed_at + 0.2]
+    assert closed_after, "fail-closed: requests hung after the kill"
+    assert all(500 <= status < 600 for _, status, _ in closed_after), closed_after[:3]
+    assert any(status == 200 for at, status, _ in results["closed"] if at < killed_at)
+
+    # Picker still down: a spoofed header must not reach the rogue server, fail-open or not.
+    rogue = outage.rogue.addresses[0]
+    spoof: list[tuple[float, int, str]] = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(load(outage.open_buffered, stop, spoof, {"x-gateway-destination-endpoint": rogue}))
+    await asyncio.sleep(0.5)
+    stop.set()
+    await task
+    assert spoof and all(status == 200 and served in outage.backends.addresses for _, status, served in spoof)
+    async with aiohttp.ClientSession() as session, session.get(f"http://{rogue}/test/count") as response:
+        assert (await response.json())["requests"] == 0
