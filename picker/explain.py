@@ -1,0 +1,85 @@
+"""`picker explain`: ask a running picker where a request would go and why (scores per scorer), or list
+the pool it sees. Nothing is routed and no state changes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import grpc
+
+from picker.api import load
+
+picker_pb2, picker_pb2_grpc = load()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--target", default="127.0.0.1:9002", help="picker gRPC address (default 127.0.0.1:9002)")
+    a("--path", default="/v1/chat/completions", help="request path the body is for")
+    a("--body", help="request body as JSON text; '@file' reads a file, '-' reads stdin")
+    a("--header", action="append", default=[], metavar="NAME=VALUE", help="extra request header (repeatable)")
+    a("--endpoints", action="store_true", help="list the pool instead of explaining a request")
+    a("--json", action="store_true", help="machine-readable output")
+
+
+def _read_body(spec: str) -> bytes:
+    if spec == "-":
+        return sys.stdin.buffer.read()
+    if spec.startswith("@"):
+        return Path(spec[1:]).read_bytes()
+    return spec.encode()
+
+
+def format_explain(response: picker_pb2.ExplainResponse) -> str:
+    if response.error_status:
+        return f"refused: {response.error_status} {response.error_code}: {response.error_message}"
+    lines = [f"pick: {response.ranked[0] if response.ranked else '-'}   profile: {response.profile}   "
+             f"priority: {response.priority}   prefix blocks matched: "
+             f"{response.prefix_matched_blocks}/{response.prefix_blocks}"]
+    names = sorted({name for c in response.candidates for name in c.scores})
+    lines.append("  ".join([f"{'endpoint':<22}", *(f"{n:>10}" for n in names), f"{'total':>8}", "note"]))
+    for c in sorted(response.candidates, key=lambda c: -c.total):
+        cells = [f"{c.address:<22}", *(f"{c.scores.get(n, float('nan')):>10.3f}" for n in names),
+                 f"{c.total:>8.3f}", f"filtered by {c.filtered_by}" if c.filtered_by else ""]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+async def _call(args: argparse.Namespace) -> str:
+    async with grpc.aio.insecure_channel(args.target) as channel:
+        stub = picker_pb2_grpc.PickerStub(channel)
+        if args.endpoints:
+            listing = await stub.ListEndpoints(picker_pb2.ListEndpointsRequest(), timeout=5)
+            if args.json:
+                return json.dumps([{"address": e.address, "healthy": e.healthy, "waiting": e.waiting,
+                                    "running": e.running, "kv_cache_usage": e.kv_cache_usage,
+                                    "in_flight": e.in_flight} for e in listing.endpoints], indent=2)
+            return "\n".join(f"{e.address:<22} {'ready' if e.healthy else 'DOWN ':<6} waiting={e.waiting:g} "
+                             f"running={e.running:g} kv={e.kv_cache_usage:.2f} in_flight={e.in_flight}"
+                             for e in listing.endpoints) or "(no endpoints)"
+        headers = dict(h.split("=", 1) for h in args.header)
+        request = picker_pb2.ExplainRequest(path=args.path, body=_read_body(args.body or "-"), headers=headers)
+        response = await stub.Explain(request, timeout=5)
+        if args.json:
+            return json.dumps({"ranked": list(response.ranked), "profile": response.profile,
+                               "error": response.error_code or None,
+                               "candidates": [{"address": c.address, "scores": dict(c.scores), "total": c.total,
+                                               "filtered_by": c.filtered_by or None}
+                                              for c in response.candidates]}, indent=2)
+        return format_explain(response)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.endpoints and args.body is None:
+        print("picker explain: --body is required (or --endpoints)", file=sys.stderr)
+        return 2
+    try:
+        print(asyncio.run(_call(args)))
+    except grpc.aio.AioRpcError as err:
+        print(f"picker explain: {args.target}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    return 0

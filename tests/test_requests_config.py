@@ -1,0 +1,94 @@
+"""Request parsing, option parsing and endpoint sources: the pure pieces under the ext_proc servicer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from picker import config as cfg
+from picker.endpoints.discovery import EndpointsFileWatcher, load_endpoints_file, parse_endpoint_list
+from picker.endpoints.pool import EndpointPool
+from picker.requests import ApiKind, RequestError, api_kind_for_path, build_request, render_messages
+
+
+@pytest.mark.parametrize("path,kind", [
+    ("/v1/chat/completions", ApiKind.CHAT), ("/v1/completions?x=1", ApiKind.COMPLETIONS),
+    ("/v1/responses", ApiKind.RESPONSES), ("/v1/embeddings/", ApiKind.EMBEDDINGS),
+    ("/v1/conversations", ApiKind.CONVERSATIONS), ("/v1/models", None), ("/", None),
+])
+def test_api_kind_for_path(path: str, kind: ApiKind | None) -> None:
+    assert api_kind_for_path(path) is kind
+
+
+def test_chat_rendering_is_prefix_stable() -> None:
+    first = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"}]
+    longer = [*first, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    assert render_messages(longer).startswith(render_messages(first))
+    multipart = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert "ab" in render_messages(multipart)
+
+
+def test_build_request_reads_headers_and_body() -> None:
+    body = json.dumps({"model": "m", "prompt": "p" * 40, "max_tokens": 7, "stream": True,
+                       "cache_salt": "s"}).encode()
+    request = build_request({":path": "/v1/completions", "x-gateway-inference-objective": "batch",
+                             "x-session-id": "abc"}, body, request_id="r")
+    assert (request.model, request.max_tokens, request.stream, request.cache_salt) == ("m", 7, True, "s")
+    assert (request.objective, request.session_id, request.prompt_text) == ("batch", "abc", "p" * 40)
+
+
+@pytest.mark.parametrize("body,code", [
+    (b"", "empty_body"), (b"\xff", "invalid_utf8"), (b"{", "invalid_json"), (b"3", "invalid_json"),
+    (b'{"model": 3, "prompt": "x"}', "missing_model"), (b'{"model": "m"}', "missing_prompt"),
+    (b'{"model": "m", "prompt": {"a": 1}}', "invalid_prompt"),
+])
+def test_bad_bodies(body: bytes, code: str) -> None:
+    with pytest.raises(RequestError) as info:
+        build_request({":path": "/v1/completions"}, body, request_id="r")
+    assert info.value.status == 400 and info.value.code == code
+
+
+def test_durations_and_sizes() -> None:
+    assert cfg.parse_duration("50ms") == pytest.approx(0.05)
+    assert cfg.parse_duration("2m") == 120 and cfg.parse_duration(0.5) == 0.5
+    assert cfg.parse_size("16Mi") == 16 * 2**20 and cfg.parse_size("512k") == 512_000
+    with pytest.raises(ValueError):
+        cfg.parse_duration("soon")
+
+
+def test_config_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text("grpc-port: 7000\nrefresh-metrics-interval: 100ms\nmax_body_bytes: 1Mi\n")
+    args = argparse.Namespace(config_file=str(path), grpc_port=7001)
+    config = cfg.resolve(args)
+    assert (config.grpc_port, config.refresh_metrics_interval, config.max_body_bytes) == (7001, 0.1, 2**20)
+    path.write_text("grpc-prot: 1\n")
+    with pytest.raises(ValueError, match="unknown option"):
+        cfg.resolve(args)
+
+
+def test_endpoint_sources(tmp_path: Path) -> None:
+    assert [e.address for e in parse_endpoint_list("10.0.0.1:8000, [::1]:9000")] == ["10.0.0.1:8000", "[::1]:9000"]
+    with pytest.raises(ValueError, match="not an IP"):
+        parse_endpoint_list("pod-a:8000")
+    path = tmp_path / "eps.yaml"
+    path.write_text("endpoints:\n- 10.0.0.1:8000\n- {address: 10.0.0.2:8000, name: pod-b}\n")
+    assert [e.name for e in load_endpoints_file(path)] == ["10.0.0.1:8000", "pod-b"]
+
+
+def test_file_watcher_replaces_pool_and_keeps_last_good(tmp_path: Path) -> None:
+    path = tmp_path / "eps.json"
+    path.write_text(json.dumps(["10.0.0.1:8000", "10.0.0.2:8000"]))
+    pool = EndpointPool()
+    removed: list[str] = []
+    pool.add_removal_listener(lambda e: removed.append(e.address))
+    watcher = EndpointsFileWatcher(path, pool)
+    assert watcher.load_now() and len(pool) == 2
+    kept = pool.get("10.0.0.1:8000")
+    path.write_text(json.dumps(["10.0.0.1:8000"]) + " ")
+    assert watcher.load_now() and removed == ["10.0.0.2:8000"] and pool.get("10.0.0.1:8000") is kept
+    path.write_text("{broken json")
+    assert not watcher.load_now() and len(pool) == 1
