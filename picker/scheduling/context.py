@@ -1,0 +1,40 @@
+"""Per-request facts every plugin reads, computed once: prefix keys, index matches, the adapter asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from picker.endpoints.state import Endpoint
+from picker.requests import InferenceRequest
+
+
+@dataclass(slots=True)
+class SchedulingContext:
+    """What the scheduler learnt about one request before filters and scorers run."""
+
+    request: InferenceRequest
+    now: float
+    model: str  # the name the pod sees (after a rewrite): also the LoRA adapter name when it is one
+    keys: list[int] = field(default_factory=list)
+    block_chars: int = 64
+    matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
+    matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored
+
+    def align(self, candidates: Sequence[Endpoint]) -> None:
+        """Refresh `matched` for this candidate list (after filtering)."""
+        matches = self.matches
+        if not matches:
+            self.matched = [0] * len(candidates)
+        else:
+            get = matches.get
+            self.matched = [get(e.address, 0) for e in candidates]
+
+    @property
+    def total_blocks(self) -> int:
+        return len(self.keys)
+
+
+def effective_model(request: InferenceRequest) -> str:
+    """The model name the pod will see: the rewrite target when there is one."""
+    return request.target_model or request.model

@@ -1,0 +1,87 @@
+"""Scheduling profiles (filters + weighted scorers + picker) and the classifier that picks one per request.
+
+Long prompts gain most from a cache hit, short chatty ones from an idle pod: one weighting cannot serve
+both, so the classifier sends each request to the profile whose weights fit it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from picker.scheduling.context import SchedulingContext
+from picker.scheduling.picker import MaxScorePicker, RandomPicker
+from picker.scheduling.plugins import Filter, Plugin, Scorer
+
+
+@dataclass(slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(slots=True)
+class Profile:
+    name: str
+    filters: list[Filter] = field(default_factory=list)
+    scorers: list[WeightedScorer] = field(default_factory=list)
+    picker: MaxScorePicker | RandomPicker = field(default_factory=MaxScorePicker)
+
+    @property
+    def uses_prefix(self) -> bool:
+        """Whether any plugin reads the prefix match (else hashing and the index lookup are skipped)."""
+        return any(getattr(w.scorer, "needs_prefix", True) for w in self.scorers)
+
+    def plugins(self) -> list[Plugin]:
+        found: list[object] = [*self.filters, *(w.scorer for w in self.scorers), self.picker]
+        return [p for p in found if isinstance(p, Plugin)]
+
+
+class Classifier(Protocol):
+    def classify(self, ctx: SchedulingContext) -> str:
+        """Name of the profile for this request."""
+        ...
+
+
+class SingleProfile:
+    """Always the same profile (GIE's single-profile-handler)."""
+
+    def __init__(self, profile: str) -> None:
+        self.profile = profile
+
+    def classify(self, ctx: SchedulingContext) -> str:
+        return self.profile
+
+
+class RequestClassifier(Plugin):
+    """context-heavy when the prompt is long or a long prefix is already cached somewhere; else bursty-chat."""
+
+    type_name = "request-classifier"
+    needs_prefix = True
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        long_prompt_chars: int = 8192,
+        long_prefix_chars: int = 2048,
+        context_heavy_profile: str = "context-heavy",
+        default_profile: str = "bursty-chat",
+    ) -> None:
+        super().__init__(name)
+        self.long_prompt_chars = long_prompt_chars
+        self.long_prefix_chars = long_prefix_chars
+        self.context_heavy_profile = context_heavy_profile
+        self.default_profile = default_profile
+
+    def classify(self, ctx: SchedulingContext) -> str:
+        if len(ctx.request.prompt_text) >= self.long_prompt_chars:
+            return self.context_heavy_profile
+        if ctx.matches and max(ctx.matches.values()) * ctx.block_chars >= self.long_prefix_chars:
+            return self.context_heavy_profile
+        return self.default_profile
+
+
+def profile_names(profiles: Sequence[Profile]) -> list[str]:
+    return [p.name for p in profiles]

@@ -1,0 +1,150 @@
+"""PrefixAwareScheduler: hash the prompt, look the prefix up, classify, filter, score, pick.
+
+Pure: reads the request, the endpoint snapshot, the index and `now`; mutates only its own learning state
+(index, session map, spread counters) and only in `on_picked` / `on_endpoint_removed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from picker.endpoints.state import Endpoint
+from picker.prefix.hashing import PrefixHasher, prefix_keys, prefix_seed
+from picker.prefix.index import PrefixIndex
+from picker.prefix.memory import InMemoryPrefixIndex
+from picker.requests import InferenceRequest, RequestError
+from picker.scheduling.context import SchedulingContext, effective_model
+from picker.scheduling.plugins import Plugin
+from picker.scheduling.profiles import Classifier, Profile, SingleProfile
+from picker.scheduling.types import CandidateScore, SchedulingResult
+
+
+class PrefixAwareScheduler:
+    """Implements `Scheduler` with named profiles; `classifier` chooses the profile for each request."""
+
+    def __init__(
+        self,
+        profiles: Sequence[Profile],
+        classifier: Classifier | None = None,
+        *,
+        index: PrefixIndex | None = None,
+        hasher: PrefixHasher | None = None,
+        explain: bool = True,
+    ) -> None:
+        if not profiles:
+            raise ValueError("at least one scheduling profile is needed")
+        self.profiles = {p.name: p for p in profiles}
+        if len(self.profiles) != len(profiles):
+            raise ValueError("scheduling profile names must be unique")
+        self.classifier: Classifier = classifier if classifier is not None else SingleProfile(profiles[0].name)
+        self.index: PrefixIndex = index if index is not None else InMemoryPrefixIndex()
+        self.hasher = hasher if hasher is not None else PrefixHasher()
+        self.explain = explain  # per-candidate score breakdown in the result (the Explain API reads it)
+        self.uses_prefix = any(p.uses_prefix for p in profiles) or bool(getattr(self.classifier, "needs_prefix", False))
+        seen: dict[int, Plugin] = {}
+        for profile in profiles:
+            for plugin in profile.plugins():
+                seen.setdefault(id(plugin), plugin)
+        if isinstance(self.classifier, Plugin):
+            seen.setdefault(id(self.classifier), self.classifier)
+        self._plugins = list(seen.values())
+        self._stateful = [p for p in self._plugins if _overrides_hooks(p)]
+        # Keys of the last scheduled request, so on_picked does not hash the prompt twice.
+        self._last_request: InferenceRequest | None = None
+        self._last_keys: list[int] = []
+
+    def _keys(self, request: InferenceRequest, block_chars: int) -> list[int]:
+        seed = prefix_seed(effective_model(request), None, request.cache_salt)
+        return prefix_keys(request.prompt_text, seed, block_chars, self.hasher.max_blocks)
+
+    def _block_chars(self, endpoints: Sequence[Endpoint]) -> int:
+        """Block width from the first pod that reports its cache block size (pods of a pool share it)."""
+        for endpoint in endpoints:
+            size = endpoint.metrics.block_size
+            if size:
+                return self.hasher.block_chars(size)
+        return self.hasher.block_chars(None)
+
+    def context(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingContext:
+        ctx = SchedulingContext(request=request, now=now, model=effective_model(request))
+        if self.uses_prefix and request.prompt_text:
+            ctx.block_chars = self._block_chars(endpoints)
+            ctx.keys = self._keys(request, ctx.block_chars)
+            ctx.matches = self.index.match(ctx.keys, None, now)
+        self._last_request = request
+        self._last_keys = ctx.keys
+        return ctx
+
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
+        if not endpoints:
+            raise RequestError(503, "no_endpoints", "no candidate endpoints")
+        ctx = self.context(request, endpoints, now)
+        profile = self.profiles.get(self.classifier.classify(ctx))
+        if profile is None:
+            raise RequestError(500, "bad_profile", "classifier chose an unknown scheduling profile")
+        explain = self.explain
+        candidates = list(endpoints)
+        dropped: list[CandidateScore] = []
+        for f in profile.filters:
+            kept = f.filter(ctx, candidates)
+            if explain and len(kept) != len(candidates):
+                survivors = {id(e) for e in kept}
+                dropped.extend(CandidateScore(e, filtered_by=f.name) for e in candidates if id(e) not in survivors)
+            candidates = kept
+        if not candidates:
+            raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
+        ctx.align(candidates)
+        n = len(candidates)
+        totals = [0.0] * n
+        columns: list[tuple[str, list[float]]] = []
+        for weighted in profile.scorers:
+            scores = weighted.scorer.score(ctx, candidates)
+            w = weighted.weight
+            for i in range(n):
+                totals[i] += w * scores[i]
+            if explain:
+                columns.append((weighted.scorer.name, scores))
+        order = profile.picker.pick(totals)
+        ranked = [candidates[i] for i in order]
+        result = SchedulingResult(
+            ranked=ranked,
+            profile=profile.name,
+            prefix_blocks=len(ctx.keys),
+            prefix_matched_blocks=ctx.matched[order[0]] if order else 0,
+        )
+        if explain:
+            result.candidates = [
+                CandidateScore(e, {name: col[i] for name, col in columns}, totals[i]) for i, e in enumerate(candidates)
+            ]
+            result.candidates.sort(key=_by_total, reverse=True)
+            result.candidates.extend(dropped)
+        return result
+
+    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        if self.uses_prefix and request.prompt_text:
+            if self._last_request is request:
+                keys = self._last_keys
+            else:
+                keys = self._keys(request, self._block_chars((endpoint,)))
+            blocks = endpoint.metrics.num_gpu_blocks
+            if blocks:
+                self.index.set_capacity(endpoint.address, blocks)
+            self.index.record(keys, endpoint.address, now)
+        self._last_request = None
+        self._last_keys = []
+        for plugin in self._stateful:
+            plugin.on_picked(request, endpoint, now)
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        self.index.remove_endpoint(endpoint.address)
+        for plugin in self._stateful:
+            plugin.on_endpoint_removed(endpoint)
+
+
+def _by_total(c: CandidateScore) -> float:
+    return c.total
+
+
+def _overrides_hooks(plugin: Plugin) -> bool:
+    cls = type(plugin)
+    return cls.on_picked is not Plugin.on_picked or cls.on_endpoint_removed is not Plugin.on_endpoint_removed

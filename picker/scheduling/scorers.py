@@ -1,0 +1,232 @@
+"""Scorers: each grades every candidate in [0,1] (higher = better) from one signal.
+
+They loop in plain Python: for the pool sizes we serve (< 512 pods) extracting the attributes into numpy
+arrays costs as much as the arithmetic it would speed up (bench/decision_cost.py measures it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from picker.endpoints.state import Endpoint
+from picker.requests import InferenceRequest
+from picker.scheduling.context import SchedulingContext
+from picker.scheduling.plugins import Plugin, min_max_inverse
+
+
+class PrefixCacheScorer(Plugin):
+    """How much of the prompt the endpoint (probably) has cached.
+
+    matched/total alone lets a 2-block prompt that fully hits outrank real savings, so the score blends the
+    ratio with the absolute matched length, saturating at `full_credit_chars`. The load guard zeroes the
+    prefix credit of an endpoint loaded well past the least-loaded candidate, so a popular prefix spills to a
+    second pod (which then holds it too) instead of queueing on one.
+    """
+
+    type_name = "prefix-cache-scorer"
+    needs_prefix = True
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        ratio_weight: float = 0.5,
+        full_credit_chars: int = 4096,
+        load_guard_in_flight: float | None = 8,
+        load_guard_waiting: float | None = 4,
+        guard_penalty: float = 0.0,
+    ) -> None:
+        super().__init__(name)
+        if not 0.0 <= ratio_weight <= 1.0:
+            raise ValueError("ratioWeight must be within [0, 1]")
+        if full_credit_chars <= 0:
+            raise ValueError("fullCreditChars must be positive")
+        self.ratio_weight = ratio_weight
+        self.full_credit_chars = full_credit_chars
+        self.load_guard_in_flight = load_guard_in_flight
+        self.load_guard_waiting = load_guard_waiting
+        self.guard_penalty = guard_penalty
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        total = len(ctx.keys)
+        matched = ctx.matched
+        if total == 0 or not any(matched):
+            return [0.0] * len(candidates)
+        r = self.ratio_weight
+        per_block = (1.0 - r) * ctx.block_chars / self.full_credit_chars
+        out = [r * m / total + min(1.0 - r, m * per_block) for m in matched]
+        guard_flight = self.load_guard_in_flight
+        guard_wait = self.load_guard_waiting
+        if guard_flight is not None or guard_wait is not None:
+            min_flight = min(e.in_flight for e in candidates)
+            min_wait = min(e.metrics.waiting for e in candidates)
+            penalty = self.guard_penalty
+            for i, e in enumerate(candidates):
+                if out[i] and (
+                    (guard_flight is not None and e.in_flight - min_flight >= guard_flight)
+                    or (guard_wait is not None and e.metrics.waiting - min_wait >= guard_wait)
+                ):
+                    out[i] *= penalty
+        return out
+
+
+class KVCacheUtilizationScorer(Plugin):
+    """Free KV cache: 1 - vllm:kv_cache_usage_perc."""
+
+    type_name = "kv-cache-utilization-scorer"
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        return [1.0 - min(1.0, max(0.0, e.metrics.kv_usage)) for e in candidates]
+
+
+class QueueScorer(Plugin):
+    """Shortest waiting queue, min-max normalised across candidates (GIE's queue scorer)."""
+
+    type_name = "queue-scorer"
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        return min_max_inverse([e.metrics.waiting for e in candidates])
+
+
+class InFlightLoadScorer(Plugin):
+    """Our own in-flight count (+ tokens), which moves at once while scraped metrics lag by a poll.
+
+    load = in_flight + in_flight_tokens / tokens_per_request; score = 1 - (load - min) / (max - min + slack):
+    the slack keeps a one-request difference from looking like the whole range.
+    """
+
+    type_name = "in-flight-load-scorer"
+
+    def __init__(self, name: str | None = None, *, tokens_per_request: float = 4096.0, slack: float = 1.0) -> None:
+        super().__init__(name)
+        if tokens_per_request <= 0 or slack < 0:
+            raise ValueError("tokensPerRequest must be positive and slack non-negative")
+        self.tokens_per_request = tokens_per_request
+        self.slack = slack
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        unit = self.tokens_per_request
+        loads = [e.in_flight + e.in_flight_tokens / unit for e in candidates]
+        lo = min(loads)
+        span = max(loads) - lo + self.slack
+        if span <= 0:
+            return [1.0] * len(loads)
+        return [1.0 - (x - lo) / span for x in loads]
+
+
+class LoraAffinityScorer(Plugin):
+    """Prefer pods with the requested LoRA adapter loaded (vLLM: request.model names the adapter).
+
+    running 1.0, room to load it (len(running) < max_lora) 0.8, queued for it 0.6, else 0. A model is an
+    adapter when config declares it, or when it is not a configured base model and some pod lists it;
+    requests for the base model score 1 everywhere.
+    """
+
+    type_name = "lora-affinity-scorer"
+
+    def __init__(
+        self, name: str | None = None, *, base_models: Sequence[str] = (), adapters: Sequence[str] = ()
+    ) -> None:
+        super().__init__(name)
+        self.base_models = frozenset(base_models)
+        self.adapters = frozenset(adapters)
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        model = ctx.model
+        if model in self.base_models:
+            return [1.0] * len(candidates)
+        out: list[float] = []
+        listed = False
+        for e in candidates:
+            m = e.metrics
+            if model in m.running_loras:
+                out.append(1.0)
+                listed = True
+            elif model in m.waiting_loras:
+                listed = True
+                out.append(0.8 if len(m.running_loras) < m.max_lora else 0.6)
+            elif len(m.running_loras) < m.max_lora:
+                out.append(0.8)
+            else:
+                out.append(0.0)
+        if listed or model in self.adapters or self.base_models:
+            return out
+        return [1.0] * len(candidates)
+
+
+class SessionAffinityScorer(Plugin):
+    """Stick a session (x-session-id) to the endpoint that served it last: its KV cache has the history."""
+
+    type_name = "session-affinity-scorer"
+
+    def __init__(self, name: str | None = None, *, max_sessions: int = 10_000) -> None:
+        super().__init__(name)
+        if max_sessions <= 0:
+            raise ValueError("maxSessions must be positive")
+        self.max_sessions = max_sessions
+        self._last: OrderedDict[str, str] = OrderedDict()
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        session = ctx.request.session_id
+        address = self._last.get(session) if session else None
+        if address is None:
+            return [0.0] * len(candidates)
+        return [1.0 if e.address == address else 0.0 for e in candidates]
+
+    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        session = request.session_id
+        if not session:
+            return
+        last = self._last
+        last[session] = endpoint.address
+        last.move_to_end(session)
+        if len(last) > self.max_sessions:
+            last.popitem(last=False)
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        gone = [s for s, a in self._last.items() if a == endpoint.address]
+        for session in gone:
+            del self._last[session]
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+
+class ColdPrefixSpreader(Plugin):
+    """A prompt nobody has cached goes to the least recently chosen, least loaded pod.
+
+    Without it, cold requests that arrive between two metric scrapes see identical scores and pile up on
+    whatever the tie-break favours; with it they deal out like cards. Neutral (all 0) when any candidate
+    holds part of the prefix, so it never fights prefix affinity.
+    """
+
+    type_name = "cold-prefix-spreader"
+    needs_prefix = True
+
+    def __init__(self, name: str | None = None, *, recency_weight: float = 0.5) -> None:
+        super().__init__(name)
+        if not 0.0 <= recency_weight <= 1.0:
+            raise ValueError("recencyWeight must be within [0, 1]")
+        self.recency_weight = recency_weight
+        self._seq = 0
+        self._last_pick: dict[str, int] = {}
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        if any(ctx.matched):
+            return [0.0] * len(candidates)
+        get = self._last_pick.get
+        recency = min_max_inverse([get(e.address, -1) for e in candidates])
+        flights = [e.in_flight for e in candidates]
+        lo = min(flights)
+        span = max(flights) - lo + 1
+        w = self.recency_weight
+        return [w * r + (1.0 - w) * (1.0 - (f - lo) / span) for r, f in zip(recency, flights, strict=True)]
+
+    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        self._seq += 1
+        self._last_pick[endpoint.address] = self._seq
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        self._last_pick.pop(endpoint.address, None)
+

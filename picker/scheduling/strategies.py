@@ -1,0 +1,90 @@
+"""Baseline strategies for the benchmark: same Scheduler interface, deliberately simple policies."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from picker.endpoints.state import Endpoint
+from picker.prefix.hashing import PrefixHasher
+from picker.prefix.index import PrefixIndex
+from picker.requests import InferenceRequest, RequestError
+from picker.scheduling.picker import MaxScorePicker
+from picker.scheduling.profiles import Profile, WeightedScorer
+from picker.scheduling.scheduler import PrefixAwareScheduler
+from picker.scheduling.scorers import KVCacheUtilizationScorer, PrefixCacheScorer, QueueScorer
+from picker.scheduling.types import SchedulingResult
+
+
+class RoundRobinScheduler:
+    """Each pick advances the start of the rotation (Envoy's default policy)."""
+
+    def __init__(self, max_endpoints: int = 3) -> None:
+        self.max_endpoints = max_endpoints
+        self._next = 0
+
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
+        n = len(endpoints)
+        if not n:
+            raise RequestError(503, "no_endpoints", "no candidate endpoints")
+        start = self._next % n
+        ranked = [endpoints[(start + i) % n] for i in range(min(self.max_endpoints, n))]
+        return SchedulingResult(ranked=ranked, profile="round-robin")
+
+    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        self._next += 1
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        return None
+
+
+class RandomScheduler:
+    """Uniformly random endpoint."""
+
+    def __init__(self, rng: random.Random | None = None, max_endpoints: int = 3) -> None:
+        self.rng = rng if rng is not None else random.Random()
+        self.max_endpoints = max_endpoints
+
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
+        if not endpoints:
+            raise RequestError(503, "no_endpoints", "no candidate endpoints")
+        ranked = self.rng.sample(list(endpoints), min(self.max_endpoints, len(endpoints)))
+        return SchedulingResult(ranked=ranked, profile="random")
+
+    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        return None
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        return None
+
+
+class LeastLoadScheduler(PrefixAwareScheduler):
+    """Queue + KV-cache scorers only, weights 1:1 (a cache-blind load balancer)."""
+
+    def __init__(self, rng: random.Random | None = None, max_endpoints: int = 3) -> None:
+        profile = Profile(
+            "least-load",
+            scorers=[WeightedScorer(QueueScorer("queue"), 1.0), WeightedScorer(KVCacheUtilizationScorer("kv-cache"), 1.0)],
+            picker=MaxScorePicker(max_endpoints=max_endpoints, rng=rng),
+        )
+        super().__init__([profile])
+
+
+class PrefixOnlyScheduler(PrefixAwareScheduler):
+    """Matched/total prefix ratio only, random among ties (GIE's prefix scorer without load terms)."""
+
+    def __init__(
+        self,
+        rng: random.Random | None = None,
+        max_endpoints: int = 3,
+        *,
+        index: PrefixIndex | None = None,
+        hasher: PrefixHasher | None = None,
+    ) -> None:
+        scorer = PrefixCacheScorer("prefix", ratio_weight=1.0, load_guard_in_flight=None, load_guard_waiting=None)
+        profile = Profile(
+            "prefix-only",
+            scorers=[WeightedScorer(scorer, 1.0)],
+            picker=MaxScorePicker(max_endpoints=max_endpoints, rng=rng),
+        )
+        super().__init__([profile], index=index, hasher=hasher)

@@ -1,0 +1,240 @@
+"""Scheduler-level scenarios (GIE's hermetic cases plus prefix affinity), with the default configuration."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.prefix.memory import InMemoryPrefixIndex
+from picker.requests import InferenceRequest, RequestError
+from picker.scheduling.config import build_scheduler, build_strategy
+from picker.scheduling.scheduler import PrefixAwareScheduler
+from picker.scheduling.strategies import (
+    LeastLoadScheduler,
+    PrefixOnlyScheduler,
+    RandomScheduler,
+    RoundRobinScheduler,
+)
+from picker.scheduling.types import Scheduler
+
+SYSTEM = "".join(f"You are a careful assistant. Rule {i}: answer precisely and cite sources. " for i in range(150))
+
+
+def pods(n: int, **metrics: object) -> list[Endpoint]:
+    out = []
+    for i in range(n):
+        e = Endpoint.from_address(f"10.0.0.{i + 1}:8000")
+        e.metrics = EndpointMetrics(updated_at=0.0, **metrics)  # type: ignore[arg-type]
+        out.append(e)
+    return out
+
+
+def req(prompt: str, model: str = "llama", **kw: object) -> InferenceRequest:
+    return InferenceRequest(request_id="r", model=model, prompt_text=prompt, **kw)  # type: ignore[arg-type]
+
+
+def route(s: Scheduler, request: InferenceRequest, endpoints: list[Endpoint], now: float = 0.0) -> Endpoint:
+    """What the director does: schedule, then on_picked and in-flight accounting on the chosen pod."""
+    chosen = s.schedule(request, endpoints, now).ranked[0]
+    s.on_picked(request, chosen, now)
+    chosen.start_request(len(request.prompt_text) // 4, now)
+    return chosen
+
+
+def test_picks_pod_with_lower_queue_and_kv() -> None:
+    a, b, c = pods(3)
+    a.metrics.waiting, a.metrics.kv_usage = 3, 0.2
+    b.metrics.waiting, b.metrics.kv_usage = 0, 0.1
+    c.metrics.waiting, c.metrics.kv_usage = 10, 0.2
+    s = build_scheduler(rng=random.Random(0))
+    for _ in range(20):
+        assert s.schedule(req("hello there"), [a, b, c], 0.0).ranked[0] is b
+
+
+def test_picks_pod_with_lora_loaded_despite_higher_kv() -> None:
+    loaded, other = pods(2)
+    loaded.metrics = EndpointMetrics(kv_usage=0.6, max_lora=1, running_loras=frozenset({"sql-lora"}))
+    other.metrics = EndpointMetrics(kv_usage=0.1, max_lora=1, running_loras=frozenset({"chat-lora"}))
+    s = build_scheduler(rng=random.Random(0))
+    result = s.schedule(req("SELECT a question", model="sql-lora"), [other, loaded], 0.0)
+    assert result.ranked[0] is loaded
+    assert {c.endpoint.address: c.scores["lora-affinity-scorer"] for c in result.candidates} == {
+        loaded.address: 1.0, other.address: 0.0}
+
+
+def test_no_endpoints_is_503() -> None:
+    with pytest.raises(RequestError) as err:
+        build_scheduler().schedule(req("x"), [], 0.0)
+    assert err.value.status == 503 and err.value.code == "no_endpoints"
+
+
+def test_subset_hint_limits_candidates() -> None:
+    a, b, c = pods(3)
+    s = build_scheduler(rng=random.Random(0))
+    for _ in range(10):
+        chosen = s.schedule(req("x", subset=(c.address,)), [a, b, c], 0.0)
+        assert chosen.ranked == [c]
+        assert {x.endpoint.address for x in chosen.candidates if x.filtered_by == "subset-filter"} == {
+            a.address, b.address}
+    assert s.schedule(req("x", subset=(b.ip,)), [a, b, c], 0.0).ranked == [b]
+    with pytest.raises(RequestError) as err:
+        s.schedule(req("x", subset=("10.1.1.1:8000",)), [a, b, c], 0.0)
+    assert err.value.status == 503 and err.value.code == "no_endpoints"
+
+
+def test_shared_long_prefix_lands_on_one_pod() -> None:
+    endpoints = pods(4)
+    s = build_scheduler(rng=random.Random(1))
+    chosen: Counter[str] = Counter()
+    for i in range(30):
+        r = req(SYSTEM + f"Question {i}: what is {i} squared?")
+        e = route(s, r, endpoints, float(i))
+        chosen[e.address] += 1
+        e.finish_request(len(r.prompt_text) // 4)  # each finishes before the next: no load builds up
+    assert len(chosen) == 1
+    result = s.schedule(req(SYSTEM + "Another question"), endpoints, 31.0)
+    assert result.profile == "context-heavy"
+    assert result.prefix_matched_blocks == len(SYSTEM) // 64 and result.prefix_blocks > result.prefix_matched_blocks
+
+
+def test_popular_prefix_spreads_past_the_load_guard() -> None:
+    endpoints = pods(4)
+    s = build_scheduler(rng=random.Random(2))
+    order = [route(s, req(SYSTEM + f"Q{i}"), endpoints, 0.0) for i in range(12)]  # none finish
+    first = order[0]
+    assert order[:8] == [first] * 8  # prefix affinity holds until `first` is 8 requests ahead
+    second = order[8]
+    assert second is not first and order[8:] == [second] * 4  # the spill pod now holds the prefix too
+    result = s.schedule(req(SYSTEM + "Q-next"), endpoints, 0.0)
+    held = {c.endpoint.address: c.scores["prefix-cache-scorer"] for c in result.candidates}
+    assert held[first.address] == 0.0 and held[second.address] > 0.5  # guard zeroes the overloaded holder
+
+
+def test_cold_prefixes_spread_evenly_over_idle_pods() -> None:
+    endpoints = pods(4)
+    s = build_scheduler(rng=random.Random(3))
+    counts: Counter[str] = Counter()
+    for i in range(40):
+        r = req(f"{i:04d} a brand new conversation with nothing in common " * 3)
+        e = route(s, r, endpoints, float(i))
+        counts[e.address] += 1
+        e.finish_request(len(r.prompt_text) // 4)
+    assert sorted(counts.values()) == [10, 10, 10, 10]
+
+
+def test_random_tie_break_alone_is_uneven() -> None:
+    """The spreader matters: without it the same cold traffic lands unevenly (guards the test above)."""
+    config = {"schedulingProfiles": [{"name": "p", "plugins": [
+        {"pluginRef": "prefix-cache-scorer", "weight": 3}, {"pluginRef": "queue-scorer", "weight": 2},
+        {"pluginRef": "max-score-picker"}]}]}
+    endpoints = pods(4)
+    s = build_scheduler(config, rng=random.Random(3))
+    counts = Counter(route(s, req(f"{i:04d} fresh " * 20), endpoints).address for i in range(40))
+    assert sorted(counts.values()) != [10, 10, 10, 10]
+
+
+def test_short_prompts_use_bursty_chat_and_explain_adds_up() -> None:
+    endpoints = pods(3)
+    endpoints[0].in_flight = 2
+    s = build_scheduler(rng=random.Random(4))
+    result = s.schedule(req("hi, how are you?", session_id="abc"), endpoints, 0.0)
+    assert result.profile == "bursty-chat"
+    weights = {"prefix-cache-scorer": 1, "queue-scorer": 2, "kv-cache-utilization-scorer": 2,
+               "in-flight-load-scorer": 3, "lora-affinity-scorer": 2, "session-affinity-scorer": 1,
+               "cold-prefix-spreader": 1}
+    assert len(result.candidates) == 3
+    for cand in result.candidates:
+        assert set(cand.scores) == set(weights)
+        assert all(0.0 <= v <= 1.0 for v in cand.scores.values())
+        assert cand.total == pytest.approx(sum(weights[k] * v for k, v in cand.scores.items()))
+    assert result.ranked[0] is not endpoints[0]
+    assert [c.total for c in result.candidates] == sorted((c.total for c in result.candidates), reverse=True)
+
+
+def test_session_affinity_keeps_a_conversation_on_its_pod() -> None:
+    endpoints = pods(3)
+    s = build_scheduler(rng=random.Random(5))
+    first = route(s, req("turn one", session_id="chat-1"), endpoints)
+    first.finish_request(2)
+    for turn in range(5):
+        chosen = route(s, req(f"unrelated turn {turn}", session_id="chat-1"), endpoints)
+        chosen.finish_request(2)
+        assert chosen is first
+
+
+def test_saturated_pods_are_filtered_unless_all_are() -> None:
+    a, b = pods(2)
+    a.metrics.waiting = 9
+    s = build_scheduler(rng=random.Random(6))
+    result = s.schedule(req("x"), [a, b], 0.0)
+    assert result.ranked == [b]
+    assert [c.filtered_by for c in result.candidates if c.endpoint is a] == ["saturation-filter"]
+    b.metrics.kv_usage = 0.95
+    assert len(s.schedule(req("x"), [a, b], 0.0).ranked) == 2
+
+
+def test_endpoint_removal_purges_index_and_capacity_comes_from_metrics() -> None:
+    index = InMemoryPrefixIndex()
+    s = build_scheduler(rng=random.Random(7), index=index)
+    a, b = pods(2)
+    a.metrics.num_gpu_blocks = 40
+    route(s, req(SYSTEM), [a])
+    route(s, req(SYSTEM), [b])
+    assert index.capacity(a.address) == 40 and index.endpoint_size(a.address) == 40
+    assert index.endpoint_size(b.address) == -(-len(SYSTEM) // 64)
+    s.on_endpoint_removed(b)
+    assert index.endpoint_size(b.address) == 0 and index.size() == 40
+
+
+def test_block_size_follows_the_pods() -> None:
+    s = build_scheduler(rng=random.Random(8))
+    gpu, cpu = pods(1, block_size=16), pods(1, block_size=128)
+    text = "z" * 5000
+    assert s.schedule(req(text), gpu, 0.0).prefix_blocks == -(-5000 // 64)
+    assert s.schedule(req(text), cpu, 0.0).prefix_blocks == -(-5000 // 512)
+    fixed = build_scheduler({"prefixCache": {"blockChars": 100}})
+    assert fixed.schedule(req(text), cpu, 0.0).prefix_blocks == 50
+
+
+def test_model_and_salt_isolate_prefixes() -> None:
+    s = build_scheduler(rng=random.Random(9))
+    endpoints = pods(4)
+    route(s, req(SYSTEM, model="a"), endpoints)
+    assert s.schedule(req(SYSTEM, model="a"), endpoints, 0.0).prefix_matched_blocks > 0
+    assert s.schedule(req(SYSTEM, model="b"), endpoints, 0.0).prefix_matched_blocks == 0
+    assert s.schedule(req(SYSTEM, model="a", cache_salt="t2"), endpoints, 0.0).prefix_matched_blocks == 0
+
+
+def test_seeded_schedulers_are_reproducible() -> None:
+    def run(seed: int) -> list[str]:
+        s = build_scheduler(rng=random.Random(seed))
+        endpoints = pods(5)
+        return [route(s, req(f"{i} " * (i * 40 + 1)), endpoints).address for i in range(30)]
+
+    assert run(11) == run(11)
+
+
+def test_baseline_strategies() -> None:
+    endpoints = pods(3)
+    rr = RoundRobinScheduler()
+    assert [route(rr, req("x"), endpoints).address for _ in range(4)] == [e.address for e in endpoints + endpoints[:1]]
+    rnd = RandomScheduler(random.Random(1))
+    assert {route(rnd, req("x"), endpoints).address for _ in range(50)} == {e.address for e in endpoints}
+    ll = LeastLoadScheduler(random.Random(1))
+    a, b, c = pods(3)
+    a.metrics.waiting, b.metrics.kv_usage = 2, 0.5
+    assert ll.schedule(req("x"), [a, b, c], 0.0).ranked[0] is c
+    po = PrefixOnlyScheduler(random.Random(1))
+    first = route(po, req(SYSTEM + "1"), endpoints)
+    assert all(route(po, req(SYSTEM + str(i)), endpoints) is first for i in range(10))  # ignores load
+    for name in ("picker", "round-robin", "random", "least-load", "prefix-only"):
+        s = build_strategy(name, rng=random.Random(0))
+        assert s.schedule(req("x"), endpoints, 0.0).ranked
+    assert isinstance(build_strategy("picker"), PrefixAwareScheduler)
+    with pytest.raises(ValueError):
+        build_strategy("bogus")
+    with pytest.raises(RequestError):
+        rr.schedule(req("x"), [], 0.0)

@@ -1,0 +1,195 @@
+"""Scorers, filters, picker and config parsing, one signal at a time."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.requests import InferenceRequest, RequestError
+from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, load_config
+from picker.scheduling.context import SchedulingContext
+from picker.scheduling.filters import SaturationFilter, SubsetFilter
+from picker.scheduling.picker import MaxScorePicker
+from picker.scheduling.scorers import (
+    ColdPrefixSpreader,
+    InFlightLoadScorer,
+    KVCacheUtilizationScorer,
+    LoraAffinityScorer,
+    PrefixCacheScorer,
+    QueueScorer,
+    SessionAffinityScorer,
+)
+
+
+def ep(i: int, **metrics: object) -> Endpoint:
+    e = Endpoint.from_address(f"10.0.0.{i}:8000")
+    e.metrics = EndpointMetrics(**metrics)  # type: ignore[arg-type]
+    return e
+
+
+def ctx_for(request: InferenceRequest | None = None, *, keys: int = 0, matched: list[int] | None = None,
+            block_chars: int = 64) -> SchedulingContext:
+    request = request or InferenceRequest("r", "m", prompt_text="x")
+    ctx = SchedulingContext(request=request, now=0.0, model=request.target_model or request.model)
+    ctx.keys = list(range(keys))
+    ctx.block_chars = block_chars
+    ctx.matched = matched or []
+    return ctx
+
+
+def test_prefix_score_blends_ratio_and_absolute_length() -> None:
+    scorer = PrefixCacheScorer(load_guard_in_flight=None, load_guard_waiting=None)
+    pods = [ep(1), ep(2)]
+    short_full = scorer.score(ctx_for(keys=2, matched=[2, 0]), pods)
+    long_half = scorer.score(ctx_for(keys=200, matched=[100, 0]), pods)
+    assert short_full[1] == 0.0 and long_half[1] == 0.0
+    # A fully matched 2-block prompt is worth less than half of a 200-block one.
+    assert short_full[0] == pytest.approx(0.5 + 0.5 * 128 / 4096)
+    assert long_half[0] == pytest.approx(0.75)
+    assert short_full[0] < long_half[0]
+    ratio_only = PrefixCacheScorer(ratio_weight=1.0, load_guard_in_flight=None, load_guard_waiting=None)
+    assert ratio_only.score(ctx_for(keys=4, matched=[1, 4]), pods) == [0.25, 1.0]
+    assert scorer.score(ctx_for(keys=0, matched=[0, 0]), pods) == [0.0, 0.0]
+
+
+def test_prefix_load_guard_removes_credit_of_an_overloaded_holder() -> None:
+    scorer = PrefixCacheScorer(load_guard_in_flight=8, load_guard_waiting=4)
+    busy, idle, queued = ep(1), ep(2), ep(3, waiting=6.0)
+    busy.in_flight = 8
+    scores = scorer.score(ctx_for(keys=10, matched=[10, 10, 10]), [busy, idle, queued])
+    assert scores[0] == 0.0 and scores[1] == pytest.approx(0.5 + 0.5 * 640 / 4096) and scores[2] == 0.0
+    busy.in_flight = 7
+    assert scorer.score(ctx_for(keys=10, matched=[10, 10, 10]), [busy, idle])[0] > 0
+
+
+def test_kv_and_queue_scores() -> None:
+    pods = [ep(1, kv_usage=0.25, waiting=2.0), ep(2, kv_usage=1.5, waiting=6.0), ep(3, kv_usage=-0.1, waiting=4.0)]
+    assert KVCacheUtilizationScorer().score(ctx_for(), pods) == [0.75, 0.0, 1.0]
+    assert QueueScorer().score(ctx_for(), pods) == [1.0, 0.0, 0.5]
+    assert QueueScorer().score(ctx_for(), [ep(1, waiting=3.0), ep(2, waiting=3.0)]) == [1.0, 1.0]
+
+
+def test_in_flight_scorer_prefers_less_work() -> None:
+    a, b, c = ep(1), ep(2), ep(3)
+    a.in_flight, b.in_flight, c.in_flight = 0, 1, 4
+    c.in_flight_tokens = 8192
+    scores = InFlightLoadScorer(tokens_per_request=4096, slack=1.0).score(ctx_for(), [a, b, c])
+    assert scores[0] == 1.0 and scores[0] > scores[1] > scores[2] >= 0.0
+    assert scores[2] == pytest.approx(1 - 6 / 7)
+    assert InFlightLoadScorer(slack=0).score(ctx_for(), [ep(4), ep(5)]) == [1.0, 1.0]
+
+
+def test_lora_affinity_levels() -> None:
+    running = ep(1, max_lora=2, running_loras=frozenset({"sql"}))
+    room = ep(2, max_lora=2, running_loras=frozenset({"other"}))
+    waiting_full = ep(3, max_lora=1, running_loras=frozenset({"other"}), waiting_loras=frozenset({"sql"}))
+    full = ep(4, max_lora=1, running_loras=frozenset({"other"}))
+    no_lora = ep(5)
+    pods = [running, room, waiting_full, full, no_lora]
+    adapter_req = InferenceRequest("r", "sql", prompt_text="x")
+    assert LoraAffinityScorer().score(ctx_for(adapter_req), pods) == [1.0, 0.8, 0.6, 0.0, 0.0]
+    base_req = InferenceRequest("r", "llama", prompt_text="x")
+    assert LoraAffinityScorer().score(ctx_for(base_req), pods) == [1.0] * 5  # nobody lists it: base model
+    assert LoraAffinityScorer(base_models=["llama"]).score(ctx_for(base_req), pods) == [1.0] * 5
+    # A declared adapter nobody has loaded yet: only pods with room can take it.
+    new_req = InferenceRequest("r", "fresh", prompt_text="x")
+    assert LoraAffinityScorer(adapters=["fresh"]).score(ctx_for(new_req), pods) == [0.8, 0.8, 0.0, 0.0, 0.0]
+    # With base models configured, anything else is an adapter.
+    assert LoraAffinityScorer(base_models=["llama"]).score(ctx_for(new_req), pods)[3] == 0.0
+    rewritten = InferenceRequest("r", "alias", prompt_text="x", target_model="sql")
+    assert LoraAffinityScorer().score(ctx_for(rewritten), pods)[0] == 1.0
+
+
+def test_session_affinity_sticks_bounded_and_forgets_removed() -> None:
+    scorer = SessionAffinityScorer(max_sessions=2)
+    a, b = ep(1), ep(2)
+    req = InferenceRequest("r", "m", prompt_text="x", session_id="s1")
+    assert scorer.score(ctx_for(req), [a, b]) == [0.0, 0.0]
+    scorer.on_picked(req, b, 0.0)
+    assert scorer.score(ctx_for(req), [a, b]) == [0.0, 1.0]
+    for s in ("s2", "s3"):
+        scorer.on_picked(InferenceRequest("r", "m", session_id=s), a, 0.0)
+    assert len(scorer) == 2 and scorer.score(ctx_for(req), [a, b]) == [0.0, 0.0]  # s1 evicted
+    scorer.on_endpoint_removed(a)
+    assert len(scorer) == 0
+    scorer.on_picked(InferenceRequest("r", "m"), a, 0.0)  # no session id: nothing remembered
+    assert len(scorer) == 0
+
+
+def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
+    spreader = ColdPrefixSpreader()
+    pods = [ep(1), ep(2), ep(3)]
+    req = InferenceRequest("r", "m", prompt_text="x")
+    assert spreader.score(ctx_for(keys=3, matched=[0, 2, 0]), pods) == [0.0, 0.0, 0.0]
+    assert spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods) == [1.0, 1.0, 1.0]
+    spreader.on_picked(req, pods[0], 0.0)
+    spreader.on_picked(req, pods[1], 0.0)
+    scores = spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
+    assert scores[1] < scores[0] < scores[2]  # least recently chosen first
+    pods[2].in_flight = 5  # the never-chosen pod is busy with others' work: load counts too
+    scores = spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
+    assert scores[0] > scores[2]
+
+
+def test_saturation_filter_keeps_all_when_all_saturated() -> None:
+    f = SaturationFilter(queue_threshold=5, kv_cache_threshold=0.8)
+    ok, queued, full = ep(1, waiting=5.0, kv_usage=0.8), ep(2, waiting=6.0), ep(3, kv_usage=0.9)
+    assert f.filter(ctx_for(), [ok, queued, full]) == [ok]
+    assert f.filter(ctx_for(), [queued, full]) == [queued, full]
+
+
+def test_subset_filter_by_ip_or_address() -> None:
+    pods = [ep(1), ep(2), ep(3)]
+    f = SubsetFilter()
+    assert f.filter(ctx_for(), pods) == pods
+    req = InferenceRequest("r", "m", subset=("10.0.0.2", "10.0.0.3:8000", "10.0.0.1:9999"))
+    assert f.filter(ctx_for(req), pods) == pods[1:]
+    for subset in (("10.9.9.9:8000",), ()):
+        with pytest.raises(RequestError) as err:
+            f.filter(ctx_for(InferenceRequest("r", "m", subset=subset)), pods)
+        assert err.value.status == 503 and err.value.code == "no_endpoints"
+
+
+def test_max_score_picker_ranks_and_breaks_ties_at_random() -> None:
+    picker = MaxScorePicker(max_endpoints=3, rng=random.Random(7))
+    assert picker.pick([0.1, 0.9, 0.5, 0.7]) == [1, 3, 2]
+    assert picker.pick([1.0]) == [0]
+    firsts = Counter(picker.pick([2.0, 2.0, 2.0, 1.0])[0] for _ in range(600))
+    assert set(firsts) == {0, 1, 2} and min(firsts.values()) > 150
+    ranked = picker.pick([2.0, 2.0, 1.0, 1.0, 1.0])
+    assert set(ranked[:2]) == {0, 1} and ranked[2] in (2, 3, 4)
+    same = [MaxScorePicker(rng=random.Random(3)).pick([1.0] * 10) for _ in range(2)]
+    assert same[0] == same[1]
+
+
+def test_config_errors_are_reported() -> None:
+    with pytest.raises(ValueError, match="unknown plugin type"):
+        build_scheduler({"plugins": [{"type": "nope"}]})
+    with pytest.raises(ValueError, match="bad parameters"):
+        build_scheduler({"plugins": [{"type": "queue-scorer", "parameters": {"bogus": 1}}]})
+    with pytest.raises(ValueError, match="unknown pluginRef"):
+        build_scheduler({"schedulingProfiles": [{"name": "x", "plugins": [{"pluginRef": "missing"}]}]})
+    with pytest.raises(ValueError, match="ratioWeight"):
+        build_scheduler({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"ratioWeight": 2}}]})
+
+
+def test_config_from_yaml_single_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "picker.yaml"
+    path.write_text(
+        "prefixCache: {blockChars: 32, maxPrefixBlocksToMatch: 4}\n"
+        "plugins:\n"
+        "  - {type: queue-scorer, name: q}\n"
+        "  - {type: max-score-picker, name: p, parameters: {maxNumOfEndpoints: 1}}\n"
+        "schedulingProfiles:\n"
+        "  - {name: only, plugins: [{pluginRef: q, weight: 2}, {pluginRef: p}]}\n"
+    )
+    scheduler = build_scheduler(load_config(str(path)), rng=random.Random(1))
+    pods = [ep(1, waiting=3.0), ep(2, waiting=1.0)]
+    result = scheduler.schedule(InferenceRequest("r", "m", prompt_text="y" * 1000), pods, 0.0)
+    assert result.profile == "only" and result.ranked == [pods[1]]
+    assert result.candidates[0].scores == {"q": 1.0} and result.candidates[0].total == 2.0
+    assert scheduler.uses_prefix is False and result.prefix_blocks == 0  # no prefix plugin: no hashing
+    assert DEFAULT_CONFIG["prefixCache"]["maxPrefixBlocksToMatch"] == 256  # defaults untouched by merging
