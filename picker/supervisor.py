@@ -1,6 +1,7 @@
-"""Start and stop the real processes tests use (picker, Envoy, backends) on free loopback ports.
+"""Start and stop real child processes (picker, Envoy, backends) on free loopback ports.
 
-Every process is a child of the test run and is ended by PID in `stop()`, which fixtures call in `finally`.
+Used by `picker demo`, the tests and the benchmarks. Every process is a child of the caller (Envoy dies with its
+parent through PDEATHSIG) and is ended by PID in `stop()`, which callers run in `finally`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from picker.envoyconfig import EnvoySettings, envoy_binary, render
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 
 
@@ -97,7 +98,7 @@ class Backends:
 
 def start_backends(count: int, logdir: Path, name: str = "backends") -> Backends:
     addresses = [f"{HOST}:{free_port()}" for _ in range(count)]
-    process = spawn(name, [sys.executable, "-m", "tests.support.backend", *addresses], logdir)
+    process = spawn(name, [sys.executable, "-m", "picker.echo", *addresses], logdir)
     for address in addresses:
         wait_until(lambda a=address: port_open(int(a.rsplit(":", 1)[1])), 20, f"backend {address}", process.proc)
     return Backends(addresses, process)

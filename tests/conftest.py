@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.support.processes import Backends, Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
+from picker.supervisor import Backends, Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
 
 
 @dataclass

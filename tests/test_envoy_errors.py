@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import Stack
-from tests.support.processes import Envoy
+from picker.supervisor import Envoy
 
 CHAT = "/v1/chat/completions"
 

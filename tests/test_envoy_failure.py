@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from tests.support.processes import Backends, Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
+from picker.supervisor import Backends, Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
 
 CHAT = "/v1/chat/completions"
 PAYLOAD = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}).encode()
