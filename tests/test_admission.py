@@ -1,0 +1,158 @@
+"""Admission: objective priorities, GIE saturation maths, shedding, and the bounded wait for standard traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from picker.admission import AdmissionConfig, AdmissionController, pod_saturation, pool_saturation
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.requests import InferenceRequest, RequestError
+from picker.scheduling.config import build_scheduler
+
+CONFIG = AdmissionConfig.from_dict({"objectives": {"batch": -1, "interactive": 0, "critical": 5}})
+
+
+def pods(n: int, waiting: float = 0.0, kv: float = 0.0, at: float = 0.0) -> list[Endpoint]:
+    out = []
+    for i in range(n):
+        e = Endpoint.from_address(f"10.0.1.{i + 1}:8000")
+        e.metrics = EndpointMetrics(waiting=waiting, kv_usage=kv, updated_at=at)
+        out.append(e)
+    return out
+
+
+def req(objective: str | None = None) -> InferenceRequest:
+    return InferenceRequest("r", "m", prompt_text="hello", objective=objective)
+
+
+def test_priority_comes_from_the_objective() -> None:
+    ctl = AdmissionController(CONFIG)
+    for objective, priority in (("batch", -1), ("critical", 5), ("unknown", 0), (None, 0)):
+        r = req(objective)
+        assert ctl.priority_of(r) == priority and r.priority == priority
+    listed = AdmissionConfig.from_dict({"objectives": [{"name": "bg", "priority": -2}], "defaultPriority": 1})
+    r = req("other")
+    assert AdmissionController(listed).priority_of(r) == 1
+    assert AdmissionController(listed).priority_of(req("bg")) == -2
+
+
+def test_saturation_is_gie_mean_of_max_with_stale_as_full() -> None:
+    cfg = AdmissionConfig()
+    fresh = pods(1, waiting=2.5, kv=0.2, at=10.0)[0]
+    assert pod_saturation(fresh, 10.1, cfg) == pytest.approx(0.5)
+    fresh.metrics.kv_usage = 0.6
+    assert pod_saturation(fresh, 10.1, cfg) == pytest.approx(0.75)
+    assert pod_saturation(fresh, 10.25, cfg) == 1.0  # older than 200 ms
+    assert pod_saturation(Endpoint.from_address("10.0.0.9:1"), 0.0, cfg) == 1.0  # never scraped
+    idle = pods(1, at=10.0)[0]
+    assert pool_saturation([fresh, idle], 10.1, cfg) == pytest.approx(0.375)
+    assert pool_saturation([], 10.0, cfg) == 0.0
+
+
+def test_does_not_shed_by_default_even_when_saturated() -> None:
+    ctl = AdmissionController(CONFIG)
+    full = pods(3, waiting=8, kv=0.95)
+    assert ctl.check(req(), full, 0.0) is True  # saturated, but standard traffic is routed
+    assert ctl.check(req("critical"), full, 0.0) is True
+    result = build_scheduler(rng=random.Random(0)).schedule(req(), full, 0.0)
+    assert len(result.ranked) == 3  # the saturation filter keeps everyone when all are saturated
+
+
+def test_sheds_sheddable_request_when_all_pods_saturated() -> None:
+    ctl = AdmissionController(CONFIG)
+    with pytest.raises(RequestError) as err:
+        ctl.check(req("batch"), pods(3, waiting=5), 0.0)
+    assert err.value.status == 429 and err.value.code == "saturated"
+    assert err.value.headers == {"retry-after": "1"}
+    assert ctl.check(req("batch"), pods(3, waiting=4.9), 0.0) is False  # just below: admitted
+    mixed = pods(2, waiting=10) + pods(2)  # mean 1.0 from two full and two idle pods
+    with pytest.raises(RequestError):
+        ctl.check(req("batch"), mixed, 0.0)
+    assert ctl.check(req("batch"), [], 0.0) is False  # empty pool: the scheduler answers 503
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+async def test_standard_request_waits_until_capacity_frees() -> None:
+    ctl = AdmissionController(AdmissionConfig.from_dict({"maxWait": "500ms", "pollInterval": "50ms"}))
+    t = FakeTime()
+    endpoints = pods(2, waiting=6)
+
+    def candidates() -> list[Endpoint]:
+        if t.now >= 0.2:  # the queue drains after 200 ms of (simulated) time
+            for e in endpoints:
+                e.metrics = EndpointMetrics(waiting=1, updated_at=t.now)
+        else:
+            for e in endpoints:
+                e.metrics.updated_at = t.now
+        return endpoints
+
+    await ctl.admit(req(), candidates, t.clock, t.sleep)
+    assert t.now == pytest.approx(0.2)
+    assert all(s == pytest.approx(0.05) for s in t.sleeps)
+
+
+async def test_standard_request_goes_through_after_max_wait() -> None:
+    ctl = AdmissionController(AdmissionConfig(max_wait=0.3, poll_interval=0.08))
+    t = FakeTime()
+    endpoints = pods(2, waiting=9)
+
+    def candidates() -> list[Endpoint]:
+        for e in endpoints:
+            e.metrics.updated_at = t.now
+        return endpoints
+
+    await ctl.admit(req(), candidates, t.clock, t.sleep)  # never raises: the request is not lost
+    assert t.now == pytest.approx(0.3)
+    assert sum(t.sleeps) == pytest.approx(0.3) and t.sleeps[-1] == pytest.approx(0.06)
+
+
+async def test_critical_never_waits_and_sheddable_is_shed_at_once() -> None:
+    ctl = AdmissionController(AdmissionConfig.from_dict({"maxWait": 1, "objectives": {"bg": -1, "vip": 3}}))
+    t = FakeTime()
+    full = pods(2, waiting=9)
+    await ctl.admit(req("vip"), lambda: full, t.clock, t.sleep)
+    assert t.sleeps == []
+    with pytest.raises(RequestError) as err:
+        await ctl.admit(req("bg"), lambda: full, t.clock, t.sleep)
+    assert err.value.status == 429 and t.sleeps == []
+
+
+async def test_admit_with_real_sleep_is_bounded() -> None:
+    ctl = AdmissionController(AdmissionConfig(max_wait=0.05, poll_interval=0.01))
+    loop = asyncio.get_running_loop()
+    endpoints = pods(1, waiting=9)
+
+    def candidates() -> list[Endpoint]:
+        endpoints[0].metrics.updated_at = loop.time()
+        return endpoints
+
+    start = loop.time()
+    await ctl.admit(req(), candidates, loop.time)
+    assert 0.045 <= loop.time() - start < 0.5
+
+
+def test_config_parsing() -> None:
+    cfg = AdmissionConfig.from_dict({"queueThreshold": 10, "kvCacheThreshold": 0.9, "staleThreshold": "200ms",
+                                     "maxWait": "1.5s", "retryAfter": 2})
+    assert (cfg.queue_threshold, cfg.kv_threshold, cfg.stale_threshold, cfg.max_wait, cfg.retry_after) == (
+        10.0, 0.9, 0.2, 1.5, "2")
+    assert AdmissionConfig.from_dict(None) == AdmissionConfig()
+    with pytest.raises(ValueError, match="unknown admission settings"):
+        AdmissionConfig.from_dict({"queue": 1})
+    with pytest.raises(ValueError):
+        AdmissionConfig.from_dict({"queueThreshold": 0})
