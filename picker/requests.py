@@ -41,6 +41,9 @@ def api_kind_for_path(path: str) -> ApiKind | None:
     return None
 
 
+_BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+
+
 class RequestError(Exception):
     """A request the picker refuses, with the HTTP status and machine-readable code the client gets."""
 
@@ -76,6 +79,25 @@ class InferenceRequest:
     @property
     def has_body(self) -> bool:
         return self.api is not None
+
+
+def route_kind(headers: dict[str, str], has_body: bool) -> ApiKind | None:
+    """The API family a request is routed as; None for a header-only pass-through (GET /v1/models, ...).
+
+    Refuses what no inference server would accept: an inference call without a body (400), a body sent to a
+    path that is no inference API (404).
+    """
+    path = headers.get(":path", "")
+    api = api_kind_for_path(path)
+    if not has_body:
+        if api is not None and headers.get(":method", "POST").upper() not in _BODYLESS_METHODS:
+            raise RequestError(400, "empty_body", f"a {api.value} request needs a JSON body")
+        return None
+    if api is None:
+        raise RequestError(404, "unknown_path", f"path {path.split('?', 1)[0]!r} is not an inference API this "
+                           "picker routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, "
+                           "/v1/conversations)")
+    return api
 
 
 def _text_of_content(content: Any) -> str:
@@ -181,9 +203,12 @@ def build_request(
     request_id: str,
     subset: tuple[str, ...] | None = None,
 ) -> InferenceRequest:
-    """Turn request headers (+ body, when the API has one) into an InferenceRequest; RequestError on bad input."""
+    """Turn request headers (+ body, when the API has one) into an InferenceRequest; RequestError on bad input.
+
+    With no body, the request is a header-only pass-through (`api` None) or refused by `route_kind`.
+    """
     path = headers.get(":path", "")
-    api = api_kind_for_path(path)
+    api = route_kind(headers, has_body=bool(body))
     request = InferenceRequest(
         request_id=request_id,
         model="",

@@ -18,12 +18,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.director import Decision, Director
 from picker.extproc import protocol as p
-from picker.requests import RequestError, api_kind_for_path, build_request
+from picker.requests import RequestError, build_request, route_kind
 
 log = logging.getLogger(__name__)
-
-_BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
-
 
 class ProtocolViolation(Exception):
     """Envoy (or a client pretending to be Envoy) sent messages in an order the protocol does not allow."""
@@ -112,18 +109,12 @@ class _Stream:
         if not self.request_id:
             self.request_id = uuid.uuid4().hex
             self.generated_id = True
-        path = headers.get(":path", "")
-        api = api_kind_for_path(path)
-        if message.end_of_stream:
-            if api is not None and headers.get(":method", "POST").upper() not in _BODYLESS_METHODS:
-                return [self._reject(RequestError(400, "empty_body", f"a {api.value} request needs a JSON body"))]
-            # Header-only request (GET /v1/models, /health, ...): any ready endpoint will do.
-            return [await self._route(b"", by_headers=True)]
+        try:
+            api = route_kind(headers, has_body=not message.end_of_stream)
+        except RequestError as err:
+            return [self._reject(err)]
         if api is None:
-            return [self._reject(RequestError(404, "unknown_path",
-                                              f"path {path.split('?', 1)[0]!r} is not an inference API this picker "
-                                              "routes (/v1/chat/completions, /v1/completions, /v1/responses, "
-                                              "/v1/embeddings, /v1/conversations)"))]
+            return [await self._route(b"", by_headers=True)]
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return [self._reject(self._too_large(int(length)))]

@@ -1,0 +1,133 @@
+"""`picker demo`: Envoy + a simulated vLLM fleet + the picker, all children of this process on free loopback
+ports; sends sample requests and shows where each went and why. Ctrl-C (or --once) stops everything."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from picker.api import load
+from picker.explain import format_explain
+from picker.supervisor import Backends, Managed, port_open, process_scope, spawn, start_backends, start_envoy, \
+    start_picker, wait_until
+
+picker_pb2, picker_pb2_grpc = load()
+
+SYSTEM = ("You are a meticulous assistant for the ACME inference platform. Answer in short, precise sentences, "
+          "cite the runbook section you rely on, and never invent configuration flags. ") * 6
+
+
+@dataclass(slots=True)
+class Sample:
+    title: str
+    path: str
+    body: dict[str, Any] | bytes | None
+    method: str = "POST"
+
+
+def samples(model: str) -> list[Sample]:
+    def chat(question: str, **extra: Any) -> dict[str, Any]:
+        return {"model": model, "max_tokens": 16, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **extra}
+
+    return [
+        Sample("chat, shared system prompt (cold)", "/v1/chat/completions", chat("How do I drain a node?")),
+        Sample("chat, same system prompt", "/v1/chat/completions", chat("How do I roll back a release?")),
+        Sample("chat, same system prompt, streamed", "/v1/chat/completions",
+               chat("Which metrics matter for autoscaling?", stream=True)),
+        Sample("completion, unrelated prompt", "/v1/completions",
+               {"model": model, "prompt": "The three laws of thermodynamics are", "max_tokens": 16}),
+        Sample("header-only request", "/v1/models", None, method="GET"),
+        Sample("bad request: not JSON", "/v1/chat/completions", b"{oops"),
+        Sample("bad request: unknown path", "/v1/fine_tuning/jobs", {"model": model}),
+    ]
+
+
+def _send(url: str, sample: Sample) -> tuple[int, str, str]:
+    data = sample.body if isinstance(sample.body, bytes) or sample.body is None else json.dumps(sample.body).encode()
+    request = urllib.request.Request(url + sample.path, data=data, method=sample.method,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers.get("x-sim-pod", ""), response.read().decode(errors="replace")
+    except urllib.error.HTTPError as err:
+        return err.code, "", err.read().decode(errors="replace")
+
+
+def _explain(channel: grpc.Channel, sample: Sample) -> str:
+    if sample.body is None:
+        return "header-only: least-loaded ready endpoint"
+    body = sample.body if isinstance(sample.body, bytes) else json.dumps(sample.body).encode()
+    stub = picker_pb2_grpc.PickerStub(channel)
+    return format_explain(stub.Explain(picker_pb2.ExplainRequest(path=sample.path, body=body), timeout=5))
+
+
+def start_fleet(pods: int, logdir: Any, started: list[Managed], model: str) -> Backends:
+    """The simulated vLLM fleet (`picker sim`), one process for all pods."""
+    from picker.supervisor import HOST, free_port
+
+    addresses = [f"{HOST}:{free_port()}" for _ in range(pods)]
+    ports = ",".join(a.rsplit(":", 1)[1] for a in addresses)
+    process = spawn("sim", [sys.executable, "-m", "picker", "sim", "--host", HOST, "--ports", ports,
+                            "--model", model, "--time-scale", "10"], logdir)
+    started.append(process)
+    for address in addresses:
+        wait_until(lambda a=address: port_open(int(a.rsplit(":", 1)[1])), 60, f"sim pod {address}", process.proc)
+    return Backends(addresses, process)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pods", type=int, default=3, help="simulated vLLM pods (default 3)")
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
+    parser.add_argument("--backend", choices=["sim", "echo"], default="sim",
+                        help="sim: simulated vLLM (default); echo: tiny servers that echo what they got")
+    parser.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered")
+    parser.add_argument("--once", action="store_true", help="exit after the sample requests")
+
+
+def run(args: argparse.Namespace) -> int:
+    with process_scope("demo") as (logdir, started):
+        print(f"picker demo: logs in {logdir}")
+        if args.backend == "sim":
+            fleet = start_fleet(args.pods, logdir, started, args.model)
+        else:
+            fleet = start_backends(args.pods, logdir)
+            started.append(fleet.process)
+        picker = start_picker(logdir, endpoints=fleet.addresses)
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, fleet.addresses, mode=args.mode)
+        started.append(envoy.process)
+        print(f"  fleet:  {', '.join(fleet.addresses)}")
+        print(f"  picker: 127.0.0.1:{picker.grpc_port} (metrics http://127.0.0.1:{picker.metrics_port}/metrics)")
+        print(f"  envoy:  {envoy.url} ({args.mode} body mode)\n")
+        with grpc.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
+            for i, sample in enumerate(samples(args.model), 1):
+                why = _explain(channel, sample)
+                status, pod, text = _send(envoy.url, sample)
+                print(f"[{i}] {sample.method} {sample.path}  {sample.title}")
+                print("    " + why.replace("\n", "\n    "))
+                served = pod or (json.loads(text).get("served_by", "") if status == 200 and text.startswith("{")
+                                 else "")
+                summary = text if status != 200 else f"served by {served or '?'}"
+                print(f"    -> {status} {summary[:200]}\n")
+                time.sleep(0.2)
+        if args.once:
+            return 0
+        print(f"Envoy is up at {envoy.url}; try:\n  curl -s {envoy.url}/v1/chat/completions -H 'content-type: "
+              f"application/json' -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"hi\"}}]}}'\n  picker explain --target 127.0.0.1:{picker.grpc_port} --endpoints\n"
+              "Ctrl-C stops everything.")
+        try:
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        except KeyboardInterrupt:
+            pass
+    return 0
