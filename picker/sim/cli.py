@@ -1,0 +1,91 @@
+"""`picker sim`: run N simulated vLLM servers in one process until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from picker.sim.fleet import SimFleet
+from picker.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `picker sim`."""
+    parser.add_argument("--pods", type=int, default=1, help="number of simulated vLLM instances")
+    parser.add_argument("--base-port", type=int, default=8000, help="pod i listens on base-port + i (0: free ports)")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES), help="hardware/model profile")
+    parser.add_argument("--model", default=None, help="served model name (default: the profile's model)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="model time runs this many times faster")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated text")
+    parser.add_argument(
+        "--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH", help="LoRA adapters"
+    )
+    parser.add_argument(
+        "--kv-events-endpoint-base",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish KV events; pod i connects to PORT + i (the consumer binds)",
+    )
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profile's KV cache size")
+    parser.add_argument("--block-size", type=int, default=None, help="override the profile's block size")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's max_num_seqs")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="override the token budget")
+    parser.add_argument("--max-model-len", type=int, default=None, help="override the context window")
+    parser.add_argument("--max-loras", type=int, default=None, help="override the number of LoRA slots")
+    parser.add_argument("--eos-mean-tokens", type=int, default=None, help="mean output length before a pseudo-EOS")
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    profile = get_profile(args.profile).with_overrides(
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_loras=args.max_loras,
+        eos_mean_tokens=args.eos_mean_tokens,
+    )
+    fleet = SimFleet(
+        args.pods,
+        host=args.host,
+        base_port=args.base_port,
+        profile=profile,
+        time_scale=args.time_scale,
+        model=args.model,
+        lora_modules=dict(args.lora_modules),
+        seed=args.seed,
+        kv_events_endpoint_base=args.kv_events_endpoint_base,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with fleet:
+        for pod in fleet.pods:
+            kv = f" kv-events={pod.config.kv_events_endpoint}" if pod.config.kv_events_endpoint else ""
+            print(f"{pod.name} {pod.url} model={pod.model_name} profile={profile.name}{kv}", flush=True)
+        await stop.wait()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point called by `picker sim`."""
+    if args.pods < 1:
+        print("--pods must be at least 1", file=sys.stderr)
+        return 2
+    if args.time_scale <= 0:
+        print("--time-scale must be positive", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args))

@@ -1,0 +1,116 @@
+"""Real-time driver: runs an Engine on the asyncio loop and hands its outputs to waiting HTTP handlers.
+
+Model time = (loop time - start) x time_scale. Each step is computed when it starts and its outputs are delivered
+after sleeping `duration / time_scale`, so clients see vLLM-like timing scaled by `time_scale`. When the process
+cannot keep up (CPU-bound), model time still follows the wall clock: steps start late, as on an overloaded server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from picker.sim.engine import Engine, FinishedRequest, SimRequest, StepResult
+
+
+class RequestHandle:
+    """Tokens of one engine request as they come out; `changed` is set whenever something new arrived."""
+
+    __slots__ = ("request_id", "tokens", "finished", "changed")
+
+    def __init__(self, request_id: str, changed: asyncio.Event) -> None:
+        self.request_id = request_id
+        self.tokens: list[int] = []
+        self.finished: FinishedRequest | None = None
+        self.changed = changed
+
+
+class RealtimeDriver:
+    """Owns the stepping task of one engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        time_scale: float = 1.0,
+        on_step: Callable[[StepResult], None] | None = None,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        self.engine = engine
+        self.time_scale = time_scale
+        self.on_step = on_step
+        self._handles: dict[str, RequestHandle] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._wall0 = self._loop.time()
+
+    def model_now(self) -> float:
+        """Current model time in seconds since the driver started."""
+        return (self._loop.time() - self._wall0) * self.time_scale
+
+    def start(self) -> None:
+        """Start the stepping task."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="sim-engine-driver")
+
+    async def stop(self) -> None:
+        """Stop stepping and release every waiting handler."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for handle in self._handles.values():
+            handle.changed.set()
+
+    def submit(self, req: SimRequest, changed: asyncio.Event | None = None) -> RequestHandle:
+        """Add a request now; several handles may share one `changed` event (n > 1, prompt lists)."""
+        handle = RequestHandle(req.request_id, changed or asyncio.Event())
+        self.engine.add_request(req, self.model_now())
+        self._handles[req.request_id] = handle
+        self._wake.set()
+        return handle
+
+    def abort(self, request_id: str) -> FinishedRequest | None:
+        """Drop a request whose client went away; returns its record (None if it already finished)."""
+        handle = self._handles.pop(request_id, None)
+        fin = self.engine.abort_request(request_id, self.model_now())
+        if handle is not None:
+            handle.finished = fin
+            handle.changed.set()
+        return fin
+
+    async def _run(self) -> None:
+        loop = self._loop
+        engine = self.engine
+        while True:
+            nxt = engine.next_step_time()
+            if nxt is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = max(self.model_now(), nxt)
+            result = engine.step(now)
+            delay = self._wall0 + result.end / self.time_scale - loop.time()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            self._deliver(result)
+
+    def _deliver(self, result: StepResult) -> None:
+        handles = self._handles
+        touched: set[RequestHandle] = set()
+        for rid, token in result.new_tokens:
+            handle = handles.get(rid)
+            if handle is not None:
+                handle.tokens.append(token)
+                touched.add(handle)
+        for fin in result.finished:
+            handle = handles.pop(fin.request_id, None)
+            if handle is not None:
+                handle.finished = fin
+                touched.add(handle)
+        if self.on_step is not None:
+            self.on_step(result)
+        for handle in touched:
+            handle.changed.set()

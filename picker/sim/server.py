@@ -1,0 +1,431 @@
+"""HTTP surface of one simulated vLLM pod (aiohttp): OpenAI API, /metrics, /tokenize, render, health, info.
+
+A `SimPod` owns an Engine, its real-time driver, its metrics registry and (optionally) a KV-event publisher. Every
+response carries `x-sim-pod: <pod name>` and completions carry `system_fingerprint: "<pod name>"`, so tests can tell
+which pod served a request; nothing else distinguishes the pod from vLLM except timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from picker.sim.driver import RealtimeDriver, RequestHandle
+from picker.sim.engine import Engine, FinishedRequest, SimRequest, StepResult
+from picker.sim.kv_events import DEFAULT_TOPIC, KVEventPublisher
+from picker.sim.metrics import SimMetrics
+from picker.sim.openai_api import (
+    SSE_DONE,
+    ApiError,
+    ChoiceResult,
+    GenerationPlan,
+    ServedModel,
+    chat_chunk,
+    chat_prompt,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    dumps,
+    parse_chat,
+    parse_completion,
+    prompt_token_lists,
+    resolve_model,
+    sse,
+    usage,
+    usage_chunk,
+)
+from picker.sim.profiles import Profile
+
+POD_HEADER = "x-sim-pod"
+VLLM_VERSION = "0.32.0"
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class PodConfig:
+    """Everything that makes one simulated vLLM instance."""
+
+    name: str
+    profile: Profile
+    model: str | None = None  # served model name; default: the profile's model
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    time_scale: float = 1.0
+    seed: int = 0
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = DEFAULT_TOPIC
+    enable_prefix_caching: bool = True
+    enable_prompt_tokens_details: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    process_metrics: bool = True
+
+
+class SimPod:
+    """One simulated vLLM server. `await start()` binds the port; `await stop()` releases everything."""
+
+    def __init__(self, config: PodConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self.model_name = config.model or config.profile.model
+        self.engine = Engine(
+            config.profile,
+            seed=config.seed,
+            lora_modules=config.lora_modules,
+            record_kv_events=config.kv_events_endpoint is not None,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.metrics = SimMetrics(
+            self.engine,
+            self.model_name,
+            lora_enabled=bool(config.lora_modules),
+            prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+            process_metrics=config.process_metrics,
+        )
+        self.served = ServedModel(
+            name=self.model_name,
+            root=self.model_name,
+            max_model_len=config.profile.max_model_len,
+            tokenizer=self.engine.tokenizer,
+            lora_modules=dict(config.lora_modules),
+        )
+        self.port = config.port
+        self.started = time.time()
+        self.driver: RealtimeDriver | None = None
+        self.publisher: KVEventPublisher | None = None
+        self._runner: web.AppRunner | None = None
+        self._closing = False
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. http://127.0.0.1:8001."""
+        return f"http://{self.config.host}:{self.port}"
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine driver, the KV-event publisher and the HTTP listener."""
+        if self.config.kv_events_endpoint:
+            self.publisher = KVEventPublisher(self.config.kv_events_endpoint, self.config.kv_events_topic)
+        self.driver = RealtimeDriver(self.engine, self.config.time_scale, self._on_step)
+        self.driver.start()
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        await site.start()
+        address = self._runner.addresses[0]
+        self.port = int(address[1])
+
+    async def stop(self) -> None:
+        """Stop serving; pending requests get an error."""
+        self._closing = True
+        if self.driver is not None:
+            await self.driver.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    def _on_step(self, result: StepResult) -> None:
+        self.metrics.observe_step(result)
+        if self.publisher is not None and result.kv_events:
+            self.publisher.publish(result.kv_events)
+
+    # --- app -------------------------------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        """The aiohttp application with vLLM's routes."""
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app.on_response_prepare.append(self._tag_response)
+        r = app.router
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/ping", self.health)
+        r.add_get("/version", self.version)
+        r.add_get("/metrics", self.metrics_handler)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/v1/completions/render", self.render_completion)
+        r.add_post("/v1/chat/completions/render", self.render_chat)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        return app
+
+    async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[POD_HEADER] = self.name
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except ApiError as exc:
+            return self._json(exc.body(), exc.status)
+        except web.HTTPNotFound:
+            return self._json({"detail": "Not Found"}, 404)
+        except web.HTTPMethodNotAllowed:
+            return self._json({"detail": "Method Not Allowed"}, 405)
+
+    @staticmethod
+    def _json(obj: Any, status: int = 200) -> web.Response:
+        return web.Response(text=dumps(obj), status=status, content_type="application/json")
+
+    @staticmethod
+    async def _body(request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError("Invalid JSON in request body.", 400) from None
+
+    # --- generation ------------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        plan = parse_completion(await self._body(request), self.served)
+        return await self._generate(request, plan, f"cmpl-{uuid.uuid4().hex}")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        plan = parse_chat(await self._body(request), self.served)
+        return await self._generate(request, plan, f"chatcmpl-{uuid.uuid4().hex}")
+
+    async def _generate(self, request: web.Request, plan: GenerationPlan, rid: str) -> web.StreamResponse:
+        if self._closing or self.driver is None:
+            raise ApiError("The server is shutting down.", 503)
+        created = int(time.time())
+        changed = asyncio.Event()
+        handles: list[RequestHandle] = []
+        prompt_of: list[int] = []
+        try:
+            for p_idx, prompt in enumerate(plan.prompts):
+                for c in range(plan.n):
+                    req = SimRequest(
+                        request_id=f"{rid}-{len(handles)}",
+                        prompt_token_ids=prompt,
+                        max_tokens=plan.max_tokens[p_idx],
+                        lora_name=plan.lora_name,
+                        cache_salt=plan.cache_salt,
+                        ignore_eos=plan.ignore_eos,
+                        min_tokens=plan.min_tokens,
+                    )
+                    handles.append(self.driver.submit(req, changed))
+                    prompt_of.append(p_idx)
+                    del c
+            if plan.stream:
+                return await self._stream(request, plan, rid, created, handles, prompt_of, changed)
+            while not all(h.finished is not None for h in handles):
+                if self._closing:
+                    raise ApiError("The server is shutting down.", 503)
+                changed.clear()
+                await changed.wait()
+            finished = [h.finished for h in handles if h.finished is not None]
+            choices = [ChoiceResult(i, self.engine.decode(f.output_token_ids), f.finish_reason)
+                       for i, f in enumerate(finished)]  # fmt: skip
+            use = self._usage(plan, finished)
+            build = completion_response if plan.kind == "completion" else chat_response
+            return self._json(build(rid, created, plan.model, choices, use, self.name))
+        finally:
+            self._abort_unfinished(handles)
+
+    def _usage(self, plan: GenerationPlan, finished: list[FinishedRequest]) -> dict[str, Any]:
+        prompt_tokens = sum(len(p) for p in plan.prompts)
+        completion_tokens = sum(len(f.output_token_ids) for f in finished)
+        cached = finished[0].num_cached_tokens if finished else 0
+        return usage(prompt_tokens, completion_tokens, cached if self.config.enable_prompt_tokens_details else None)
+
+    def _abort_unfinished(self, handles: list[RequestHandle]) -> None:
+        if self.driver is None:
+            return
+        for h in handles:
+            if h.finished is None:
+                fin = self.driver.abort(h.request_id)
+                if fin is not None:
+                    self.metrics.observe_finished(fin)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        plan: GenerationPlan,
+        rid: str,
+        created: int,
+        handles: list[RequestHandle],
+        prompt_of: list[int],
+        changed: asyncio.Event,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        chat = plan.kind == "chat"
+        sent = [0] * len(handles)
+        done = [False] * len(handles)
+        model = plan.model
+        decode = self.engine.decode
+        while not all(done):
+            out: list[bytes] = []
+            for i, h in enumerate(handles):
+                if done[i]:
+                    continue
+                new = h.tokens[sent[i] :]
+                fin = h.finished
+                if not new and fin is None:
+                    continue
+                if chat and sent[i] == 0 and new:
+                    role_use = usage(len(plan.prompts[prompt_of[i]]), 0, None) if plan.continuous_usage else None
+                    out.append(sse(chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None,
+                                              _no_details(role_use))))  # fmt: skip
+                sent[i] = len(h.tokens)
+                reason = fin.finish_reason if fin is not None else None
+                use = None
+                if plan.continuous_usage:
+                    use = _no_details(usage(len(plan.prompts[prompt_of[i]]), sent[i], None))
+                fingerprint = self.name if reason is not None and not plan.include_usage else None
+                text = decode(new)
+                if chat:
+                    out.append(sse(chat_chunk(rid, created, model, i, {"content": text}, reason, use, fingerprint)))
+                else:
+                    out.append(sse(completion_chunk(rid, created, model, i, text, reason, use, fingerprint)))
+                if fin is not None:
+                    done[i] = True
+            if out:
+                await response.write(b"".join(out))
+            if not all(done):
+                if self._closing:
+                    break
+                changed.clear()
+                await changed.wait()
+        finished = [h.finished for h in handles if h.finished is not None]
+        if plan.include_usage and all(done):
+            use = self._usage(plan, finished)
+            await response.write(sse(usage_chunk(rid, created, model, plan.kind, use, self.name)))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+    # --- other endpoints -------------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the base model and the LoRA adapters."""
+        created = int(self.started)
+
+        def card(mid: str, root: str, parent: str | None, max_len: int | None) -> dict[str, Any]:
+            return {
+                "id": mid,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": parent,
+                "max_model_len": max_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_DNS, self.name + mid).hex}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+
+        data = [card(self.model_name, self.served.root, None, self.served.max_model_len)]
+        data += [card(name, path, self.model_name, None) for name, path in self.served.lora_modules.items()]
+        return self._json({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """GET /health: 200 with an empty body, like vLLM."""
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        """GET /version."""
+        return self._json({"version": VLLM_VERSION})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        """GET /metrics: Prometheus text."""
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    def _tokens_of(self, body: Any) -> list[list[int]]:
+        if not isinstance(body, dict):
+            raise ApiError("Request body must be a JSON object.", 400)
+        resolve_model(body, self.served)
+        if "messages" in body:
+            return [chat_prompt(body, self.served.tokenizer)]
+        return prompt_token_lists(body.get("prompt"), self.served.tokenizer, bool(body.get("add_special_tokens", True)))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize (prompt or messages) -> {count, max_model_len, tokens, token_strs}."""
+        tokens = self._tokens_of(await self._body(request))[0]
+        return self._json(
+            {"count": len(tokens), "max_model_len": self.served.max_model_len, "tokens": tokens, "token_strs": None}
+        )
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        """POST /v1/completions/render -> [{"token_ids": [...]}] per prompt (what vllm-router reads)."""
+        return self._json([{"token_ids": t} for t in self._tokens_of(await self._body(request))])
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        """POST /v1/chat/completions/render -> [{"token_ids": [...]}]."""
+        body = await self._body(request)
+        if not isinstance(body, dict) or "messages" not in body:
+            raise ApiError("messages must be a non-empty list.", 400, "messages")
+        return self._json([{"token_ids": t} for t in self._tokens_of(body)])
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """GET /get_server_info (sglang-router probes it)."""
+        p = self.engine.profile
+        return self._json(
+            {
+                "model_path": self.served.root,
+                "tokenizer_path": self.served.root,
+                "served_model_name": self.model_name,
+                "max_model_len": p.max_model_len,
+                "context_length": p.max_model_len,
+                "max_num_seqs": p.max_num_seqs,
+                "max_num_batched_tokens": p.max_num_batched_tokens,
+                "block_size": p.block_size,
+                "page_size": p.block_size,
+                "num_gpu_blocks": p.num_gpu_blocks,
+                "max_total_num_tokens": p.num_gpu_blocks * p.block_size,
+                "enable_prefix_caching": self.engine.kv.enable_prefix_caching,
+                "version": VLLM_VERSION,
+            }
+        )
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """GET /get_model_info (sglang-router probes it)."""
+        return self._json(
+            {
+                "model_path": self.served.root,
+                "tokenizer_path": self.served.root,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+        )
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """POST /reset_prefix_cache (vLLM dev endpoint); 500 while requests hold blocks."""
+        if not self.engine.reset_prefix_cache():
+            raise ApiError("Failed to reset prefix cache: blocks are in use.", 500)
+        if self.publisher is not None:
+            self.publisher.publish(self.engine.kv.drain_events())
+        return web.Response(status=200)
+
+
+def _no_details(use: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per-chunk usage carries no prompt_tokens_details."""
+    if use is None:
+        return None
+    return {k: v for k, v in use.items() if k != "prompt_tokens_details"}
