@@ -1,0 +1,83 @@
+"""vLLM /metrics parsing against the captured vLLM 0.32 samples and hand-made edge cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from picker.endpoints.metrics import parse_labels, parse_vllm_metrics
+
+SAMPLES = Path("/work/shared/data/vllm-metrics")
+
+
+def sample(name: str) -> str:
+    path = SAMPLES / name
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    return path.read_text()
+
+
+def test_idle_sample() -> None:
+    m = parse_vllm_metrics(sample("vllm-0.32-cpu-idle.txt"), updated_at=12.5)
+    assert (m.waiting, m.running, m.kv_usage) == (0.0, 0.0, 0.0)
+    assert (m.block_size, m.num_gpu_blocks) == (128, 8192)
+    assert (m.prefix_queries, m.prefix_hits) == (71.0, 0.0)
+    assert (m.max_lora, m.running_loras, m.waiting_loras) == (0, frozenset(), frozenset())
+    assert m.updated_at == 12.5
+
+
+def test_lora_sample_takes_the_newest_lora_series() -> None:
+    m = parse_vllm_metrics(sample("vllm-0.32-cpu-lora.txt"))
+    assert (m.block_size, m.num_gpu_blocks) == (128, 24)
+    assert (m.prefix_queries, m.prefix_hits) == (13500.0, 768.0)
+    # Two series: the older (…728.55) lists tinylora, the newer (…730.18) lists none: the newer wins.
+    assert m.max_lora == 2
+    assert m.running_loras == frozenset() and m.waiting_loras == frozenset()
+
+
+def test_lora_sample_with_series_order_swapped() -> None:
+    text = sample("vllm-0.32-cpu-lora.txt").replace("1.7959757301882033e+09", "1.0e+09")
+    m = parse_vllm_metrics(text)
+    assert m.running_loras == frozenset({"tinylora"}) and m.waiting_loras == frozenset({"tinylora"})
+
+
+def test_engines_add_up_and_kv_is_their_mean() -> None:
+    text = "\n".join([
+        "# HELP vllm:num_requests_waiting Number of requests waiting.",
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 4.0',
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 99.0',
+        'vllm:num_requests_running{engine="0",model_name="m"} 2 1700000000000',
+        'vllm:num_requests_running{engine="1",model_name="m"} 5',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75',
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0',
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1500"} 1.0',
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a, b",waiting_lora_adapters="c"} 20.0',
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",waiting_lora_adapters=""} 10.0',
+        "vllm:prefix_cache_queries_total 100",
+        "vllm:prefix_cache_hits_total NaN",
+        "vllm:num_requests_waiting{engine=\"2\"} garbage",
+        "vllm:num_requests_waiting{engine=\"3\"",
+        "not_vllm:num_requests_waiting 50",
+        "",
+    ])
+    m = parse_vllm_metrics(text)
+    assert (m.waiting, m.running) == (7.0, 7.0)
+    assert m.kv_usage == pytest.approx(0.5)
+    assert (m.block_size, m.num_gpu_blocks) == (16, 2500)
+    assert (m.max_lora, m.running_loras, m.waiting_loras) == (4, frozenset({"a", "b"}), frozenset({"c"}))
+    assert (m.prefix_queries, m.prefix_hits) == (100.0, 0.0)
+
+
+def test_old_kv_name_and_empty_text() -> None:
+    assert parse_vllm_metrics('vllm:gpu_cache_usage_perc{engine="0"} 0.4\n').kv_usage == 0.4
+    m = parse_vllm_metrics("")
+    assert (m.waiting, m.kv_usage, m.block_size, m.num_gpu_blocks, m.max_lora) == (0.0, 0.0, None, None, 0)
+
+
+def test_label_escapes() -> None:
+    assert parse_labels(r'a="x\"y",b="1\\2",c="line\nbreak",d="} {"') == {
+        "a": 'x"y', "b": "1\\2", "c": "line\nbreak", "d": "} {"}
