@@ -4,6 +4,8 @@ ports; sends sample requests and shows where each went and why. Ctrl-C (or --onc
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import signal
 import sys
@@ -15,12 +17,20 @@ from typing import Any
 
 import grpc
 
-from picker.api import load
+import picker.api  # noqa: F401 - compiles the stubs when missing
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.explain import format_explain
-from picker.supervisor import Backends, Managed, port_open, process_scope, spawn, start_backends, start_envoy, \
-    start_picker, wait_until
-
-picker_pb2, picker_pb2_grpc = load()
+from picker.supervisor import (
+    Backends,
+    Managed,
+    port_open,
+    process_scope,
+    spawn,
+    start_backends,
+    start_envoy,
+    start_picker,
+    wait_until,
+)
 
 SYSTEM = ("You are a meticulous assistant for the ACME inference platform. Answer in short, precise sentences, "
           "cite the runbook section you rely on, and never invent configuration flags. ") * 6
@@ -81,7 +91,7 @@ def start_fleet(pods: int, logdir: Any, started: list[Managed], model: str) -> B
                             "--model", model, "--time-scale", "10"], logdir)
     started.append(process)
     for address in addresses:
-        wait_until(lambda a=address: port_open(int(a.rsplit(":", 1)[1])), 60, f"sim pod {address}", process.proc)
+        wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 60, f"sim pod {address}", process.proc)
     return Backends(addresses, process)
 
 
@@ -126,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
               f"application/json' -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"hi\"}}]}}'\n  picker explain --target 127.0.0.1:{picker.grpc_port} --endpoints\n"
               "Ctrl-C stops everything.")
-        try:
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
-        except KeyboardInterrupt:
-            pass
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
     return 0

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import grpc
 
-from picker.api import load
-
-picker_pb2, picker_pb2_grpc = load()
+import picker.api  # noqa: F401 - compiles the stubs when missing
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

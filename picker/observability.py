@@ -6,6 +6,7 @@ benchmarks) without clashing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -78,7 +79,5 @@ class PickerMetrics:
 
     def forget_pod(self, endpoint: Endpoint) -> None:
         for gauge in (self.pod_queue, self.in_flight):
-            try:
+            with contextlib.suppress(KeyError):
                 gauge.remove(self.pool_name, endpoint.name)
-            except KeyError:
-                pass

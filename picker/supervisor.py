@@ -7,6 +7,7 @@ parent through PDEATHSIG) and is ended by PID in `stop()`, which callers run in 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -100,7 +101,7 @@ def start_backends(count: int, logdir: Path, name: str = "backends") -> Backends
     addresses = [f"{HOST}:{free_port()}" for _ in range(count)]
     process = spawn(name, [sys.executable, "-m", "picker.echo", *addresses], logdir)
     for address in addresses:
-        wait_until(lambda a=address: port_open(int(a.rsplit(":", 1)[1])), 20, f"backend {address}", process.proc)
+        wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 20, f"backend {address}", process.proc)
     return Backends(addresses, process)
 
 

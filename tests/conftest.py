@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from picker.supervisor import Backends, Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
+from picker.supervisor import (
+    Backends,
+    Envoy,
+    Picker,
+    process_scope,
+    start_backends,
+    start_envoy,
+    start_picker,
+)
 
 
 @dataclass

@@ -8,8 +8,8 @@ import json
 import aiohttp
 import pytest
 
-from tests.conftest import Stack
 from picker.supervisor import Envoy
+from tests.conftest import Stack
 
 CHAT = "/v1/chat/completions"
 

@@ -10,8 +10,8 @@ import time
 import aiohttp
 import pytest
 
-from tests.conftest import Stack
 from picker.supervisor import Envoy
+from tests.conftest import Stack
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -1,11 +1,13 @@
 """picker's own gRPC API (protos/picker/api/v1). Generated modules are built by `make protos`, or here on
-first import when missing (grpcio-tools is a runtime dependency), so an installed tree never drifts."""
+first import when missing or stale (grpcio-tools is a runtime dependency), so they never drift from the .proto.
+
+Import the stubs as `from picker.api.v1 import picker_pb2, picker_pb2_grpc` after importing this package.
+"""
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from types import ModuleType
 
 _ROOT = Path(__file__).resolve().parents[2]
 _PROTO = _ROOT / "protos" / "picker" / "api" / "v1" / "picker.proto"
@@ -23,10 +25,12 @@ def _generate() -> None:
         raise ImportError(f"grpc_tools.protoc failed on {_PROTO}")
 
 
-def load() -> tuple[ModuleType, ModuleType]:
-    """Return (picker_pb2, picker_pb2_grpc), compiling them first if absent or older than the .proto."""
-    generated = _OUT / "picker_pb2.py"
+def ensure_generated() -> None:
+    """Compile the stubs if absent or older than the .proto."""
+    generated = _OUT / "picker_pb2_grpc.py"
     if not generated.exists() or (_PROTO.exists() and _PROTO.stat().st_mtime > generated.stat().st_mtime):
         _generate()
         importlib.invalidate_caches()
-    return (importlib.import_module("picker.api.v1.picker_pb2"), importlib.import_module("picker.api.v1.picker_pb2_grpc"))
+
+
+ensure_generated()

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from picker.api import load
+import picker.api  # noqa: F401 - compiles the stubs when missing
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.director import Director
 from picker.requests import RequestError, build_request
-
-picker_pb2, picker_pb2_grpc = load()
 
 
 def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb2.ExplainResponse:
