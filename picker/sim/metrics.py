@@ -242,6 +242,8 @@ class SimMetrics(Collector):
         rejections = Metric("vllm:admission_rejections", "Number of admission attempts rejected by a queue limit, by reason.", "counter")
         for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
             rejections.add_sample("vllm:admission_rejections_total", {"model_name": self.model_name, "reason": reason}, 0.0)
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            rejections.add_sample("vllm:admission_rejections_created", {"model_name": self.model_name, "reason": reason}, self.created)
         yield rejections
         yield self._hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.")
         yield self._hist("vllm:request_generation_tokens", "Number of generation tokens processed.")
