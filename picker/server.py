@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -122,9 +124,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"picker serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    profile_path = os.environ.get("PICKER_PROFILE")  # bench/overhead.py: where does the picker's time go?
+    profiler = cProfile.Profile() if profile_path else None
     try:
+        if profiler is not None:
+            profiler.enable()
         asyncio.run(serve(config))
     except ValueError as exc:
         print(f"picker serve: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if profiler is not None and profile_path:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
     return 0

@@ -189,12 +189,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     async def Process(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> None:
+        # context.read()/write() instead of an async generator: fewer tasks and wake-ups per message.
         stream = _Stream(self.director, self.max_body_bytes)
         try:
-            async for message in request_iterator:
+            while True:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    return
                 for response in await stream.handle(message):
-                    yield response
+                    await context.write(response)
                 if stream.phase == "done":
                     return
         except ProtocolViolation as exc:

@@ -1,0 +1,169 @@
+"""What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes, same
+echo backends, same run. Reports req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies,
+then profiles the picker to show where its time goes.
+
+    .venv/bin/python bench/overhead.py [--requests 2000] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pstats
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from picker.envoyconfig import envoy_binary
+from picker.supervisor import (
+    Envoy,
+    Managed,
+    free_port,
+    port_open,
+    process_scope,
+    spawn,
+    start_backends,
+    start_envoy,
+    start_picker,
+    wait_until,
+)
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_direct_envoy(logdir: Path, template: Envoy, started: list[Managed]) -> str:
+    """The same Envoy config with the ext_proc filter removed: every request round-robins over the pool."""
+    config = yaml.safe_load(template.config_path.read_text())
+    listener = config["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    port = free_port()
+    listener["address"]["socket_address"]["port_value"] = port
+    config["admin"]["address"]["socket_address"]["port_value"] = free_port()
+    path = logdir / "envoy-direct.yaml"
+    path.write_text(yaml.safe_dump(config))
+    process = spawn("envoy-direct", [envoy_binary(), "-c", str(path), "--base-id", str(os.getpid() % 50000 + 7),
+                                     "-l", "warning", "--concurrency", "1"], logdir)
+    started.append(process)
+    wait_until(lambda: port_open(port), 30, "direct envoy", process.proc)
+    return f"http://127.0.0.1:{port}"
+
+
+async def drive(url: str, body: bytes, requests: int, concurrency: int) -> tuple[float, list[float], int]:
+    latencies: list[float] = []
+    errors = 0
+    counter = iter(range(requests))
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            nonlocal errors
+            for _ in counter:
+                start = time.perf_counter()
+                async with session.post(url + "/v1/chat/completions", data=body,
+                                        headers={"content-type": "application/json"}) as response:
+                    await response.read()
+                    if response.status != 200:
+                        errors += 1
+                latencies.append(time.perf_counter() - start)
+
+        began = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - began
+    return requests / elapsed, latencies, errors
+
+
+def body_of(size: int) -> bytes:
+    base = {"model": "tiny", "messages": [{"role": "user", "content": ""}]}
+    filler = "lorem ipsum " * (size // 12 + 1)
+    base["messages"][0]["content"] = filler[: size - len(json.dumps(base))]
+    return json.dumps(base).encode()
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setup (noise check)")
+    args = parser.parse_args()
+    OUT.mkdir(exist_ok=True)
+    profile_path = OUT / "picker.prof"
+    rows = []
+    with process_scope("overhead") as (logdir, started):
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--log-level", "WARNING"])
+        started.append(picker.process)
+        envoys = {mode: start_envoy(logdir, picker, backends.addresses, mode=mode, name=f"envoy-{mode}")
+                  for mode in ("buffered", "full-duplex")}
+        started += [e.process for e in envoys.values()]
+        urls = {"envoy direct": start_direct_envoy(logdir, envoys["buffered"], started),
+                "envoy+picker buffered": envoys["buffered"].url,
+                "envoy+picker full-duplex": envoys["full-duplex"].url}
+        for size in (1024, 32 * 1024):
+            body = body_of(size)
+            results: dict[str, list[tuple[float, list[float], int, float]]] = {name: [] for name in urls}
+            for _ in range(args.rounds):
+                for name, url in urls.items():
+                    asyncio.run(drive(url, body, 200, args.concurrency))  # warm-up
+                    cpu0 = cpu_seconds(picker.process.proc.pid)
+                    rps, lat, errors = asyncio.run(drive(url, body, args.requests, args.concurrency))
+                    cpu = cpu_seconds(picker.process.proc.pid) - cpu0
+                    results[name].append((rps, lat, errors, cpu))
+            # Added latency at concurrency 1 (no queueing): p50 of 300 sequential requests.
+            single = {name: statistics.median(asyncio.run(drive(url, body, 300, 1))[1]) for name, url in urls.items()}
+            direct_rps = statistics.median(r[0] for r in results["envoy direct"])
+            for name, runs in results.items():
+                rps = statistics.median(r[0] for r in runs)
+                lat = [x for r in runs for x in r[1]]
+                cpu_us = sum(r[3] for r in runs) / (args.requests * len(runs)) * 1e6
+                rows.append({"setup": name, "body": f"{size // 1024} KB", "req_per_s": round(rps),
+                             "ratio_to_direct": round(rps / direct_rps, 3), "p50_ms": round(pct(lat, 0.5) * 1e3, 2),
+                             "p99_ms": round(pct(lat, 0.99) * 1e3, 2),
+                             "p50_ms_concurrency_1": round(single[name] * 1e3, 2),
+                             "picker_cpu_us_per_request": round(cpu_us) if name != "envoy direct" else 0,
+                             "errors": sum(r[2] for r in runs)})
+        # A second picker under cProfile (slower, so not used for the figures above) shows where time goes.
+        os.environ["PICKER_PROFILE"] = str(profile_path)
+        profiled = start_picker(logdir, endpoints=backends.addresses, extra=["--log-level", "WARNING"],
+                                name="picker-profiled")
+        del os.environ["PICKER_PROFILE"]
+        started.append(profiled.process)
+        envoy = start_envoy(logdir, profiled, backends.addresses, name="envoy-profiled")
+        started.append(envoy.process)
+        asyncio.run(drive(envoy.url, body_of(1024), args.requests, args.concurrency))
+        profiled.process.proc.send_signal(signal.SIGTERM)
+        profiled.process.proc.wait(15)
+    header = list(rows[0])
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    table += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
+    text = "\n".join(table)
+    print(text)
+    (OUT / "overhead.md").write_text(text + "\n")
+    (OUT / "overhead.json").write_text(json.dumps({"rows": rows, "requests": args.requests,
+                                                   "concurrency": args.concurrency, "cpus": os.cpu_count()},
+                                                  indent=2))
+    if profile_path.exists():
+        print("\nWhere the picker's time goes (buffered, 1 KB; own time, top 20):")
+        pstats.Stats(str(profile_path)).sort_stats("tottime").print_stats(20)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
