@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", help="address every server binds (default 0.0.0.0)")
     a("--grpc-port", type=int, help="ext_proc + picker.v1 API port (default 9002)")
     a("--grpc-health-port", type=int, help="gRPC health port (default 9003)")
-    a("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 disables)")
+    a("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free port, -1 disables)")
     a("--endpoints", help="static pool: ip:port,ip:port")
     a("--endpoints-file", help="YAML/JSON list of endpoints, reloaded when it changes")
     a("--refresh-metrics-interval", help="how often each endpoint's /metrics is scraped (default 50ms)")
