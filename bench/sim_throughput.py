@@ -26,7 +26,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega router cache prefix token".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "router", "cache", "prefix", "token"]
 
 
 def prompt(group: int, i: int, chars: int) -> str:
@@ -106,22 +106,29 @@ async def phase(urls: list[str], concurrency: int, seconds: float, args: argpars
     }
 
 
-async def main_async(args: argparse.Namespace) -> int:
+async def main_async(args: argparse.Namespace, proc: subprocess.Popen[str], urls: list[str]) -> int:
+    print(f"# picker sim --pods {args.pods} --profile {args.profile} --time-scale 1 (pid {proc.pid}); "
+          f"prompts ~{args.prompt_chars} chars in {args.groups} prefix groups, max_tokens {args.max_tokens}, "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
+    print("| concurrency | completed req/s | p50 s | p99 s | client mean s | model e2e mean s | sim CPU | errors |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for c in args.concurrency:
+        r = await phase(urls, c, args.phase_seconds, args, proc.pid)
+        print(f"| {r['concurrency']} | {r['rps']:.1f} | {r['p50']:.3f} | {r['p99']:.3f} | {r['mean']:.3f} | "
+              f"{r['model_mean']:.3f} | {r['sim_cpu']:.0%} | {r['errors']} |", flush=True)  # fmt: skip
+    return 0
+
+
+def run_bounded(args: argparse.Namespace) -> int:
+    """Start the sim process, measure, always stop it."""
     cmd = [sys.executable, "-m", "picker.cli", "sim", "--pods", str(args.pods), "--base-port", "0",
            "--profile", args.profile, "--time-scale", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None
         urls = [proc.stdout.readline().split()[1] for _ in range(args.pods)]
-        print(f"# picker sim --pods {args.pods} --profile {args.profile} --time-scale 1 (pid {proc.pid}); "
-              f"prompts ~{args.prompt_chars} chars in {args.groups} prefix groups, max_tokens {args.max_tokens}, "
-              f"{os.cpu_count()} CPUs")  # fmt: skip
-        print("| concurrency | completed req/s | p50 s | p99 s | client mean s | model e2e mean s | sim CPU | errors |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for c in args.concurrency:
-            r = await phase(urls, c, args.phase_seconds, args, proc.pid)
-            print(f"| {r['concurrency']} | {r['rps']:.1f} | {r['p50']:.3f} | {r['p99']:.3f} | {r['mean']:.3f} | "
-                  f"{r['model_mean']:.3f} | {r['sim_cpu']:.0%} | {r['errors']} |", flush=True)  # fmt: skip
+        return asyncio.run(main_async(args, proc, urls))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -129,7 +136,6 @@ async def main_async(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return 0
 
 
 def main() -> int:
@@ -144,7 +150,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.phase_seconds * len(args.concurrency) > 55:
         parser.error("keep the run bounded: phase-seconds x phases must stay under 55 s")
-    return asyncio.run(main_async(args))
+    return run_bounded(args)
 
 
 if __name__ == "__main__":

