@@ -10,8 +10,8 @@ from typing import Protocol
 
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint
-from picker.observability import PickerMetrics
-from picker.requests import InferenceRequest, RequestError, estimated_tokens
+from picker.observability import DecisionTracer, PickerMetrics
+from picker.requests import InferenceRequest, RequestError, build_request, estimated_tokens
 from picker.scheduling.types import Scheduler, SchedulingResult
 
 
@@ -58,6 +58,7 @@ class Director:
         metrics: PickerMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         fallbacks: int = 1,
+        tracer: DecisionTracer | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -65,6 +66,7 @@ class Director:
         self.metrics = metrics
         self.clock = clock
         self.fallbacks = max(1, fallbacks)
+        self.tracer = tracer
         pool.add_removal_listener(scheduler.on_endpoint_removed)
         if metrics is not None:
             pool.add_removal_listener(metrics.forget_pod)
@@ -92,22 +94,49 @@ class Director:
             raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
         return result
 
-    async def route(self, request: InferenceRequest) -> Decision:
-        """Admit, schedule and account for one request. Raises RequestError with the client's status."""
-        labels = (request.model, request.target_model or request.model, str(request.priority))
+    async def route_http(self, headers: dict[str, str], body: bytes, *, request_id: str,
+                         subset: tuple[str, ...] | None = None) -> Decision:
+        """Parse, admit, schedule and account for one HTTP request; RequestError with the client's status."""
+        start_ns = time.time_ns() if self.tracer is not None else 0
+        request: InferenceRequest | None = None
         try:
-            if self.admission is not None and request.has_body:
-                await self.admission.admit(request, lambda: self.candidates(request), self.clock)
-                labels = (request.model, request.target_model or request.model, str(request.priority))
-            start = time.perf_counter()
-            result = self.rank(request)
-            if self.metrics is not None:
-                self.metrics.scheduler_duration.observe(time.perf_counter() - start)
+            request = build_request(headers, body, request_id=request_id, subset=subset)
+            decision = await self._route(request)
         except RequestError as err:
+            if request is None:  # refused while parsing: no model known
+                request = InferenceRequest(request_id=request_id, model="", path=headers.get(":path", ""))
             if self.metrics is not None:
+                labels = (request.model, request.target_model or request.model, str(request.priority))
                 self.metrics.requests.labels(*labels).inc()
                 self.metrics.errors.labels(*labels, err.code).inc()
+            if self.tracer is not None:
+                self.tracer.record(start_ns, time.time_ns(), {**self._span_attributes(request),
+                                                              "picker.error.status": err.status,
+                                                              "picker.error.code": err.code})
             raise
+        if self.tracer is not None:
+            result = decision.result
+            self.tracer.record(start_ns, time.time_ns(), {
+                **self._span_attributes(request), "picker.destination": decision.destination,
+                "picker.profile": result.profile if result else "",
+                "picker.prefix_blocks": result.prefix_blocks if result else 0,
+                "picker.prefix_matched_blocks": result.prefix_matched_blocks if result else 0})
+        return decision
+
+    @staticmethod
+    def _span_attributes(request: InferenceRequest) -> dict[str, str | int | float]:
+        return {"picker.request_id": request.request_id, "gen_ai.request.model": request.model,
+                "picker.priority": request.priority, "http.route": request.path.split("?", 1)[0]}
+
+    async def route(self, request: InferenceRequest) -> Decision:
+        """Route an already parsed request (benchmarks, tests)."""
+        return await self._route(request)
+
+    async def _route(self, request: InferenceRequest) -> Decision:
+        if self.admission is not None and request.has_body:
+            await self.admission.admit(request, lambda: self.candidates(request), self.clock)
+        start = time.perf_counter()
+        result = self.rank(request)
         now = self.clock()
         ranked = result.ranked[: self.fallbacks]
         chosen = ranked[0]
@@ -116,7 +145,9 @@ class Director:
         tokens = estimated_tokens(request)
         chosen.start_request(tokens, now)
         if self.metrics is not None:
-            self.metrics.requests.labels(*labels).inc()
+            self.metrics.scheduler_duration.observe(time.perf_counter() - start)
+            self.metrics.requests.labels(request.model, request.target_model or request.model,
+                                         str(request.priority)).inc()
             if result.prefix_blocks:
                 self.metrics.index_hit_ratio.observe(result.prefix_matched_blocks / result.prefix_blocks)
         destination = ",".join(e.address for e in ranked)

@@ -81,3 +81,31 @@ class PickerMetrics:
         for gauge in (self.pod_queue, self.in_flight):
             with contextlib.suppress(KeyError):
                 gauge.remove(self.pool_name, endpoint.name)
+
+
+
+class DecisionTracer:
+    """One OpenTelemetry span per routing decision (start → pick), exported over OTLP/gRPC.
+
+    Spans are built after the decision from recorded timestamps, so tracing adds no await on the hot path.
+    """
+
+    def __init__(self, otlp_endpoint: str, service_name: str = "picker", export_delay_ms: int = 1000) -> None:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        insecure = not otlp_endpoint.startswith("https://")
+        exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=insecure)
+        self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms))
+        self.tracer = self.provider.get_tracer("picker")
+
+    def record(self, start_ns: int, end_ns: int, attributes: dict[str, str | int | float]) -> None:
+        span = self.tracer.start_span("picker.route", start_time=start_ns, attributes=attributes)
+        span.end(end_time=end_ns)
+
+    def shutdown(self) -> None:
+        """Flush buffered spans (graceful stop)."""
+        self.provider.shutdown()

@@ -25,7 +25,7 @@ from picker.director import Director
 from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
 from picker.endpoints.pool import EndpointPool
 from picker.extproc.servicer import ExtProcServicer
-from picker.observability import PickerMetrics
+from picker.observability import DecisionTracer, PickerMetrics
 from picker.policy import build_admission, build_scheduler, start_scraper
 
 log = logging.getLogger("picker")
@@ -59,8 +59,9 @@ class PickerServer:
             watcher.load_now()
             self._tasks.append(asyncio.create_task(watcher.run()))
         self.scheduler = build_scheduler(c)
+        self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
         self.director = Director(self.pool, self.scheduler, admission=build_admission(c), metrics=self.metrics,
-                                 fallbacks=c.fallback_endpoints)
+                                 fallbacks=c.fallback_endpoints, tracer=self.tracer)
         scraper_task = start_scraper(c, self.pool, self.metrics)
         if scraper_task is not None:
             self._tasks.append(scraper_task)
@@ -102,6 +103,8 @@ class PickerServer:
         await self.health_server.stop(0)
         if getattr(self, "_http_server", None) is not None:
             self._http_server.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
 
 async def serve(config: cfg.ServeConfig) -> None:

@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.director import Decision, Director
 from picker.extproc import protocol as p
-from picker.requests import RequestError, build_request, route_kind
+from picker.requests import RequestError, route_kind
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,8 @@ class _Stream:
     async def _route(self, body: bytes, *, by_headers: bool) -> pb.ProcessingResponse:
         assert self.headers is not None
         try:
-            request = build_request(self.headers, body, request_id=self.request_id, subset=self.subset)
-            self.decision = await self.director.route(request)
+            self.decision = await self.director.route_http(self.headers, body, request_id=self.request_id,
+                                                           subset=self.subset)
         except RequestError as err:
             return self._reject(err)
         self.phase = "routed"
