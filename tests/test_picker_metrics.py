@@ -1,0 +1,32 @@
+"""The picker's Prometheus endpoint carries GIE-compatible series after traffic through Envoy."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import Stack
+
+
+async def test_gie_metric_names_after_traffic(stack: Stack) -> None:
+    envoy = stack.envoys["buffered"]
+    async with aiohttp.ClientSession() as session:
+        for data in (json.dumps({"model": "metrics-model", "prompt": "x"}).encode(), b"{"):
+            async with session.post(envoy.url + "/v1/completions", data=data) as response:
+                await response.read()
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("inference_objective_request", "inference_objective_request_error",
+                 "inference_objective_request_duration_seconds", "inference_extension_scheduler_e2e_duration_seconds",
+                 "inference_pool_ready_pods", "inference_pool_average_kv_cache_utilization"):
+        assert name in families, name
+    routed = [s for s in families["inference_objective_request"].samples
+              if s.name.endswith("_total") and s.labels.get("model_name") == "metrics-model"]
+    assert routed and routed[0].value >= 1
+    errors = {s.labels["error_code"] for s in families["inference_objective_request_error"].samples
+              if s.name.endswith("_total")}
+    assert "invalid_json" in errors
