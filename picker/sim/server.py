@@ -216,7 +216,7 @@ class SimPod:
                         ignore_eos=plan.ignore_eos,
                         min_tokens=plan.min_tokens,
                     )
-                    handles.append(self.driver.submit(req, changed))
+                    handles.append(self.driver.submit(req, changed, plan.stream))
                     prompt_of.append(p_idx)
                     del c
             if plan.stream:

@@ -24,7 +24,24 @@ SPECIAL_TOKENS: dict[str, int] = {BOS: 1, EOS: 2, START_HEADER: 3, END_HEADER: 4
 RESERVED_IDS = 256  # ids below this are special/reserved, like the added tokens of real vocabularies
 CHUNK_CHARS = 4
 
-_PIECES = re.compile(r"<\|[a-z_]+\|>| ?[^\W_]+| ?[^\s\w]+| ?_+|\s+")
+# Special tokens are cut out first; in the text between them one regex yields the final pieces: a word, punctuation
+# or underscore run with an optional leading space, cut into chunks of at most 4 characters (the leading space
+# counts), else up to 4 whitespace characters.
+_SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+_PIECES = re.compile(r" [^\W_]{1,3}|[^\W_]{1,4}| [^\s\w]{1,3}|[^\s\w]{1,4}| _{1,3}|_{1,4}|\s{1,4}")
+
+
+def split_pieces(text: str) -> list[str]:
+    """Pieces of `text` (each maps to one token id)."""
+    if "<|" not in text:
+        return _PIECES.findall(text)
+    out: list[str] = []
+    for i, segment in enumerate(_SPECIAL_SPLIT.split(text)):
+        if i % 2:
+            out.append(segment)
+        elif segment:
+            out.extend(_PIECES.findall(segment))
+    return out
 
 
 class Tokenizer:
@@ -55,19 +72,15 @@ class Tokenizer:
 
     def pieces(self, text: str) -> list[str]:
         """The string pieces `encode` maps to ids (useful to show `token_strs`)."""
-        out: list[str] = []
-        for piece in _PIECES.findall(text):
-            if len(piece) <= CHUNK_CHARS or piece in SPECIAL_TOKENS:
-                out.append(piece)
-            else:
-                out.extend(piece[i : i + CHUNK_CHARS] for i in range(0, len(piece), CHUNK_CHARS))
-        return out
+        return split_pieces(text)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` prepends BOS like Llama tokenizers do for completions."""
-        ids = [self.bos_token_id] if add_special_tokens else []
+        get = self._cache.get
         piece_id = self.piece_id
-        ids.extend(piece_id(p) for p in self.pieces(text))
+        ids = [get(p) or piece_id(p) for p in split_pieces(text)]
+        if add_special_tokens:
+            ids.insert(0, self.bos_token_id)
         return ids
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import urllib.request
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from picker.sim.profiles import PROFILES, get_profile
 from picker.sim.tokenizer import PseudoWords, Tokenizer, render_chat
@@ -32,6 +35,31 @@ def test_about_four_characters_per_token_and_stable_ids() -> None:
     a = tok.encode(ENGLISH + " first tail")
     b = tok.encode(ENGLISH + " other tail")
     assert a[: len(ids)] == b[: len(ids)]
+
+
+_SPECIAL = re.compile(r"(<\|(?:begin_of_text|end_of_text|start_header_id|end_header_id|eot_id)\|>)")
+_WORD_PIECES = re.compile(r" ?[^\W_]+| ?[^\s\w]+| ?_+|\s+")
+
+
+def reference_pieces(text: str) -> list[str]:
+    """The documented algorithm, written plainly: cut out special tokens, split the rest into word pieces (leading
+    space attached), chop each piece into 4-character chunks."""
+    out: list[str] = []
+    for i, segment in enumerate(_SPECIAL.split(text)):
+        if i % 2:
+            out.append(segment)
+            continue
+        for piece in _WORD_PIECES.findall(segment):
+            out.extend(piece[k : k + 4] for k in range(0, len(piece), 4))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(list("ab_ .,!\n\t\u00e9\u4e2d1") + ["<|eot_id|>", "<|x|>"]), max_size=60).map("".join))
+def test_fast_tokenizer_equals_the_documented_algorithm(text: str) -> None:
+    tok = Tokenizer(4096)
+    assert tok.pieces(text) == reference_pieces(text)
+    assert "".join(tok.pieces(text)) == text  # lossless split
 
 
 def test_chat_template_renders_like_llama3() -> None:
