@@ -45,7 +45,6 @@ class ServeConfig:
     endpoints: str = ""
     endpoints_file: str = ""
     refresh_metrics_interval: float = 0.05
-    metrics_staleness_threshold: float = 2.0
     unhealthy_after_failures: int = 2
     max_body_bytes: int = 16 * 2**20
     pool_name: str = "default"
@@ -62,7 +61,6 @@ class ServeConfig:
 
 _CONVERTERS: dict[str, Any] = {
     "refresh_metrics_interval": parse_duration,
-    "metrics_staleness_threshold": parse_duration,
     "max_body_bytes": parse_size,
 }
 
@@ -95,13 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--endpoints", help="static pool: ip:port,ip:port")
     a("--endpoints-file", help="YAML/JSON list of endpoints, reloaded when it changes")
     a("--refresh-metrics-interval", help="how often each endpoint's /metrics is scraped (default 50ms)")
-    a("--metrics-staleness-threshold", help="metrics older than this make an endpoint count as saturated")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before an endpoint stops being picked (2)")
     a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
     a("--pool-name", help="InferencePool name (metrics label)")
     a("--pool-namespace", help="InferencePool namespace")
     a("--fallback-endpoints", type=int, help="ranked endpoints to return (comma-separated); default 1")
-    a("--strategy", help="picker (default), round-robin, random, least-load, prefix-only")
+    a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only")
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
     a("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     a("--otlp-endpoint", help="OTLP/gRPC collector for traces (e.g. http://127.0.0.1:4317); empty disables")

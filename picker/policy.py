@@ -6,47 +6,60 @@ Kept apart from the server so the benchmark builds exactly the same policy witho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Sequence
 
+from picker.admission import AdmissionConfig, AdmissionController
 from picker.config import ServeConfig
-from picker.director import Admission
 from picker.endpoints.pool import EndpointPool
+from picker.endpoints.scraper import MetricsScraper
 from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
-from picker.requests import InferenceRequest
-from picker.scheduling.types import CandidateScore, Scheduler, SchedulingResult
-
-
-class LeastInFlightScheduler:
-    """Fewest of our own in-flight requests, random tie-break: the interim policy until scoring lands."""
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self.rng = rng or random.Random()
-
-    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
-        order = sorted(endpoints, key=lambda e: (e.in_flight, self.rng.random()))
-        top = order[0].in_flight if order else 0
-        candidates = [CandidateScore(e, {"in-flight": 1.0 / (1 + e.in_flight - top)}) for e in order]
-        for c in candidates:
-            c.total = c.scores["in-flight"]
-        return SchedulingResult(ranked=order, profile="least-in-flight", candidates=candidates)
-
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
-        return None
-
-    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        return None
+from picker.scheduling.config import build_strategy
+from picker.scheduling.types import Scheduler
 
 
 def build_scheduler(config: ServeConfig) -> Scheduler:
-    rng = random.Random(config.seed)
-    return LeastInFlightScheduler(rng)
+    """The `--strategy` (default: the full prefix- and load-aware picker) with the `scheduling` config section."""
+    return build_strategy(config.strategy, config=config.scheduling or None, rng=random.Random(config.seed))
 
 
-def build_admission(config: ServeConfig) -> Admission | None:
-    return None
+def build_admission(config: ServeConfig) -> AdmissionController:
+    return AdmissionController(AdmissionConfig.from_dict(config.admission))
 
 
-def start_scraper(config: ServeConfig, pool: EndpointPool, metrics: PickerMetrics) -> asyncio.Task[None] | None:
-    return None
+class PoolMonitor:
+    """Scrapes every endpoint's vLLM /metrics and turns health changes into pool changes: an endpoint that
+    fails `unhealthy_after_failures` polls leaves the ready set and its prefix-index entries are purged."""
+
+    def __init__(self, config: ServeConfig, pool: EndpointPool, scheduler: Scheduler, metrics: PickerMetrics) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.scraper = MetricsScraper(pool.all, refresh_interval=config.refresh_metrics_interval,
+                                      failure_threshold=config.unhealthy_after_failures,
+                                      timeout=max(0.2, min(2.0, config.refresh_metrics_interval * 10)),
+                                      on_unhealthy=self._unhealthy, on_healthy=self._healthy)
+
+    def _unhealthy(self, endpoint: Endpoint) -> None:
+        self.pool.refresh()
+        self.scheduler.on_endpoint_removed(endpoint)
+
+    def _healthy(self, endpoint: Endpoint) -> None:
+        self.pool.refresh()
+
+    async def run(self) -> None:
+        await self.scraper.poll_once()  # warm start: metrics before the first request where possible
+        await self.scraper.start()
+        try:
+            while True:
+                self.metrics.observe_pool(self.pool.all())
+                await asyncio.sleep(1.0)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.scraper.stop()
+
+
+def start_monitor(config: ServeConfig, pool: EndpointPool, scheduler: Scheduler,
+                  metrics: PickerMetrics) -> asyncio.Task[None]:
+    return asyncio.create_task(PoolMonitor(config, pool, scheduler, metrics).run(), name="pool-monitor")

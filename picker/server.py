@@ -26,7 +26,7 @@ from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
 from picker.endpoints.pool import EndpointPool
 from picker.extproc.servicer import ExtProcServicer
 from picker.observability import DecisionTracer, PickerMetrics
-from picker.policy import build_admission, build_scheduler, start_scraper
+from picker.policy import build_admission, build_scheduler, start_monitor
 
 log = logging.getLogger("picker")
 
@@ -62,9 +62,7 @@ class PickerServer:
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
         self.director = Director(self.pool, self.scheduler, admission=build_admission(c), metrics=self.metrics,
                                  fallbacks=c.fallback_endpoints, tracer=self.tracer)
-        scraper_task = start_scraper(c, self.pool, self.metrics)
-        if scraper_task is not None:
-            self._tasks.append(scraper_task)
+        self._tasks.append(start_monitor(c, self.pool, self.scheduler, self.metrics))
 
         limit = c.max_body_bytes + 2**20  # headroom for the protobuf envelope
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),

@@ -8,7 +8,7 @@ import json
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from picker.supervisor import free_port, process_scope, start_picker
+from picker.supervisor import free_port, process_scope, start_backends, start_picker
 from tests.test_extproc_grpc import body_msg, exchange, headers_msg
 
 
@@ -33,7 +33,9 @@ async def test_each_decision_is_a_span() -> None:
     await server.start()
     try:
         with process_scope("tracing") as (logdir, started):
-            picker = start_picker(logdir, endpoints=["127.0.0.1:9", "127.0.0.1:10"],
+            backends = start_backends(2, logdir)
+            started.append(backends.process)
+            picker = start_picker(logdir, endpoints=backends.addresses,
                                   extra=["--otlp-endpoint", f"http://127.0.0.1:{port}"])
             started.append(picker.process)
             body = json.dumps({"model": "tiny", "prompt": "trace me"}).encode()
@@ -48,6 +50,6 @@ async def test_each_decision_is_a_span() -> None:
         await server.stop(0)
     by_id = {s["picker.request_id"]: s for s in collector.spans}
     assert by_id["span-1"]["name"] == "picker.route"
-    assert by_id["span-1"]["picker.destination"] in ("127.0.0.1:9", "127.0.0.1:10")
+    assert by_id["span-1"]["picker.destination"] in backends.addresses
     assert by_id["span-1"]["gen_ai.request.model"] == "tiny"
     assert by_id["span-2"]["picker.error.code"] == "invalid_json"
