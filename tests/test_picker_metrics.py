@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,8 +16,8 @@ async def test_gie_metric_names_after_traffic(stack: Stack) -> None:
         for data in (json.dumps({"model": "metrics-model", "prompt": "x"}).encode(), b"{"):
             async with session.post(envoy.url + "/v1/completions", data=data) as response:
                 await response.read()
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+        async with session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+            text = await response.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("inference_objective_request", "inference_objective_request_error",
                  "inference_objective_request_duration_seconds", "inference_extension_scheduler_e2e_duration_seconds",
