@@ -10,6 +10,8 @@ import asyncio
 import hashlib
 import json
 import sys
+import time
+from typing import Any
 
 from aiohttp import web
 
@@ -49,11 +51,31 @@ def make_app(address: str) -> web.Application:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}],
                                   "served_by": address})
 
+    # What /metrics reports, in vLLM 0.32 names; tests set it with POST /test/metrics.
+    state: dict[str, Any] = {"waiting": 0, "running": 0, "kv": 0.0, "block_size": 16, "num_gpu_blocks": 4096,
+                             "max_lora": 4, "running_loras": [], "waiting_loras": [], "down": False}
+
     async def metrics(request: web.Request) -> web.Response:
+        if state["down"]:
+            return web.Response(status=503, text="down")
+        labels = 'engine="0",model_name="tiny"'
         return web.Response(text=(
-            "vllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 0.0\n"
-            "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} 0.0\n"
-            "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"tiny\"} 0.0\n"))
+            f"vllm:num_requests_running{{{labels}}} {float(state['running'])}\n"
+            f"vllm:num_requests_waiting{{{labels}}} {float(state['waiting'])}\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {float(state['kv'])}\n"
+            f'vllm:cache_config_info{{block_size="{state["block_size"]}",enable_prefix_caching="True",'
+            f'engine="0",num_gpu_blocks="{state["num_gpu_blocks"]}"}} 1.0\n'
+            f'vllm:lora_requests_info{{max_lora="{state["max_lora"]}",'
+            f'running_lora_adapters="{",".join(state["running_loras"])}",'
+            f'waiting_lora_adapters="{",".join(state["waiting_loras"])}"}} {time.time()}\n'))
+
+    async def set_metrics(request: web.Request) -> web.Response:
+        update = await request.json()
+        unknown = set(update) - set(state)
+        if unknown:
+            return web.json_response({"error": f"unknown fields {sorted(unknown)}"}, status=400)
+        state.update(update)
+        return web.json_response(state)
 
     async def count(request: web.Request) -> web.Response:
         return web.json_response(stats)
@@ -62,6 +84,7 @@ def make_app(address: str) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/test/count", count)
+    app.router.add_post("/test/metrics", set_metrics)
     app.router.add_route("*", "/{tail:.*}", inference)
     return app
 

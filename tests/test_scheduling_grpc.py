@@ -1,0 +1,157 @@
+"""GIE's hermetic scheduling scenarios, driven over a real ext_proc gRPC stream against a running picker whose
+pods (echo backends) report chosen vLLM metrics; plus prefix affinity and the endpoint lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+import picker.api  # noqa: F401
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
+from picker.supervisor import Backends, Picker, process_scope, start_backends, start_picker
+from tests.test_extproc_grpc import body_msg, destination, exchange, headers_msg
+
+CONFIG = """
+refresh-metrics-interval: 50ms
+unhealthy-after-failures: 2
+admission:
+  objectives: {batch: -1, interactive: 1}
+  staleThreshold: 2s
+"""
+IDLE = {"waiting": 0, "running": 0, "kv": 0.0, "running_loras": [], "waiting_loras": [], "down": False}
+
+
+@dataclass
+class Scene:
+    pods: Backends
+    picker: Picker
+
+    async def set(self, **per_pod: dict[str, Any]) -> None:
+        """Set each pod's reported metrics (keys: pod index as 'p0', 'p1', ...) and wait until the picker saw them."""
+        async with aiohttp.ClientSession() as session:
+            for i, address in enumerate(self.pods.addresses):
+                values = {**IDLE, **per_pod.get(f"p{i}", {})}
+                async with session.post(f"http://{address}/test/metrics", json=values) as response:
+                    assert response.status == 200
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{self.picker.grpc_port}") as channel:
+            stub = picker_pb2_grpc.PickerStub(channel)
+            for _ in range(100):
+                listing = await stub.ListEndpoints(picker_pb2.ListEndpointsRequest())
+                seen = {e.address: e for e in listing.endpoints}
+                if all(seen[a].waiting == {**IDLE, **per_pod.get(f"p{i}", {})}["waiting"]
+                       and abs(seen[a].kv_cache_usage - {**IDLE, **per_pod.get(f"p{i}", {})}["kv"]) < 1e-9
+                       and seen[a].metrics_age_seconds >= 0
+                       for i, a in enumerate(self.pods.addresses)):
+                    await asyncio.sleep(0.1)
+                    return
+                await asyncio.sleep(0.05)
+        raise AssertionError("picker never saw the pods' metrics")
+
+    async def route(self, body: dict[str, Any], **headers: str) -> tuple[str, int]:
+        """Destination (or "") and HTTP status of one request through a raw ext_proc stream."""
+        extra = {k.replace("_", "-"): v for k, v in headers.items()}
+        responses = await exchange(self.picker.grpc_port, [headers_msg(body.pop("_path", "/v1/completions"),
+                                                                       extra=extra),
+                                                           body_msg(json.dumps(body).encode())])
+        last = responses[-1]
+        if last.HasField("immediate_response"):
+            return "", last.immediate_response.status.code
+        return destination(last, "request_body"), 200
+
+
+@pytest.fixture(scope="module")
+def scene() -> Iterator[Scene]:
+    with process_scope("scheduling") as (logdir, started):
+        pods = start_backends(3, logdir, name="pods")
+        started.append(pods.process)
+        config = logdir / "picker.yaml"
+        config.write_text(CONFIG)
+        picker = start_picker(logdir, endpoints=pods.addresses, extra=["--config-file", str(config)])
+        started.append(picker.process)
+        yield Scene(pods, picker)
+
+
+def prompt(tag: str, words: int = 40) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": " ".join(f"{tag}{i}" for i in range(words)), "max_tokens": 8}
+
+
+async def test_picks_the_pod_with_lower_queue_and_kv(scene: Scene) -> None:
+    await scene.set(p0={"waiting": 4, "kv": 0.7}, p1={"waiting": 0, "kv": 0.1}, p2={"waiting": 3, "kv": 0.5})
+    for i in range(3):
+        dest, status = await scene.route(prompt(f"load{i}x"))
+        assert (dest, status) == (scene.pods.addresses[1], 200)
+
+
+async def test_picks_the_pod_with_the_lora_adapter_despite_higher_kv(scene: Scene) -> None:
+    await scene.set(p0={"kv": 0.2, "max_lora": 1, "running_loras": ["other-lora"]},
+                    p1={"kv": 0.6, "running_loras": ["sql-lora"]},
+                    p2={"kv": 0.2, "max_lora": 1, "running_loras": ["other-lora"]})
+    body = {**prompt("lora"), "model": "sql-lora"}
+    dest, status = await scene.route(body)
+    assert (dest, status) == (scene.pods.addresses[1], 200)
+
+
+async def test_saturated_pool_sheds_only_sheddable_requests(scene: Scene) -> None:
+    full = {"waiting": 20, "kv": 0.99}
+    await scene.set(p0=full, p1=full, p2=full)
+    _, status = await scene.route(prompt("std"))
+    assert status == 200, "standard requests are not shed by default"
+    _, status = await scene.route(prompt("crit"), x_gateway_inference_objective="interactive")
+    assert status == 200
+    responses = await exchange(scene.picker.grpc_port, [
+        headers_msg("/v1/completions", extra={"x-gateway-inference-objective": "batch"}),
+        body_msg(json.dumps(prompt("shed")).encode())])
+    immediate = responses[-1].immediate_response
+    assert immediate.status.code == 429
+    assert json.loads(immediate.body)["error"]["code"] == "saturated"
+    assert {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}["retry-after"] == b"1"
+    await scene.set()
+    _, status = await scene.route(prompt("shed-ok"), x_gateway_inference_objective="batch")
+    assert status == 200, "sheddable traffic flows again once the pool has room"
+
+
+async def test_shared_prefix_sticks_and_cold_prefixes_spread(scene: Scene) -> None:
+    await scene.set()
+    shared = " ".join(f"system{i}" for i in range(400))
+    first, _ = await scene.route({"model": "tiny", "prompt": shared + " question zero"})
+    for i in range(6):
+        dest, _ = await scene.route({"model": "tiny", "prompt": shared + f" question {i + 1}"})
+        assert dest == first, "a long shared prefix should keep landing on the pod that holds it"
+    cold = {(await scene.route(prompt(f"cold{i}q")))[0] for i in range(9)}
+    assert len(cold) == 3, f"cold prefixes should spread over idle pods, got {cold}"
+
+
+async def test_a_pod_that_stops_answering_is_dropped_and_forgotten(scene: Scene) -> None:
+    await scene.set()
+    shared = {"model": "tiny", "prompt": " ".join(f"lifecycle{i}" for i in range(400))}
+    holder, _ = await scene.route(dict(shared))
+    index = scene.pods.addresses.index(holder)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
+        before = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
+            path="/v1/completions", body=json.dumps(shared).encode()))
+    assert {c.address: c.scores["prefix-cache-scorer"] for c in before.candidates}[holder] > 0.5
+    await scene.set(**{f"p{index}": {"down": True}})  # its /metrics now fails
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
+        stub = picker_pb2_grpc.PickerStub(channel)
+        for _ in range(40):
+            listing = await stub.ListEndpoints(picker_pb2.ListEndpointsRequest())
+            if not {e.address: e.healthy for e in listing.endpoints}[holder]:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the failing pod stayed ready")
+        for _ in range(5):
+            dest, _ = await scene.route(dict(shared))
+            assert dest != holder
+        await scene.set()  # it recovers
+        explained = await stub.Explain(picker_pb2.ExplainRequest(path="/v1/completions",
+                                                                 body=json.dumps(shared).encode()))
+        matched = {c.address: c.scores["prefix-cache-scorer"] for c in explained.candidates}
+        assert matched[holder] == 0.0, "the index must have forgotten what the dropped pod held"
