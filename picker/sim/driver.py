@@ -1,8 +1,12 @@
 """Real-time driver: runs an Engine on the asyncio loop and hands its outputs to waiting HTTP handlers.
 
 Model time = (loop time - start) x time_scale. Each step is computed when it starts and its outputs are delivered
-after sleeping `duration / time_scale`, so clients see vLLM-like timing scaled by `time_scale`. When the process
-cannot keep up (CPU-bound), model time still follows the wall clock: steps start late, as on an overloaded server.
+after sleeping `duration / time_scale`, so clients see vLLM-like timing scaled by `time_scale`.
+Event-loop jitter must not stretch model time (a busy GPU runs its steps back to back), so while the engine is
+busy the next step starts where the previous one ended, as long as that is at most `max_lag_s` of wall time
+behind the clock; the driver then skips sleeps to catch up. Beyond that lag (the process is CPU-bound), steps start
+at the current clock, i.e. late, as on an overloaded server. Requests are stamped with the clock when they arrive
+and the engine does not admit them before that model time.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ class RealtimeDriver:
         engine: Engine,
         time_scale: float = 1.0,
         on_step: Callable[[StepResult], None] | None = None,
+        max_lag_s: float = 0.05,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.engine = engine
         self.time_scale = time_scale
         self.on_step = on_step
+        self.max_lag = max_lag_s * time_scale  # in model seconds
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -92,7 +98,7 @@ class RealtimeDriver:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            now = max(self.model_now(), nxt)
+            now = max(self.model_now() - self.max_lag, nxt)
             result = engine.step(now)
             delay = self._wall0 + result.end / self.time_scale - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)

@@ -9,7 +9,8 @@ Stepping API::
     engine.add_request(SimRequest(request_id, prompt_token_ids, max_tokens, lora_name=None, cache_salt=None,
                                   ignore_eos=False, min_tokens=0), now)
     t = engine.next_step_time()        # None when idle, else the earliest model time the next step may start
-                                       # (the end of the previous step: one forward pass at a time)
+                                       # (the end of the previous step: one forward pass at a time; a request
+                                       # is not admitted before the `now` it was added with)
     result = engine.step(max(t, now))  # schedule one batch at `now` and run it
     result.start, result.duration, result.end          # the batch's outputs all happen at `result.end`
     result.first_tokens      # request ids whose first output token came out of this step
@@ -199,6 +200,11 @@ class Engine:
             raise ValueError("empty prompt")
         if len(req.prompt_token_ids) >= self.profile.max_model_len:
             raise ValueError("prompt does not fit max_model_len")
+        longest = min(len(req.prompt_token_ids) + req.max_tokens, self.profile.max_model_len)
+        if -(-longest // self.block_size) > self.kv.num_blocks - 1:
+            # vLLM refuses to start unless one max_model_len request fits; with a smaller override we refuse the
+            # request instead of preempting it forever
+            raise ValueError("request needs more KV-cache blocks than the engine has")
         if req.lora_name is not None and req.lora_name not in self.lora_ids:
             raise ValueError(f"unknown LoRA adapter {req.lora_name!r}")
         state = _State(req, now, self._stream_key(req), self._stop_at(req), self.lora_ids.get(req.lora_name or ""))
@@ -242,9 +248,11 @@ class Engine:
 
     def next_step_time(self) -> float | None:
         """Earliest model time of the next step, or None when idle (the caller picks max(this, now))."""
-        if not self.has_work():
-            return None
-        return self.busy_until
+        if self.running:
+            return self.busy_until
+        if self.waiting:
+            return max(self.busy_until, self.waiting[0].arrival)
+        return None
 
     def probe_prefix_hit_tokens(
         self, token_ids: list[int], lora_name: str | None = None, cache_salt: str | None = None
@@ -320,6 +328,8 @@ class Engine:
         bs = self.block_size
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             st = self.waiting[0]
+            if st.arrival > now:
+                break  # not arrived yet in model time (the real-time driver may run slightly behind the clock)
             lora = st.req.lora_name
             if lora and lora not in active_loras and len(active_loras) >= self.profile.max_loras:
                 skipped.append(self.waiting.popleft())

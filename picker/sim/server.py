@@ -216,7 +216,10 @@ class SimPod:
                         ignore_eos=plan.ignore_eos,
                         min_tokens=plan.min_tokens,
                     )
-                    handles.append(self.driver.submit(req, changed, plan.stream))
+                    try:
+                        handles.append(self.driver.submit(req, changed, plan.stream))
+                    except ValueError as exc:
+                        raise ApiError(str(exc), 400) from None
                     prompt_of.append(p_idx)
                     del c
             if plan.stream:
