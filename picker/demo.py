@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import signal
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,15 +19,11 @@ import picker.api  # noqa: F401 - compiles the stubs when missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.explain import format_explain
 from picker.supervisor import (
-    Backends,
-    Managed,
-    port_open,
     process_scope,
-    spawn,
     start_backends,
     start_envoy,
     start_picker,
-    wait_until,
+    start_sim,
 )
 
 SYSTEM = ("You are a meticulous assistant for the ACME inference platform. Answer in short, precise sentences, "
@@ -73,26 +67,15 @@ def _send(url: str, sample: Sample) -> tuple[int, str, str]:
         return err.code, "", err.read().decode(errors="replace")
 
 
-def _explain(channel: grpc.Channel, sample: Sample) -> str:
+def _explain(channel: grpc.Channel, sample: Sample) -> tuple[str, list[str]]:
+    """Explain text, and the endpoints tied for the best score (any of them may be picked)."""
     if sample.body is None:
-        return "header-only: least-loaded ready endpoint"
+        return "header-only: least-loaded ready endpoint", []
     body = sample.body if isinstance(sample.body, bytes) else json.dumps(sample.body).encode()
     stub = picker_pb2_grpc.PickerStub(channel)
-    return format_explain(stub.Explain(picker_pb2.ExplainRequest(path=sample.path, body=body), timeout=5))
-
-
-def start_fleet(pods: int, logdir: Any, started: list[Managed], model: str) -> Backends:
-    """The simulated vLLM fleet (`picker sim`), one process for all pods."""
-    from picker.supervisor import HOST, free_port
-
-    addresses = [f"{HOST}:{free_port()}" for _ in range(pods)]
-    ports = ",".join(a.rsplit(":", 1)[1] for a in addresses)
-    process = spawn("sim", [sys.executable, "-m", "picker", "sim", "--host", HOST, "--ports", ports,
-                            "--model", model, "--time-scale", "10"], logdir)
-    started.append(process)
-    for address in addresses:
-        wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 60, f"sim pod {address}", process.proc)
-    return Backends(addresses, process)
+    response = stub.Explain(picker_pb2.ExplainRequest(path=sample.path, body=body), timeout=5)
+    best = max((c.total for c in response.candidates), default=0.0)
+    return format_explain(response), [c.address for c in response.candidates if c.total >= best - 1e-9]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     with process_scope("demo") as (logdir, started):
         print(f"picker demo: logs in {logdir}")
         if args.backend == "sim":
-            fleet = start_fleet(args.pods, logdir, started, args.model)
+            fleet = start_sim(args.pods, logdir, model=args.model, time_scale=10.0)
+            started.append(fleet.process)
         else:
             fleet = start_backends(args.pods, logdir)
             started.append(fleet.process)
@@ -119,16 +103,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"  fleet:  {', '.join(fleet.addresses)}")
         print(f"  picker: 127.0.0.1:{picker.grpc_port} (metrics http://127.0.0.1:{picker.metrics_port}/metrics)")
         print(f"  envoy:  {envoy.url} ({args.mode} body mode)\n")
+        names = {f"sim-{i}": address for i, address in enumerate(fleet.addresses)}  # x-sim-pod → address
         with grpc.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
             for i, sample in enumerate(samples(args.model), 1):
-                why = _explain(channel, sample)
+                why, best = _explain(channel, sample)
                 status, pod, text = _send(envoy.url, sample)
                 print(f"[{i}] {sample.method} {sample.path}  {sample.title}")
                 print("    " + why.replace("\n", "\n    "))
-                served = pod or (json.loads(text).get("served_by", "") if status == 200 and text.startswith("{")
-                                 else "")
-                summary = text if status != 200 else f"served by {served or '?'}"
-                print(f"    -> {status} {summary[:200]}\n")
+                if status == 200:
+                    served = names.get(pod, pod) or (json.loads(text).get("served_by", "?")
+                                                     if text.startswith("{") else "?")
+                    tie = " (tied for best score: random tie-break)" if len(best) > 1 and served in best else ""
+                    print(f"    -> 200 served by {served}{tie}\n")
+                else:
+                    print(f"    -> {status} {text[:200]}\n")
                 time.sleep(0.2)
         if args.once:
             return 0

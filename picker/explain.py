@@ -40,11 +40,15 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
              f"priority: {response.priority}   prefix blocks matched: "
              f"{response.prefix_matched_blocks}/{response.prefix_blocks}"]
     names = sorted({name for c in response.candidates for name in c.scores})
-    lines.append("  ".join([f"{'endpoint':<22}", *(f"{n:>10}" for n in names), f"{'total':>8}", "note"]))
+    labels = [n.removesuffix("-scorer") for n in names]
+    widths = [max(6, len(label)) for label in labels]
+    lines.append("  ".join([f"{'endpoint':<22}", *(f"{n:>{w}}" for n, w in zip(labels, widths, strict=True)),
+                            f"{'total':>8}", "note"]))
     for c in sorted(response.candidates, key=lambda c: -c.total):
-        cells = [f"{c.address:<22}", *(f"{c.scores.get(n, float('nan')):>10.3f}" for n in names),
+        cells = [f"{c.address:<22}",
+                 *(f"{c.scores.get(n, float('nan')):>{w}.3f}" for n, w in zip(names, widths, strict=True)),
                  f"{c.total:>8.3f}", f"filtered by {c.filtered_by}" if c.filtered_by else ""]
-        lines.append("  ".join(cells))
+        lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
 

@@ -32,6 +32,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_range(count: int) -> int:
+    """A base port with `count` consecutive free ports (for `picker sim --base-port`)."""
+    for _ in range(200):
+        base = free_port()
+        if base + count < 65536 and all(_bindable(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
 def port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -102,6 +120,20 @@ def start_backends(count: int, logdir: Path, name: str = "backends") -> Backends
     process = spawn(name, [sys.executable, "-m", "picker.echo", *addresses], logdir)
     for address in addresses:
         wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 20, f"backend {address}", process.proc)
+    return Backends(addresses, process)
+
+
+def start_sim(pods: int, logdir: Path, *, model: str | None = None, time_scale: float = 1.0,
+              extra: list[str] | None = None, name: str = "sim") -> Backends:
+    """A simulated vLLM fleet (`picker sim`), all pods in one process."""
+    base = free_port_range(pods)
+    args = [sys.executable, "-m", "picker", "sim", "--host", HOST, "--pods", str(pods), "--base-port", str(base),
+            "--time-scale", str(time_scale), *(["--model", model] if model else []), *(extra or [])]
+    process = spawn(name, args, logdir)
+    addresses = [f"{HOST}:{base + i}" for i in range(pods)]
+    for address in addresses:
+        wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 60, f"sim pod {address}",
+                   process.proc)
     return Backends(addresses, process)
 
 
