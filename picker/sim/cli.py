@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-events-endpoint-base",
+        "--kv-events-endpoint",
+        dest="kv_events_endpoint_base",
         default=None,
         metavar="tcp://HOST:PORT",
         help="publish KV events; pod i connects to PORT + i (the consumer binds)",

@@ -338,6 +338,9 @@ class Engine:
             if st.num_computed == 0:
                 extend_block_hashes(st.hashes, st.tokens, bs, lora, st.req.cache_salt)
                 hits = self.kv.lookup(st.hashes, (len(st.tokens) - 1) // bs)
+                # vLLM counts a prefix-cache query on every lookup, also when the request then does not fit
+                self.stats.prefix_cache_queries += len(st.tokens)
+                self.stats.prefix_cache_hits += len(hits) * bs
             num_hit_tokens = len(hits) * bs
             n = len(st.tokens) - num_hit_tokens
             if n > budget:
@@ -347,9 +350,6 @@ class Engine:
             if not self._allocate(st, n, hits, num_hit_tokens):
                 break
             self.waiting.popleft()
-            # vLLM counts a prefix-cache query each time a request is admitted with nothing computed.
-            self.stats.prefix_cache_queries += len(st.tokens)
-            self.stats.prefix_cache_hits += num_hit_tokens
             if st.num_cached_tokens < 0:
                 st.num_cached_tokens = num_hit_tokens
             if st.first_scheduled is None:
