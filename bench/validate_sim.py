@@ -77,8 +77,8 @@ BUILD_MODEL = textwrap.dedent(
     fast.chat_template = template
     fast.model_max_length = max_len
     fast.save_pretrained(out)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=max_len, bos_token_id=bos,
                          eos_token_id=tok.token_to_id("<|end_of_text|>"), tie_word_embeddings=True,
                          torch_dtype="float32")
@@ -118,6 +118,7 @@ def install() -> None:
 
 
 def build_model() -> None:
+    # head_dim 64: the CPU attention kernels reject small head sizes (16 fails)
     if (MODEL_DIR / "config.json").exists() and (MODEL_DIR / "tokenizer.json").exists():
         log(f"tiny model present: {MODEL_DIR}")
         return
