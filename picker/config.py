@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only")
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
     a("--log-level", help="DEBUG, INFO, WARNING, ERROR")
-    a("--otlp-endpoint", help="OTLP/gRPC collector for traces (e.g. http://127.0.0.1:4317); empty disables")
+    a("--otlp-endpoint", help="OTLP/HTTP collector for traces (e.g. http://127.0.0.1:4318); empty disables")
 
 
 def resolve(args: argparse.Namespace) -> ServeConfig:
