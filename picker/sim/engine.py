@@ -29,7 +29,8 @@ Scheduler (vLLM V1, FCFS): each step first gives every running request its next 
 a chunked prefill up to the token budget); if KV blocks run out, the most recently admitted running request is
 preempted (blocks freed, requeued at the front of the waiting queue, later recomputed). If nothing was preempted,
 waiting requests are admitted in FIFO order while the token budget (`max_num_batched_tokens`), `max_num_seqs` and
-free blocks allow; a request that does not fit blocks the queue (head-of-line). A waiting request whose LoRA
+free blocks allow (the whole sequence must fit, as with vLLM 0.32's scheduler_reserve_full_isl); a request that
+does not fit blocks the queue (head-of-line). A waiting request whose LoRA
 adapter would exceed `max_loras` adapters in the batch is skipped for this step. On admission the longest cached
 prefix of full blocks is reused, never including the last prompt token.
 """
@@ -338,10 +339,12 @@ class Engine:
             if st.num_computed == 0:
                 extend_block_hashes(st.hashes, st.tokens, bs, lora, st.req.cache_salt)
                 hits = self.kv.lookup(st.hashes, (len(st.tokens) - 1) // bs)
-                # vLLM counts a prefix-cache query on every lookup, also when the request then does not fit
-                self.stats.prefix_cache_queries += len(st.tokens)
-                self.stats.prefix_cache_hits += len(hits) * bs
             num_hit_tokens = len(hits) * bs
+            # vLLM 0.32 (scheduler_reserve_full_isl) admits a request only if its whole sequence fits, not just
+            # the first chunk
+            full_blocks = -(-min(len(st.tokens), self.profile.max_model_len) // bs)
+            if not self.kv.can_allocate(full_blocks - len(hits), hits):
+                break
             n = len(st.tokens) - num_hit_tokens
             if n > budget:
                 if not self.profile.enable_chunked_prefill:
@@ -350,6 +353,10 @@ class Engine:
             if not self._allocate(st, n, hits, num_hit_tokens):
                 break
             self.waiting.popleft()
+            # counted at admission, and not for re-admitted preempted requests (vLLM's PrefixCacheStats)
+            if st.num_preemptions == 0:
+                self.stats.prefix_cache_queries += len(st.tokens)
+                self.stats.prefix_cache_hits += num_hit_tokens
             if st.num_cached_tokens < 0:
                 st.num_cached_tokens = num_hit_tokens
             if st.first_scheduled is None:

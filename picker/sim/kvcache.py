@@ -6,9 +6,11 @@ What is modelled, because routing quality depends on it:
 - Only full blocks are cached, keyed by a chained hash `H(parent, tokens, extra_keys)`; several physical blocks may
   carry the same hash (two requests computing the same block concurrently), lookups use the first.
 - Reference counts: a block in use by a request is never evicted.
-- Free-block queue: blocks whose ref count drops to 0 go to the tail (a request's blocks in *reverse* order, so its
-  tail blocks are evicted first); allocation pops from the head and evicts the block's cached hash if it has one
-  (emitting BlockRemoved); a prefix-cache hit on a free block takes it out of the queue.
+- Free-block queue: cached blocks whose ref count drops to 0 go to the tail (a request's blocks in *reverse* order,
+  so its tail blocks are evicted first); blocks without a hash go to the head (reused first); allocation pops from
+  the head and evicts the block's cached hash if it has one (emitting BlockRemoved); a prefix-cache hit on a free
+  block takes it out of the queue. (Checked against vLLM 0.32's v1/core/block_pool.py and a real CPU server:
+  bench/validate_sim.py.)
 """
 
 from __future__ import annotations
@@ -146,13 +148,25 @@ class KVCache:
             self.events.append(BlockRemoved([h]))
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference on each block; blocks reaching 0 join the free queue tail, last block first."""
+        """Drop one reference on each block of a request (visited last block first, as vLLM frees them).
+
+        Cached blocks reaching 0 join the tail of the free queue (LRU eviction); blocks without a hash (partial
+        blocks) go to the *front*, to be reused first, as vLLM 0.32's BlockPool.free_blocks does.
+        """
         ref = self.ref_cnt
         queue = self.free_queue
+        block_hash = self.block_hash
+        uncached: list[int] = []
         for b in reversed(blocks):
             ref[b] -= 1
             if ref[b] == 0:
-                queue[b] = None
+                if block_hash[b] is None:
+                    uncached.append(b)
+                else:
+                    queue[b] = None
+        for b in reversed(uncached):
+            queue[b] = None
+            queue.move_to_end(b, last=False)
 
     # --- caching -------------------------------------------------------------------------------------------
     def cache_blocks(

@@ -107,10 +107,41 @@ def test_cache_hit_takes_block_out_of_free_queue_and_refreshes_it() -> None:
     serve_one(engine, "r1", p1, 0.0, max_tokens=1)
     serve_one(engine, "r2", p2, 1.0, max_tokens=1)
     serve_one(engine, "r1-again", p1 + [7], 2.0, max_tokens=1)  # touches r1's blocks: now most recent
-    serve_one(engine, "r3", list(range(30_000, 30_064)), 3.0, max_tokens=1)
-    # r2 is now the least recently used and loses its tail block instead of r1
+    # free queue now: [r1-again's partial block, 3 unused, r2's blocks (tail first), r1's blocks (tail first)]
+    serve_one(engine, "r3", list(range(30_000, 30_096)), 3.0, max_tokens=1)  # 6 blocks
+    # r2 is now the least recently used and loses its tail blocks instead of r1
     assert engine.probe_prefix_hit_tokens(p1 + [1]) == 4 * BS
     assert engine.probe_prefix_hit_tokens(p2 + [1]) < 4 * BS
+
+
+def test_partial_blocks_are_reused_before_cached_blocks_are_evicted() -> None:
+    # 6 usable blocks; 40-token prompts + 2 output tokens use 2 full blocks and 1 partial block each
+    engine = make_engine(num_gpu_blocks=7, record=True)
+    prompts = [list(range(base, base + 40)) for base in (300, 400, 500)]
+    serve_one(engine, "a", prompts[0], 0.0, max_tokens=2)
+    serve_one(engine, "b", prompts[1], 1.0, max_tokens=2)
+    # free queue: [b's partial, 2 unused, a's 2 cached blocks, b's 2 cached blocks]: c evicts exactly one block
+    engine.add_request(SimRequest("c", prompts[2], 2), 2.0)
+    _, results = run_until_idle(engine, 2.0)
+    removed = [e.block_hashes[0] for r in results for e in r.kv_events if isinstance(e, BlockRemoved)]
+    assert removed == [block_hashes(prompts[0], BS)[1]]  # a's last cached block
+    assert engine.probe_prefix_hit_tokens(prompts[0] + [0]) == BS
+    assert engine.probe_prefix_hit_tokens(prompts[1] + [0]) == 2 * BS
+
+
+def test_admission_needs_room_for_the_whole_prompt_not_just_the_first_chunk() -> None:
+    # 10 usable blocks, 64-token chunks: a 150-token prompt (10 blocks) cannot start while another request holds 2,
+    # although its first chunk (4 blocks) would fit
+    engine = make_engine(num_gpu_blocks=11, max_num_batched_tokens=64)
+    engine.add_request(SimRequest("small", list(range(100, 120)), 30), 0.0)
+    first = engine.step(0.0)
+    engine.add_request(SimRequest("big", list(range(1000, 1150)), 1), first.end)
+    engine.step(first.end)
+    assert engine.num_waiting == 1 and [s.req.request_id for s in engine.running] == ["small"]
+    _, results = run_until_idle(engine, first.end)
+    fins = finished(results)
+    assert fins["big"].first_scheduled_time is not None
+    assert fins["big"].first_scheduled_time >= fins["small"].finish_time
 
 
 def test_kv_usage_counts_blocks_in_use_over_usable_blocks() -> None:

@@ -97,12 +97,12 @@ async def test_pod_publishes_block_events_to_a_bound_sub_socket() -> None:
     try:
         async with SimFleet(
             1, profile="tiny-cpu", time_scale=50.0, kv_events_endpoint_base=f"tcp://127.0.0.1:{port}",
-            profile_overrides={"block_size": 16, "num_gpu_blocks": 8},
+            profile_overrides={"block_size": 16, "num_gpu_blocks": 7},
         ) as fleet:  # fmt: skip
             await asyncio.sleep(0.3)  # PUB connect + subscription propagation (slow joiner)
             prompt = list(range(300, 340))  # 2 full blocks of 16
             async with aiohttp.ClientSession() as http:
-                # 3 different prompts through a 7-block cache force evictions
+                # 3 different prompts of 3 blocks (2 full + 1 partial) through 6 usable blocks force an eviction
                 for base in (300, 400, 500):
                     body = {"prompt": list(range(base, base + 40)), "max_tokens": 2}
                     async with http.post(fleet.urls[0] + "/v1/completions", json=body) as resp:
