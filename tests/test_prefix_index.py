@@ -12,8 +12,11 @@ from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 
 ADDRESSES = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
-# A few base chains; requests record a prefix of one of them, so chains share leading keys like real prompts.
-CHAINS = [prefix_keys(f"{'ab' * i}" + "shared system prompt " * 20, prefix_seed("m"), 8) for i in range(3)]
+# Three chains sharing their first 20 blocks (a system prompt) then diverging; operations record and probe
+# leading parts of them, like requests of different lengths. Chain 3 shares nothing with the others.
+SHARED = "shared system prompt" * 8
+CHAINS = [prefix_keys(SHARED + f"{i}-variant " * 20, prefix_seed("m"), 8) for i in range(3)]
+CHAINS.append(prefix_keys("another tenant " * 20, prefix_seed("m"), 8))
 
 
 @dataclass
@@ -29,7 +32,7 @@ class NaiveIndex:
     def record(self, keys: list[int], address: str, now: float) -> None:
         order = self.order.setdefault(address, [])
         times = self.times.setdefault(address, {})
-        for key in keys:
+        for key in reversed(keys):  # leaf first: the chain head is the most recently used
             if key in order:
                 order.remove(key)
             order.append(key)
@@ -64,7 +67,7 @@ class NaiveIndex:
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("record"), st.integers(0, 2), st.integers(1, 40), st.sampled_from(ADDRESSES)),
+        st.tuples(st.just("record"), st.integers(0, 3), st.integers(1, 40), st.sampled_from(ADDRESSES)),
         st.tuples(st.just("remove"), st.sampled_from(ADDRESSES)),
         st.tuples(st.just("capacity"), st.sampled_from(ADDRESSES), st.integers(1, 60)),
         st.tuples(st.just("tick"), st.floats(0.0, 30.0)),
@@ -75,7 +78,7 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(operations=ops, capacity=st.integers(1, 50), probe=st.tuples(st.integers(0, 2), st.integers(1, 40)))
+@given(operations=ops, capacity=st.integers(1, 50), probe=st.tuples(st.integers(0, 3), st.integers(1, 40)))
 def test_matches_naive_model(operations: list[tuple], capacity: int, probe: tuple[int, int]) -> None:
     ttl = 60.0
     index = InMemoryPrefixIndex(default_capacity=capacity, ttl=ttl)
@@ -103,15 +106,15 @@ def test_matches_naive_model(operations: list[tuple], capacity: int, probe: tupl
     assert index.size() <= sum(index.capacity(a) for a in ADDRESSES)
 
 
-def test_longest_run_from_start_stops_at_a_gap() -> None:
+def test_longest_run_from_start() -> None:
     index = InMemoryPrefixIndex()
-    keys = [11, 12, 13, 14]
-    index.record([11, 12], "a:1", 0.0)
-    index.record([11, 12, 13, 14], "b:1", 0.0)
-    index.record([14], "a:1", 0.0)  # holds a later block but not 13: the run stops at 2
-    assert index.match(keys, None, 1.0) == {"a:1": 2, "b:1": 4}
-    assert index.match(keys, {"b:1"}, 1.0) == {"b:1": 4}
-    assert index.match([99, 12], None, 1.0) == {}
+    keys = CHAINS[0][:30]
+    index.record(keys[:12], "a:1", 0.0)
+    index.record(keys, "b:1", 0.0)
+    index.record(CHAINS[1][:25], "c:1", 0.0)  # shares the first 20 blocks of the system prompt
+    assert index.match(keys, None, 1.0) == {"a:1": 12, "b:1": 30, "c:1": 20}
+    assert index.match(keys, {"b:1"}, 1.0) == {"b:1": 30}
+    assert index.match(CHAINS[3], None, 1.0) == {}
     assert index.match([], None, 1.0) == {}
 
 
@@ -145,9 +148,9 @@ def test_purge_on_removal_and_capacity_shrink() -> None:
     index.remove_endpoint("a:1")
     assert index.match([1, 2, 3], None, 0.0) == {"b:1": 3}
     assert index.size() == 3
-    index.set_capacity("b:1", 1)  # keeps the most recent block (3): the chain start is gone
+    index.set_capacity("b:1", 1)  # evicts from the chain's tail: the head block stays matchable
     assert index.size() == 1
-    assert index.match([1, 2, 3], None, 0.0) == {}
+    assert index.match([1, 2, 3], None, 0.0) == {"b:1": 1}
     index.remove_endpoint("b:1")
     index.remove_endpoint("never-seen:1")
     assert index.size() == 0

@@ -62,7 +62,7 @@ def test_prefix_load_guard_removes_credit_of_an_overloaded_holder() -> None:
     scores = scorer.score(ctx_for(keys=10, matched=[10, 10, 10]), [busy, idle, queued])
     assert scores[0] == 0.0 and scores[1] == pytest.approx(0.5 + 0.5 * 640 / 4096) and scores[2] == 0.0
     busy.in_flight = 7
-    assert scorer.score(ctx_for(keys=10, matched=[10, 10, 10]), [busy, idle])[0] > 0
+    assert scorer.score(ctx_for(keys=10, matched=[10, 10]), [busy, idle])[0] > 0
 
 
 def test_kv_and_queue_scores() -> None:

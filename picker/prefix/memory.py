@@ -1,8 +1,8 @@
 """In-process prefix index: per-endpoint LRU of block keys, bounded like the pod's KV cache, with TTL.
 
 Because keys are chained, key i only ever appears at position i; a match can only start on the holders of
-keys[0]. So the reverse map (key -> endpoints) is kept for first blocks only, and matching walks each
-holder's own LRU. That keeps memory to one LRU slot per (endpoint, block) plus a small first-block map.
+keys[0]. So the reverse map (key -> endpoints) is kept for first blocks only, and matching binary-searches
+each holder's own LRU. Keys must be chains from `prefix_keys` (a key determines all keys before it). That keeps memory to one LRU slot per (endpoint, block) plus a small first-block map.
 """
 
 from __future__ import annotations
@@ -39,19 +39,23 @@ class InMemoryPrefixIndex:
         holders = self._roots.get(keys[0])
         if not holders:
             return out
-        cutoff = -float("inf") if self.ttl is None else now - self.ttl
+        cutoff = None if self.ttl is None else now - self.ttl
         for address in holders:
             if addresses is not None and address not in addresses:
                 continue
+            # Held blocks of a chain form a prefix (see `record`), so binary-search the last held one:
+            # O(log n) lookups per holder instead of walking up to 256 keys.
             get = self._lru[address].get
-            n = 0
-            for key in keys:
-                t = get(key)
-                if t is None or t < cutoff:
-                    break
-                n += 1
-            if n:
-                out[address] = n
+            lo, hi = 0, len(keys)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                t = get(keys[mid - 1])
+                if t is not None and (cutoff is None or t >= cutoff):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo:
+                out[address] = lo
         return out
 
     def record(self, keys: Sequence[int], address: str, now: float) -> None:
@@ -64,10 +68,12 @@ class InMemoryPrefixIndex:
         if root not in lru:
             self._roots.setdefault(root, set()).add(address)
         move = lru.move_to_end
-        for key in keys:
-            if key in lru:
-                move(key)
-            lru[key] = now
+        # Leaf first, root last. Key i-1 (the parent, fixed by key i since keys are chained) is then always
+        # more recent and no older than key i, so LRU and TTL evict chains from the tail (as vLLM frees
+        # blocks) and each endpoint's blocks of any chain form a prefix: what makes `match` a binary search.
+        for key in reversed(keys):
+            lru[key] = now  # appends a new key, updates an old one in place ...
+            move(key)  # ... which this then makes the most recent
         self._evict(address, lru, now)
 
     def _evict(self, address: str, lru: OrderedDict[int, float], now: float | None) -> None:

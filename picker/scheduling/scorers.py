@@ -55,15 +55,17 @@ class PrefixCacheScorer(Plugin):
             return [0.0] * len(candidates)
         r = self.ratio_weight
         per_block = (1.0 - r) * ctx.block_chars / self.full_credit_chars
-        out = [r * m / total + min(1.0 - r, m * per_block) for m in matched]
+        cap = 1.0 - r
+        out = [(r * m / total + (cap if m * per_block > cap else m * per_block)) if m else 0.0 for m in matched]
         guard_flight = self.load_guard_in_flight
         guard_wait = self.load_guard_waiting
         if guard_flight is not None or guard_wait is not None:
-            min_flight = min(e.in_flight for e in candidates)
-            min_wait = min(e.metrics.waiting for e in candidates)
+            min_flight = min([e.in_flight for e in candidates])
+            min_wait = min([e.metrics.waiting for e in candidates])
             penalty = self.guard_penalty
-            for i, e in enumerate(candidates):
-                if out[i] and (
+            for i in [i for i, m in enumerate(matched) if m]:
+                e = candidates[i]
+                if (
                     (guard_flight is not None and e.in_flight - min_flight >= guard_flight)
                     or (guard_wait is not None and e.metrics.waiting - min_wait >= guard_wait)
                 ):
@@ -77,7 +79,10 @@ class KVCacheUtilizationScorer(Plugin):
     type_name = "kv-cache-utilization-scorer"
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
-        return [1.0 - min(1.0, max(0.0, e.metrics.kv_usage)) for e in candidates]
+        out = [1.0 - e.metrics.kv_usage for e in candidates]
+        if min(out) < 0.0 or max(out) > 1.0:  # rare: clamp a bad reading once, not per pod
+            out = [0.0 if x < 0.0 else 1.0 if x > 1.0 else x for x in out]
+        return out
 
 
 class QueueScorer(Plugin):

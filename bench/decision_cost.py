@@ -1,0 +1,196 @@
+"""Decision cost of the pure scheduling core: schedule() + on_picked() latency, hashing, index memory.
+
+Run: .venv/bin/python bench/decision_cost.py [--iterations N]. Prints markdown tables. Everything is
+in-process and single-threaded; numbers are wall-clock per call (time.perf_counter_ns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from picker.endpoints.metrics import parse_vllm_metrics  # noqa: E402
+from picker.endpoints.state import Endpoint, EndpointMetrics  # noqa: E402
+from picker.prefix.hashing import prefix_keys, prefix_seed  # noqa: E402
+from picker.prefix.memory import InMemoryPrefixIndex  # noqa: E402
+from picker.requests import InferenceRequest  # noqa: E402
+from picker.scheduling.config import build_scheduler  # noqa: E402
+
+WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "or", "an", "at", "from", "model", "cache", "token"]
+
+
+def text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(WORDS)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
+def endpoints(n: int, rng: random.Random) -> list[Endpoint]:
+    out = []
+    for i in range(n):
+        e = Endpoint.from_address(f"10.{i // 250}.{i % 250}.1:8000")
+        e.metrics = EndpointMetrics(waiting=rng.randint(0, 4), running=rng.randint(0, 8), kv_usage=rng.random() * 0.7,
+                                    block_size=16, num_gpu_blocks=30_000, updated_at=0.0)
+        out.append(e)
+    return out
+
+
+def percentiles(samples_ns: list[int]) -> tuple[float, float]:
+    arr = np.array(samples_ns, dtype=np.float64) / 1000.0
+    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def bench_schedule(n_endpoints: int, prompt_chars: int, iterations: int, explain: bool) -> tuple[float, float, float]:
+    """p50/p99 µs of schedule()+on_picked() on a workload of 32 shared prefixes (75 %) + unique tails."""
+    rng = random.Random(n_endpoints * 7919 + prompt_chars)
+    pool = endpoints(n_endpoints, rng)
+    scheduler = build_scheduler({"explain": explain}, rng=random.Random(1))
+    prefixes = [text(rng, prompt_chars * 3 // 4) for _ in range(32)]
+    prompts = [rng.choice(prefixes) + text(rng, prompt_chars // 4) for _ in range(256)]
+    in_flight: list[tuple[Endpoint, int]] = []
+    samples: list[int] = []
+    matched = 0
+    gc.collect()
+    for i in range(iterations + 200):
+        request = InferenceRequest(f"r{i}", "llama", prompt_text=prompts[i % len(prompts)],
+                                   session_id=f"s{i % 97}" if i % 3 == 0 else None)
+        now = i * 0.001
+        t0 = time.perf_counter_ns()
+        result = scheduler.schedule(request, pool, now)
+        chosen = result.ranked[0]
+        scheduler.on_picked(request, chosen, now)
+        t1 = time.perf_counter_ns()
+        chosen.start_request(prompt_chars // 4, now)
+        in_flight.append((chosen, prompt_chars // 4))
+        if len(in_flight) > 4 * n_endpoints:  # keep a steady in-flight population
+            e, tok = in_flight.pop(rng.randrange(len(in_flight)))
+            e.finish_request(tok)
+        if i >= 200:  # warm-up: the index fills first
+            samples.append(t1 - t0)
+            matched += result.prefix_matched_blocks > 0
+    p50, p99 = percentiles(samples)
+    return p50, p99, matched / iterations
+
+
+def bench_hashing(chars: int, iterations: int) -> tuple[float, float, int]:
+    rng = random.Random(5)
+    prompt = text(rng, chars)
+    seed = prefix_seed("llama")
+    samples = []
+    keys: list[int] = []
+    for _ in range(iterations):
+        t0 = time.perf_counter_ns()
+        keys = prefix_keys(prompt, seed, 64, 256)
+        samples.append(time.perf_counter_ns() - t0)
+    p50, p99 = percentiles(samples)
+    return p50, p99, len(keys)
+
+
+def index_bytes_per_entry(entries: int, endpoints_n: int, sharing: float) -> float:
+    """tracemalloc bytes per (endpoint, block) entry, key ints included (the index keeps them alive)."""
+    rng = random.Random(9)
+    addresses = [f"10.0.0.{i}:8000" for i in range(endpoints_n)]
+    index = InMemoryPrefixIndex(default_capacity=entries, ttl=None)  # no expiry while filling
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    chains = 0
+    while index.size() < entries:
+        keys = prefix_keys(f"chain {chains} " + "x" * 16_000, prefix_seed("m"), 64, 256)
+        index.record(keys, rng.choice(addresses), float(chains))
+        if rng.random() < sharing:  # the same prefix also cached on a second pod
+            index.record(keys, rng.choice(addresses), float(chains))
+        chains += 1
+        del keys
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return used / index.size()
+
+
+def bench_metrics_parse(iterations: int) -> tuple[float, float] | None:
+    path = Path("/work/shared/data/vllm-metrics/vllm-0.32-cpu-idle.txt")
+    if not path.exists():
+        return None
+    body = path.read_text()
+    samples = []
+    for _ in range(iterations):
+        t0 = time.perf_counter_ns()
+        parse_vllm_metrics(body, 0.0)
+        samples.append(time.perf_counter_ns() - t0)
+    return percentiles(samples)
+
+
+def bench_numpy_vs_python(n: int, iterations: int) -> tuple[float, float]:
+    """KV + queue scoring for n endpoints: plain loops vs numpy (attribute extraction included)."""
+    pool = endpoints(n, random.Random(3))
+
+    def python_scores() -> list[float]:
+        waits = [e.metrics.waiting for e in pool]
+        lo, hi = min(waits), max(waits)
+        span = hi - lo or 1.0
+        return [(1.0 - e.metrics.kv_usage) + (hi - w) / span for e, w in zip(pool, waits, strict=True)]
+
+    def numpy_scores() -> np.ndarray:
+        waits = np.fromiter((e.metrics.waiting for e in pool), dtype=np.float64, count=n)
+        kv = np.fromiter((e.metrics.kv_usage for e in pool), dtype=np.float64, count=n)
+        span = (waits.max() - waits.min()) or 1.0
+        return (1.0 - kv) + (waits.max() - waits) / span
+
+    def timed(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(iterations):
+            fn()
+        return (time.perf_counter_ns() - t0) / iterations / 1000.0
+
+    return timed(python_scores), timed(numpy_scores)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iterations", type=int, default=2000)
+    args = parser.parse_args()
+    it = args.iterations
+    started = time.perf_counter()
+    print(f"Python {sys.version.split()[0]}, {it} decisions per cell, default config (explain on)\n")
+    print("| endpoints | prompt | schedule+on_picked p50 (µs) | p99 (µs) | requests with a prefix hit | p50 explain off (µs) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in (8, 64, 512):
+        for chars in (1024, 32 * 1024):
+            cell_it = it if n < 512 else max(200, it // 4)
+            p50, p99, hit = bench_schedule(n, chars, cell_it, explain=True)
+            q50, _, _ = bench_schedule(n, chars, cell_it, explain=False)
+            print(f"| {n} | {chars // 1024} KB | {p50:.0f} | {p99:.0f} | {hit:.0%} | {q50:.0f} |")
+    h50, h99, blocks = bench_hashing(32 * 1024, it)
+    print(f"\n| hashing 32 KB prompt ({blocks} blocks of 64 chars, capped) | p50 {h50:.1f} µs | p99 {h99:.1f} µs |")
+    print("|---|---|---|")
+    parse = bench_metrics_parse(it)
+    if parse is not None:
+        print(f"| parse one vLLM /metrics (55 KB) | p50 {parse[0]:.0f} µs | p99 {parse[1]:.0f} µs |")
+    print("\n| prefix index | bytes per (endpoint, block) entry |\n|---|---:|")
+    for entries, eps, sharing in ((100_000, 8, 0.0), (100_000, 8, 0.5), (400_000, 64, 0.2)):
+        bpe = index_bytes_per_entry(entries, eps, sharing)
+        print(f"| {entries:,} entries, {eps} endpoints, {sharing:.0%} prefixes on 2 pods | {bpe:.0f} |")
+    print("\n| KV+queue scoring | python loop (µs) | numpy incl. extraction (µs) |\n|---:|---:|---:|")
+    for n in (8, 64, 512):
+        py, npy = bench_numpy_vs_python(n, 2000)
+        print(f"| {n} endpoints | {py:.1f} | {npy:.1f} |")
+    print(f"\n(total bench time {time.perf_counter() - started:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
