@@ -185,6 +185,10 @@ def test_endpoint_removal_purges_index_and_capacity_comes_from_metrics() -> None
     route(s, req(SYSTEM), [b])
     assert index.capacity(a.address) == 40 and index.endpoint_size(a.address) == 40
     assert index.endpoint_size(b.address) == -(-len(SYSTEM) // 64)
+    fixed = build_scheduler({"prefixCache": {"blockChars": 256}}, index=(other := InMemoryPrefixIndex()))
+    cpu = pods(1, block_size=128, num_gpu_blocks=10)[0]  # 10 x 128 tokens x 4 chars = 20 blocks of 256 chars
+    route(fixed, req(SYSTEM), [cpu])
+    assert other.capacity(cpu.address) == 20 and other.endpoint_size(cpu.address) == 20
     s.on_endpoint_removed(b)
     assert index.endpoint_size(b.address) == 0 and index.size() == 40
 

@@ -52,6 +52,7 @@ class PrefixAwareScheduler:
         # Keys of the last scheduled request, so on_picked does not hash the prompt twice.
         self._last_request: InferenceRequest | None = None
         self._last_keys: list[int] = []
+        self._last_block_chars = 0
 
     def _keys(self, request: InferenceRequest, block_chars: int) -> list[int]:
         seed = prefix_seed(effective_model(request), None, request.cache_salt)
@@ -73,6 +74,7 @@ class PrefixAwareScheduler:
             ctx.matches = self.index.match(ctx.keys, None, now)
         self._last_request = request
         self._last_keys = ctx.keys
+        self._last_block_chars = ctx.block_chars
         return ctx
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
@@ -114,17 +116,27 @@ class PrefixAwareScheduler:
     def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
         if self.uses_prefix and request.prompt_text:
             if self._last_request is request:
-                keys = self._last_keys
+                keys, block_chars = self._last_keys, self._last_block_chars
             else:
-                keys = self._keys(request, self._block_chars((endpoint,)))
-            blocks = endpoint.metrics.num_gpu_blocks
-            if blocks:
-                self.index.set_capacity(endpoint.address, blocks)
+                block_chars = self._block_chars((endpoint,))
+                keys = self._keys(request, block_chars)
+            capacity = self._capacity_blocks(endpoint, block_chars)
+            if capacity:
+                self.index.set_capacity(endpoint.address, capacity)
             self.index.record(keys, endpoint.address, now)
         self._last_request = None
         self._last_keys = []
         for plugin in self._stateful:
             plugin.on_picked(request, endpoint, now)
+
+    def _capacity_blocks(self, endpoint: Endpoint, block_chars: int) -> int | None:
+        """The pod's KV cache in our blocks: num_gpu_blocks x block_size tokens, re-cut into `block_chars`."""
+        m = endpoint.metrics
+        if not m.num_gpu_blocks:
+            return None
+        if not m.block_size:
+            return m.num_gpu_blocks
+        return max(1, m.num_gpu_blocks * m.block_size * self.hasher.chars_per_token // block_chars)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self.index.remove_endpoint(endpoint.address)
