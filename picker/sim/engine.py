@@ -265,12 +265,12 @@ class Engine:
         return len(self.kv.lookup(hashes, max_blocks)) * self.block_size
 
     def running_loras(self) -> list[str]:
-        """LoRA names of running requests (vllm:lora_requests_info running_lora_adapters)."""
-        return sorted({st.req.lora_name for st in self.running if st.req.lora_name})
+        """LoRA names of running requests in batch order (vllm:lora_requests_info running_lora_adapters)."""
+        return list(dict.fromkeys(st.req.lora_name for st in self.running if st.req.lora_name))
 
     def waiting_loras(self) -> list[str]:
-        """LoRA names of waiting requests (vllm:lora_requests_info waiting_lora_adapters)."""
-        return sorted({st.req.lora_name for st in self.waiting if st.req.lora_name})
+        """LoRA names of waiting requests in queue order (vllm:lora_requests_info waiting_lora_adapters)."""
+        return list(dict.fromkeys(st.req.lora_name for st in self.waiting if st.req.lora_name))
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated token ids."""
