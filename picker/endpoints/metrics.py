@@ -7,6 +7,7 @@ so the histogram buckets that make up most of the text are never split into line
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -26,8 +27,13 @@ _WANTED = (*_SUMMED, *_KV, "cache_config_info", "lora_requests_info")
 _SAMPLE = re.compile(r"vllm:(" + "|".join(_WANTED) + r")([{ ][^\n]*)")
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_labels(text: str) -> dict[str, str]:
-    """Labels of one sample (`a="x",b="y"`), with Prometheus escapes undone."""
+    """Labels of one sample (`a="x",b="y"`), with Prometheus escapes undone.
+
+    Cached (callers must not mutate the result): the info series we read (`cache_config_info`, ~1.5 KB of
+    labels) repeat verbatim on every scrape of a pod, and parsing them was a third of the parse time.
+    """
     out: dict[str, str] = {}
     for key, value in _LABEL.findall(text):
         if "\\" in value:
