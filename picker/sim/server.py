@@ -114,7 +114,9 @@ class SimPod:
             self.publisher = KVEventPublisher(self.config.kv_events_endpoint, self.config.kv_events_topic)
         self.driver = RealtimeDriver(self.engine, self.config.time_scale, self._on_step)
         self.driver.start()
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts the engine request
+        # (vLLM aborts requests of disconnected clients, streaming or not)
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         await site.start()
@@ -206,7 +208,7 @@ class SimPod:
         prompt_of: list[int] = []
         try:
             for p_idx, prompt in enumerate(plan.prompts):
-                for c in range(plan.n):
+                for _choice in range(plan.n):
                     req = SimRequest(
                         request_id=f"{rid}-{len(handles)}",
                         prompt_token_ids=prompt,
@@ -221,7 +223,6 @@ class SimPod:
                     except ValueError as exc:
                         raise ApiError(str(exc), 400) from None
                     prompt_of.append(p_idx)
-                    del c
             if plan.stream:
                 return await self._stream(request, plan, rid, created, handles, prompt_of, changed)
             while not all(h.finished is not None for h in handles):

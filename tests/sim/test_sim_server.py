@@ -212,6 +212,20 @@ async def test_client_disconnect_aborts_the_request() -> None:
         assert engine.stats.finished["abort"] == 1
 
 
+async def test_non_streaming_client_timeout_aborts_the_request() -> None:
+    async with SimFleet(1, profile="tiny-cpu", time_scale=1.0) as f, aiohttp.ClientSession() as http:
+        engine = f.pods[0].engine
+        body = {"prompt": "abc", "max_tokens": 3000}
+        with pytest.raises(asyncio.TimeoutError):
+            async with http.post(f.urls[0] + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.3)):
+                pass
+        for _ in range(100):
+            if not engine.has_work():
+                break
+            await asyncio.sleep(0.02)
+        assert not engine.has_work() and engine.stats.finished["abort"] == 1
+
+
 def test_sync_fleet_thread_serves_and_stops() -> None:
     import urllib.request
 
