@@ -242,3 +242,22 @@ def test_baseline_strategies() -> None:
         build_strategy("bogus")
     with pytest.raises(RequestError):
         rr.schedule(req("x"), [], 0.0)
+
+
+def test_large_pools_sum_in_numpy_with_exact_ties() -> None:
+    from picker.scheduling.scheduler import _NUMPY_MIN_CANDIDATES, _weighted_totals
+
+    rng = random.Random(12)
+    n = _NUMPY_MIN_CANDIDATES + 50
+    columns = [[rng.choice((0.0, 0.1, 1 / 3, 0.7, 1.0)) for _ in range(n)] for _ in range(7)]
+    weights = [5.0, 1.0, 1.0, 1.0, 2.0, 1.0, 2.0]
+    numpy_totals = _weighted_totals(columns, weights, n)
+    small = [_weighted_totals([c[i : i + 1] for c in columns], weights, 1)[0] for i in range(n)]
+    assert numpy_totals == small  # bit-identical to the list loop, so equal rows tie exactly
+
+    endpoints = pods(n)
+    result = build_scheduler(rng=random.Random(0)).schedule(req("a cold prompt"), endpoints, 0.0)
+    assert len({c.total for c in result.candidates}) == 1
+    firsts = {build_scheduler(rng=random.Random(seed)).schedule(req("a cold prompt"), endpoints, 0.0).ranked[0].address
+              for seed in range(20)}
+    assert len(firsts) > 10  # ties among many pods are broken at random

@@ -29,6 +29,10 @@ class Profile:
     picker: MaxScorePicker | RandomPicker = field(default_factory=MaxScorePicker)
 
     @property
+    def weights(self) -> list[float]:
+        return [w.weight for w in self.scorers]
+
+    @property
     def uses_prefix(self) -> bool:
         """Whether any plugin reads the prefix match (else hashing and the index lookup are skipped)."""
         return any(getattr(w.scorer, "needs_prefix", True) for w in self.scorers)

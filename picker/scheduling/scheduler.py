@@ -7,6 +7,9 @@ Pure: reads the request, the endpoint snapshot, the index and `now`; mutates onl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
 
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import PrefixHasher, prefix_keys, prefix_seed
@@ -95,16 +98,9 @@ class PrefixAwareScheduler:
         if not candidates:
             raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
         ctx.align(candidates)
-        totals = [0.0] * len(candidates)
-        names: list[str] = []
-        columns: list[list[float]] = []
-        for weighted in profile.scorers:
-            scores = weighted.scorer.score(ctx, candidates)
-            w = weighted.weight
-            totals = [t + w * x for t, x in zip(totals, scores, strict=True)]
-            if explain:
-                names.append(weighted.scorer.name)
-                columns.append(scores)
+        names = [w.scorer.name for w in profile.scorers]
+        columns = [w.scorer.score(ctx, candidates) for w in profile.scorers]
+        totals = _weighted_totals(columns, profile.weights, len(candidates))
         order = profile.picker.pick(totals)
         ranked = [candidates[i] for i in order]
         matched = ctx.matched[order[0]] if order else 0
@@ -142,6 +138,23 @@ class PrefixAwareScheduler:
         self.index.remove_endpoint(endpoint.address)
         for plugin in self._stateful:
             plugin.on_endpoint_removed(endpoint)
+
+
+# From this many candidates on, summing the weighted columns in numpy beats the list loop (bench: ~2x at 512).
+_NUMPY_MIN_CANDIDATES = 96
+
+
+def _weighted_totals(columns: list[list[float]], weights: list[float], n: int) -> list[float]:
+    """Per-candidate sum of weight x score. Both paths add the columns in the same order for every candidate,
+    so candidates with equal scores get bit-identical totals and the picker's random tie-break still applies."""
+    if n >= _NUMPY_MIN_CANDIDATES and columns:
+        stacked = np.array(columns, dtype=np.float64)
+        stacked *= np.array(weights, dtype=np.float64)[:, None]
+        return cast("list[float]", stacked.sum(axis=0).tolist())
+    totals = [0.0] * n
+    for w, scores in zip(weights, columns, strict=True):
+        totals = [t + w * x for t, x in zip(totals, scores, strict=True)]
+    return totals
 
 
 def _by_total(c: CandidateScore) -> float:
