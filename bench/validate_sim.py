@@ -12,13 +12,16 @@ What it does:
 4. Sends the same sequence to both: completions with *token-id prompts* (so both see identical tokens and block
    boundaries), then a chat pair (different tokenizers: informational only).
 5. Prints and writes bench/out/validate_sim.md: per request the cached_tokens in usage, the prefix-cache hit tokens
-   from /metrics, TTFT; then which vllm:* metric families each exposes, and whether cached TTFT < cold TTFT.
+   from /metrics, TTFT; then which vllm:* metric families each exposes, whether cached TTFT < cold TTFT, and
+   whether the KV-event streams (ZMQ, both consumed by a bound SUB socket) store and evict the same blocks in the
+   same order (blocks are compared by their token ids: the two hash functions differ).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
+import zmq
+import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,13 +142,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_vllm(port: int) -> subprocess.Popen[bytes]:
+def start_vllm(port: int, kv_port: int) -> subprocess.Popen[bytes]:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [
         str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--block-size", "128", "--max-model-len", str(MAX_MODEL_LEN),
         "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
+        "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                          "endpoint": f"tcp://127.0.0.1:{kv_port}", "topic": "kv-events"}),
     ]  # fmt: skip
     log("starting real vLLM: " + " ".join(cmd))
     logfile = (OUT / "vllm_server.log").open("wb")
@@ -243,6 +251,68 @@ async def send(http: aiohttp.ClientSession, url: str, step: Step) -> Outcome:
     return out
 
 
+class EventCollector:
+    """A bound SUB socket that keeps receiving (so libzmq attaches the connecting publisher at once)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, port: int) -> None:
+        self.socket = ctx.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(f"tcp://127.0.0.1:{port}")
+        self.events: list[dict[str, Any]] = []
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart()
+            payload = msgpack.unpackb(frames[2], raw=False)
+            for event in payload[1]:
+                self.events.append(event if isinstance(event, dict) else {"type": event[0], "raw": event})
+
+    async def close(self) -> None:
+        await asyncio.sleep(0.5)  # let the last messages arrive
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.socket.close()
+
+
+def block_trace(events: list[dict[str, Any]]) -> list[tuple[str, tuple[int, ...]]]:
+    """('stored'|'removed'|'cleared', block tokens) in stream order; hashes are mapped to their blocks' tokens."""
+    tokens_of: dict[int, tuple[int, ...]] = {}
+    trace: list[tuple[str, tuple[int, ...]]] = []
+    for e in events:
+        kind = e.get("type")
+        if kind == "BlockStored":
+            size = e["block_size"]
+            for i, h in enumerate(e["block_hashes"]):
+                block = tuple(e["token_ids"][i * size : (i + 1) * size])
+                tokens_of[h] = block
+                trace.append(("stored", block))
+        elif kind == "BlockRemoved":
+            for h in e["block_hashes"]:
+                trace.append(("removed", tokens_of.get(h, (-1,))))
+        elif kind == "AllBlocksCleared":
+            trace.append(("cleared", ()))
+    return trace
+
+
+def compare_traces(real: list[dict[str, Any]], sim: list[dict[str, Any]]) -> list[str]:
+    a, b = block_trace(real), block_trace(sim)
+    lines = [
+        f"- KV events of the token-id requests: real {sum(k == 'stored' for k, _ in a)} blocks stored / "
+        f"{sum(k == 'removed' for k, _ in a)} removed; sim {sum(k == 'stored' for k, _ in b)} / "
+        f"{sum(k == 'removed' for k, _ in b)}",
+    ]
+    if a == b:
+        lines.append("- KV-event block sequence (stored/removed, by block tokens) identical: **yes**")
+        return lines
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    lines.append(f"- KV-event block sequence identical: **no** (first difference at event {first}: real "
+                 f"{a[first][0] if first < len(a) else '-'} vs sim {b[first][0] if first < len(b) else '-'})")
+    return lines
+
+
 def build_steps() -> list[Step]:
     rng = random.Random(42)
 
@@ -286,7 +356,9 @@ def fmt(v: float | int | None, scale: float = 1.0, digits: int = 0) -> str:
     return f"{v * scale:.{digits}f}"
 
 
-def report(steps: list[Step], names: dict[str, set[str]], info: dict[str, dict[str, Any]]) -> str:
+def report(
+    steps: list[Step], names: dict[str, set[str]], info: dict[str, dict[str, Any]], kv_lines: list[str]
+) -> str:
     lines = [
         "# Simulator vs real vLLM 0.32.0 (CPU)",
         "",
@@ -323,6 +395,7 @@ def report(steps: list[Step], names: dict[str, set[str]], info: dict[str, dict[s
         f"{len(names['real'] & names['sim'])}",
         f"- only in real: {', '.join(only_real) or 'none'}",
         f"- only in sim: {', '.join(only_sim) or 'none'}",
+        *kv_lines,
         "",
     ]
     return "\n".join(lines)
@@ -333,8 +406,11 @@ async def main_async(args: argparse.Namespace) -> int:
     if not args.skip_install:
         install()
     build_model()
-    port = free_port()
-    proc = start_vllm(port)
+    port, real_kv, sim_kv = free_port(), free_port(), free_port()
+    ctx = zmq.asyncio.Context()
+    real_events = EventCollector(ctx, real_kv)
+    sim_events = EventCollector(ctx, sim_kv)
+    proc = start_vllm(port, real_kv)
     real_url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
@@ -347,22 +423,37 @@ async def main_async(args: argparse.Namespace) -> int:
                 max_model_len=MAX_MODEL_LEN,
                 vocab_size=VOCAB,
             )
-            async with SimFleet(1, profile=profile, time_scale=1.0, model="tiny") as fleet:
+            fleet = SimFleet(1, profile=profile, time_scale=1.0, model="tiny",
+                             kv_events_endpoint_base=f"tcp://127.0.0.1:{sim_kv}")  # fmt: skip
+            async with fleet:
                 sim_url = fleet.urls[0]
+                await asyncio.sleep(1.0)  # both publishers connected and subscribed
                 steps = build_steps()
+                cut: dict[str, int] = {}
                 for st in steps:
+                    if st.path != "/v1/completions" and not cut:
+                        await asyncio.sleep(0.5)  # events of the token-id part have arrived
+                        cut = {"real": len(real_events.events), "sim": len(sim_events.events)}
                     st.results["real"] = await send(http, real_url, st)
                     st.results["sim"] = await send(http, sim_url, st)
                     log(f"{st.label}: cached real={st.results['real'].cached_tokens} "
                         f"sim={st.results['sim'].cached_tokens}")  # fmt: skip
                 _, sim_names, sim_info = await scrape(http, sim_url)
-        text = report(steps, {"real": real_names, "sim": sim_names}, {"real": real_info, "sim": sim_info})
+                await real_events.close()
+                await sim_events.close()
+        # the chat part tokenizes differently in the two systems: compare the token-id part only
+        kv_lines = compare_traces(real_events.events[: cut.get("real")], sim_events.events[: cut.get("sim")])
+        (OUT / "validate_sim_kv_events.json").write_text(
+            json.dumps({"real": block_trace(real_events.events), "sim": block_trace(sim_events.events)})
+        )
+        text = report(steps, {"real": real_names, "sim": sim_names}, {"real": real_info, "sim": sim_info}, kv_lines)
         (OUT / "validate_sim.md").write_text(text)
         print(text)
         log(f"written {OUT / 'validate_sim.md'}")
     finally:
         if not args.keep_server:
             stop_process(proc)
+        ctx.destroy(linger=0)
     return 0
 
 

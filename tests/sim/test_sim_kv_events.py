@@ -57,6 +57,27 @@ def test_encoded_events_have_the_captured_keys_order_and_types() -> None:
     assert stored["kv_cache_spec_kind"] == "full_attention"
 
 
+def record_from_wire(event: dict[str, Any]) -> Any:
+    """Test-side conversion of a decoded vLLM event into our record type."""
+    if event["type"] == "BlockStored":
+        return BlockStored(event["block_hashes"], event["parent_block_hash"], event["token_ids"], event["block_size"],
+                           event["lora_id"], event["lora_name"], event["extra_keys"])  # fmt: skip
+    if event["type"] == "BlockRemoved":
+        return BlockRemoved(event["block_hashes"])
+    return AllBlocksCleared()
+
+
+@needs_samples
+def test_re_encoding_every_captured_payload_reproduces_its_bytes() -> None:
+    paths = sorted(SAMPLES.glob("*.msgpack"))
+    assert len(paths) >= 10
+    for path in paths:
+        raw = path.read_bytes()
+        ts, events, dp_rank = msgpack.unpackb(raw, raw=False)
+        ours = encode_payload([record_from_wire(e) for e in events], ts=ts, dp_rank=dp_rank)
+        assert ours == raw, path.name
+
+
 @needs_samples
 def test_large_hashes_are_msgpack_uint64_like_vllm() -> None:
     raw = encode_payload([BlockRemoved([2**64 - 1])], ts=0.0)
