@@ -261,3 +261,16 @@ def test_large_pools_sum_in_numpy_with_exact_ties() -> None:
     firsts = {build_scheduler(rng=random.Random(seed)).schedule(req("a cold prompt"), endpoints, 0.0).ranked[0].address
               for seed in range(20)}
     assert len(firsts) > 10  # ties among many pods are broken at random
+
+
+def test_expired_entries_are_swept_by_later_picks() -> None:
+    index = InMemoryPrefixIndex(ttl=100.0)
+    s = build_scheduler(rng=random.Random(13), index=index)
+    a, b = pods(2)
+    route(s, req(SYSTEM), [a], now=0.0)
+    held = index.size()
+    assert held > 0
+    route(s, req("short and unrelated"), [b], now=10.0)  # within ttl/4 of the last sweep: nothing swept
+    assert index.size() == held + 1
+    route(s, req("another unrelated one"), [b], now=150.0)  # a's entries expired and get freed
+    assert index.endpoint_size(a.address) == 0 and index.size() == 1  # b: only the fresh prompt

@@ -56,6 +56,7 @@ class PrefixAwareScheduler:
         self._last_request: InferenceRequest | None = None
         self._last_keys: list[int] = []
         self._last_block_chars = 0
+        self._next_sweep = -float("inf")
 
     def _keys(self, request: InferenceRequest, block_chars: int) -> list[int]:
         seed = prefix_seed(effective_model(request), None, request.cache_salt)
@@ -120,10 +121,22 @@ class PrefixAwareScheduler:
             if capacity:
                 self.index.set_capacity(endpoint.address, capacity)
             self.index.record(keys, endpoint.address, now)
+            if now >= self._next_sweep:
+                self._sweep(now)
         self._last_request = None
         self._last_keys = []
         for plugin in self._stateful:
             plugin.on_picked(request, endpoint, now)
+
+    def _sweep(self, now: float) -> None:
+        """Free expired entries now and then (matches already ignore them) for backends that can sweep."""
+        expire = getattr(self.index, "expire", None)
+        ttl = getattr(self.index, "ttl", None)
+        if expire is None or not ttl:
+            self._next_sweep = float("inf")
+            return
+        expire(now)
+        self._next_sweep = now + ttl / 4
 
     def _capacity_blocks(self, endpoint: Endpoint, block_chars: int) -> int | None:
         """The pod's KV cache in our blocks: num_gpu_blocks x block_size tokens, re-cut into `block_chars`."""
