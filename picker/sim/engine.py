@@ -410,8 +410,10 @@ class Engine:
         self.waiting.appendleft(st)
 
     def _step_duration(self, scheduled: list[tuple[_State, int, int]], num_lora_loads: int) -> float:
-        """Linear cost model: overhead + prefill tokens (+ attention over context) + decodes (+ KV reads)."""
+        """Linear cost model: overhead + prefills (per sequence, per token, per attention pair) + decodes (per
+        sequence, per context token) + LoRA loads."""
         p = self.profile
+        prefill_seqs = 0
         prefill_tokens = 0
         attn_pairs = 0.0
         decode_seqs = 0
@@ -421,10 +423,12 @@ class Engine:
                 decode_seqs += 1
                 decode_ctx += ctx + 1
             else:
+                prefill_seqs += 1
                 prefill_tokens += n
                 attn_pairs += n * (ctx + (n + 1) / 2)
         return (
             p.step_overhead_s
+            + prefill_seqs * p.prefill_seq_s
             + prefill_tokens * p.prefill_token_s
             + attn_pairs * p.prefill_attn_s
             + decode_seqs * p.decode_seq_s

@@ -29,6 +29,7 @@ class Profile:
     enable_chunked_prefill: bool
     # --- step time model, seconds (see engine.Engine._step_duration) ---
     step_overhead_s: float  # fixed cost of one forward pass (weights read once per step)
+    prefill_seq_s: float  # per sequence with a prefill chunk in the step (input preparation, sampler setup)
     prefill_token_s: float  # per prefill token: dense matmuls
     prefill_attn_s: float  # per (prefill token x context token) pair: attention
     decode_seq_s: float  # per decoding sequence in the batch
@@ -75,6 +76,8 @@ LLAMA3_8B_H100 = Profile(
     # A step streams all 16 GB of weights from HBM (3.35 TB/s) -> ~5 ms; measured single-sequence ITL for 8B on
     # H100 is ~6-7 ms, so 6 ms of fixed cost per step.
     step_overhead_s=0.006,
+    # Per-request prefill setup is small next to the matmuls on a GPU.
+    prefill_seq_s=0.2e-3,
     # 2 x 8e9 FLOP per token at ~400 TFLOP/s effective bf16 -> 40 us per prefill token (2k-token prefill ~ 85 ms
     # including overhead, in line with published TTFTs).
     prefill_token_s=40e-6,
@@ -111,12 +114,12 @@ TINY_CPU = Profile(
     enable_chunked_prefill=True,
     # From the capture: 17 inter-token latencies sum to 62.8 ms -> ~3.7 ms per decode step of one sequence.
     step_overhead_s=0.0036,
-    # request_prefill_time_seconds: 4 prefills of 71 tokens total took 24.8 ms -> (24.8 - 4 x 3.6) / 71
-    # ~= 0.15 ms per prompt token.
-    prefill_token_s=0.15e-3,
-    # A tiny model: attention cost is not separable from the capture; a small positive term keeps long prompts
-    # super-linear as on real hardware.
-    prefill_attn_s=2e-9,
+    # Fitted to TTFTs of the real CPU server measured by bench/validate_sim.py (token-id prompts of 100-1000 tokens,
+    # cold and partly cached): TTFT ~= 11.4 ms + 77 us x new tokens + 69 ns x (new token x context token) pairs.
+    # The 11.4 ms minus the decode step (3.6 ms) and our own HTTP overhead (~1.5 ms) is per-prefill setup.
+    prefill_seq_s=0.0063,
+    prefill_token_s=77e-6,
+    prefill_attn_s=6.9e-8,
     decode_seq_s=0.1e-3,
     decode_ctx_token_s=1e-8,
     lora_load_s=0.005,

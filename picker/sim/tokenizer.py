@@ -28,7 +28,11 @@ CHUNK_CHARS = 4
 # or underscore run with an optional leading space, cut into chunks of at most 4 characters (the leading space
 # counts), else up to 4 whitespace characters.
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
-_PIECES = re.compile(r" [^\W_]{1,3}|[^\W_]{1,4}| [^\s\w]{1,3}|[^\s\w]{1,4}| _{1,3}|_{1,4}|\s{1,4}")
+# (A whitespace char right after whitespace continues a run, so a long run is cut into 4-char chunks and its last
+# space is not glued to the next word.)
+_PIECES = re.compile(
+    r"(?<=\s)\s{1,4}| [^\W_]{1,3}|[^\W_]{1,4}| [^\s\w]{1,3}|[^\s\w]{1,4}| _{1,3}|_{1,4}|\s{1,4}"
+)
 
 
 def split_pieces(text: str) -> list[str]:

@@ -10,7 +10,7 @@ import sys
 import urllib.request
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from picker.sim.profiles import PROFILES, get_profile
@@ -54,7 +54,10 @@ def reference_pieces(text: str) -> list[str]:
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
+@example("     a")
+@example(" ....<|eot_id|>")
+@example("x\n\n\n\n\n  y")
 @given(st.lists(st.sampled_from(list("ab_ .,!\n\t\u00e9\u4e2d1") + ["<|eot_id|>", "<|x|>"]), max_size=60).map("".join))
 def test_fast_tokenizer_equals_the_documented_algorithm(text: str) -> None:
     tok = Tokenizer(4096)
