@@ -13,7 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "envoy-config": ("picker.envoyconfig", "write a checked Envoy config that uses the picker"),
     "explain": ("picker.explain", "ask a running picker why a request would go where it goes"),
     "sim": ("picker.sim.cli", "run simulated vLLM servers (OpenAI API, /metrics, KV events)"),
-    "bench": ("picker.bench_cli", "compare routing strategies on the same trace and fleet"),
+    "bench": ("picker.bench.cli", "compare routing strategies on the same trace and fleet"),
 }
 
 

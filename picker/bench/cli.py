@@ -1,0 +1,163 @@
+"""`picker bench`: compare routing strategies on the same traces and fleet; writes report.json/.md and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from picker.bench.workloads import WORKLOADS
+from picker.scheduling.config import STRATEGIES
+
+FAST_STRATEGIES = ("round-robin", "random", "least-load", "prefix-only", "picker")
+PEERS = ("sglang-router", "vllm-router")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(s) for s in _csv(text))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `picker bench`."""
+    a = parser.add_argument
+    a("--mode", choices=("fast", "live", "both"), default=None,
+      help="fast: in-process discrete-event simulation (default); live: real sim fleet + Envoy + routers")
+    a("--smoke", action="store_true", help="a ~1-minute reduced fast run plus a short live run")
+    a("--workload", "--workloads", dest="workloads", type=_csv, default=None,
+      help=f"comma-separated workloads (default all: {', '.join(WORKLOADS)})")
+    a("--strategies", type=_csv, default=None, help=f"comma-separated strategies (default {', '.join(FAST_STRATEGIES)})")
+    a("--pods", type=int, default=None, help="fast-mode fleet size (default 8)")
+    a("--profile", default="llama3-8b-h100", help="simulator profile (picker.sim.profiles)")
+    a("--num-gpu-blocks", type=int, default=None, help="override the profile's KV-cache blocks per pod")
+    a("--load", type=float, default=None, help="offered load as a fraction of cache-blind capacity (default 0.8)")
+    a("--rate", type=float, default=None, help="offered requests/s (overrides --load)")
+    a("--requests", type=int, default=None, help="requests per workload and strategy (default 4000)")
+    a("--seed", type=int, default=1, help="seed of every trace and tie-break")
+    a("--arrival", choices=("poisson", "ramp"), default="poisson", help="open-loop arrival process")
+    a("--out", default=None, help="output directory (default bench/out/<timestamp>)")
+    a("--jobs", type=int, default=0, help="worker processes for fast mode (default: CPU count)")
+    a("--sweep-loads", type=_floats, default=None, help="loads of the sweep (default 0.5,0.7,0.85,1.0,1.15)")
+    a("--sweep-workloads", type=_csv, default=None, help="workloads of the sweep (default shared-prefix,multi-turn)")
+    a("--sweep-requests", type=int, default=None, help="requests per sweep point (default 2000)")
+    a("--capacity-workload", default=None, help="workload of the smallest-fleet search ('' to skip)")
+    a("--capacity-requests", type=int, default=None, help="requests per smallest-fleet try (default 1500)")
+    a("--ttft-target", type=float, default=None, help="p95 TTFT target (s) of the smallest-fleet search")
+    a("--scheduling", default=None, help="YAML/JSON scheduler config for the full picker (as picker serve reads it)")
+    a("--live-workload", default="shared-prefix", help="live-mode workload")
+    a("--live-pods", type=int, default=None, help="live-mode fleet size (default 4)")
+    a("--live-requests", type=int, default=None, help="live-mode requests per strategy (default 400)")
+    a("--live-load", type=float, default=None, help="live-mode load (default 0.8)")
+    a("--live-time-scale", type=float, default=1.0, help="simulated model time per wall second in live mode")
+    a("--peers", type=_csv, default=None, help=f"peer routers in live mode (default {','.join(PEERS)}; 'none')")
+
+
+def _scheduling(path: str | None) -> dict[str, Any] | None:
+    if not path:
+        return None
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: scheduler config must be a mapping")
+    return data.get("scheduling", data)
+
+
+def fast_spec(args: argparse.Namespace) -> Any:
+    """The FastSpec the flags ask for (smoke: small fleet, small caches, few requests)."""
+    from picker.bench.suite import FastSpec
+
+    smoke = args.smoke
+    overrides: dict[str, Any] = {}
+    if args.num_gpu_blocks or smoke:
+        overrides["num_gpu_blocks"] = args.num_gpu_blocks or 2500
+    scheduling = _scheduling(args.scheduling)
+    strategies = tuple(s for s in (args.strategies or FAST_STRATEGIES) if s not in PEERS)
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise ValueError(f"unknown strategy {s!r} (fast mode knows {', '.join(FAST_STRATEGIES)})")
+    workloads = args.workloads or tuple(WORKLOADS)
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise ValueError(f"unknown workload {w!r} (known: {', '.join(WORKLOADS)})")
+    cap = args.capacity_workload if args.capacity_workload is not None else "shared-prefix"
+    sweep_w = args.sweep_workloads if args.sweep_workloads is not None else (
+        ("shared-prefix",) if smoke else ("shared-prefix", "multi-turn"))
+    return FastSpec(
+        profile=args.profile,
+        profile_overrides=tuple(overrides.items()),
+        pods=args.pods or (4 if smoke else 8),
+        workloads=workloads,
+        strategies=strategies,
+        load=args.load if args.load is not None else 0.8,
+        rate=args.rate,
+        requests=args.requests or (600 if smoke else 4000),
+        seed=args.seed,
+        arrival=args.arrival,
+        scheduling=json.dumps(scheduling) if scheduling else "",
+        sweep_loads=args.sweep_loads or ((0.6, 1.0) if smoke else (0.5, 0.7, 0.85, 1.0, 1.15)),
+        sweep_workloads=tuple(w for w in sweep_w if w),
+        sweep_requests=args.sweep_requests or (300 if smoke else 2000),
+        capacity_workload=cap or None,
+        capacity_requests=args.capacity_requests or (300 if smoke else 1500),
+        ttft_target=args.ttft_target,
+        jobs=args.jobs,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point called by `picker bench`."""
+    mode = args.mode or ("both" if args.smoke else "fast")
+    out = Path(args.out) if args.out else REPO / "bench" / "out" / time.strftime("%Y%m%d-%H%M%S")
+    command = "picker bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["bench"] else \
+        "picker bench (programmatic)"
+    from picker.bench import report
+
+    fast = None
+    live = None
+    try:
+        if mode in ("fast", "both"):
+            from picker.bench.suite import run_suite
+
+            spec = fast_spec(args)
+            print(f"picker bench: fast mode, {len(spec.workloads)} workloads x {len(spec.strategies)} strategies, "
+                  f"{spec.pods} pods, {spec.requests} requests each -> {out}", file=sys.stderr)
+            fast = run_suite(spec)
+        if mode in ("live", "both"):
+            from picker.bench.live import LiveSpec, run_live
+
+            live_spec = LiveSpec.from_args(args)
+            print(f"picker bench: live mode, {live_spec.workload}, {live_spec.pods} pods, {live_spec.requests} "
+                  f"requests per strategy -> {out}", file=sys.stderr)
+            live = run_live(live_spec, out)
+    except ValueError as exc:
+        print(f"picker bench: {exc}", file=sys.stderr)
+        return 2
+    result = report.build(out, command, fast, live)
+    print((out / "report.md").read_text())
+    print(f"picker bench: wrote {out / 'report.json'}, {out / 'report.md'} and {len(result['plots'])} plots",
+          file=sys.stderr)
+    missed = [t for t in (result.get("fast") or {}).get("targets", []) + (result.get("live") or {}).get("targets", [])
+              if not t["met"]]
+    if missed:
+        print(f"picker bench: {len(missed)} target(s) missed (see report.md)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m picker.bench.cli` (same flags as `picker bench`)."""
+    parser = argparse.ArgumentParser(prog="picker bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

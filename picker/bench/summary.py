@@ -1,0 +1,98 @@
+"""Figures of one run (percentiles, hit rates, imbalance, cost) and ratios to round-robin from the same run."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from picker.bench.results import FAILED, OK, SHED, RunResult
+
+# Figures every strategy row carries; the report checks it is complete.
+FIGURES = (
+    "requests", "completed", "shed", "failed", "hit_rate", "vllm_hit_rate", "oracle_hit_rate", "hit_rate_of_oracle",
+    "ttft_mean", "ttft_p50", "ttft_p95", "ttft_p99", "e2e_mean", "e2e_p95", "itl_mean", "itl_p95",
+    "output_tokens_per_s", "load_imbalance", "served_imbalance", "busy_s_per_1k", "preemptions", "duration_s",
+)
+LOWER_IS_BETTER = frozenset({"ttft_mean", "ttft_p50", "ttft_p95", "ttft_p99", "e2e_mean", "e2e_p95", "itl_mean",
+                             "itl_p95", "load_imbalance", "served_imbalance", "busy_s_per_1k", "shed", "failed"})
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else math.nan
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(values.mean()) if values.size else math.nan
+
+
+def load_imbalance(load_per_pod: list[list[int]]) -> float:
+    """Time-averaged max/mean of per-pod outstanding requests (running + waiting), over samples with load.
+    1.0 = perfectly even; a pod holding twice its share gives 2.0."""
+    ratios = []
+    for sample in load_per_pod:
+        total = sum(sample)
+        if total:
+            ratios.append(max(sample) * len(sample) / total)
+    return float(np.mean(ratios)) if ratios else math.nan
+
+
+def summarize(res: RunResult) -> dict[str, Any]:
+    """Every figure of one (workload, strategy) run, as plain floats/ints for JSON."""
+    status = np.array(res.status)
+    ok = status == OK
+    ttft = np.array(res.ttft)[ok]
+    ttft = ttft[~np.isnan(ttft)]
+    e2e = np.array(res.e2e)[ok]
+    itl = np.array(res.itl)[ok]
+    itl = itl[~np.isnan(itl)]
+    served = [s for s in res.pod_served]
+    completed = int(ok.sum())
+    oracle = res.oracle_hits / res.oracle_queries if res.oracle_queries else math.nan
+    hit = res.prompt_tokens_cached / res.prompt_tokens_total if res.prompt_tokens_total else math.nan
+    return {
+        "requests": res.n,
+        "completed": completed,
+        "shed": int((status == SHED).sum()),
+        "failed": int((status == FAILED).sum()),
+        "hit_rate": hit,
+        "vllm_hit_rate": res.prefix_hits / res.prefix_queries if res.prefix_queries else math.nan,
+        "oracle_hit_rate": oracle,
+        "hit_rate_of_oracle": hit / oracle if oracle and oracle > 0 else math.nan,
+        "ttft_mean": _mean(ttft),
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p95": _pct(ttft, 95),
+        "ttft_p99": _pct(ttft, 99),
+        "e2e_mean": _mean(e2e),
+        "e2e_p95": _pct(e2e, 95),
+        "itl_mean": _mean(itl),
+        "itl_p95": _pct(itl, 95),
+        "output_tokens_per_s": sum(res.output_tokens) / res.duration_s if res.duration_s > 0 else math.nan,
+        "load_imbalance": load_imbalance(res.load_per_pod),
+        "served_imbalance": max(served) * len(served) / sum(served) if served and sum(served) else math.nan,
+        "busy_s_per_1k": sum(res.pod_busy_s) / completed * 1000 if completed and res.pod_busy_s else math.nan,
+        "preemptions": res.preemptions,
+        "duration_s": res.duration_s,
+    }
+
+
+def ratios_to(baseline: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:
+    """row / baseline for every numeric figure (NaN when the baseline is 0 or missing)."""
+    out: dict[str, float] = {}
+    for key in FIGURES:
+        b, v = baseline.get(key), row.get(key)
+        if isinstance(b, int | float) and isinstance(v, int | float) and b and not math.isnan(b):
+            out[key] = float(v) / float(b)
+        else:
+            out[key] = math.nan
+    return out
+
+
+def ttft_sample(res: RunResult, limit: int = 5000) -> list[float]:
+    """Sorted TTFTs of completed requests, thinned to at most `limit` points (for CDF plots)."""
+    values = sorted(t for t, s in zip(res.ttft, res.status, strict=True) if s == OK and not math.isnan(t))
+    if len(values) <= limit:
+        return values
+    step = len(values) / limit
+    return [values[int(i * step)] for i in range(limit)]
