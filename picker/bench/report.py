@@ -96,6 +96,9 @@ def write_plots(out: Path, fast: SuiteResult | None, live: dict[str, Any] | None
     if live and live.get("cdf"):
         files.append(plots.ttft_cdf(out / "ttft_cdf_live.png", f"{live.get('workload')}: TTFT CDF (live mode)",
                                     live["cdf"]).name)
+    if live and live.get("pod_load_series"):
+        files.append(plots.pod_load(out / "pod_load_live.png", f"{live.get('workload')} (live)",
+                                    live["pod_load_series"]).name)
     return files
 
 

@@ -1,0 +1,297 @@
+"""Live mode: one `picker sim` fleet, the same trace replayed through each router over real HTTP/gRPC.
+
+Routers, one at a time on the same pods (prefix caches reset in between):
+- round-robin: Envoy with the ext_proc filter removed (the no-picker baseline);
+- random, least-load, prefix-only, picker: Envoy + `picker serve --strategy NAME`;
+- sglang-router and vllm-router in cache_aware mode (peers.py), skipped with the reason when unavailable.
+Hit rates come from the pods' own counters (/metrics before and after), latencies from the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import re
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from picker.bench import peers
+from picker.bench.capacity import cost_per_request, rate_for_load
+from picker.bench.client import replay
+from picker.bench.oracle import InfiniteCacheOracle
+from picker.bench.progress import ProgressBar
+from picker.bench.prompts import PromptBuilder
+from picker.bench.results import RunResult
+from picker.bench.summary import ratios_to, summarize, ttft_sample
+from picker.bench.workloads import FleetSpec, generate
+from picker.envoyconfig import EnvoySettings, envoy_binary, render
+from picker.sim.profiles import Profile, get_profile
+from picker.sim.tokenizer import Tokenizer
+from picker.supervisor import (
+    HOST,
+    Managed,
+    free_port,
+    port_open,
+    process_scope,
+    spawn,
+    start_envoy,
+    start_picker,
+    start_sim,
+    wait_until,
+)
+
+PICKER_STRATEGIES = ("random", "least-load", "prefix-only", "picker")
+
+
+@dataclass(frozen=True)
+class LiveSpec:
+    workload: str = "shared-prefix"
+    pods: int = 4
+    requests: int = 300
+    load: float = 0.8
+    time_scale: float = 0.5
+    profile: str = "llama3-8b-h100"
+    num_gpu_blocks: int | None = 2500
+    seed: int = 1
+    strategies: tuple[str, ...] = ("round-robin", "random", "least-load", "prefix-only", "picker")
+    peers: tuple[str, ...] = ("sglang-router", "vllm-router")
+    scheduling_file: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LiveSpec:
+        smoke = bool(args.smoke)
+        strategies = tuple(s for s in (args.strategies or cls.strategies) if s not in peers.PEERS)
+        asked_peers = args.peers if args.peers is not None else tuple(
+            s for s in (args.strategies or peers.PEERS) if s in peers.PEERS)
+        return cls(
+            workload=args.live_workload,
+            pods=args.live_pods or (3 if smoke else 4),
+            requests=args.live_requests or (90 if smoke else 300),
+            load=args.live_load if args.live_load is not None else 0.8,
+            time_scale=args.live_time_scale,
+            profile=args.profile,
+            num_gpu_blocks=args.num_gpu_blocks or 2500,
+            seed=args.seed,
+            strategies=strategies,
+            peers=tuple(p for p in asked_peers if p and p != "none"),
+            scheduling_file=args.scheduling,
+        )
+
+    def get_profile(self) -> Profile:
+        return get_profile(self.profile).with_overrides(num_gpu_blocks=self.num_gpu_blocks)
+
+
+# --- pods' /metrics ----------------------------------------------------------------------------------------------
+_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prompt_tokens_total": "prompt_tokens_total",
+    "vllm:prompt_tokens_cached_total": "prompt_tokens_cached",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+}
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The counters/gauges the benchmark reads, summed over label sets."""
+    out: dict[str, float] = dict.fromkeys(_COUNTERS.values(), 0.0)
+    for name, value in _SAMPLE.findall(text):
+        key = _COUNTERS.get(name)
+        if key is not None:
+            out[key] += float(value)
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, urls: list[str]) -> list[dict[str, float]]:
+    async def one(url: str) -> dict[str, float]:
+        async with session.get(url + "/metrics") as resp:
+            return parse_counters(await resp.text())
+
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
+async def reset_caches(session: aiohttp.ClientSession, urls: list[str], within_s: float = 30.0) -> None:
+    """Empty every pod's prefix cache (vLLM refuses while requests hold blocks: retry until idle)."""
+    deadline = time.monotonic() + within_s
+    for url in urls:
+        while True:
+            async with session.post(url + "/reset_prefix_cache") as resp:
+                if resp.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} kept refusing /reset_prefix_cache")
+            await asyncio.sleep(0.2)
+
+
+async def sample_load(session: aiohttp.ClientSession, urls: list[str], res: RunResult, start: float,
+                      scale: float, stop: asyncio.Event, period: float = 0.5) -> None:
+    """Per-pod running + waiting over time, read from /metrics."""
+    while not stop.is_set():
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            snap = await scrape(session, urls)
+            res.load_times.append((time.monotonic() - start) * scale)
+            res.load_per_pod.append([int(s["running"] + s["waiting"]) for s in snap])
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), period)
+
+
+# --- routers -------------------------------------------------------------------------------------------------------
+def start_direct_envoy(logdir: Path, pool: list[str]) -> tuple[Managed, str]:
+    """Envoy rendered from our own template with the ext_proc filter taken out: plain round-robin over the pool
+    (the fail-open route), i.e. Envoy with no picker."""
+    settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=free_port(),
+                             picker_health_port=free_port(), pool=tuple(pool))
+    config = yaml.safe_load(render(settings))
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for flt in chain["filters"]:
+                hcm = flt.get("typed_config", {})
+                if "http_filters" in hcm:
+                    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    path = logdir / "envoy-direct.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = spawn("envoy-direct", [envoy_binary(), "-c", str(path), "--base-id", str(settings.admin_port),
+                                  "-l", "warning", "--concurrency", "1"], logdir)
+    wait_until(lambda: port_open(settings.listen_port), 30, "direct envoy", proc.proc)
+    return proc, f"http://{HOST}:{settings.listen_port}"
+
+
+def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str], logdir: Path
+                 ) -> tuple[list[Managed], str]:
+    """Processes and base URL of the router for `strategy` (RuntimeError when it cannot start)."""
+    if strategy == "round-robin":
+        direct, url = start_direct_envoy(logdir, pool)
+        return [direct], url
+    if strategy in peers.PEERS:
+        proc, url = peers.start(peers.PEERS[strategy], urls, logdir)
+        return [proc], url
+    extra = ["--strategy", strategy, "--log-level", "WARNING"]
+    if spec.scheduling_file and strategy == "picker":
+        extra += ["--config-file", _serve_config(spec.scheduling_file, logdir)]
+    picker = start_picker(logdir, endpoints=pool, extra=extra, name=f"picker-{strategy}")
+    procs = [picker.process]
+    try:
+        envoy = start_envoy(logdir, picker, pool, name=f"envoy-{strategy}")
+    except BaseException:
+        picker.process.stop()
+        raise
+    procs.append(envoy.process)
+    return procs, envoy.url
+
+
+def _serve_config(path: str, logdir: Path) -> str:
+    """`picker serve --config-file` wants the scheduler config under `scheduling:`."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if "scheduling" not in data:
+        data = {"scheduling": data}
+    out = logdir / "picker-scheduling.yaml"
+    out.write_text(yaml.safe_dump(data))
+    return str(out)
+
+
+# --- the run -----------------------------------------------------------------------------------------------------
+def _wait_pods_ready(urls: list[str]) -> None:
+    def ok() -> bool:
+        for u in urls:
+            with urllib.request.urlopen(u + "/health", timeout=1) as resp:
+                if resp.status != 200:
+                    return False
+        return True
+
+    wait_until(ok, 30, "sim pods healthy")
+
+
+async def _measure(strategy: str, url: str, spec: LiveSpec, trace: Any, urls: list[str], model: str,
+                   bar: ProgressBar) -> RunResult:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        await reset_caches(session, urls)
+        before = await scrape(session, urls)
+        stop = asyncio.Event()
+        probe = RunResult("live", spec.workload, strategy, spec.pods, 0)
+        start = time.monotonic()
+        sampler = asyncio.create_task(sample_load(session, urls, probe, start, spec.time_scale, stop))
+        tokenizer = Tokenizer(spec.get_profile().vocab_size)
+        res = await replay(url, trace, strategy, pods=spec.pods, model=model, time_scale=spec.time_scale,
+                           progress=bar.advance, builder=PromptBuilder(tokenizer),
+                           oracle=InfiniteCacheOracle(spec.get_profile().block_size))
+        stop.set()
+        await sampler
+        after = await scrape(session, urls)
+    res.load_times, res.load_per_pod = probe.load_times, probe.load_per_pod
+    for key in ("prefix_queries", "prefix_hits", "prompt_tokens_total", "prompt_tokens_cached", "generation_tokens",
+                "preemptions"):
+        setattr(res, key, int(sum(a[key] - b[key] for a, b in zip(after, before, strict=True))))
+    return res
+
+
+def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
+    """Run every router on one fleet; returns the live section of the report."""
+    profile = spec.get_profile()
+    fleet = FleetSpec(profile, spec.pods)
+    cost = cost_per_request(spec.workload, fleet, spec.seed, spec.params)
+    rate = rate_for_load(spec.load, spec.pods, cost)
+    trace = generate(spec.workload, spec.requests, rate, spec.seed, fleet, **spec.params)
+    order = [*spec.strategies, *spec.peers]
+    section: dict[str, Any] = {
+        "workload": spec.workload, "pods": spec.pods, "requests": spec.requests, "load": spec.load,
+        "rate_rps": rate, "wall_rate_rps": rate * spec.time_scale, "time_scale": spec.time_scale,
+        "profile": profile.name, "num_gpu_blocks": profile.num_gpu_blocks, "seed": spec.seed,
+        "trace_params": trace.params, "times": "model seconds (wall seconds x time_scale)",
+        "strategies": {}, "cdf": {}, "pod_load_series": {}, "skipped": {}, "notes": [],
+    }
+    bar = ProgressBar(len(trace) * len(order), "live mode")
+    results: dict[str, RunResult] = {}
+    try:
+        with process_scope("bench-live") as (logdir, started):
+            extra = ["--profile", profile.name, "--seed", str(spec.seed)]
+            if spec.num_gpu_blocks:
+                extra += ["--num-gpu-blocks", str(spec.num_gpu_blocks)]
+            sim = start_sim(spec.pods, logdir, time_scale=spec.time_scale, extra=extra)
+            started.append(sim.process)
+            urls = [f"http://{a}" for a in sim.addresses]
+            _wait_pods_ready(urls)
+            for strategy in order:
+                bar.set_label(f"live mode: {strategy}")
+                try:
+                    procs, url = start_router(strategy, spec, sim.addresses, urls, logdir)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    section["skipped"][strategy] = str(exc)[:400]
+                    bar.advance(len(trace))
+                    continue
+                started.extend(procs)
+                try:
+                    results[strategy] = asyncio.run(_measure(strategy, url, spec, trace, urls, profile.model, bar))
+                finally:
+                    for p in procs:
+                        p.stop()
+                        started.remove(p)
+            section["logdir"] = str(logdir)
+    finally:
+        bar.close()
+    base = summarize(results["round-robin"]) if "round-robin" in results else None
+    for strategy, res in results.items():
+        figures = summarize(res)
+        figures["ratio_to_round_robin"] = ratios_to(base, figures) if base else None
+        section["strategies"][strategy] = figures
+        values = ttft_sample(res, 100_000)
+        section["cdf"][strategy] = [values[min(len(values) - 1, int(q / 100 * len(values)))]
+                                    for q in range(101)] if values else []
+        step = max(1, math.ceil(len(res.load_times) / 150))
+        section["pod_load_series"][strategy] = {"t": res.load_times[::step], "per_pod": res.load_per_pod[::step]}
+        section["notes"] += [f"{strategy}: {n}" for n in res.notes]
+    (out / "live-raw.json").parent.mkdir(parents=True, exist_ok=True)
+    (out / "live-raw.json").write_text(json.dumps({"spec": spec.__dict__ | {"params": spec.params}}, default=str))
+    return section

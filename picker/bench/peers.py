@@ -1,0 +1,89 @@
+"""Peer routers measured in live mode: sglang-router and vllm-router, each pip-installed into its own venv.
+
+Own venvs keep their dependencies away from ours; HF_HUB_OFFLINE=1 stops them from reaching for a tokenizer on
+the Hub (they route on text or on the pod's /v1/completions/render token ids). Any failure (no network, no
+wheel, crash at start) becomes a clear "skipped" reason instead of an error.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from picker.supervisor import HOST, Managed, free_port, port_open, spawn, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+VENVS = REPO / "bench" / ".venvs"
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    name: str
+    requirement: str
+    executable: str
+
+
+PEERS: dict[str, PeerSpec] = {
+    "sglang-router": PeerSpec("sglang-router", "sglang-router==0.3.2", "sglang-router"),
+    "vllm-router": PeerSpec("vllm-router", "vllm-router==0.1.17", "vllm-router"),
+}
+
+
+def ensure_installed(peer: PeerSpec, log: Path) -> Path:
+    """The peer's executable in bench/.venvs/<name>, creating the venv and pip-installing on first use.
+    Raises RuntimeError with the reason when that is not possible."""
+    venv = VENVS / peer.name
+    exe = venv / "bin" / peer.executable
+    if exe.exists():
+        return exe
+    VENVS.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as fh:
+        steps = [[sys.executable, "-m", "venv", str(venv)],
+                 [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", peer.requirement]]
+        for cmd in steps:
+            try:
+                rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=600)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise RuntimeError(f"{' '.join(cmd[:3])}... failed: {exc}") from None
+            if rc != 0:
+                raise RuntimeError(f"`pip install {peer.requirement}` failed (exit {rc}); see {log}")
+    if not exe.exists():
+        raise RuntimeError(f"{peer.requirement} installed no {peer.executable} executable")
+    return exe
+
+
+def command(peer: PeerSpec, exe: Path, port: int, prometheus_port: int, worker_urls: list[str]) -> list[str]:
+    """Command line of the peer in cache-aware mode (DESIGN.md §5)."""
+    common = ["--host", HOST, "--port", str(port), "--worker-urls", *worker_urls, "--policy", "cache_aware",
+              "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port)]
+    if peer.name == "sglang-router":
+        return [str(exe), "launch", *common]
+    return [str(exe), *common]
+
+
+def _ready(port: int) -> bool:
+    if not port_open(port):
+        return False
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1) as resp:
+            return int(resp.status) == 200
+    except OSError:
+        return False
+
+
+def start(peer: PeerSpec, worker_urls: list[str], logdir: Path) -> tuple[Managed, str]:
+    """Start the peer router; returns the process and its base URL. RuntimeError when it cannot start."""
+    exe = ensure_installed(peer, logdir / f"{peer.name}-install.log")
+    port = free_port()
+    managed = spawn(peer.name, command(peer, exe, port, free_port(), worker_urls), logdir,
+                    env={"HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "RUST_LOG": "warn"})
+    try:
+        wait_until(lambda: _ready(port), 60, peer.name, managed.proc)
+    except (RuntimeError, TimeoutError) as exc:
+        tail = managed.log()[-600:]
+        managed.stop()
+        raise RuntimeError(f"{peer.name} did not start: {exc}; log tail: {tail!r}") from None
+    return managed, f"http://{HOST}:{port}"
