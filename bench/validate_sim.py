@@ -313,6 +313,76 @@ def compare_traces(real: list[dict[str, Any]], sim: list[dict[str, Any]]) -> lis
     return lines
 
 
+def shape(obj: Any, prefix: str = "") -> set[str]:
+    """Key paths with JSON types, e.g. 'choices[].delta.content:str' (values ignored)."""
+    if isinstance(obj, dict):
+        out: set[str] = set()
+        for k, v in obj.items():
+            out |= shape(v, f"{prefix}.{k}" if prefix else k)
+        return out or {f"{prefix}:{{}}"}
+    if isinstance(obj, list):
+        out = set()
+        for v in obj:
+            out |= shape(v, prefix + "[]")
+        return out or {f"{prefix}:[]"}
+    kind = "null" if obj is None else type(obj).__name__
+    return {f"{prefix}:{kind}"}
+
+
+async def response_shapes(
+    http: aiohttp.ClientSession, url: str, examples: dict[str, Any] | None = None
+) -> dict[str, set[str]]:
+    """JSON shapes of the responses a picker or client parses: plain, streamed chunks, usage chunk, errors."""
+    shapes = _Shapes(examples)
+    comp = {"model": "tiny", "prompt": [11, 12, 13, 14], "max_tokens": 3, "ignore_eos": True}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}
+    for name, path, body in (("completion", "/v1/completions", comp), ("chat", "/v1/chat/completions", chat)):
+        async with http.post(url + path, json=body) as resp:
+            shapes.add(f"{name} JSON", await resp.json())
+        stream_body = dict(body, stream=True, stream_options={"include_usage": True})
+        chunks: list[dict[str, Any]] = []
+        async with http.post(url + path, json=stream_body) as resp:
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        shapes.add(f"{name} stream first chunk", chunks[0])
+        shapes.add(f"{name} stream last token chunk", chunks[-2])
+        shapes.add(f"{name} stream usage chunk", chunks[-1])
+    async with http.post(url + "/v1/completions", json=dict(comp, model="nope")) as resp:
+        shapes.add(f"error 404 (HTTP {resp.status})", await resp.json())
+    async with http.post(url + "/v1/completions", json=dict(comp, prompt=[5] * 5000)) as resp:
+        shapes.add(f"error too long (HTTP {resp.status})", await resp.json())
+    async with http.post(url + "/tokenize", json={"model": "tiny", "prompt": "hello"}) as resp:
+        shapes.add("tokenize", await resp.json())
+    async with http.get(url + "/v1/models") as resp:
+        shapes.add("models", await resp.json())
+    return shapes
+
+
+class _Shapes(dict[str, set[str]]):
+    """Shape map that also keeps the raw JSON of each response (bench/out/validate_sim_examples.json)."""
+
+    def __init__(self, examples: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.examples = examples
+
+    def add(self, key: str, obj: Any) -> None:
+        self[key] = shape(obj)
+        if self.examples is not None:
+            self.examples[key] = obj
+
+
+def compare_shapes(real: dict[str, set[str]], sim: dict[str, set[str]]) -> list[str]:
+    lines = ["", "| response | same JSON shape | only in real | only in sim |", "|---|---|---|---|"]
+    for key in sorted(set(real) | set(sim)):
+        a, b = real.get(key, set()), sim.get(key, set())
+        only_a = ", ".join(f"`{p}`" for p in sorted(a - b)) or "-"
+        only_b = ", ".join(f"`{p}`" for p in sorted(b - a)) or "-"
+        lines.append(f"| {key} | {'yes' if a == b else 'no'} | {only_a} | {only_b} |")
+    return lines
+
+
 def build_steps() -> list[Step]:
     rng = random.Random(42)
 
@@ -439,6 +509,10 @@ async def main_async(args: argparse.Namespace) -> int:
                     log(f"{st.label}: cached real={st.results['real'].cached_tokens} "
                         f"sim={st.results['sim'].cached_tokens}")  # fmt: skip
                 _, sim_names, sim_info = await scrape(http, sim_url)
+                examples: dict[str, dict[str, Any]] = {"real": {}, "sim": {}}
+                shape_lines = compare_shapes(await response_shapes(http, real_url, examples["real"]),
+                                             await response_shapes(http, sim_url, examples["sim"]))  # fmt: skip
+                (OUT / "validate_sim_examples.json").write_text(json.dumps(examples, indent=1))
                 await real_events.close()
                 await sim_events.close()
         # the chat part tokenizes differently in the two systems: compare the token-id part only
@@ -446,7 +520,8 @@ async def main_async(args: argparse.Namespace) -> int:
         (OUT / "validate_sim_kv_events.json").write_text(
             json.dumps({"real": block_trace(real_events.events), "sim": block_trace(sim_events.events)})
         )
-        text = report(steps, {"real": real_names, "sim": sim_names}, {"real": real_info, "sim": sim_info}, kv_lines)
+        text = report(steps, {"real": real_names, "sim": sim_names}, {"real": real_info, "sim": sim_info},
+                      kv_lines + shape_lines)  # fmt: skip
         (OUT / "validate_sim.md").write_text(text)
         print(text)
         log(f"written {OUT / 'validate_sim.md'}")

@@ -76,7 +76,8 @@ def resolve_model(body: Mapping[str, Any], served: ServedModel) -> tuple[str, st
         return served.name, None
     if isinstance(model, str) and model in served.lora_modules:
         return model, model
-    raise ApiError(f"The model `{model}` does not exist.", 404, "model")
+    aliases = ", ".join([served.name, *served.lora_modules])
+    raise ApiError(f"The model `{model}` does not exist. Valid aliases: {aliases}.", 404, "model")
 
 
 def _int_field(body: Mapping[str, Any], name: str, default: int | None, minimum: int) -> int | None:
@@ -95,8 +96,9 @@ def _check_lengths(prompt_len: int, max_tokens: int | None, served: ServedModel)
     limit = served.max_model_len
     if prompt_len >= limit:
         raise ApiError(
-            f"This model's maximum context length is {limit} tokens. However, your request has {prompt_len} "
-            "input tokens. Please reduce the length of the input messages.",
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains {prompt_len} "
+            "input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
+            f"input prompt. (parameter=input_tokens, value={prompt_len})",
             400,
             "input_tokens",
         )
@@ -208,15 +210,24 @@ def parse_chat(body: Any, served: ServedModel) -> GenerationPlan:
 
 
 # --- response bodies -----------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
-    """UsageInfo in vLLM's field order (prompt_tokens_details as with --enable-prompt-tokens-details)."""
-    out: dict[str, Any] = {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, created_cache_tokens: int | None = None
+) -> dict[str, Any]:
+    """UsageInfo in vLLM's field order (prompt_tokens_details as with --enable-prompt-tokens-details).
+
+    `created_cache_tokens` is null in completions and an int in chats in vLLM 0.32 (checked by validate_sim).
+    """
+    details = None
+    if cached_tokens is not None:
+        details = {"cached_tokens": cached_tokens, "created_cache_tokens": created_cache_tokens,
+                   "multimodal_tokens": None}  # fmt: skip
+    return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
+        "completion_tokens_details": None,
     }
-    return out
 
 
 @dataclass
@@ -247,6 +258,7 @@ def completion_response(
                 "token_ids": None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": None,
+                "routed_experts": None,
             }
             for c in choices
         ],
@@ -254,6 +266,8 @@ def completion_response(
         "system_fingerprint": fingerprint,
         "usage": use,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
@@ -276,13 +290,13 @@ def chat_response(
                     "annotations": None,
                     "audio": None,
                     "function_call": None,
-                    "tool_calls": [],
-                    "reasoning_content": None,
+                    "reasoning": None,
                 },
                 "logprobs": None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": None,
                 "token_ids": None,
+                "routed_experts": None,
             }
             for c in choices
         ],
@@ -291,7 +305,10 @@ def chat_response(
         "usage": use,
         "prompt_logprobs": None,
         "prompt_token_ids": None,
+        "prompt_text": None,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
@@ -340,10 +357,14 @@ def chat_chunk(
     use: dict[str, Any] | None = None,
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """One streamed chat delta; the first carries {"role": "assistant", "content": ""}."""
+    """One streamed chat delta; the first carries {"role": "assistant", "content": ""} (and, as in vLLM 0.32,
+    top-level prompt_token_ids/prompt_text), later ones token_ids, the last one stop_reason."""
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    first = "role" in delta
     if finish_reason is not None:
         choice["stop_reason"] = None
+    if not first:
+        choice["token_ids"] = None
     chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -351,6 +372,9 @@ def chat_chunk(
         "model": model,
         "choices": [choice],
     }
+    if first:
+        chunk["prompt_token_ids"] = None
+        chunk["prompt_text"] = None
     if use is not None:
         chunk["usage"] = use
     if fingerprint is not None:
@@ -361,7 +385,7 @@ def chat_chunk(
 def usage_chunk(rid: str, created: int, model: str, kind: str, use: dict[str, Any], fingerprint: str) -> dict[str, Any]:
     """The final `stream_options.include_usage` chunk: empty choices, None fields dropped (exclude_none)."""
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-    clean_usage = {k: v for k, v in use.items() if v is not None}
+    clean_usage = _drop_none(use)
     return {
         "id": rid,
         "object": obj,
@@ -371,6 +395,11 @@ def usage_chunk(rid: str, created: int, model: str, kind: str, use: dict[str, An
         "usage": clean_usage,
         "system_fingerprint": fingerprint,
     }
+
+
+def _drop_none(obj: dict[str, Any]) -> dict[str, Any]:
+    """pydantic's exclude_none, recursively."""
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in obj.items() if v is not None}
 
 
 def sse(obj: Any) -> bytes:

@@ -1,8 +1,8 @@
 """HTTP surface of one simulated vLLM pod (aiohttp): OpenAI API, /metrics, /tokenize, render, health, info.
 
 A `SimPod` owns an Engine, its real-time driver, its metrics registry and (optionally) a KV-event publisher. Every
-response carries `x-sim-pod: <pod name>` and completions carry `system_fingerprint: "<pod name>"`, so tests can tell
-which pod served a request; nothing else distinguishes the pod from vLLM except timing.
+response carries `x-sim-pod: <pod name>` and completions carry `system_fingerprint: "vllm-0.32.0-<pod name>"`, so
+tests can tell which pod served a request; nothing else distinguishes the pod from vLLM except timing.
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ class SimPod:
         )
         self.port = config.port
         self.started = time.time()
+        # vLLM's looks like "vllm-0.32.0-c89a11e4"; ours names the pod so tests can tell who served a request
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{self.name}"
         self.driver: RealtimeDriver | None = None
         self.publisher: KVEventPublisher | None = None
         self._runner: web.AppRunner | None = None
@@ -192,12 +194,12 @@ class SimPod:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
         plan = parse_completion(await self._body(request), self.served)
-        return await self._generate(request, plan, f"cmpl-{uuid.uuid4().hex}")
+        return await self._generate(request, plan, f"cmpl-{uuid.uuid4().hex[:16]}")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
         plan = parse_chat(await self._body(request), self.served)
-        return await self._generate(request, plan, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._generate(request, plan, f"chatcmpl-{uuid.uuid4().hex[:16]}")
 
     async def _generate(self, request: web.Request, plan: GenerationPlan, rid: str) -> web.StreamResponse:
         if self._closing or self.driver is None:
@@ -235,7 +237,7 @@ class SimPod:
                        for i, f in enumerate(finished)]  # fmt: skip
             use = self._usage(plan, finished)
             build = completion_response if plan.kind == "completion" else chat_response
-            return self._json(build(rid, created, plan.model, choices, use, self.name))
+            return self._json(build(rid, created, plan.model, choices, use, self.fingerprint))
         finally:
             self._abort_unfinished(handles)
 
@@ -243,7 +245,9 @@ class SimPod:
         prompt_tokens = sum(len(p) for p in plan.prompts)
         completion_tokens = sum(len(f.output_token_ids) for f in finished)
         cached = finished[0].num_cached_tokens if finished else 0
-        return usage(prompt_tokens, completion_tokens, cached if self.config.enable_prompt_tokens_details else None)
+        if not self.config.enable_prompt_tokens_details:
+            return usage(prompt_tokens, completion_tokens, None)
+        return usage(prompt_tokens, completion_tokens, cached, 0 if plan.kind == "chat" else None)
 
     def _abort_unfinished(self, handles: list[RequestHandle]) -> None:
         if self.driver is None:
@@ -289,7 +293,7 @@ class SimPod:
                 use = None
                 if plan.continuous_usage:
                     use = _no_details(usage(len(plan.prompts[prompt_of[i]]), sent[i], None))
-                fingerprint = self.name if reason is not None and not plan.include_usage else None
+                fingerprint = self.fingerprint if reason is not None and not plan.include_usage else None
                 text = decode(new)
                 if chat:
                     out.append(sse(chat_chunk(rid, created, model, i, {"content": text}, reason, use, fingerprint)))
@@ -307,7 +311,7 @@ class SimPod:
         finished = [h.finished for h in handles if h.finished is not None]
         if plan.include_usage and all(done):
             use = self._usage(plan, finished)
-            await response.write(sse(usage_chunk(rid, created, model, plan.kind, use, self.name)))
+            await response.write(sse(usage_chunk(rid, created, model, plan.kind, use, self.fingerprint)))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
@@ -328,7 +332,7 @@ class SimPod:
                 "max_model_len": max_len,
                 "permission": [
                     {
-                        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_DNS, self.name + mid).hex}",
+                        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_DNS, self.name + mid).hex[:16]}",
                         "object": "model_permission",
                         "created": created,
                         "allow_create_engine": False,

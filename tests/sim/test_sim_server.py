@@ -41,13 +41,15 @@ async def test_completion_json_shape_usage_and_pod_tag(fleet: SimFleet) -> None:
     assert status == 200
     assert headers["x-sim-pod"] == "sim-1"
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
-    assert body["system_fingerprint"] == "sim-1" and body["model"] == "tiny"
+    assert body["system_fingerprint"] == "vllm-0.32.0-sim-1" and body["model"] == "tiny"
     choice = body["choices"][0]
     assert list(choice)[:5] == ["index", "text", "logprobs", "finish_reason", "stop_reason"]
     assert choice["finish_reason"] == "length"
     usage = body["usage"]
-    assert list(usage) == ["prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details"]
-    assert usage["completion_tokens"] == 5 and usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert list(usage) == ["prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details",
+                           "completion_tokens_details"]  # fmt: skip
+    assert usage["completion_tokens"] == 5
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": None, "multimodal_tokens": None}
     # the same prompt again: whole 128-token blocks are cached, never the last prompt token
     _, _, again = await post(url, {"model": "tiny", "prompt": LONG_TEXT, "max_tokens": 5})
     prompt_tokens = usage["prompt_tokens"]
@@ -122,8 +124,8 @@ async def test_errors_look_like_vllm(fleet: SimFleet) -> None:
     url = fleet.urls[0]
     status, headers, body = await post(url + "/v1/completions", {"model": "nope", "prompt": "x"})
     assert status == 404 and headers["x-sim-pod"] == "sim-0"
-    assert body == {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
-                              "param": "model", "code": 404}}  # fmt: skip
+    assert body == {"error": {"message": "The model `nope` does not exist. Valid aliases: tiny, tinylora.",
+                              "type": "NotFoundError", "param": "model", "code": 404}}  # fmt: skip
     status, _, body = await post(url + "/v1/completions", {"prompt": "word " * 5000, "max_tokens": 1})
     assert status == 400 and body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
     assert "maximum context length is 4096" in body["error"]["message"]
