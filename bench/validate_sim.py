@@ -7,8 +7,9 @@ What it does:
    removes torchvision/torchaudio/torchcodec (a CUDA torchvision breaks every vLLM import). ~3 GB, minutes.
 2. Builds a tiny random-weight Llama (transformers, from a config) with a byte-level BPE tokenizer trained locally
    (`tokenizers`) and the Llama-3 chat template the simulator also uses: bench/out/tiny-llama/.
-3. Starts the real vLLM (prefix caching, block size 128, a small KV cache so eviction happens) and one simulated pod
-   configured with the block size and block count the real server reports in vllm:cache_config_info.
+3. Starts the real vLLM (prefix caching, block size 128, a small KV cache so eviction happens, a random rank-8 LoRA
+   adapter) and one simulated pod configured with the block size and block count the real server reports in
+   vllm:cache_config_info and the same adapter name.
 4. Sends the same sequence to both: completions with *token-id prompts* (so both see identical tokens and block
    boundaries), then a chat pair (different tokenizers: informational only).
 5. Prints and writes bench/out/validate_sim.md: per request the cached_tokens in usage, the prefix-cache hit tokens
@@ -51,6 +52,8 @@ from picker.sim.tokenizer import LLAMA3_JINJA_TEMPLATE  # noqa: E402
 VENV = ROOT / "bench" / ".venvs" / "vllm"
 OUT = ROOT / "bench" / "out"
 MODEL_DIR = OUT / "tiny-llama"
+LORA_DIR = OUT / "tinylora"
+LORA_NAME = "tinylora"
 VOCAB = 4096
 MAX_MODEL_LEN = 2048
 NUM_GPU_BLOCKS = 48  # 47 usable blocks of 128 tokens: six 1000-token prompts overflow it
@@ -90,6 +93,37 @@ BUILD_MODEL = textwrap.dedent(
                          torch_dtype="float32")
     LlamaForCausalLM(config).save_pretrained(out)
     print("built", out, "vocab", tok.get_vocab_size())
+    """
+)
+
+# A rank-8 LoRA adapter (PEFT layout) on q_proj/v_proj of the tiny model, random weights.
+BUILD_LORA = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import torch
+    from safetensors.torch import save_file
+
+    model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = hidden // cfg["num_attention_heads"]
+    kv_out = cfg["num_key_value_heads"] * head_dim
+    r = 8
+    torch.manual_seed(0)
+    tensors = {}
+    for i in range(layers):
+        for proj, out_dim in (("q_proj", hidden), ("v_proj", kv_out)):
+            base = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{base}.lora_A.weight"] = torch.randn(r, hidden) * 0.01
+            tensors[f"{base}.lora_B.weight"] = torch.randn(out_dim, r) * 0.01
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "base_model_name_or_path": str(model_dir), "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r,
+        "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "modules_to_save": None}))
+    print("built", out)
     """
 )
 
@@ -136,6 +170,15 @@ def build_model() -> None:
     run([str(venv_python()), str(script), str(MODEL_DIR), str(VOCAB), str(MAX_MODEL_LEN), str(template)])
 
 
+def build_lora() -> None:
+    if (LORA_DIR / "adapter_config.json").exists():
+        log(f"LoRA adapter present: {LORA_DIR}")
+        return
+    script = OUT / "build_tiny_lora.py"
+    script.write_text(BUILD_LORA)
+    run([str(venv_python()), str(script), str(MODEL_DIR), str(LORA_DIR)])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,6 +192,7 @@ def start_vllm(port: int, kv_port: int) -> subprocess.Popen[bytes]:
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--block-size", "128", "--max-model-len", str(MAX_MODEL_LEN),
         "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={LORA_DIR}",
         "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                           "endpoint": f"tcp://127.0.0.1:{kv_port}", "topic": "kv-events"}),
     ]  # fmt: skip
@@ -208,6 +252,7 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> tuple[dict[str, float
     values: dict[str, float] = {}
     names: set[str] = set()
     info: dict[str, Any] = {}
+    lora_series: list[dict[str, str]] = []
     for fam in text_string_to_metric_families(text):
         if not fam.name.startswith("vllm:") or fam.name.endswith("_created"):
             continue
@@ -217,6 +262,10 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> tuple[dict[str, float
                 values[s.name] = values.get(s.name, 0.0) + s.value
             if s.name == "vllm:cache_config_info":
                 info = dict(s.labels)
+            if s.name == "vllm:lora_requests_info":
+                lora_series.append(dict(s.labels))
+    if lora_series:
+        info["_lora_series"] = lora_series
     return values, names, info
 
 
@@ -304,6 +353,13 @@ def compare_traces(real: list[dict[str, Any]], sim: list[dict[str, Any]]) -> lis
         f"{sum(k == 'removed' for k, _ in a)} removed; sim {sum(k == 'stored' for k, _ in b)} / "
         f"{sum(k == 'removed' for k, _ in b)}",
     ]
+    def lora_fields(events: list[dict[str, Any]]) -> list[tuple[Any, Any, Any]]:
+        return [(e["lora_id"], e["lora_name"], json.dumps(e["extra_keys"])) for e in events
+                if e.get("type") == "BlockStored" and e.get("lora_name")]  # fmt: skip
+
+    la, lb = lora_fields(real), lora_fields(sim)
+    lines.append(f"- LoRA BlockStored fields (lora_id, lora_name, extra_keys) identical: **{'yes' if la == lb else 'no'}**"
+                 f" (real {la[:1]}, sim {lb[:1]})")  # fmt: skip
     if a == b:
         lines.append("- KV-event block sequence (stored/removed, by block tokens) identical: **yes**")
         return lines
@@ -409,6 +465,14 @@ def build_steps() -> list[Step]:
         steps.append(comp(f"pressure E{i} (1000 tok)", ids(1000)))
     steps.append(comp("A after pressure (LRU)", a))
     steps.append(comp("B after pressure (LRU)", b))
+    f = ids(600)
+    steps.append(comp("F 600 tok, base model", f))
+    lora = comp("F through the LoRA (hashes differ)", f)
+    lora.body["model"] = LORA_NAME
+    steps.append(lora)
+    again = comp("F through the LoRA again", f)
+    again.body["model"] = LORA_NAME
+    steps.append(again)
     system = "You are a careful assistant. " * 60
     chat = {"model": "tiny", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     for q in ("first question here", "a second question"):
@@ -465,6 +529,8 @@ def report(
         f"{len(names['real'] & names['sim'])}",
         f"- only in real: {', '.join(only_real) or 'none'}",
         f"- only in sim: {', '.join(only_sim) or 'none'}",
+        f"- vllm:lora_requests_info series at the end: real {info['real'].get('_lora_series')}, sim "
+        f"{info['sim'].get('_lora_series')}",
         *kv_lines,
         "",
     ]
@@ -476,6 +542,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if not args.skip_install:
         install()
     build_model()
+    build_lora()
     port, real_kv, sim_kv = free_port(), free_port(), free_port()
     ctx = zmq.asyncio.Context()
     real_events = EventCollector(ctx, real_kv)
@@ -493,7 +560,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 max_model_len=MAX_MODEL_LEN,
                 vocab_size=VOCAB,
             )
-            fleet = SimFleet(1, profile=profile, time_scale=1.0, model="tiny",
+            fleet = SimFleet(1, profile=profile.with_overrides(max_loras=2), time_scale=1.0, model="tiny",
+                             lora_modules={LORA_NAME: str(LORA_DIR)},
                              kv_events_endpoint_base=f"tcp://127.0.0.1:{sim_kv}")  # fmt: skip
             async with fleet:
                 sim_url = fleet.urls[0]
@@ -509,6 +577,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     log(f"{st.label}: cached real={st.results['real'].cached_tokens} "
                         f"sim={st.results['sim'].cached_tokens}")  # fmt: skip
                 _, sim_names, sim_info = await scrape(http, sim_url)
+                _, real_names, real_info = await scrape(http, real_url)  # again, after the requests
                 examples: dict[str, dict[str, Any]] = {"real": {}, "sim": {}}
                 shape_lines = compare_shapes(await response_shapes(http, real_url, examples["real"]),
                                              await response_shapes(http, sim_url, examples["sim"]))  # fmt: skip
