@@ -98,7 +98,9 @@ async def replay(base_url: str, trace: Trace, strategy: str, *, pods: int, model
             hashes: list[int] = []
             if oracle is not None and builder is not None:
                 ids = builder.chat_ids(messages or ()) if r.is_chat else builder.completion_ids(r.prompt or ())
+                hits_before = oracle.hits
                 hashes = oracle.on_send(ids)
+                res.oracle_cached[i] = oracle.hits - hits_before
             path = "/v1/chat/completions" if r.is_chat else "/v1/completions"
             headers = {"x-session-id": r.session} if r.session else {}
             got = await _one(session, base_url + path, body, headers)

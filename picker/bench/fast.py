@@ -166,7 +166,9 @@ class _FastRun:
             ids = self.builder.completion_ids(r.prompt or ())
         res.sent[i] = now
         res.prompt_tokens[i] = len(ids)
+        hits_before = self.oracle.hits
         hashes = self.oracle.on_send(ids)
+        res.oracle_cached[i] = self.oracle.hits - hits_before
         request = InferenceRequest(
             request_id=str(i), model=self.cfg.profile.model, api=ApiKind.CHAT if r.is_chat else ApiKind.COMPLETIONS,
             path="/v1/chat/completions" if r.is_chat else "/v1/completions",

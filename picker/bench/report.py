@@ -177,9 +177,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("")
         for w, data in fast["workloads"].items():
             cal = data.get("calibration") or {}
+            first = next(iter(data["strategies"].values()))
             lines += [f"### {w}", "", f"Offered {_num(cal.get('rate_rps'))} req/s = load {_num(cal.get('load'), 2)} "
                       f"(cache-blind capacity {_num(cal.get('capacity_rps'))} req/s). Oracle (infinite cache) hit "
-                      f"rate: {_pct(next(iter(data['strategies'].values()))['oracle_hit_rate'])}.", ""]
+                      f"rate: {_pct(first['oracle_hit_rate'])}; {_pct(first.get('oracle_cold_share'))} of requests "
+                      "are cold under any routing (oracle hit < half the prompt), so they pay a full prefill.", ""]
             lines += _table(STRATEGY_HEADER, strategy_rows(data["strategies"]))
             lines.append("")
         if fast.get("sweep"):

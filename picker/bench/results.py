@@ -27,6 +27,7 @@ class RunResult:
     itl: list[float] = field(default_factory=list)  # mean inter-token latency of the request (NaN: < 2 tokens)
     prompt_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
+    oracle_cached: list[int] = field(default_factory=list)  # tokens the infinite-cache oracle would have hit
     output_tokens: list[int] = field(default_factory=list)
     pod: list[int] = field(default_factory=list)  # -1 when not routed
     status: list[int] = field(default_factory=list)  # OK, SHED, FAILED
@@ -58,6 +59,7 @@ class RunResult:
         self.itl = [nan] * n
         self.prompt_tokens = [0] * n
         self.cached_tokens = [0] * n
+        self.oracle_cached = [0] * n
         self.output_tokens = [0] * n
         self.pod = [-1] * n
         self.status = [FAILED] * n

@@ -12,6 +12,7 @@ from picker.bench.results import FAILED, OK, SHED, RunResult
 # Figures every strategy row carries; the report checks it is complete.
 FIGURES = (
     "requests", "completed", "shed", "failed", "hit_rate", "vllm_hit_rate", "oracle_hit_rate", "hit_rate_of_oracle",
+    "oracle_cold_share",
     "ttft_mean", "ttft_p50", "ttft_p95", "ttft_p99", "e2e_mean", "e2e_p95", "itl_mean", "itl_p95",
     "output_tokens_per_s", "load_imbalance", "served_imbalance", "busy_s_per_1k", "preemptions", "duration_s",
 )
@@ -38,6 +39,12 @@ def load_imbalance(load_per_pod: list[list[int]]) -> float:
     return float(np.mean(ratios)) if ratios else math.nan
 
 
+def _cold_share(res: RunResult) -> float:
+    """Share of sent requests whose oracle hit is under half of their prompt."""
+    pairs = [(o, p) for o, p in zip(res.oracle_cached, res.prompt_tokens, strict=True) if p > 0]
+    return sum(1 for o, p in pairs if o < p / 2) / len(pairs) if pairs else math.nan
+
+
 def summarize(res: RunResult) -> dict[str, Any]:
     """Every figure of one (workload, strategy) run, as plain floats/ints for JSON."""
     status = np.array(res.status)
@@ -60,6 +67,8 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "vllm_hit_rate": res.prefix_hits / res.prefix_queries if res.prefix_queries else math.nan,
         "oracle_hit_rate": oracle,
         "hit_rate_of_oracle": hit / oracle if oracle and oracle > 0 else math.nan,
+        # requests no router can serve mostly from cache: their TTFT is a full prefill under any routing
+        "oracle_cold_share": _cold_share(res),
         "ttft_mean": _mean(ttft),
         "ttft_p50": _pct(ttft, 50),
         "ttft_p95": _pct(ttft, 95),
