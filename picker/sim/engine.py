@@ -272,6 +272,10 @@ class Engine:
         """LoRA names of waiting requests in queue order (vllm:lora_requests_info waiting_lora_adapters)."""
         return list(dict.fromkeys(st.req.lora_name for st in self.waiting if st.req.lora_name))
 
+    def inflight_loras(self) -> list[str]:
+        """LoRA names with at least one unfinished request, in arrival order."""
+        return list(dict.fromkeys(st.req.lora_name for st in self.requests.values() if st.req.lora_name))
+
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated token ids."""
         return self.words.decode(token_ids)

@@ -159,8 +159,10 @@ class SimMetrics(Collector):
                     h["vllm:request_time_per_output_token_seconds"].observe(decode / (n_out - 1))
 
     def _note_lora(self) -> None:
-        key = (",".join(self.engine.running_loras()), ",".join(self.engine.waiting_loras()))
-        self.lora_info[key] = time.time()
+        # vLLM 0.32 keys both labels by every adapter with an unfinished request (its per-adapter counts may be 0),
+        # so running_lora_adapters == waiting_lora_adapters; confirmed against a real server by validate_sim.
+        names = ",".join(self.engine.inflight_loras())
+        self.lora_info[(names, names)] = time.time()
 
     # --- exposition ------------------------------------------------------------------------------------------
     def _labels(self, **extra: str) -> dict[str, str]:

@@ -65,6 +65,9 @@ def test_lora_info_family_like_the_lora_capture() -> None:
     assert label_keys(info) == label_keys(real["vllm:lora_requests_info"])
     assert {s.labels["max_lora"] for s in info} == {"2"}
     assert any(s.labels["running_lora_adapters"] == "tinylora" for s in info)
+    # as in vLLM 0.32 (and the capture): both labels list every adapter with an unfinished request
+    assert all(s.labels["running_lora_adapters"] == s.labels["waiting_lora_adapters"] for s in info)
+    assert {s.labels["running_lora_adapters"] for s in info} == {"", "tinylora"}
     assert all(s.value > 1.7e9 for s in info)  # a wall-clock timestamp: consumers take the newest series
 
 
