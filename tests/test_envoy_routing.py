@@ -8,8 +8,11 @@ import json
 import time
 
 import aiohttp
+import grpc
 import pytest
 
+import picker.api  # noqa: F401
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.supervisor import Envoy
 from tests.conftest import Stack
 
@@ -107,3 +110,25 @@ async def test_client_cannot_choose_its_endpoint(envoy: Envoy, stack: Stack) -> 
         assert body["served_by"] in stack.backends.addresses
     async with aiohttp.ClientSession() as session, session.get(f"http://{rogue}/test/count") as response:
         assert (await response.json())["requests"] == 0
+
+
+async def in_flight(stack: Stack) -> dict[str, int]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.picker.grpc_port}") as channel:
+        listing = await picker_pb2_grpc.PickerStub(channel).ListEndpoints(picker_pb2.ListEndpointsRequest())
+    return {e.address: e.in_flight for e in listing.endpoints}
+
+
+async def test_in_flight_counts_follow_the_stream_lifecycle(envoy: Envoy, stack: Stack) -> None:
+    # A streamed response keeps its pod busy until the last event; then the count returns to zero.
+    payload = chat_body(f"in flight {envoy.port}", stream=True, test_events=3, test_event_delay=0.3)
+    async with aiohttp.ClientSession() as session, session.post(envoy.url + CHAT, json=payload) as response:
+        first = await response.content.readline()
+        assert first.startswith(b"data: ")
+        served = json.loads(first[6:])["served_by"]
+        assert (await in_flight(stack))[served] == 1
+        await response.read()
+    for _ in range(50):
+        if not any((await in_flight(stack)).values()):
+            break
+        await asyncio.sleep(0.05)
+    assert not any((await in_flight(stack)).values()), await in_flight(stack)
