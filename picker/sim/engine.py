@@ -32,7 +32,8 @@ waiting requests are admitted in FIFO order while the token budget (`max_num_bat
 free blocks allow (the whole sequence must fit, as with vLLM 0.32's scheduler_reserve_full_isl); a request that
 does not fit blocks the queue (head-of-line). A waiting request whose LoRA
 adapter would exceed `max_loras` adapters in the batch is skipped for this step. On admission the longest cached
-prefix of full blocks is reused, never including the last prompt token.
+prefix of full blocks is reused, never including the last prompt token. Full blocks enter the prefix cache when the
+step computing them is scheduled, so identical prompts admitted in the same step share the work.
 """
 
 from __future__ import annotations
@@ -401,6 +402,16 @@ class Engine:
             st.num_cached_blocks = len(hits)
         if need:
             st.blocks.extend(kv.allocate(need))
+        # Like vLLM, blocks enter the prefix cache when the step that computes them is *scheduled*: a request
+        # admitted later in the same step already hits them (its attention runs after their KV is written).
+        full = (st.num_computed + n) // bs
+        if full > st.num_cached_blocks:
+            req = st.req
+            extend_block_hashes(st.hashes, st.tokens, bs, req.lora_name, req.cache_salt)
+            kv.cache_blocks(
+                st.blocks, st.hashes, st.num_cached_blocks, full, st.tokens, st.lora_id, req.lora_name, req.cache_salt
+            )
+            st.num_cached_blocks = full
         return True
 
     def _preempt(self, st: _State) -> None:
@@ -441,9 +452,7 @@ class Engine:
         )
 
     def _execute(self, scheduled: list[tuple[_State, int, int]], end: float, result: StepResult) -> None:
-        """Apply the batch: advance computed tokens, cache full blocks, sample tokens, finish requests."""
-        bs = self.block_size
-        kv = self.kv
+        """Apply the batch: advance computed tokens, sample tokens, finish requests."""
         words = self.words
         stats = self.stats
         max_len = self.profile.max_model_len
@@ -454,15 +463,6 @@ class Engine:
             else:
                 result.num_prefill_tokens += n
             st.num_computed += n
-            full = st.num_computed // bs
-            if full > st.num_cached_blocks:
-                req = st.req
-                extend_block_hashes(st.hashes, st.tokens, bs, req.lora_name, req.cache_salt)
-                kv.cache_blocks(
-                    st.blocks, st.hashes, st.num_cached_blocks, full, st.tokens, st.lora_id, req.lora_name,
-                    req.cache_salt,
-                )
-                st.num_cached_blocks = full
             if st.num_computed < len(st.tokens):
                 continue  # chunked prefill not done yet
             token = words.token(st.stream_key, len(st.output))

@@ -67,6 +67,19 @@ def test_shared_prefix_hits_only_the_shared_full_blocks() -> None:
     assert engine.probe_prefix_hit_tokens(b, cache_salt="tenant-2") == 0
 
 
+def test_identical_prompts_admitted_in_the_same_step_share_the_prefill() -> None:
+    engine = make_engine(record=True)
+    prompt = list(range(4000, 4100))  # 6 full blocks + 4 tokens
+    engine.add_request(SimRequest("a", prompt, 2), 0.0)
+    engine.add_request(SimRequest("b", prompt, 2), 0.0)
+    first = engine.step(0.0)
+    assert first.num_prefill_tokens == 100 + 4  # b computes only what follows a's 6 full blocks
+    stored = [h for e in first.kv_events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == block_hashes(prompt, BS)  # stored once, by a
+    _, results = run_until_idle(engine, first.end)
+    assert finished(results)["b"].num_cached_tokens == 96
+
+
 def test_cached_prompt_has_lower_ttft_than_cold() -> None:
     engine = make_engine()
     prompt = list(range(2000, 2600))
