@@ -243,6 +243,7 @@ class Step:
     label: str
     body: dict[str, Any]
     path: str = "/v1/completions"
+    copies: int = 1  # > 1: send this many identical requests at once (cached_tokens is their sum)
     results: dict[str, Outcome] = field(default_factory=dict)
 
 
@@ -271,6 +272,19 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> tuple[dict[str, float
 
 async def send(http: aiohttp.ClientSession, url: str, step: Step) -> Outcome:
     before, _, _ = await scrape(http, url)
+    outs = await asyncio.gather(*(one_request(http, url, step) for _ in range(step.copies)))
+    out = outs[0]
+    if step.copies > 1:
+        out.cached_tokens = sum(o.cached_tokens or 0 for o in outs)
+    after, _, _ = await scrape(http, url)
+    out.hits_delta = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+    out.queries_delta = after.get("vllm:prefix_cache_queries_total", 0) - before.get(
+        "vllm:prefix_cache_queries_total", 0
+    )
+    return out
+
+
+async def one_request(http: aiohttp.ClientSession, url: str, step: Step) -> Outcome:
     body = dict(step.body, stream=True, stream_options={"include_usage": True})
     out = Outcome()
     start = time.monotonic()
@@ -292,11 +306,6 @@ async def send(http: aiohttp.ClientSession, url: str, step: Step) -> Outcome:
                 out.prompt_tokens = use["prompt_tokens"]
                 details = use.get("prompt_tokens_details") or {}
                 out.cached_tokens = details.get("cached_tokens")
-    after, _, _ = await scrape(http, url)
-    out.hits_delta = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
-    out.queries_delta = after.get("vllm:prefix_cache_queries_total", 0) - before.get(
-        "vllm:prefix_cache_queries_total", 0
-    )
     return out
 
 
@@ -465,6 +474,9 @@ def build_steps() -> list[Step]:
         steps.append(comp(f"pressure E{i} (1000 tok)", ids(1000)))
     steps.append(comp("A after pressure (LRU)", a))
     steps.append(comp("B after pressure (LRU)", b))
+    together = comp("G 500 tok, 2 identical at once (sum)", ids(500))
+    together.copies = 2
+    steps.append(together)
     f = ids(600)
     steps.append(comp("F 600 tok, base model", f))
     lora = comp("F through the LoRA (hashes differ)", f)

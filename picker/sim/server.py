@@ -433,7 +433,7 @@ class SimPod:
 
 
 def _no_details(use: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Per-chunk usage carries no prompt_tokens_details."""
+    """Per-chunk (continuous) usage has only the three counts (vLLM sets just those fields)."""
     if use is None:
         return None
-    return {k: v for k, v in use.items() if k != "prompt_tokens_details"}
+    return {k: use[k] for k in ("prompt_tokens", "total_tokens", "completion_tokens")}

@@ -81,6 +81,16 @@ async def test_completion_stream_matches_vllm_sse(fleet: SimFleet) -> None:
     assert len({c["id"] for c in chunks}) == 1
 
 
+async def test_continuous_usage_stats_on_every_chunk(fleet: SimFleet) -> None:
+    body = {"prompt": "Hello there", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    _, events = await sse_events(fleet.urls[0] + "/v1/completions", body)
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert [c["usage"]["completion_tokens"] for c in chunks[:-1]] == [1, 2, 3]
+    assert all(list(c["usage"]) == ["prompt_tokens", "total_tokens", "completion_tokens"] for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and "prompt_tokens_details" in chunks[-1]["usage"]
+
+
 async def test_chat_stream_role_chunk_content_and_no_usage_without_option(fleet: SimFleet) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
     _, events = await sse_events(fleet.urls[0] + "/v1/chat/completions", body)
