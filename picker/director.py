@@ -10,6 +10,7 @@ from typing import Protocol
 
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint
+from picker.extproc.usage import Usage
 from picker.observability import DecisionTracer, PickerMetrics
 from picker.requests import InferenceRequest, RequestError, build_request, estimated_tokens
 from picker.scheduling.types import Scheduler, SchedulingResult
@@ -153,14 +154,18 @@ class Director:
         destination = ",".join(e.address for e in ranked)
         return Decision(request, ranked, destination, result, tokens, now)
 
-    def release(self, decision: Decision) -> None:
-        """The request finished (response end or stream closed): undo its in-flight accounting once."""
+    def release(self, decision: Decision, usage: Usage | None = None) -> None:
+        """The request finished (response end or stream closed): undo its in-flight accounting once, and
+        record the token usage the model server reported, when the response body was visible."""
         if decision.released:
             return
         decision.released = True
         decision.endpoint.finish_request(decision.tokens)
         if self.metrics is not None:
             request = decision.request
-            self.metrics.duration.labels(
-                request.model, request.target_model or request.model, str(request.priority)
-            ).observe(self.clock() - decision.started_at)
+            target = request.target_model or request.model
+            self.metrics.duration.labels(request.model, target, str(request.priority)).observe(
+                self.clock() - decision.started_at)
+            if usage is not None:
+                self.metrics.observe_usage(request.model, target, usage.prompt_tokens, usage.completion_tokens,
+                                           usage.cached_tokens)

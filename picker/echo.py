@@ -34,6 +34,10 @@ def make_app(address: str) -> web.Application:
             data = json.loads(body) if body else {}
         except ValueError:
             data = {}
+        # Usage as vLLM reports it, so token accounting downstream can be checked.
+        usage = {"prompt_tokens": len(body) // 4, "completion_tokens": 3,
+                 "prompt_tokens_details": {"cached_tokens": len(body) // 8}}
+        info["usage"] = usage
         if isinstance(data, dict) and data.get("stream"):
             response = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await response.prepare(request)
@@ -41,6 +45,7 @@ def make_app(address: str) -> web.Application:
             for i in range(int(data.get("test_events", 3))):
                 await response.write(f"data: {json.dumps({**info, 'event': i})}\n\n".encode())
                 await asyncio.sleep(delay)
+            await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response

@@ -63,9 +63,20 @@ class PickerMetrics:
         self.index_hit_ratio = Histogram("inference_extension_prefix_indexer_hit_ratio",
                                          "Share of a request's prefix blocks the chosen pod already holds (index view).",
                                          buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
+        self.prompt_tokens = Counter("picker_response_prompt_tokens", "Prompt tokens in responses' usage.",
+                                     ["model_name"], registry=r)
+        self.cached_tokens = Counter("picker_response_cached_tokens",
+                                     "Prompt tokens the model server served from its prefix cache "
+                                     "(usage.prompt_tokens_details.cached_tokens).", ["model_name"], registry=r)
         self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
+
+    def observe_usage(self, model: str, target: str, prompt: int, completion: int, cached: int) -> None:
+        self.input_tokens.labels(model, target).observe(prompt)
+        self.output_tokens.labels(model, target).observe(completion)
+        self.prompt_tokens.labels(model).inc(prompt)
+        self.cached_tokens.labels(model).inc(cached)
 
     def observe_pool(self, endpoints: Iterable[Endpoint]) -> None:
         """Refresh pool gauges from the latest endpoint state (called after each scrape round)."""

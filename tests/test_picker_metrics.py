@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -29,3 +30,24 @@ async def test_gie_metric_names_after_traffic(stack: Stack) -> None:
     errors = {s.labels["error_code"] for s in families["inference_objective_request_error"].samples
               if s.name.endswith("_total")}
     assert "invalid_json" in errors
+
+
+async def test_usage_from_full_duplex_responses_feeds_token_metrics(stack: Stack) -> None:
+    envoy = stack.envoys["full-duplex"]
+    body = json.dumps({"model": "usage-model", "prompt": "u" * 4000, "stream": True}).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(envoy.url + "/v1/completions", data=body) as response:
+            assert response.status == 200
+            await response.read()
+        await asyncio.sleep(0.2)
+        async with session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+            text = await response.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    prompt = [s.value for s in families["picker_response_prompt_tokens"].samples
+              if s.labels.get("model_name") == "usage-model" and s.name.endswith("_total")]
+    cached = [s.value for s in families["picker_response_cached_tokens"].samples
+              if s.labels.get("model_name") == "usage-model" and s.name.endswith("_total")]
+    assert prompt == [len(body) // 4] and cached == [len(body) // 8]
+    counts = [s.value for s in families["inference_objective_output_tokens"].samples
+              if s.labels.get("model_name") == "usage-model" and s.name.endswith("_count")]
+    assert counts == [1]

@@ -18,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.director import Decision, Director
 from picker.extproc import protocol as p
+from picker.extproc.usage import UsageReader
 from picker.requests import RequestError, route_kind
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
     __slots__ = ("director", "max_body", "request_mode", "response_mode", "headers", "subset", "body",
-                 "body_len", "decision", "phase", "request_id", "generated_id")
+                 "body_len", "decision", "phase", "request_id", "generated_id", "usage")
 
     def __init__(self, director: Director, max_body: int) -> None:
         self.director = director
@@ -68,6 +69,7 @@ class _Stream:
         self.phase = "start"  # start → body → routed
         self.request_id = ""
         self.generated_id = False
+        self.usage: UsageReader | None = None  # only when Envoy sends response bodies
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if message.HasField("protocol_config"):
@@ -86,9 +88,14 @@ class _Stream:
         if kind == "response_headers":
             if message.response_headers.end_of_stream:
                 self.release()
+            elif self.response_mode != p.NONE and self.decision is not None:
+                content_type = _headers_of(message.response_headers).get("content-type", "")
+                self.usage = UsageReader(content_type)
             return [p.EMPTY_RESPONSE_HEADERS]
         if kind == "response_body":
             chunk = message.response_body
+            if self.usage is not None:
+                self.usage.feed(chunk.body, chunk.end_of_stream)
             if chunk.end_of_stream:
                 self.release()
             if self.response_mode == p.FULL_DUPLEX_STREAMED:
@@ -177,7 +184,7 @@ class _Stream:
 
     def release(self) -> None:
         if self.decision is not None:
-            self.director.release(self.decision)
+            self.director.release(self.decision, self.usage.usage if self.usage is not None else None)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):

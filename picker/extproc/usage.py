@@ -1,0 +1,69 @@
+"""Token usage read from responses passing through ext_proc (JSON bodies and SSE `data:` lines).
+
+Only when Envoy sends response bodies (the FULL_DUPLEX config does). Feeds GIE's token histograms and the
+prefix-cache hits the model server really had (`prompt_tokens_details.cached_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+_MAX_JSON_BYTES = 1 << 20  # a non-streamed body larger than this is not parsed for usage
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def _usage_of(obj: object) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), int(cached or 0))
+
+
+class UsageReader:
+    """Feed response chunks in order; `usage` holds the last usage object seen."""
+
+    __slots__ = ("sse", "buffer", "usage", "overflow")
+
+    def __init__(self, content_type: str) -> None:
+        self.sse = content_type.startswith("text/event-stream")
+        self.buffer = bytearray()
+        self.usage: Usage | None = None
+        self.overflow = False
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        if self.sse:
+            self._feed_sse(chunk)
+        elif not self.overflow:
+            self.buffer += chunk
+            if len(self.buffer) > _MAX_JSON_BYTES:
+                self.overflow, self.buffer = True, bytearray()
+            elif end_of_stream and b'"usage"' in self.buffer:
+                self._parse(bytes(self.buffer))
+
+    def _feed_sse(self, chunk: bytes) -> None:
+        # Keep only the unfinished last line between chunks; usage rides on one `data:` line.
+        self.buffer += chunk
+        *lines, rest = self.buffer.split(b"\n")
+        self.buffer = bytearray(rest)
+        for line in lines:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                self._parse(line[6:])
+
+    def _parse(self, data: bytes | bytearray) -> None:
+        try:
+            usage = _usage_of(json.loads(data))
+        except (ValueError, TypeError):
+            return
+        if usage is not None:
+            self.usage = usage
