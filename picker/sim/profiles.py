@@ -62,14 +62,15 @@ LLAMA3_8B_H100 = Profile(
     # vLLM's default block size on CUDA is 16 tokens.
     block_size=16,
     # KV bytes per token = layers 32 x kv_heads 8 x head_dim 128 x (K+V) 2 x bf16 2 B = 128 KiB.
-    # Memory for KV = 80 GB x 0.9 (gpu_memory_utilization) - 16.1 GB weights - ~2.5 GB activations/CUDA graphs
-    # ~= 53.4 GB -> 407k tokens -> 25,450 blocks of 16; we round down to 25,000 (400k tokens).
-    num_gpu_blocks=25_000,
+    # Memory for KV = 80 GB x 0.92 (vLLM 0.32's default gpu_memory_utilization) - 16.1 GB weights - ~2.5 GB
+    # activations/CUDA graphs ~= 55 GB -> 420k tokens -> 26,225 blocks of 16; rounded down to 26,000.
+    num_gpu_blocks=26_000,
     # Llama-3-8B's native context window.
     max_model_len=8192,
-    kv_cache_memory_bytes=25_000 * 16 * 131_072,
-    gpu_memory_utilization=0.9,
-    # vLLM V1 API-server defaults on a large-memory GPU: 1024 sequences, 8192 batched tokens, chunked prefill on.
+    kv_cache_memory_bytes=26_000 * 16 * 131_072,
+    gpu_memory_utilization=0.92,
+    # vLLM 0.32 API-server defaults for >= 70 GiB GPUs other than A100 (engine/arg_utils.py): 1024 sequences,
+    # 8192 batched tokens; chunked prefill on.
     max_num_seqs=1024,
     max_num_batched_tokens=8192,
     enable_chunked_prefill=True,
@@ -108,7 +109,7 @@ TINY_CPU = Profile(
     max_model_len=4096,
     kv_cache_memory_bytes=1_073_741_824,
     gpu_memory_utilization=0.92,  # cache_config_info label of the capture
-    # vLLM's CPU defaults for the API server (smaller than on GPU).
+    # vLLM 0.32's CPU defaults for the API server (engine/arg_utils.py): 128 sequences, 2048 batched tokens.
     max_num_seqs=128,
     max_num_batched_tokens=2048,
     enable_chunked_prefill=True,
