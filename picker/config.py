@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
     a("--pool-name", help="InferencePool name (metrics label)")
     a("--pool-namespace", help="InferencePool namespace")
-    a("--fallback-endpoints", type=int, help="ranked endpoints to return (comma-separated); default 1")
+    a("--fallback-endpoints", type=int, help="ranked endpoints to return, comma-separated (default 1; Envoy's "
+      "ORIGINAL_DST accepts only 1, lists are for gateways that implement GIE fallbacks)")
     a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only")
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
     a("--log-level", help="DEBUG, INFO, WARNING, ERROR")

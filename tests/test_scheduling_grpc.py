@@ -155,3 +155,14 @@ async def test_a_pod_that_stops_answering_is_dropped_and_forgotten(scene: Scene)
                                                                  body=json.dumps(shared).encode()))
         matched = {c.address: c.scores["prefix-cache-scorer"] for c in explained.candidates}
         assert matched[holder] == 0.0, "the index must have forgotten what the dropped pod held"
+
+
+async def test_fallback_list_is_ranked_and_unique() -> None:
+    with process_scope("fallbacks") as (logdir, started):
+        pods = start_backends(3, logdir, name="pods")
+        started.append(pods.process)
+        picker = start_picker(logdir, endpoints=pods.addresses, extra=["--fallback-endpoints", "2"])
+        started.append(picker.process)
+        responses = await exchange(picker.grpc_port, [headers_msg(), body_msg(json.dumps(prompt("fb")).encode())])
+    ranked = destination(responses[-1], "request_body").split(",")
+    assert len(ranked) == 2 and len(set(ranked)) == 2 and set(ranked) <= set(pods.addresses)
