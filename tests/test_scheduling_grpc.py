@@ -163,6 +163,8 @@ async def test_fallback_list_is_ranked_and_unique() -> None:
         started.append(pods.process)
         picker = start_picker(logdir, endpoints=pods.addresses, extra=["--fallback-endpoints", "2"])
         started.append(picker.process)
-        responses = await exchange(picker.grpc_port, [headers_msg(), body_msg(json.dumps(prompt("fb")).encode())])
+        responses = await exchange(picker.grpc_port, [headers_msg("/v1/completions"),
+                                                      body_msg(json.dumps(prompt("fb")).encode())])
+    assert not responses[-1].HasField("immediate_response"), responses[-1]
     ranked = destination(responses[-1], "request_body").split(",")
     assert len(ranked) == 2 and len(set(ranked)) == 2 and set(ranked) <= set(pods.addresses)
