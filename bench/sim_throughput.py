@@ -6,7 +6,7 @@ reports completed requests/s, client-side latency percentiles, the sim process's
 wall-clock latency drifts from the model's own e2e latency (read from the pods' /metrics): when the sim process is
 CPU-bound, steps start late and the measured latency exceeds the model latency.
 
-    .venv/bin/python bench/sim_throughput.py [--pods 16] [--phase-seconds 12] [--concurrency 32 128 384]
+    .venv/bin/python bench/sim_throughput.py [--pods 16] [--phase-seconds 11] [--concurrency 32 128 256 384]
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pods", type=int, default=16)
     parser.add_argument("--profile", default="llama3-8b-h100")
-    parser.add_argument("--phase-seconds", type=float, default=12.0)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 128, 384])
+    parser.add_argument("--phase-seconds", type=float, default=11.0)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 128, 256, 384])
     parser.add_argument("--prompt-chars", type=int, default=2000)
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
