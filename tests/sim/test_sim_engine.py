@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from picker.sim.engine import Engine, FinishedRequest, SimRequest, StepResult
 from picker.sim.kv_events import BlockRemoved, BlockStored
-from picker.sim.kvcache import block_hashes
+from picker.sim.kvcache import NONE_HASH, block_hashes, extend_block_hashes, extra_keys_for, hash_block
 from picker.sim.profiles import TINY_CPU, get_profile
 
 BS = 16
@@ -265,6 +265,22 @@ def test_decode_filled_blocks_are_cached_with_their_parent() -> None:
     assert stored[2].parent_block_hash == stored[1].block_hashes[0]
     out = finished(results)["a"].output_token_ids
     assert stored[1].token_ids == (prompt + out)[16:32]
+
+
+def test_incremental_block_hashes_equal_the_plain_chain() -> None:
+    tokens = [(i * 7919) % 100_003 for i in range(16 * 9 + 5)]
+    for lora, salt in ((None, None), ("l", None), (None, "s"), ("l", "s")):
+        expected, parent = [], NONE_HASH
+        for i in range(len(tokens) // 16):
+            keys = extra_keys_for(i, lora, salt)
+            parent = hash_block(parent, tokens[i * 16 : (i + 1) * 16], "\x00".join(keys).encode() if keys else b"")
+            expected.append(parent)
+        assert block_hashes(tokens, 16, lora, salt) == expected
+        grown: list[int] = []
+        for n in (3, 17, 40, 64, 100, len(tokens)):  # extended piecemeal as a request grows
+            extend_block_hashes(grown, tokens[:n], 16, lora, salt)
+        assert grown == expected
+    assert len({block_hashes(tokens, 16, lo, sa)[0] for lo in (None, "l") for sa in (None, "s")}) == 4
 
 
 def test_same_seed_same_output_different_seed_different_output() -> None:
