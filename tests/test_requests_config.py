@@ -92,3 +92,17 @@ def test_file_watcher_replaces_pool_and_keeps_last_good(tmp_path: Path) -> None:
     assert watcher.load_now() and removed == ["10.0.0.2:8000"] and pool.get("10.0.0.1:8000") is kept
     path.write_text("{broken json")
     assert not watcher.load_now() and len(pool) == 1
+
+
+def test_readme_config_example_builds_the_policy(tmp_path: Path) -> None:
+    from picker.policy import build_admission, build_scheduler
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = readme.split("# picker.yaml (picker serve --config-file picker.yaml)\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "picker.yaml"
+    path.write_text(example)
+    config = cfg.resolve(argparse.Namespace(config_file=str(path)))
+    assert config.admission["objectives"] == {"batch": -1, "interactive": 1}
+    admission = build_admission(config)
+    assert admission.config.max_wait == pytest.approx(0.5)
+    assert build_scheduler(config) is not None
