@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--live-pods", type=int, default=None, help="live-mode fleet size (default 4)")
     a("--live-requests", type=int, default=None, help="live-mode requests per strategy (default 400)")
     a("--live-load", type=float, default=None, help="live-mode load (default 0.8)")
-    a("--live-time-scale", type=float, default=1.0, help="simulated model time per wall second in live mode")
+    a("--live-time-scale", type=float, default=None,
+      help="model seconds per wall second in live mode (default 0.5: half speed keeps 2 cores ahead of the load)")
     a("--peers", type=_csv, default=None, help=f"peer routers in live mode (default {','.join(PEERS)}; 'none')")
 
 

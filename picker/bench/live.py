@@ -78,7 +78,7 @@ class LiveSpec:
             pods=args.live_pods or (3 if smoke else 4),
             requests=args.live_requests or (90 if smoke else 300),
             load=args.live_load if args.live_load is not None else 0.8,
-            time_scale=args.live_time_scale,
+            time_scale=args.live_time_scale or cls.time_scale,
             profile=args.profile,
             num_gpu_blocks=args.num_gpu_blocks or 2500,
             seed=args.seed,

@@ -14,7 +14,7 @@ from typing import Any
 from picker.bench import plots
 from picker.bench.suite import SuiteResult, ordered
 from picker.bench.summary import FIGURES, ratios_to
-from picker.bench.targets import evaluate_fast, evaluate_live
+from picker.bench.targets import evaluate_fast, evaluate_live, evaluate_sweep
 
 PAPER_WORKLOADS = {"chat": "system_len", "code": "context_len", "multi-turn": None, "summarize": "doc_len"}
 PAPER_PREFIX = {"chat": 256, "code": 512, "multi-turn": 1024, "summarize": 2048}
@@ -78,6 +78,7 @@ def fast_section(fast: SuiteResult) -> dict[str, Any]:
         "capacity": fast.capacity,
         "paper_table": paper_table(fast),
         "targets": evaluate_fast(fast.main, fast.calibration),
+        "targets_by_load": evaluate_sweep(fast.sweep),
         "notes": fast.notes,
         "wall_s": fast.wall_s,
     }
@@ -174,6 +175,15 @@ def markdown(report: dict[str, Any]) -> str:
             lines += ["### Targets", ""]
             lines += _table(["target", "workload", "met", "measured"],
                             [[t["target"], t["workload"], "yes" if t["met"] else "**no**", t["detail"]] for t in targets])
+            lines.append("")
+        by_load = fast.get("targets_by_load") or []
+        if by_load:
+            lines += ["The same targets at every load of the sweep (picker vs round-robin at that load):", ""]
+            lines += _table(["workload", "load", "hit rate vs RR", "of oracle", "TTFT mean reduction",
+                             "TTFT p95 reduction", "all four met"],
+                            [[r["workload"], _num(r["load"], 2), _x(r["hit_rate_x_rr"]), _pct(r["hit_rate_of_oracle"]),
+                              _pct(r["ttft_mean_reduction"]), _pct(r["ttft_p95_reduction"]),
+                              "yes" if r["all_met"] else "no"] for r in by_load])
             lines.append("")
         for w, data in fast["workloads"].items():
             cal = data.get("calibration") or {}

@@ -63,3 +63,22 @@ def evaluate_live(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                           f"p95 {pk['ttft_p95'] * 1e3:.1f} vs {row['ttft_p95'] * 1e3:.1f} ms, hit rate "
                           f"{pk['hit_rate']:.3f} vs {row['hit_rate']:.3f}"))
     return out
+
+
+def evaluate_sweep(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (target workload, load) of the sweep: the picker's figures against round-robin's at the same load,
+    so the report can say from which load on each target is met."""
+    out: list[dict[str, Any]] = []
+    by_key = {(r["workload"], r["load"], r["strategy"]): r for r in sweep}
+    for (w, load, s), pk in sorted(by_key.items()):
+        rr = by_key.get((w, load, "round-robin"))
+        if s != "picker" or rr is None or w not in TARGET_WORKLOADS:
+            continue
+        hit_x = pk["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else math.inf
+        of_oracle = pk["hit_rate"] / pk["oracle_hit_rate"] if pk["oracle_hit_rate"] else math.nan
+        mean_red = 1 - pk["ttft_mean"] / rr["ttft_mean"]
+        p95_red = 1 - pk["ttft_p95"] / rr["ttft_p95"]
+        out.append({"workload": w, "load": load, "hit_rate_x_rr": hit_x, "hit_rate_of_oracle": of_oracle,
+                    "ttft_mean_reduction": mean_red, "ttft_p95_reduction": p95_red,
+                    "all_met": hit_x >= 2 and of_oracle >= 0.9 and mean_red >= 0.35 and p95_red >= 0.52})
+    return out

@@ -1,0 +1,113 @@
+"""Explore the full picker's scheduling weights in fast mode: each variant replays the same seeded traces as the
+defaults and round-robin, side by side, so a tuning change shows its effect on every workload at once.
+
+    .venv/bin/python bench/run_scheduling_sweep.py [--workloads chat,code,...] [--requests 3000] [--load 0.8]
+
+Variants are GIE-shaped `scheduling` config overrides (what `picker serve --config-file` takes under
+`scheduling:`); the defaults live in picker/scheduling/config.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from picker.bench.suite import Cell, FastSpec, calibrate, run_cell  # noqa: E402
+from picker.scheduling.config import DEFAULT_CONFIG  # noqa: E402
+
+
+def _with_weights(profile: str, weights: dict[str, float]) -> dict[str, Any]:
+    """Defaults with some scorer weights of one profile changed."""
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    for p in cfg["schedulingProfiles"]:
+        if p["name"] == profile:
+            for ref in p["plugins"]:
+                if ref.get("pluginRef") in weights:
+                    ref["weight"] = weights[ref["pluginRef"]]
+    return {"schedulingProfiles": cfg["schedulingProfiles"]}
+
+
+def _with_params(plugin: str, params: dict[str, Any]) -> dict[str, Any]:
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    for spec in cfg["plugins"]:
+        if spec["name"] == plugin:
+            spec.setdefault("parameters", {}).update(params)
+    return {"plugins": cfg["plugins"]}
+
+
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "defaults": None,
+    "chat: prefix 3": _with_weights("bursty-chat", {"prefix-cache-scorer": 3}),
+    "chat: prefix 3 queue 1 kv 1": _with_weights("bursty-chat", {"prefix-cache-scorer": 3, "queue-scorer": 1,
+                                                                   "kv-cache-utilization-scorer": 1}),
+    "always context-heavy": _with_params("request-classifier", {"longPromptChars": 0}),
+    "chat: prefix 3 queue 0 kv 0": _with_weights("bursty-chat", {"prefix-cache-scorer": 3, "queue-scorer": 0,
+                                                                 "kv-cache-utilization-scorer": 0}),
+    "chat: in-flight 8": _with_weights("bursty-chat", {"in-flight-load-scorer": 8}),
+    "prefix guard 16/8": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 16, "loadGuardWaiting": 8}),
+    "prefix guard 4/2": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 4, "loadGuardWaiting": 2}),
+}
+
+
+def _run(args: tuple[FastSpec, Cell]) -> dict[str, Any]:
+    return run_cell(*args)["figures"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="chat,code,multi-turn,summarize,shared-prefix,bursty,hot-prefix")
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--pods", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variant names")
+    parser.add_argument("--out", default=None, help="write the table (markdown) and raw JSON here")
+    args = parser.parse_args()
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    base = FastSpec(pods=args.pods, workloads=workloads, load=args.load, requests=args.requests, seed=args.seed,
+                    sweep_workloads=(), capacity_workload=None)
+    cal = calibrate(base)
+    jobs: list[tuple[str, str, tuple[FastSpec, Cell]]] = []
+    for w in workloads:
+        c = cal[w]
+        jobs.append(("round-robin", w, (base, Cell("main", w, "round-robin", args.requests, c["rate_rps"],
+                                                    c["load"], args.pods))))
+        for name in args.variants.split(","):
+            cfg = VARIANTS[name]
+            spec = FastSpec(**{**base.__dict__, "scheduling": json.dumps(cfg) if cfg else ""})
+            jobs.append((name, w, (spec, Cell("main", w, "picker", args.requests, c["rate_rps"], c["load"],
+                                              args.pods))))
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(_run, [j[2] for j in jobs]))
+    rows: dict[tuple[str, str], dict[str, Any]] = {(j[0], j[1]): r for j, r in zip(jobs, results, strict=True)}
+    lines = [f"Fast mode, {args.pods} pods, load {args.load}, {args.requests} requests, seed {args.seed}. "
+             "Cells: TTFT mean / p95 ms, hit rate.", "",
+             "| variant | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
+    for name in ["round-robin", *args.variants.split(",")]:
+        cells = []
+        for w in workloads:
+            f = rows[(name, w)]
+            cells.append(f"{f['ttft_mean'] * 1e3:.1f} / {f['ttft_p95'] * 1e3:.1f}, {f['hit_rate'] * 100:.0f}%")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scheduling_sweep.md").write_text(text + "\n")
+        (out / "scheduling_sweep.json").write_text(json.dumps(
+            {"variants": {k: v for k, v in VARIANTS.items()}, "rows": [
+                {"variant": k[0], "workload": k[1], **v} for k, v in rows.items()]}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
