@@ -104,3 +104,17 @@ async def test_picker_killed_under_load(outage: OutageStack) -> None:
     assert spoof and all(status == 200 and served in outage.backends.addresses for _, status, served in spoof)
     async with aiohttp.ClientSession() as session, session.get(f"http://{rogue}/test/count") as response:
         assert (await response.json())["requests"] == 0
+
+
+def test_sigterm_stops_the_picker_gracefully() -> None:
+    import signal
+
+    with process_scope("sigterm") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        picker = start_picker(logdir, endpoints=backends.addresses)
+        started.append(picker.process)
+        began = time.monotonic()
+        picker.process.proc.send_signal(signal.SIGTERM)
+        assert picker.process.proc.wait(10) == 0, picker.process.log()
+        assert time.monotonic() - began < 8
