@@ -1,4 +1,4 @@
-"""GIE's hermetic scheduling scenarios, driven over a real ext_proc gRPC stream against a running picker whose
+"""GIE's hermetic scheduling scenarios, driven over a real ext_proc gRPC stream (and through Envoy) against a running picker whose
 pods (echo backends) report chosen vLLM metrics; plus prefix affinity and the endpoint lifecycle."""
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ import pytest
 
 import picker.api  # noqa: F401
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.supervisor import Backends, Picker, process_scope, start_backends, start_picker
+from picker.supervisor import (
+    Backends,
+    Envoy,
+    Picker,
+    process_scope,
+    start_backends,
+    start_envoy,
+    start_picker,
+)
 from tests.test_extproc_grpc import body_msg, destination, exchange, headers_msg
 
 CONFIG = """
@@ -32,6 +40,7 @@ IDLE = {"waiting": 0, "running": 0, "kv": 0.0, "running_loras": [], "waiting_lor
 class Scene:
     pods: Backends
     picker: Picker
+    envoy: Envoy
 
     async def set(self, **per_pod: dict[str, Any]) -> None:
         """Set each pod's reported metrics (keys: pod index as 'p0', 'p1', ...) and wait until the picker saw them."""
@@ -75,7 +84,9 @@ def scene() -> Iterator[Scene]:
         config.write_text(CONFIG)
         picker = start_picker(logdir, endpoints=pods.addresses, extra=["--config-file", str(config)])
         started.append(picker.process)
-        yield Scene(pods, picker)
+        envoy = start_envoy(logdir, picker, pods.addresses)
+        started.append(envoy.process)
+        yield Scene(pods, picker, envoy)
 
 
 def prompt(tag: str, words: int = 40) -> dict[str, Any]:
@@ -94,8 +105,11 @@ async def test_picks_the_pod_with_the_lora_adapter_despite_higher_kv(scene: Scen
                     p1={"kv": 0.6, "running_loras": ["sql-lora"]},
                     p2={"kv": 0.2, "max_lora": 1, "running_loras": ["other-lora"]})
     body = {**prompt("lora"), "model": "sql-lora"}
-    dest, status = await scene.route(body)
+    dest, status = await scene.route(dict(body))
     assert (dest, status) == (scene.pods.addresses[1], 200)
+    async with aiohttp.ClientSession() as session, session.post(scene.envoy.url + "/v1/completions",
+                                                                json={**body, "prompt": "via envoy"}) as response:
+        assert (await response.json())["served_by"] == scene.pods.addresses[1]
 
 
 async def test_saturated_pool_sheds_only_sheddable_requests(scene: Scene) -> None:
@@ -112,6 +126,13 @@ async def test_saturated_pool_sheds_only_sheddable_requests(scene: Scene) -> Non
     assert immediate.status.code == 429
     assert json.loads(immediate.body)["error"]["code"] == "saturated"
     assert {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}["retry-after"] == b"1"
+    # The same through Envoy: the client sees the 429, its JSON reason and Retry-After.
+    async with aiohttp.ClientSession() as session, session.post(
+            scene.envoy.url + "/v1/completions", json=prompt("shed-envoy"),
+            headers={"x-gateway-inference-objective": "batch"}) as response:
+        assert response.status == 429
+        assert response.headers["retry-after"] == "1"
+        assert (await response.json())["error"]["code"] == "saturated"
     await scene.set()
     _, status = await scene.route(prompt("shed-ok"), x_gateway_inference_objective="batch")
     assert status == 200, "sheddable traffic flows again once the pool has room"
