@@ -5,6 +5,11 @@ Routers, one at a time on the same pods (prefix caches reset in between):
 - random, least-load, prefix-only, picker: Envoy + `picker serve --strategy NAME`;
 - sglang-router and vllm-router in cache_aware mode (peers.py), skipped with the reason when unavailable.
 Hit rates come from the pods' own counters (/metrics before and after), latencies from the client.
+
+All simulated pods share one Python process, so the picker's 50 ms /metrics scrape of every pod costs the
+*simulated GPUs* CPU time (a real vLLM serves /metrics from its API server, not from the engine). So that no
+router is slowed by another's probes, routers that do not scrape (Envoy round-robin, the peers) run with the
+same scrape load added by the benchmark: every router sees an equally busy simulator.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from picker.bench.prompts import PromptBuilder
 from picker.bench.results import RunResult
 from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
+from picker.endpoints.metrics import parse_vllm_metrics
 from picker.envoyconfig import EnvoySettings, envoy_binary, render
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.tokenizer import Tokenizer
@@ -148,6 +154,21 @@ async def sample_load(session: aiohttp.ClientSession, urls: list[str], res: RunR
             await asyncio.wait_for(stop.wait(), period)
 
 
+async def equal_scrape(session: aiohttp.ClientSession, urls: list[str], stop: asyncio.Event,
+                       period: float = 0.05) -> None:
+    """What `picker serve` does to the pods: GET and parse every pod's /metrics every `period` seconds."""
+
+    async def one(url: str) -> None:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with session.get(url + "/metrics") as resp:
+                parse_vllm_metrics(await resp.text())
+
+    while not stop.is_set():
+        await asyncio.gather(*(one(u) for u in urls))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), period)
+
+
 # --- routers -------------------------------------------------------------------------------------------------------
 def start_direct_envoy(logdir: Path, pool: list[str]) -> tuple[Managed, str]:
     """Envoy rendered from our own template with the ext_proc filter taken out: plain round-robin over the pool
@@ -223,12 +244,16 @@ async def _measure(strategy: str, url: str, spec: LiveSpec, trace: Any, urls: li
         probe = RunResult("live", spec.workload, strategy, spec.pods, 0)
         start = time.monotonic()
         sampler = asyncio.create_task(sample_load(session, urls, probe, start, spec.time_scale, stop))
+        scraping = strategy in PICKER_STRATEGIES  # picker serve scrapes every pod itself
+        load = None if scraping else asyncio.create_task(equal_scrape(session, urls, stop))
         tokenizer = Tokenizer(spec.get_profile().vocab_size)
         res = await replay(url, trace, strategy, pods=spec.pods, model=model, time_scale=spec.time_scale,
                            progress=bar.advance, builder=PromptBuilder(tokenizer),
                            oracle=InfiniteCacheOracle(spec.get_profile().block_size))
         stop.set()
         await sampler
+        if load is not None:
+            await load
         after = await scrape(session, urls)
     res.load_times, res.load_per_pod = probe.load_times, probe.load_per_pod
     for key in ("prefix_queries", "prefix_hits", "prompt_tokens_total", "prompt_tokens_cached", "generation_tokens",
@@ -250,6 +275,8 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
         "rate_rps": rate, "wall_rate_rps": rate * spec.time_scale, "time_scale": spec.time_scale,
         "profile": profile.name, "num_gpu_blocks": profile.num_gpu_blocks, "seed": spec.seed,
         "trace_params": trace.params, "times": "model seconds (wall seconds x time_scale)",
+        "equal_scrape_load": "routers that do not scrape /metrics (Envoy round-robin, peers) run with the picker's "
+                             "50 ms scrape of every pod added, so the shared simulator process is equally busy",
         "strategies": {}, "cdf": {}, "pod_load_series": {}, "skipped": {}, "notes": [],
     }
     bar = ProgressBar(len(trace) * len(order), "live mode")
