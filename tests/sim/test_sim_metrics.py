@@ -113,3 +113,23 @@ def test_each_instance_has_its_own_registry() -> None:
     assert a.registry is not b.registry
     assert "vllm:generation_tokens_total" in a.render().decode()
     assert b'vllm:generation_tokens_total{engine="0",model_name="tiny"} 0.0' in b.render()
+
+
+def test_fast_exposition_is_byte_identical_to_prometheus_client() -> None:
+    from prometheus_client import generate_latest
+
+    engine = Engine(TINY_CPU)
+    metrics = SimMetrics(engine, "tiny")
+    now = 0.0
+    for round_ in range(3):  # render, change the histograms, render again: the render cache must follow
+        engine.add_request(SimRequest(f"r{round_}", list(range(100, 400 + 50 * round_)), 4), now)
+        while engine.has_work():
+            result = engine.step(max(now, engine.next_step_time() or 0.0))
+            now = result.end
+            metrics.observe_step(result)
+        rendered = metrics.render()
+        # Process metrics (CPU seconds, memory) move between two reads: compare our own families exactly.
+        ours = generate_latest(metrics.registry).split(b"# HELP vllm:", 1)[1]
+        assert rendered.split(b"# HELP vllm:", 1)[1] == ours
+    odd = SimMetrics(engine, 'we"ird\\name\nx', process_metrics=False)
+    assert odd.render() == generate_latest(odd.registry)
