@@ -48,3 +48,16 @@ def test_reduced_smoke_report_is_complete_and_picker_beats_round_robin(tmp_path:
     sp = fast["workloads"]["shared-prefix"]["strategies"]
     assert sp["picker"]["hit_rate"] > sp["round-robin"]["hit_rate"] + 0.1
     assert sp["picker"]["hit_rate"] <= sp["picker"]["oracle_hit_rate"] + 1e-9
+
+
+async def test_the_sim_serves_every_endpoint_the_peer_routers_call() -> None:
+    import asyncio
+
+    from picker.bench.peers import check_worker
+    from picker.sim.fleet import SimFleet
+
+    async with SimFleet(1, profile="tiny-cpu") as fleet:
+        result = await asyncio.to_thread(check_worker, fleet.urls[0])
+    assert result == {"/health": "ok", "/get_server_info": "ok", "/get_model_info": "ok",
+                      "/v1/completions/render": "ok", "/tokenize": "ok"}
+    assert "failed" in check_worker("http://127.0.0.1:9", timeout=0.5)["/health"]

@@ -290,6 +290,7 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
             started.append(sim.process)
             urls = [f"http://{a}" for a in sim.addresses]
             _wait_pods_ready(urls)
+            section["worker_endpoints"] = peers.check_worker(urls[0])
             for strategy in order:
                 bar.set_label(f"live mode: {strategy}")
                 try:

@@ -64,6 +64,44 @@ def command(peer: PeerSpec, exe: Path, port: int, prometheus_port: int, worker_u
     return [str(exe), *common]
 
 
+# What the peers call on a worker before and while routing (DESIGN.md §5), with a body for the POSTs.
+PEER_ENDPOINTS: tuple[tuple[str, str, dict[str, object] | None], ...] = (
+    ("GET", "/health", None),
+    ("GET", "/get_server_info", None),
+    ("GET", "/get_model_info", None),
+    ("POST", "/v1/completions/render", {"prompt": "hello world"}),
+    ("POST", "/tokenize", {"prompt": "hello world"}),
+)
+
+
+def check_worker(base_url: str, timeout: float = 5.0) -> dict[str, str]:
+    """Which peer-facing endpoints a worker serves: path -> "ok" or the failure. vllm-router needs the render
+    endpoint to return a JSON list of {"token_ids": [...]}."""
+    import json
+
+    out: dict[str, str] = {}
+    for method, path, body in PEER_ENDPOINTS:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(base_url + path, data=data, method=method,
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                payload = resp.read()
+                status = int(resp.status)
+        except OSError as exc:
+            out[path] = f"failed: {exc}"
+            continue
+        if status != 200:
+            out[path] = f"status {status}"
+        elif path == "/v1/completions/render":
+            parsed = json.loads(payload)
+            ok = isinstance(parsed, list) and parsed and isinstance(parsed[0].get("token_ids"), list)
+            out[path] = "ok" if ok else f"unexpected body {payload[:80]!r}"
+        else:
+            out[path] = "ok"
+    return out
+
+
 def _ready(port: int) -> bool:
     if not port_open(port):
         return False

@@ -260,6 +260,10 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
         lines += _table(["target", "met", "measured"],
                         [[t["target"], "yes" if t["met"] else "**no**", t["detail"]] for t in live["targets"]])
         lines.append("")
+    endpoints = live.get("worker_endpoints") or {}
+    if endpoints:
+        lines += ["Worker endpoints the peers call, checked on the sim: " + ", ".join(
+            f"`{p}` {v}" for p, v in endpoints.items()), ""]
     for s, why in (live.get("skipped") or {}).items():
         lines.append(f"- skipped **{s}**: {why}")
     if live.get("skipped"):
