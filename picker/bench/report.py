@@ -250,7 +250,9 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
     lines = ["## Live mode (real HTTP/gRPC: picker sim fleet, Envoy, picker, peer routers)", "",
              f"Workload {live.get('workload')}, {live.get('pods')} simulated pods (profile `{live.get('profile')}`, "
              f"time scale {live.get('time_scale')}), {live.get('requests')} requests at {_num(live.get('rate_rps'))} "
-             f"req/s per strategy; caches reset between strategies.", ""]
+             f"req/s of model time ({_num(live.get('wall_rate_rps'))} req/s wall) per router; prefix caches reset "
+             "between routers; times in model seconds. Routers that do not scrape the pods' /metrics run with the "
+             "picker's scrape load added, so the shared simulator process is equally busy for all.", ""]
     if live.get("strategies"):
         strategies = {s: {**f, "ratio_to_round_robin": f.get("ratio_to_round_robin")}
                       for s, f in live["strategies"].items()}
