@@ -151,6 +151,11 @@ def _num(v: Any, digits: int = 1) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
+def _at(row: dict[str, Any], key: str, i: int) -> Any:
+    values = row.get(key) or []
+    return values[i] if len(values) > i else None
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
@@ -257,6 +262,12 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
         strategies = {s: {**f, "ratio_to_round_robin": f.get("ratio_to_round_robin")}
                       for s, f in live["strategies"].items()}
         lines += _table(STRATEGY_HEADER, strategy_rows(strategies))
+        lines.append("")
+        lines += ["95 % bootstrap intervals (resampled requests) of the TTFT figures, to judge differences:", ""]
+        lines += _table(["router", "TTFT mean ms [95 % interval]", "TTFT p95 ms [95 % interval]"], [
+            [s, f"{_ms(f['ttft_mean'])} [{_ms(_at(f, 'ttft_mean_ci95', 0))}-{_ms(_at(f, 'ttft_mean_ci95', 1))}]",
+             f"{_ms(f['ttft_p95'])} [{_ms(_at(f, 'ttft_p95_ci95', 0))}-{_ms(_at(f, 'ttft_p95_ci95', 1))}]"]
+            for s, f in strategies.items()])
         lines.append("")
     if live.get("targets"):
         lines += _table(["target", "met", "measured"],

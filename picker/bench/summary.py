@@ -45,6 +45,18 @@ def _cold_share(res: RunResult) -> float:
     return sum(1 for o, p in pairs if o < p / 2) / len(pairs) if pairs else math.nan
 
 
+def bootstrap_ci(values: np.ndarray, stat: str, resamples: int = 400, seed: int = 0) -> list[float]:
+    """95 % bootstrap interval of the mean or the p95 (resampling requests): how much of a difference between two
+    strategies a run of this size can resolve."""
+    if values.size < 2:
+        return [math.nan, math.nan]
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, values.size, size=(resamples, values.size))
+    samples = values[idx]
+    stats = samples.mean(axis=1) if stat == "mean" else np.percentile(samples, 95, axis=1)
+    return [float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))]
+
+
 def summarize(res: RunResult) -> dict[str, Any]:
     """Every figure of one (workload, strategy) run, as plain floats/ints for JSON."""
     status = np.array(res.status)
@@ -73,6 +85,8 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "ttft_p50": _pct(ttft, 50),
         "ttft_p95": _pct(ttft, 95),
         "ttft_p99": _pct(ttft, 99),
+        "ttft_mean_ci95": bootstrap_ci(ttft, "mean") if ttft.size <= 20_000 else [math.nan, math.nan],
+        "ttft_p95_ci95": bootstrap_ci(ttft, "p95") if ttft.size <= 20_000 else [math.nan, math.nan],
         "e2e_mean": _mean(e2e),
         "e2e_p95": _pct(e2e, 95),
         "itl_mean": _mean(itl),

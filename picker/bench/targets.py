@@ -58,10 +58,13 @@ def evaluate_live(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         faster = pk["ttft_p95"] < row["ttft_p95"]
         hits = pk["hit_rate"] >= row["hit_rate"] - 0.01
+        a, b = pk.get("ttft_p95_ci95") or [None, None], row.get("ttft_p95_ci95") or [None, None]
+        overlap = None not in (*a, *b) and a[0] <= b[1] and b[0] <= a[1]
+        noise = "; the 95 % intervals overlap: not resolved by this run" if overlap else ""
         out.append(_check(f"ahead of {peer} on p95 TTFT at equal or better hit rate", "live", pk["ttft_p95"] /
                           row["ttft_p95"], 1.0, faster and hits,
                           f"p95 {pk['ttft_p95'] * 1e3:.1f} vs {row['ttft_p95'] * 1e3:.1f} ms, hit rate "
-                          f"{pk['hit_rate']:.3f} vs {row['hit_rate']:.3f}"))
+                          f"{pk['hit_rate']:.3f} vs {row['hit_rate']:.3f}{noise}"))
     return out
 
 
