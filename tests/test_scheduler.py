@@ -142,7 +142,7 @@ def test_short_prompts_use_bursty_chat_and_explain_adds_up() -> None:
     s = build_scheduler(rng=random.Random(4))
     result = s.schedule(req("hi, how are you?", session_id="abc"), endpoints, 0.0)
     assert result.profile == "bursty-chat"
-    weights = {"prefix-cache-scorer": 1, "queue-scorer": 2, "kv-cache-utilization-scorer": 2,
+    weights = {"prefix-cache-scorer": 3, "queue-scorer": 1, "kv-cache-utilization-scorer": 1,
                "in-flight-load-scorer": 3, "lora-affinity-scorer": 2, "session-affinity-scorer": 1,
                "cold-prefix-spreader": 1}
     assert len(result.candidates) == 3

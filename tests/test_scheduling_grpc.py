@@ -145,6 +145,7 @@ async def test_shared_prefix_sticks_and_cold_prefixes_spread(scene: Scene) -> No
     for i in range(6):
         dest, _ = await scene.route({"model": "tiny", "prompt": shared + f" question {i + 1}"})
         assert dest == first, "a long shared prefix should keep landing on the pod that holds it"
+    await asyncio.sleep(0.6)  # the shared prompts' recent prefill work decays (50 ms half-life): idle pods again
     cold = {(await scene.route(prompt(f"cold{i}q")))[0] for i in range(9)}
     assert len(cold) == 3, f"cold prefixes should spread over idle pods, got {cold}"
 

@@ -82,6 +82,26 @@ def test_in_flight_scorer_prefers_less_work() -> None:
     assert InFlightLoadScorer(slack=0).score(ctx_for(), [ep(4), ep(5)]) == [1.0, 1.0]
 
 
+def test_in_flight_scorer_counts_recent_prefill_with_decay() -> None:
+    scorer = InFlightLoadScorer(tokens_per_request=4096, slack=1.0, prefill_half_life=0.05, prefill_weight=4)
+    a, b = ep(1), ep(2)
+    long_prompt = InferenceRequest("r", "m", prompt_text="w" * 4 * 4096)  # ~4096 tokens
+    scorer.on_picked(long_prompt, a, 0.0)
+    ctx = ctx_for()
+    fresh = scorer.score(ctx, [a, b])
+    assert fresh[1] == 1.0 and fresh[0] < 0.25, "a pod just handed a long prompt is busy prefilling it"
+    ctx.now = 0.5  # ten half-lives later the prefill is done
+    later = scorer.score(ctx, [a, b])
+    assert later[0] > 0.99
+    scorer.on_endpoint_removed(a)
+    ctx.now = 0.0
+    assert scorer.score(ctx, [a, b]) == [1.0, 1.0]
+    # Off by default in the class (on in the shipped config): no memory without a half-life.
+    plain = InFlightLoadScorer()
+    plain.on_picked(long_prompt, a, 0.0)
+    assert plain.score(ctx_for(), [a, b]) == [1.0, 1.0]
+
+
 def test_lora_affinity_levels() -> None:
     running = ep(1, max_lora=2, running_loras=frozenset({"sql"}))
     room = ep(2, max_lora=2, running_loras=frozenset({"other"}))

@@ -73,7 +73,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
         {"type": "kv-cache-utilization-scorer", "name": "kv-cache-utilization-scorer"},
         {"type": "queue-scorer", "name": "queue-scorer"},
         {"type": "in-flight-load-scorer", "name": "in-flight-load-scorer",
-         "parameters": {"tokensPerRequest": 4096, "slack": 1.0}},
+         # prefillHalfLife/Weight: measured by bench/run_scheduling_sweep.py (see bench/README.md)
+         "parameters": {"tokensPerRequest": 4096, "slack": 1.0, "prefillHalfLife": 0.05, "prefillWeight": 4}},
         {"type": "lora-affinity-scorer", "name": "lora-affinity-scorer"},
         {"type": "session-affinity-scorer", "name": "session-affinity-scorer", "parameters": {"maxSessions": 10000}},
         {"type": "cold-prefix-spreader", "name": "cold-prefix-spreader", "parameters": {"recencyWeight": 0.5}},
@@ -96,9 +97,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
         ]},
         {"name": "bursty-chat", "plugins": [
             *_COMMON_HEAD,
-            {"pluginRef": "prefix-cache-scorer", "weight": 1},
-            {"pluginRef": "queue-scorer", "weight": 2},
-            {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+            # prefix 3 / queue 1 / kv 1 (was 1 / 2 / 2): measured better on every workload of the sweep
+            {"pluginRef": "prefix-cache-scorer", "weight": 3},
+            {"pluginRef": "queue-scorer", "weight": 1},
+            {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
             {"pluginRef": "in-flight-load-scorer", "weight": 3},
             {"pluginRef": "lora-affinity-scorer", "weight": 2},
             {"pluginRef": "session-affinity-scorer", "weight": 1},

@@ -97,27 +97,53 @@ class QueueScorer(Plugin):
 class InFlightLoadScorer(Plugin):
     """Our own in-flight count (+ tokens), which moves at once while scraped metrics lag by a poll.
 
-    load = in_flight + in_flight_tokens / tokens_per_request; score = 1 - (load - min) / (max - min + slack):
-    the slack keeps a one-request difference from looking like the whole range.
+    load = in_flight + in_flight_tokens / tokens_per_request (+ recent prefill, below);
+    score = 1 - (load - min) / (max - min + slack): the slack keeps a one-request difference from looking like
+    the whole range.
+
+    With `prefill_half_life` > 0 the load also counts prompt tokens picked for the pod recently, decaying with
+    that half-life: a pod that was just handed a prompt is busy prefilling it (what delays the next request's
+    first token) even when in-flight counts are equal. Without it, ties are broken at random and arrivals bunch
+    up on pods the way random routing does.
     """
 
     type_name = "in-flight-load-scorer"
 
-    def __init__(self, name: str | None = None, *, tokens_per_request: float = 4096.0, slack: float = 1.0) -> None:
+    def __init__(self, name: str | None = None, *, tokens_per_request: float = 4096.0, slack: float = 1.0,
+                 prefill_half_life: float = 0.0, prefill_weight: float = 1.0) -> None:
         super().__init__(name)
-        if tokens_per_request <= 0 or slack < 0:
-            raise ValueError("tokensPerRequest must be positive and slack non-negative")
+        if tokens_per_request <= 0 or slack < 0 or prefill_half_life < 0 or prefill_weight < 0:
+            raise ValueError("tokensPerRequest must be positive; slack, prefillHalfLife, prefillWeight >= 0")
         self.tokens_per_request = tokens_per_request
         self.slack = slack
+        self.prefill_half_life = prefill_half_life
+        self.prefill_weight = prefill_weight
+        self._recent: dict[str, tuple[float, float]] = {}  # address -> (decayed prompt tokens, at time)
+
+    def _recent_prefill(self, address: str, now: float) -> float:
+        value, at = self._recent.get(address, (0.0, now))
+        return value * 0.5 ** ((now - at) / self.prefill_half_life) if value else 0.0
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         unit = self.tokens_per_request
         loads = [e.in_flight + e.in_flight_tokens / unit for e in candidates]
+        if self.prefill_half_life > 0 and self._recent:
+            scale = self.prefill_weight / unit
+            loads = [x + scale * self._recent_prefill(e.address, ctx.now) for x, e in zip(loads, candidates,
+                                                                                     strict=True)]
         lo = min(loads)
         span = max(loads) - lo + self.slack
         if span <= 0:
             return [1.0] * len(loads)
         return [1.0 - (x - lo) / span for x in loads]
+
+    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        if self.prefill_half_life > 0:
+            tokens = len(request.prompt_text) / 4  # same estimate as the in-flight token count
+            self._recent[endpoint.address] = (self._recent_prefill(endpoint.address, now) + tokens, now)
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        self._recent.pop(endpoint.address, None)
 
 
 class LoraAffinityScorer(Plugin):
