@@ -43,14 +43,27 @@ def _with_params(plugin: str, params: dict[str, Any]) -> dict[str, Any]:
     return {"plugins": cfg["plugins"]}
 
 
+def _combine(*parts: dict[str, Any]) -> dict[str, Any]:
+    """Merge partial configs that touch different top-level keys (plugins / schedulingProfiles)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
+_FIRST_WEIGHTS = {"prefix-cache-scorer": 1, "queue-scorer": 2, "kv-cache-utilization-scorer": 2}
+_NO_PREFILL = {"prefillHalfLife": 0.0}
+
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "defaults": None,
-    "chat: prefix 3": _with_weights("bursty-chat", {"prefix-cache-scorer": 3}),
-    "chat: prefix 3 queue 1 kv 1": _with_weights("bursty-chat", {"prefix-cache-scorer": 3, "queue-scorer": 1,
-                                                                   "kv-cache-utilization-scorer": 1}),
+    # The first defaults, and each of the two changes that replaced them (bench/README.md, "How the defaults
+    # were chosen").
+    "first defaults": _combine(_with_weights("bursty-chat", _FIRST_WEIGHTS),
+                               _with_params("in-flight-load-scorer", _NO_PREFILL)),
+    "first + chat prefix 3 queue 1 kv 1": _with_params("in-flight-load-scorer", _NO_PREFILL),
+    "first + recent prefill": _with_weights("bursty-chat", _FIRST_WEIGHTS),
+    "chat: queue 0 kv 0": _with_weights("bursty-chat", {"queue-scorer": 0, "kv-cache-utilization-scorer": 0}),
     "always context-heavy": _with_params("request-classifier", {"longPromptChars": 0}),
-    "chat: prefix 3 queue 0 kv 0": _with_weights("bursty-chat", {"prefix-cache-scorer": 3, "queue-scorer": 0,
-                                                                 "kv-cache-utilization-scorer": 0}),
     "chat: in-flight 8": _with_weights("bursty-chat", {"in-flight-load-scorer": 8}),
     "prefix guard 16/8": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 16, "loadGuardWaiting": 8}),
     "prefix guard 4/2": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 4, "loadGuardWaiting": 2}),
