@@ -52,8 +52,11 @@ class PoolMonitor:
         await self.scraper.poll_once()  # warm start: metrics before the first request where possible
         await self.scraper.start()
         try:
+            index = getattr(self.scheduler, "index", None)  # strategies without a prefix index have none
             while True:
                 self.metrics.observe_pool(self.pool.all())
+                if index is not None:
+                    self.metrics.index_size.set(index.size())
                 await asyncio.sleep(1.0)
         finally:
             with contextlib.suppress(Exception):

@@ -51,3 +51,22 @@ async def test_usage_from_full_duplex_responses_feeds_token_metrics(stack: Stack
     counts = [s.value for s in families["inference_objective_output_tokens"].samples
               if s.labels.get("model_name") == "usage-model" and s.name.endswith("_count")]
     assert counts == [1]
+
+
+async def test_pool_gauges_follow_the_pool(stack: Stack) -> None:
+    envoy = stack.envoys["buffered"]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(envoy.url + "/v1/completions",
+                                json={"model": "gauge-model", "prompt": "index me " * 50}) as response:
+            assert response.status == 200
+        for _ in range(30):  # pool gauges refresh once a second
+            async with session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+                samples = {(s.name, s.labels.get("name", "")): s.value
+                           for f in text_string_to_metric_families(await response.text()) for s in f.samples}
+            if (samples.get(("inference_extension_prefix_indexer_size", ""), 0) > 0
+                    and samples.get(("inference_pool_ready_pods", "default")) == len(stack.backends.addresses)):
+                break
+            await asyncio.sleep(0.1)
+    assert samples[("inference_pool_ready_pods", "default")] == len(stack.backends.addresses)
+    assert samples[("inference_pool_average_kv_cache_utilization", "default")] == 0.0
+    assert samples[("inference_extension_prefix_indexer_size", "")] > 0
