@@ -124,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
               f"application/json' -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"hi\"}}]}}'\n  picker explain --target 127.0.0.1:{picker.grpc_port} --endpoints\n"
               "Ctrl-C stops everything.")
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
+        # Ctrl-C and SIGTERM both stop everything (also when started in the background, where SIGINT is ignored).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.default_int_handler)
         with contextlib.suppress(KeyboardInterrupt):
             while True:
                 time.sleep(3600)
