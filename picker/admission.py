@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from picker.config import parse_duration
 from picker.endpoints.state import Endpoint
 from picker.requests import InferenceRequest, RequestError
 
@@ -58,7 +59,7 @@ class AdmissionConfig:
                 kwargs[key] = float(kwargs[key])
         for key in ("stale_threshold", "max_wait", "poll_interval"):
             if key in kwargs:
-                kwargs[key] = _duration(kwargs[key])
+                kwargs[key] = parse_duration(kwargs[key])
         if "default_priority" in kwargs:
             kwargs["default_priority"] = int(kwargs["default_priority"])
         config = cls(**kwargs)
@@ -67,18 +68,6 @@ class AdmissionConfig:
         if config.max_wait < 0 or config.stale_threshold < 0:
             raise ValueError("maxWait and staleThreshold must not be negative")
         return config
-
-
-def _duration(value: Any) -> float:
-    """Seconds from a number or a "200ms" / "0.5s" string (the forms GIE flags use)."""
-    if isinstance(value, int | float):
-        return float(value)
-    text = str(value).strip()
-    if text.endswith("ms"):
-        return float(text[:-2]) / 1000.0
-    if text.endswith("s"):
-        return float(text[:-1])
-    return float(text)
 
 
 def _objectives(value: Any) -> dict[str, int]:

@@ -13,6 +13,7 @@ from picker.endpoints.state import Endpoint
 from picker.extproc.usage import Usage
 from picker.observability import DecisionTracer, PickerMetrics
 from picker.requests import InferenceRequest, RequestError, build_request, estimated_tokens
+from picker.scheduling.filters import match_subset
 from picker.scheduling.types import Scheduler, SchedulingResult
 
 
@@ -41,14 +42,6 @@ class Decision:
         return self.ranked[0]
 
 
-def filter_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...] | None) -> Sequence[Endpoint]:
-    """Honour Envoy's subset hint: entries are "ip:port" or "ip"; None means the whole pool."""
-    if subset is None:
-        return candidates
-    wanted = set(subset)
-    return [e for e in candidates if e.address in wanted or e.ip in wanted]
-
-
 class Director:
     def __init__(
         self,
@@ -75,7 +68,7 @@ class Director:
     def candidates(self, request: InferenceRequest) -> Sequence[Endpoint]:
         """Ready endpoints the request may go to; RequestError 503 when there are none."""
         ready = self.pool.ready()
-        candidates = filter_subset(ready, request.subset)
+        candidates = ready if request.subset is None else match_subset(ready, request.subset)
         if not candidates:
             if request.subset is not None and ready:
                 raise RequestError(503, "no_endpoints", "no ready endpoint matches the subset hint "

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from picker.endpoints.state import Endpoint
 from picker.requests import RequestError
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.plugins import Plugin
+
+
+def match_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...] | None) -> list[Endpoint]:
+    """Endpoints named by Envoy's subset hint, by "ip:port" or by "ip"; None means no hint (all of them)."""
+    if subset is None:
+        return list(candidates)
+    wanted = set(subset)
+    return [e for e in candidates if e.address in wanted or e.ip in wanted]
 
 
 class SubsetFilter(Plugin):
@@ -17,8 +27,7 @@ class SubsetFilter(Plugin):
         subset = ctx.request.subset
         if subset is None:
             return candidates
-        wanted = set(subset)
-        kept = [e for e in candidates if e.address in wanted or e.ip in wanted]
+        kept = match_subset(candidates, subset)
         if not kept:
             raise RequestError(
                 503, "no_endpoints", f"no candidate endpoint matches the subset hint ({', '.join(subset) or 'empty'})"
