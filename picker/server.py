@@ -106,14 +106,15 @@ class PickerServer:
 
 
 async def serve(config: cfg.ServeConfig) -> None:
-    server = PickerServer(config)
-    await server.start()
-    print(f"picker: ext_proc on {config.host}:{server.grpc_port}, health on :{server.health_port}, "
-          f"metrics on :{server.metrics_port}", flush=True)
+    # Handlers go in before any port opens: a supervisor may send SIGTERM as soon as it sees us listening.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    server = PickerServer(config)
+    await server.start()
+    print(f"picker: ext_proc on {config.host}:{server.grpc_port}, health on :{server.health_port}, "
+          f"metrics on :{server.metrics_port}", flush=True)
     await stop.wait()
     await server.stop()
 
