@@ -29,7 +29,7 @@ test: install
 
 lint: install
 	$(BIN)/ruff check picker tests bench
-	$(BIN)/mypy picker
+	$(BIN)/mypy picker tests bench
 
 bench: install
 	$(BIN)/picker bench --mode fast

@@ -85,9 +85,10 @@ async def drive(url: str, body: bytes, requests: int, concurrency: int) -> tuple
 
 
 def body_of(size: int) -> bytes:
-    base = {"model": "tiny", "messages": [{"role": "user", "content": ""}]}
+    message = {"role": "user", "content": ""}
+    base = {"model": "tiny", "messages": [message]}
     filler = "lorem ipsum " * (size // 12 + 1)
-    base["messages"][0]["content"] = filler[: size - len(json.dumps(base))]
+    message["content"] = filler[: size - len(json.dumps(base))]
     return json.dumps(base).encode()
 
 

@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import sys
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from picker.bench.suite import Cell, FastSpec, calibrate, run_cell  # noqa: E402
 from picker.scheduling.config import DEFAULT_CONFIG  # noqa: E402
 
 
-def _with_weights(profile: str, weights: dict[str, float]) -> dict[str, Any]:
+def _with_weights(profile: str, weights: Mapping[str, float]) -> dict[str, Any]:
     """Defaults with some scorer weights of one profile changed."""
     cfg = copy.deepcopy(DEFAULT_CONFIG)
     for p in cfg["schedulingProfiles"]:

@@ -54,6 +54,9 @@ class ServeConfig:
     seed: int | None = None
     log_level: str = "INFO"
     otlp_endpoint: str = ""
+    index_backend: str = "memory"
+    redis_url: str = ""
+    index_namespace: str = ""
     # Policy sections passed through to the scheduler and admission builders (GIE-like names).
     scheduling: dict[str, Any] = field(default_factory=dict)
     admission: dict[str, Any] = field(default_factory=dict)
@@ -103,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
     a("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     a("--otlp-endpoint", help="OTLP/HTTP collector for traces (e.g. http://127.0.0.1:4318); empty disables")
+    a("--index-backend", choices=("memory", "redis"),
+      help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")
+    a("--redis-url", help="Redis/Valkey for --index-backend redis, e.g. redis://127.0.0.1:6379/0")
+    a("--index-namespace", help="replicas with the same namespace share one index (default: pool namespace/name)")
 
 
 def resolve(args: argparse.Namespace) -> ServeConfig:
@@ -115,4 +122,8 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
         value = getattr(args, f.name, None)
         if value is not None and f.name not in ("scheduling", "admission"):
             _apply(config, f.name, value, "command line")
+    if config.index_backend not in ("memory", "redis"):
+        raise ValueError(f"index_backend must be memory or redis, not {config.index_backend!r}")
+    if config.index_backend == "redis" and not config.redis_url:
+        raise ValueError("--index-backend redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
     return config

@@ -10,14 +10,20 @@ import contextlib
 import json
 import logging
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from picker.endpoints.state import Endpoint
+
+if TYPE_CHECKING:
+    from picker.prefix.shared import SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +99,36 @@ class PickerMetrics:
             self.pod_queue.labels(name, e.name).set(e.metrics.waiting)
             self.in_flight.labels(name, e.name).set(e.in_flight)
 
+    def watch_index_sync(self, stats: SyncStats) -> None:
+        """Export a shared index's replication counters, read at scrape time."""
+        self.registry.register(_IndexSyncCollector(stats))
+
     def forget_pod(self, endpoint: Endpoint) -> None:
         for gauge in (self.pod_queue, self.in_flight):
             with contextlib.suppress(KeyError):
                 gauge.remove(self.pool_name, endpoint.name)
 
+
+class _IndexSyncCollector(Collector):
+    def __init__(self, stats: SyncStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        entries = CounterMetricFamily("picker_prefix_index_sync_entries",
+                                      "Shared prefix index entries published to Redis (sent), applied from other "
+                                      "replicas (received), or dropped while Redis was unreachable.",
+                                      labels=["direction"])
+        for direction, value in (("sent", s.sent), ("received", s.received), ("dropped", s.dropped)):
+            entries.add_metric([direction], value)
+        yield entries
+        yield CounterMetricFamily("picker_prefix_index_sync_errors", "Failed Redis calls of the shared prefix index.",
+                                  value=s.errors)
+        yield GaugeMetricFamily("picker_prefix_index_sync_lag_seconds",
+                                "Age of the newest entry from another replica when it was applied.",
+                                value=s.lag_seconds)
+        yield GaugeMetricFamily("picker_prefix_index_sync_connected", "1 while Redis answers, else 0.",
+                                value=1.0 if s.connected else 0.0)
 
 
 def _otlp_value(value: object) -> dict[str, object]:

@@ -15,6 +15,8 @@ from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import MetricsScraper
 from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
+from picker.prefix.memory import InMemoryPrefixIndex
+from picker.prefix.shared import SharedPrefixIndex
 from picker.scheduling.config import build_strategy
 from picker.scheduling.types import Scheduler
 
@@ -22,6 +24,19 @@ from picker.scheduling.types import Scheduler
 def build_scheduler(config: ServeConfig) -> Scheduler:
     """The `--strategy` (default: the full prefix- and load-aware picker) with the `scheduling` config section."""
     return build_strategy(config.strategy, config=config.scheduling or None, rng=random.Random(config.seed))
+
+
+def share_index(config: ServeConfig, scheduler: Scheduler) -> SharedPrefixIndex | None:
+    """With `--index-backend redis`, put the scheduler's prefix index behind a Redis-shared one (call `start()`)."""
+    if config.index_backend != "redis":
+        return None
+    local = getattr(scheduler, "index", None)
+    if not isinstance(local, InMemoryPrefixIndex):
+        raise ValueError(f"--index-backend redis needs a strategy with a prefix index, not {config.strategy!r}")
+    namespace = config.index_namespace or f"{config.pool_namespace}/{config.pool_name}"
+    shared = SharedPrefixIndex(local, config.redis_url, namespace)
+    scheduler.index = shared  # type: ignore[attr-defined]
+    return shared
 
 
 def build_admission(config: ServeConfig) -> AdmissionController:

