@@ -1,5 +1,5 @@
-"""What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes, same
-echo backends, same run. Reports req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies,
+"""What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes and with
+the Redis-shared prefix index (a local Valkey), same echo backends, same run. Reports req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies,
 then profiles the picker to show where its time goes.
 
     .venv/bin/python bench/overhead.py [--requests 2000] [--concurrency 8]
@@ -31,6 +31,7 @@ from picker.supervisor import (
     start_backends,
     start_envoy,
     start_picker,
+    start_valkey,
     wait_until,
 )
 
@@ -111,34 +112,47 @@ def main() -> int:
         started.append(backends.process)
         picker = start_picker(logdir, endpoints=backends.addresses, extra=["--log-level", "WARNING"])
         started.append(picker.process)
+        valkey = start_valkey(logdir)
+        started.append(valkey.process)
         envoys = {mode: start_envoy(logdir, picker, backends.addresses, mode=mode, name=f"envoy-{mode}")
                   for mode in ("buffered", "full-duplex")}
         started += [e.process for e in envoys.values()]
-        urls = {"envoy direct": start_direct_envoy(logdir, envoys["buffered"], started),
-                "envoy+picker buffered": envoys["buffered"].url,
-                "envoy+picker full-duplex": envoys["full-duplex"].url}
+        shared = start_picker(logdir, endpoints=backends.addresses, name="picker-shared",
+                              extra=["--log-level", "WARNING", "--index-backend", "redis", "--redis-url", valkey.url])
+        started.append(shared.process)
+        envoy_shared = start_envoy(logdir, shared, backends.addresses, name="envoy-shared")
+        started.append(envoy_shared.process)
+        # setup -> (URL, the picker process whose CPU it costs)
+        urls = {"envoy direct": (start_direct_envoy(logdir, envoys["buffered"], started), None),
+                "envoy+picker buffered": (envoys["buffered"].url, picker.process.proc.pid),
+                "envoy+picker buffered, redis index": (envoy_shared.url, shared.process.proc.pid),
+                "envoy+picker full-duplex": (envoys["full-duplex"].url, picker.process.proc.pid)}
         for size in (1024, 32 * 1024):
             body = body_of(size)
-            results: dict[str, list[tuple[float, list[float], int, float]]] = {name: [] for name in urls}
+            results: dict[str, list[tuple[float, list[float], int, float, float]]] = {name: [] for name in urls}
             for _ in range(args.rounds):
-                for name, url in urls.items():
+                for name, (url, pid) in urls.items():
                     asyncio.run(drive(url, body, 200, args.concurrency))  # warm-up
-                    cpu0 = cpu_seconds(picker.process.proc.pid)
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
+                    redis0 = cpu_seconds(valkey.process.proc.pid)
                     rps, lat, errors = asyncio.run(drive(url, body, args.requests, args.concurrency))
-                    cpu = cpu_seconds(picker.process.proc.pid) - cpu0
-                    results[name].append((rps, lat, errors, cpu))
+                    cpu = cpu_seconds(pid) - cpu0 if pid else 0.0
+                    redis_cpu = cpu_seconds(valkey.process.proc.pid) - redis0
+                    results[name].append((rps, lat, errors, cpu, redis_cpu))
             # Added latency at concurrency 1 (no queueing): p50 of 300 sequential requests.
-            single = {name: statistics.median(asyncio.run(drive(url, body, 300, 1))[1]) for name, url in urls.items()}
+            single = {name: statistics.median(asyncio.run(drive(url, body, 300, 1))[1])
+                      for name, (url, _) in urls.items()}
             direct_rps = statistics.median(r[0] for r in results["envoy direct"])
             for name, runs in results.items():
                 rps = statistics.median(r[0] for r in runs)
                 lat = [x for r in runs for x in r[1]]
-                cpu_us = sum(r[3] for r in runs) / (args.requests * len(runs)) * 1e6
+                per_request = args.requests * len(runs)
                 rows.append({"setup": name, "body": f"{size // 1024} KB", "req_per_s": round(rps),
                              "ratio_to_direct": round(rps / direct_rps, 3), "p50_ms": round(pct(lat, 0.5) * 1e3, 2),
                              "p99_ms": round(pct(lat, 0.99) * 1e3, 2),
                              "p50_ms_concurrency_1": round(single[name] * 1e3, 2),
-                             "picker_cpu_us_per_request": round(cpu_us) if name != "envoy direct" else 0,
+                             "picker_cpu_us_per_request": round(sum(r[3] for r in runs) / per_request * 1e6),
+                             "valkey_cpu_us_per_request": round(sum(r[4] for r in runs) / per_request * 1e6),
                              "errors": sum(r[2] for r in runs)})
         # A second picker under cProfile (slower, so not used for the figures above) shows where time goes.
         os.environ["PICKER_PROFILE"] = str(profile_path)
