@@ -10,6 +10,13 @@ Events, in time order (ties: deliveries, then arrivals, then steps, then scrapes
 - step: the pod runs one batch; its outputs are delivered when the batch ends;
 - deliver: first tokens, finished requests (in-flight released, follow-ups scheduled);
 - scrape: refresh every endpoint's metrics; every `sample_interval` also record per-pod load.
+
+Several picker replicas (`replicas` > 1) stand for N `picker serve` processes behind one Envoy, which round-robins
+ext_proc streams over them: the n-th arriving request goes to replica n % N. Each replica has its own scheduler
+(seed + r), admission controller and Endpoint objects (its own in-flight counts); the scrape refreshes every
+replica's copy of a pod's metrics with the same values. Each replica keeps its own prefix index, or with
+`shared_index` all share one `InMemoryPrefixIndex`: the Redis/Valkey-shared index (`--index-backend redis`) with
+zero replication lag.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ from picker.bench.prompts import PromptBuilder, prompt_text
 from picker.bench.results import OK, SHED, RunResult
 from picker.bench.trace import Message, Trace
 from picker.endpoints.state import Endpoint
+from picker.prefix.index import PrefixIndex
+from picker.prefix.memory import InMemoryPrefixIndex
 from picker.requests import ApiKind, InferenceRequest, RequestError, estimated_tokens
-from picker.scheduling.config import build_strategy
+from picker.scheduling.config import build_strategy, merged_config
 from picker.scheduling.types import Scheduler
 from picker.sim.engine import Engine, SimRequest, StepResult
 from picker.sim.profiles import Profile
@@ -49,12 +58,24 @@ class FastConfig:
     sample_interval: float = 1.0  # per-pod load time series
     prefix_caching: bool = True
     admission: bool = True  # run the picker's admission check (the Envoy-only baseline has none)
+    replicas: int = 1  # picker replicas behind Envoy, requests dealt round-robin in arrival order
+    shared_index: bool = False  # replicas share one prefix index (Redis-shared index with zero replication lag)
 
 
-def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None) -> Scheduler:
-    """The scheduler `picker serve --strategy` would run (scheduling config only applies to the full picker)."""
+def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None, *,
+                   index: PrefixIndex | None = None) -> Scheduler:
+    """The scheduler `picker serve --strategy` would run (scheduling config only applies to the full picker);
+    `index` replaces its own prefix index (strategies without one ignore it)."""
     config = scheduling if strategy == "picker" else None
-    return build_strategy(strategy, config=config, rng=random.Random(seed))
+    return build_strategy(strategy, config=config, rng=random.Random(seed), index=index)
+
+
+def shared_prefix_index(strategy: str, scheduling: Mapping[str, Any] | None = None) -> InMemoryPrefixIndex:
+    """One index for every replica, sized like the one `build_strategy` gives each scheduler. In-process and
+    updated at the pick, so it is the Redis/Valkey-shared index (picker/prefix/shared.py) with zero replication
+    lag; the real one converges within milliseconds."""
+    pc = merged_config(scheduling if strategy == "picker" else None)["prefixCache"]
+    return InMemoryPrefixIndex(int(pc["lruCapacityPerServer"]), pc["ttlSeconds"])
 
 
 def run_fast(trace: Trace, strategy: str, cfg: FastConfig, *, scheduling: Mapping[str, Any] | None = None,
@@ -76,14 +97,18 @@ class _FastRun:
         self.res.allocate()
         self.engines = [Engine(profile, seed=cfg.seed, enable_prefix_caching=cfg.prefix_caching)
                         for _ in range(cfg.pods)]
-        self.endpoints = [Endpoint.from_address(f"10.0.{k // 250}.{k % 250 + 1}:8000", name=f"pod-{k}")
-                          for k in range(cfg.pods)]
+        if cfg.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        # Per replica: its own Endpoint objects (same addresses), scheduler and admission controller.
+        self.replica_endpoints = [self.make_endpoints() for _ in range(cfg.replicas)]
+        self.endpoints = self.replica_endpoints[0]
         self.pod_of = {ep.address: k for k, ep in enumerate(self.endpoints)}
-        for ep in self.endpoints:
-            ep.metrics.block_size = profile.block_size
-            ep.metrics.num_gpu_blocks = profile.num_gpu_blocks
-        self.scheduler = make_scheduler(strategy, cfg.seed, scheduling)
-        self.admission = AdmissionController() if cfg.admission and strategy != "round-robin" else None
+        index = shared_prefix_index(strategy, scheduling) if cfg.shared_index else None
+        self.schedulers = [make_scheduler(strategy, cfg.seed + r, scheduling, index=index)
+                           for r in range(cfg.replicas)]
+        use_admission = cfg.admission and strategy != "round-robin"
+        self.admissions = [AdmissionController() if use_admission else None for _ in range(cfg.replicas)]
+        self.arrivals = 0  # requests dealt to replicas so far
         self.builder = PromptBuilder(self.engines[0].tokenizer)
         self.oracle = InfiniteCacheOracle(profile.block_size)
         self.children = trace.children()
@@ -93,11 +118,21 @@ class _FastRun:
         self.busy = [0.0] * cfg.pods
         self.served = [0] * cfg.pods
         self.history: dict[int, tuple[Message, ...]] = {}  # full messages (+ answer) of requests with follow-ups
-        self.live: dict[int, tuple[list[int], list[int], int]] = {}  # index -> (prompt ids, oracle hashes, tokens)
+        # index -> (prompt ids, oracle hashes, tokens, replica that routed it)
+        self.live: dict[int, tuple[list[int], list[int], int, int]] = {}
         self.first_token: dict[int, float] = {}
         self.outstanding = len(trace)
         self.unreported = 0
         self.last_event = 0.0
+
+    def make_endpoints(self) -> list[Endpoint]:
+        """One replica's view of the pods."""
+        endpoints = [Endpoint.from_address(f"10.0.{k // 250}.{k % 250 + 1}:8000", name=f"pod-{k}")
+                     for k in range(self.cfg.pods)]
+        for ep in endpoints:
+            ep.metrics.block_size = self.cfg.profile.block_size
+            ep.metrics.num_gpu_blocks = self.cfg.profile.num_gpu_blocks
+        return endpoints
 
     def push(self, t: float, kind: int, payload: Any) -> None:
         self.seq += 1
@@ -173,11 +208,16 @@ class _FastRun:
             request_id=str(i), model=self.cfg.profile.model, api=ApiKind.CHAT if r.is_chat else ApiKind.COMPLETIONS,
             path="/v1/chat/completions" if r.is_chat else "/v1/completions",
             prompt_text=prompt_text(messages, r.prompt), stream=True, max_tokens=r.max_tokens, session_id=r.session)
+        replica = self.arrivals % self.cfg.replicas  # Envoy round-robins ext_proc streams over the replicas
+        self.arrivals += 1
+        endpoints = self.replica_endpoints[replica]
+        scheduler = self.schedulers[replica]
+        admission = self.admissions[replica]
         try:
-            if self.admission is not None:
-                self.admission.check(request, self.endpoints, now)
-            chosen = self.scheduler.schedule(request, self.endpoints, now).ranked[0]
-            self.scheduler.on_picked(request, chosen, now)
+            if admission is not None:
+                admission.check(request, endpoints, now)
+            chosen = scheduler.schedule(request, endpoints, now).ranked[0]
+            scheduler.on_picked(request, chosen, now)
         except RequestError as err:
             if err.status == 429:
                 res.status[i] = SHED
@@ -195,7 +235,7 @@ class _FastRun:
         chosen.start_request(tokens, now)
         res.pod[i] = k
         self.served[k] += 1
-        self.live[i] = (ids, hashes, tokens)
+        self.live[i] = (ids, hashes, tokens, replica)
         self.wake(k, now)
 
     def deliver(self, k: int, result: StepResult, now: float) -> None:
@@ -207,8 +247,8 @@ class _FastRun:
             res.ttft[i] = now - res.sent[i]
         for fin in result.finished:
             i = int(fin.request_id)
-            ids, hashes, tokens = self.live.pop(i)
-            self.endpoints[k].finish_request(tokens)
+            ids, hashes, tokens, replica = self.live.pop(i)
+            self.replica_endpoints[replica][k].finish_request(tokens)
             res.e2e[i] = now - res.sent[i]
             out = len(fin.output_token_ids)
             res.output_tokens[i] = out
@@ -229,12 +269,14 @@ class _FastRun:
 
     def scrape(self, count: int, now: float) -> None:
         """What the picker's metrics scraper would have read at `now`."""
-        for ep, eng in zip(self.endpoints, self.engines, strict=True):
-            m = ep.metrics
-            m.waiting = eng.num_waiting
-            m.running = eng.num_running
-            m.kv_usage = eng.kv_usage()
-            m.updated_at = now
+        for k, eng in enumerate(self.engines):
+            waiting, running, kv_usage = eng.num_waiting, eng.num_running, eng.kv_usage()
+            for endpoints in self.replica_endpoints:  # every replica scrapes the same pod and reads the same values
+                m = endpoints[k].metrics
+                m.waiting = waiting
+                m.running = running
+                m.kv_usage = kv_usage
+                m.updated_at = now
         cfg = self.cfg
         if count % max(1, round(cfg.sample_interval / cfg.scrape_interval)) == 0:
             self.res.load_times.append(now)
