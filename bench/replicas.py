@@ -1,0 +1,140 @@
+"""What a shared prefix index buys when several picker replicas sit behind one Envoy (fast mode).
+
+    .venv/bin/python bench/replicas.py [--requests 4000] [--out DIR] [--jobs 2]
+
+Envoy round-robins ext_proc streams over the picker replicas, so consecutive requests of one prefix reach different
+replicas. With their own prefix index each replica only knows where *it* sent a prefix; with the shared index
+(`picker serve --index-backend redis`) every replica sees every pick. Fast mode models the shared index as one
+in-process index updated at the pick, i.e. with zero replication lag (the real one converges within milliseconds).
+
+Same seeded traces and calibration as `picker bench --mode fast` (8 pods, profile llama3-8b-h100, load 0.8,
+seed 1); rows: Envoy round-robin (no picker), the picker with 1 replica, 2 and 4 replicas with own or shared index.
+Writes DIR/replicas.md and DIR/replicas.json (default DIR: bench/out/replicas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import multiprocessing
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from picker.bench.fast import FastConfig, run_fast  # noqa: E402
+from picker.bench.suite import FastSpec, calibrate  # noqa: E402
+from picker.bench.summary import summarize  # noqa: E402
+from picker.bench.trace import Trace  # noqa: E402
+from picker.bench.workloads import FleetSpec, generate  # noqa: E402
+
+WORKLOADS = ("shared-prefix", "multi-turn")
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    strategy: str
+    replicas: int = 1
+    shared_index: bool = False
+
+
+VARIANTS = (
+    Variant("round-robin (Envoy, no picker)", "round-robin"),
+    Variant("picker, 1 replica", "picker"),
+    Variant("picker, 2 replicas, own index", "picker", 2),
+    Variant("picker, 2 replicas, shared index", "picker", 2, True),
+    Variant("picker, 4 replicas, own index", "picker", 4),
+    Variant("picker, 4 replicas, shared index", "picker", 4, True),
+)
+
+
+@functools.lru_cache(maxsize=4)
+def _trace(spec: FastSpec, workload: str, rate: float) -> Trace:
+    """The suite's trace for this workload (suite._trace: same generator, parameters and seed)."""
+    params = {"arrival": spec.arrival, **spec.params(workload)}
+    return generate(workload, spec.requests, rate, spec.seed, FleetSpec(spec.get_profile(), spec.pods), **params)
+
+
+def run_variant(spec: FastSpec, workload: str, rate: float, variant: Variant) -> dict[str, Any]:
+    """One replay; its figures plus how long it took."""
+    cfg = FastConfig(spec.get_profile(), spec.pods, seed=spec.seed, replicas=variant.replicas,
+                     shared_index=variant.shared_index)
+    res = run_fast(_trace(spec, workload, rate), variant.strategy, cfg, scheduling=spec.scheduling_config())
+    return {"figures": summarize(res), "wall_s": res.wall_s, "notes": res.notes}
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{seconds * 1000:.1f} ms"
+
+
+def _ratio(value: float, base: float) -> str:
+    return "n/a" if not base or math.isnan(value) or math.isnan(base) else f"{value / base:.2f}"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| workload | routing | hit rate (of oracle) | TTFT mean | TTFT p95 | mean / p95 vs round-robin | "
+             "completed |", "|---|---|---|---|---|---|---|"]
+    base = {r["workload"]: r for r in rows if r["strategy"] == "round-robin" and r["replicas"] == 1}
+    for r in rows:
+        f, b = r["figures"], base[r["workload"]]["figures"]
+        lines.append(
+            f"| {r['workload']} | {r['label']} | {f['hit_rate'] * 100:.1f}% ({f['oracle_hit_rate'] * 100:.0f}%) "
+            f"| {_ms(f['ttft_mean'])} | {_ms(f['ttft_p95'])} "
+            f"| {_ratio(f['ttft_mean'], b['ttft_mean'])} / {_ratio(f['ttft_p95'], b['ttft_p95'])} "
+            f"| {f['completed']} / {f['requests']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=4000, help="requests per workload (default 4000)")
+    parser.add_argument("--out", default="bench/out/replicas", help="directory for replicas.md and replicas.json")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    spec = FastSpec(workloads=WORKLOADS, requests=args.requests, sweep_workloads=(), capacity_workload=None)
+    cal = calibrate(spec)
+    jobs = [(w, v) for w in WORKLOADS for v in VARIANTS]
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx) as pool:
+        futures = [pool.submit(run_variant, spec, w, cal[w]["rate_rps"], v) for w, v in jobs]
+        outs = [f.result() for f in futures]
+    rows = [{"workload": w, "label": v.label, "strategy": v.strategy, "replicas": v.replicas,
+             "shared_index": v.shared_index, "rate_rps": cal[w]["rate_rps"], **out}
+            for (w, v), out in zip(jobs, outs, strict=True)]
+    table = markdown(rows)
+    wall = time.monotonic() - started
+    header = (f"Fast mode, {spec.pods} pods, profile {spec.profile}, load {spec.load}, {spec.requests} requests per "
+              f"workload, seed {spec.seed}, commit {_commit()}; shared index = one index for every replica with zero "
+              f"replication lag. `bench/replicas.py --requests {spec.requests}` took {wall:.0f} s.\n\n")
+    print(header + table, end="")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "replicas.md").write_text(header + table)
+    report = {"commit": _commit(), "pods": spec.pods, "profile": spec.profile, "load": spec.load,
+              "requests": spec.requests, "seed": spec.seed, "calibration": {w: cal[w] for w in WORKLOADS},
+              "wall_s": wall, "rows": rows}
+    (out_dir / "replicas.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
