@@ -86,7 +86,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         f, b = r["figures"], base[r["workload"]]["figures"]
         lines.append(
-            f"| {r['workload']} | {r['label']} | {f['hit_rate'] * 100:.1f}% ({f['oracle_hit_rate'] * 100:.0f}%) "
+            f"| {r['workload']} | {r['label']} | {f['hit_rate'] * 100:.1f}% ({f['hit_rate_of_oracle'] * 100:.0f}%) "
             f"| {_ms(f['ttft_mean'])} | {_ms(f['ttft_p95'])} "
             f"| {_ratio(f['ttft_mean'], b['ttft_mean'])} / {_ratio(f['ttft_p95'], b['ttft_p95'])} "
             f"| {f['completed']} / {f['requests']} |")
