@@ -44,6 +44,7 @@ class Variant:
     strategy: str
     replicas: int = 1
     shared_index: bool = False
+    peer_picks: bool = True
 
 
 VARIANTS = (
@@ -52,6 +53,7 @@ VARIANTS = (
     Variant("picker, 2 replicas, own index", "picker", 2),
     Variant("picker, 2 replicas, shared index", "picker", 2, True),
     Variant("picker, 4 replicas, own index", "picker", 4),
+    Variant("picker, 4 replicas, shared index, no peer picks", "picker", 4, True, False),
     Variant("picker, 4 replicas, shared index", "picker", 4, True),
 )
 
@@ -66,7 +68,7 @@ def _trace(spec: FastSpec, workload: str, rate: float) -> Trace:
 def run_variant(spec: FastSpec, workload: str, rate: float, variant: Variant) -> dict[str, Any]:
     """One replay; its figures plus how long it took."""
     cfg = FastConfig(spec.get_profile(), spec.pods, seed=spec.seed, replicas=variant.replicas,
-                     shared_index=variant.shared_index)
+                     shared_index=variant.shared_index, peer_picks=variant.peer_picks)
     res = run_fast(_trace(spec, workload, rate), variant.strategy, cfg, scheduling=spec.scheduling_config())
     return {"figures": summarize(res), "wall_s": res.wall_s, "notes": res.notes}
 

@@ -274,3 +274,14 @@ def test_expired_entries_are_swept_by_later_picks() -> None:
     assert index.size() == held + 1
     route(s, req("another unrelated one"), [b], now=150.0)  # a's entries expired and get freed
     assert index.endpoint_size(a.address) == 0 and index.size() == 1  # b: only the fresh prompt
+
+
+def test_a_peer_replicas_pick_steers_the_next_cold_request_elsewhere() -> None:
+    """`on_peer_picked` reaches the stateful plugins: after a peer sent a long prompt to one pod, a cold
+    request goes to the other, whichever pod the peer chose."""
+    for busy in (0, 1):
+        s = build_scheduler(None, rng=random.Random(3))
+        endpoints = pods(2)
+        s.on_peer_picked(endpoints[busy].address, 4 * 4096, "", 0.0)  # type: ignore[attr-defined]
+        chosen = s.schedule(req("a cold question nobody asked before " * 4), endpoints, 0.001).ranked[0]
+        assert chosen is endpoints[1 - busy]

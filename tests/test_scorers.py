@@ -13,6 +13,7 @@ from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, load_confi
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.filters import SaturationFilter, SubsetFilter
 from picker.scheduling.picker import MaxScorePicker
+from picker.scheduling.plugins import PeerPick
 from picker.scheduling.scorers import (
     ColdPrefixSpreader,
     InFlightLoadScorer,
@@ -213,3 +214,28 @@ def test_config_from_yaml_single_profile(tmp_path) -> None:  # type: ignore[no-u
     assert result.candidates[0].scores == {"q": 1.0} and result.candidates[0].total == 2.0
     assert scheduler.uses_prefix is False and result.prefix_blocks == 0  # no prefix plugin: no hashing
     assert DEFAULT_CONFIG["prefixCache"]["maxPrefixBlocksToMatch"] == 256  # defaults untouched by merging
+
+
+def test_peer_picks_teach_the_stateful_scorers_like_own_picks() -> None:
+    """Replicas sharing the prefix index hear of each other's picks (PeerPick) so they do not herd."""
+    a, b = ep(1), ep(2)
+    cold = ctx_for(keys=3, matched=[0, 0])
+    spreader = ColdPrefixSpreader()
+    spreader.on_peer_picked(PeerPick(a.address, 100), 0.0)
+    first = spreader.score(cold, [a, b])
+    assert first[1] > first[0]
+    spreader.on_peer_picked(PeerPick(b.address, 100), 0.0)
+    second = spreader.score(cold, [a, b])
+    assert second[0] > second[1]
+
+    sticky = SessionAffinityScorer()
+    sticky.on_peer_picked(PeerPick(b.address, 100, "s1"), 0.0)
+    sticky.on_peer_picked(PeerPick(a.address, 100, ""), 0.0)  # no session: nothing to remember
+    assert sticky.score(ctx_for(InferenceRequest("r", "m", prompt_text="x", session_id="s1")), [a, b]) == [0.0, 1.0]
+    assert len(sticky) == 1
+
+    load = InFlightLoadScorer(prefill_half_life=0.05, prefill_weight=4)
+    load.on_peer_picked(PeerPick(a.address, 4 * 4096), 0.0)
+    assert load.score(ctx_for(), [a, b])[0] < 0.25  # a peer just handed `a` a long prompt
+    load.on_peer_picked(PeerPick(a.address, 4 * 4096), -0.01)  # a peer's pick may be a moment older: adds up
+    assert load._recent_prefill(a.address, 0.0) == pytest.approx(2 * 4096)

@@ -16,6 +16,8 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.config import ServeConfig
+from picker.policy import build_scheduler, share_index
 from picker.prefix.hashing import prefix_keys
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.shared import SharedPrefixIndex, decode_keys, encode_keys, stream_name
@@ -103,6 +105,27 @@ async def test_a_pick_on_one_replica_is_matched_on_the_other(valkey: Valkey, nam
     assert a.stats.sent == 1 and a.stats.received == 1 and b.stats.received == 1
     assert a.stats.connected and b.stats.connected
     assert a.size() == b.size() == 13
+
+
+async def test_peers_hear_of_each_others_picks_with_prompt_size_and_session(valkey: Valkey, namespace: str,
+                                                                           replicas: Factory) -> None:
+    a, b = replicas(valkey.url, namespace), replicas(valkey.url, namespace)
+    heard_by_a: list[tuple[str, int, str, float]] = []
+    heard_by_b: list[tuple[str, int, str, float]] = []
+    a.peer_listener = lambda *pick: heard_by_a.append(pick)
+    b.peer_listener = lambda *pick: heard_by_b.append(pick)
+    await a.start()
+    await b.start()
+    before = time.monotonic()
+    a.record(chain("theta"), POD_A, before, prompt_chars=5000, session_id="user-7")
+    a.record(chain("iota"), POD_B, before, prompt_chars=300)
+    await eventually(lambda: len(heard_by_b) == 2)
+    (address, chars, session, at), second = heard_by_b
+    assert (address, chars, session) == (POD_A, 5000, "user-7")
+    assert second[:3] == (POD_B, 300, "")
+    assert before - 1.0 < at <= time.monotonic()  # in the follower's clock, never in the future
+    await asyncio.sleep(0.05)
+    assert heard_by_a == []  # a replica does not hear its own picks back
 
 
 async def test_a_departed_pod_is_purged_on_every_replica(valkey: Valkey, namespace: str, replicas: Factory) -> None:
@@ -277,3 +300,15 @@ def test_serve_refuses_a_bad_shared_index_setup(flags: list[str], reason: str) -
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert reason in result.stderr
+
+
+def test_serve_wires_the_shared_index_into_the_scheduler() -> None:
+    config = ServeConfig(index_backend="redis", redis_url="redis://127.0.0.1:1/0", pool_name="llama",
+                         pool_namespace="prod")
+    scheduler = build_scheduler(config)
+    local = scheduler.index  # type: ignore[attr-defined]
+    shared = share_index(config, scheduler)
+    assert shared is not None and scheduler.index is shared and shared.local is local  # type: ignore[attr-defined]
+    assert shared.stream == "picker:{prod/llama}:prefix-index"
+    assert shared.peer_listener == scheduler.on_peer_picked  # type: ignore[attr-defined]
+    assert share_index(ServeConfig(), build_scheduler(ServeConfig())) is None

@@ -60,6 +60,7 @@ class FastConfig:
     admission: bool = True  # run the picker's admission check (the Envoy-only baseline has none)
     replicas: int = 1  # picker replicas behind Envoy, requests dealt round-robin in arrival order
     shared_index: bool = False  # replicas share one prefix index (Redis-shared index with zero replication lag)
+    peer_picks: bool = True  # with shared_index: replicas also learn each other's picks (load, stickiness), as serve does
 
 
 def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None, *,
@@ -109,6 +110,9 @@ class _FastRun:
         use_admission = cfg.admission and strategy != "round-robin"
         self.admissions = [AdmissionController() if use_admission else None for _ in range(cfg.replicas)]
         self.arrivals = 0  # requests dealt to replicas so far
+        hooks = [getattr(s, "on_peer_picked", None) for s in self.schedulers]
+        use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks and all(hooks)
+        self.peers: list[Callable[[str, int, str, float], None]] = [h for h in hooks if h] if use_peers else []
         self.builder = PromptBuilder(self.engines[0].tokenizer)
         self.oracle = InfiniteCacheOracle(profile.block_size)
         self.children = trace.children()
@@ -124,6 +128,14 @@ class _FastRun:
         self.outstanding = len(trace)
         self.unreported = 0
         self.last_event = 0.0
+
+    def tell_peers(self, replica: int, request: InferenceRequest, address: str, now: float) -> None:
+        """What the shared index's stream tells the other replicas of a pick (picker/prefix/shared.py)."""
+        chars = len(request.prompt_text)
+        session = request.session_id or ""
+        for r, hook in enumerate(self.peers):
+            if r != replica:
+                hook(address, chars, session, now)
 
     def make_endpoints(self) -> list[Endpoint]:
         """One replica's view of the pods."""
@@ -218,6 +230,8 @@ class _FastRun:
                 admission.check(request, endpoints, now)
             chosen = scheduler.schedule(request, endpoints, now).ranked[0]
             scheduler.on_picked(request, chosen, now)
+            if self.peers:
+                self.tell_peers(replica, request, chosen.address, now)
         except RequestError as err:
             if err.status == 429:
                 res.status[i] = SHED

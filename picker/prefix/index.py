@@ -18,8 +18,12 @@ class PrefixIndex(Protocol):
         """
         ...
 
-    def record(self, keys: Sequence[int], address: str, now: float) -> None:
-        """`address` now holds every block of `keys` (the pick was made): insert or refresh, evict past capacity."""
+    def record(self, keys: Sequence[int], address: str, now: float, *, prompt_chars: int = 0,
+               session_id: str = "") -> None:
+        """`address` now holds every block of `keys` (the pick was made): insert or refresh, evict past capacity.
+
+        `prompt_chars` and `session_id` describe the pick for backends that tell other replicas about it.
+        """
         ...
 
     def remove_endpoint(self, address: str) -> None:

@@ -58,7 +58,8 @@ class InMemoryPrefixIndex:
                 out[address] = lo
         return out
 
-    def record(self, keys: Sequence[int], address: str, now: float) -> None:
+    def record(self, keys: Sequence[int], address: str, now: float, *, prompt_chars: int = 0,
+               session_id: str = "") -> None:
         if not keys:
             return
         lru = self._lru.get(address)

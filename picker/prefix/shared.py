@@ -29,7 +29,7 @@ from picker.prefix.memory import InMemoryPrefixIndex
 
 log = logging.getLogger(__name__)
 
-_REPLICA, _OP, _ADDRESS, _TIME, _KEYS = b"r", b"o", b"a", b"t", b"k"
+_REPLICA, _OP, _ADDRESS, _TIME, _KEYS, _CHARS, _SESSION = b"r", b"o", b"a", b"t", b"k", b"c", b"s"
 _RECORD, _REMOVE = b"r", b"x"
 _READ_BATCH = 1000
 _WRITE_BATCH = 500
@@ -93,6 +93,9 @@ class SharedPrefixIndex:
         self.clock = clock
         self.wall_clock = wall_clock
         self.stats = SyncStats()
+        # Told of every pick another replica made (address, prompt chars, session id, when), so the scheduler's
+        # load and stickiness state covers the whole fleet's routing, not only this replica's.
+        self.peer_listener: Callable[[str, int, str, float], None] | None = None
         # from_url validates the URL now, so a typo fails `picker serve` at start-up, not at the first pick.
         self._writer = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
         self._reader = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0)
@@ -114,12 +117,16 @@ class SharedPrefixIndex:
     def match(self, keys: Sequence[int], addresses: Collection[str] | None, now: float) -> dict[str, int]:
         return self.local.match(keys, addresses, now)
 
-    def record(self, keys: Sequence[int], address: str, now: float) -> None:
+    def record(self, keys: Sequence[int], address: str, now: float, *, prompt_chars: int = 0,
+               session_id: str = "") -> None:
         self.local.record(keys, address, now)
         if keys:
             wall = now + self.wall_clock() - self.clock()
-            self._publish({_OP: _RECORD, _ADDRESS: address.encode(), _TIME: repr(wall).encode(),
-                           _KEYS: encode_keys(keys)})
+            entry = {_OP: _RECORD, _ADDRESS: address.encode(), _TIME: repr(wall).encode(), _KEYS: encode_keys(keys),
+                     _CHARS: str(prompt_chars).encode()}
+            if session_id:
+                entry[_SESSION] = session_id.encode()
+            self._publish(entry)
 
     def remove_endpoint(self, address: str) -> None:
         self.local.remove_endpoint(address)
@@ -280,6 +287,8 @@ class SharedPrefixIndex:
             at = min(now, max(wall - self.wall_clock() + now, self._applied_floor))
             self._applied_floor = at
             self.local.record(decode_keys(entry[_KEYS]), address, at)
+            if self.peer_listener is not None:
+                self.peer_listener(address, int(entry.get(_CHARS, b"0")), entry.get(_SESSION, b"").decode(), at)
         else:
             raise ValueError(f"unknown operation {op!r}")
         self.stats.received += 1

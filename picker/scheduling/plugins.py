@@ -1,17 +1,28 @@
 """Plugin contracts: filters narrow the candidates, scorers grade them in [0,1], pickers rank them.
 
-Stateful plugins (session stickiness, cold spreading) learn from the final pick through `on_picked`,
-and forget a departed endpoint through `on_endpoint_removed`, like the prefix index.
+Stateful plugins (session stickiness, cold spreading) learn from the final pick through `on_picked`, from the
+picks of other replicas sharing the prefix index through `on_peer_picked`, and forget a departed endpoint through
+`on_endpoint_removed`, like the prefix index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from picker.endpoints.state import Endpoint
 from picker.requests import InferenceRequest
 from picker.scheduling.context import SchedulingContext
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPick:
+    """What another picker replica routed, as the shared prefix index carries it."""
+
+    address: str
+    prompt_chars: int
+    session_id: str = ""
 
 
 class Plugin:
@@ -24,6 +35,10 @@ class Plugin:
         self.name = name or self.type_name
 
     def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        return None
+
+    def on_peer_picked(self, pick: PeerPick, now: float) -> None:
+        """Another replica picked `pick.address`: learn from it as from our own picks, so replicas do not herd."""
         return None
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:

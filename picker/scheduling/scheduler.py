@@ -17,7 +17,7 @@ from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.requests import InferenceRequest, RequestError
 from picker.scheduling.context import SchedulingContext, effective_model
-from picker.scheduling.plugins import Plugin
+from picker.scheduling.plugins import PeerPick, Plugin
 from picker.scheduling.profiles import Classifier, Profile, SingleProfile
 from picker.scheduling.types import CandidateScore, SchedulingResult
 
@@ -120,13 +120,20 @@ class PrefixAwareScheduler:
             capacity = self._capacity_blocks(endpoint, block_chars)
             if capacity:
                 self.index.set_capacity(endpoint.address, capacity)
-            self.index.record(keys, endpoint.address, now)
+            self.index.record(keys, endpoint.address, now, prompt_chars=len(request.prompt_text),
+                              session_id=request.session_id or "")
             if now >= self._next_sweep:
                 self._sweep(now)
         self._last_request = None
         self._last_keys = []
         for plugin in self._stateful:
             plugin.on_picked(request, endpoint, now)
+
+    def on_peer_picked(self, address: str, prompt_chars: int, session_id: str, now: float) -> None:
+        """Another replica sharing our prefix index routed a request (the shared index reports it)."""
+        pick = PeerPick(address, prompt_chars, session_id)
+        for plugin in self._stateful:
+            plugin.on_peer_picked(pick, now)
 
     def _sweep(self, now: float) -> None:
         """Free expired entries now and then (matches already ignore them) for backends that can sweep."""
@@ -176,7 +183,8 @@ def _by_total(c: CandidateScore) -> float:
 
 def _overrides_hooks(plugin: Plugin) -> bool:
     cls = type(plugin)
-    return cls.on_picked is not Plugin.on_picked or cls.on_endpoint_removed is not Plugin.on_endpoint_removed
+    return (cls.on_picked is not Plugin.on_picked or cls.on_peer_picked is not Plugin.on_peer_picked
+            or cls.on_endpoint_removed is not Plugin.on_endpoint_removed)
 
 
 _Steps = list[tuple[str, list[Endpoint], list[Endpoint]]]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from picker.endpoints.state import Endpoint
 from picker.requests import InferenceRequest
 from picker.scheduling.context import SchedulingContext
-from picker.scheduling.plugins import Plugin, min_max_inverse
+from picker.scheduling.plugins import PeerPick, Plugin, min_max_inverse
 
 
 class PrefixCacheScorer(Plugin):
@@ -138,9 +138,16 @@ class InFlightLoadScorer(Plugin):
         return [1.0 - (x - lo) / span for x in loads]
 
     def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        self._add_prefill(endpoint.address, len(request.prompt_text), now)
+
+    def on_peer_picked(self, pick: PeerPick, now: float) -> None:
+        self._add_prefill(pick.address, pick.prompt_chars, now)
+
+    def _add_prefill(self, address: str, prompt_chars: int, now: float) -> None:
         if self.prefill_half_life > 0:
-            tokens = len(request.prompt_text) / 4  # same estimate as the in-flight token count
-            self._recent[endpoint.address] = (self._recent_prefill(endpoint.address, now) + tokens, now)
+            now = max(now, self._recent.get(address, (0.0, now))[1])  # a peer's pick may be a moment older
+            tokens = prompt_chars / 4  # same estimate as the in-flight token count
+            self._recent[address] = (self._recent_prefill(address, now) + tokens, now)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self._recent.pop(endpoint.address, None)
@@ -206,11 +213,16 @@ class SessionAffinityScorer(Plugin):
         return [1.0 if e.address == address else 0.0 for e in candidates]
 
     def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
-        session = request.session_id
+        self._remember(request.session_id, endpoint.address)
+
+    def on_peer_picked(self, pick: PeerPick, now: float) -> None:
+        self._remember(pick.session_id, pick.address)
+
+    def _remember(self, session: str | None, address: str) -> None:
         if not session:
             return
         last = self._last
-        last[session] = endpoint.address
+        last[session] = address
         last.move_to_end(session)
         if len(last) > self.max_sessions:
             last.popitem(last=False)
@@ -255,8 +267,14 @@ class ColdPrefixSpreader(Plugin):
         return [w * r + (1.0 - w) * (1.0 - (f - lo) / span) for r, f in zip(recency, flights, strict=True)]
 
     def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        self._note(endpoint.address)
+
+    def on_peer_picked(self, pick: PeerPick, now: float) -> None:
+        self._note(pick.address)
+
+    def _note(self, address: str) -> None:
         self._seq += 1
-        self._last_pick[endpoint.address] = self._seq
+        self._last_pick[address] = self._seq
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self._last_pick.pop(endpoint.address, None)
