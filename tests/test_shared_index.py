@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
+import msgpack
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
@@ -203,15 +204,20 @@ async def test_malformed_entries_are_skipped_not_fatal(valkey: Valkey, namespace
     await b.start()
     client = aioredis.Redis.from_url(valkey.url)
     try:
-        await client.xadd(stream_name(namespace), {"r": "someone", "o": "r", "a": POD_B, "t": "1", "k": "abc"})
-        await client.xadd(stream_name(namespace), {"r": "someone", "o": "?", "a": POD_B, "t": "1"})
-        await client.xadd(stream_name(namespace), {"r": "someone"})
+        stream = stream_name(namespace)
+        await client.xadd(stream, {"r": "someone"})  # no picks at all
+        await client.xadd(stream, {"r": "someone", "p": b"\xc1"})  # not msgpack
+        await client.xadd(stream, {"r": "someone", "p": msgpack.packb({"not": "a list"})})
+        bad_keys, bad_op = ["r", POD_B, 1.0, b"abc", 0, ""], ["?", POD_B, 1.0, b"", 0, ""]
+        good = ["r", POD_B, time.time(), encode_keys(chain("kappa")), 10, ""]
+        await client.xadd(stream, {"r": "someone", "p": msgpack.packb([bad_keys, bad_op, good, ["r"]])})
     finally:
         await client.aclose()
     keys = chain("zeta")
     a.record(keys, POD_A, time.monotonic())
     await eventually(lambda: b.match(keys, None, time.monotonic()) == {POD_A: 8})
-    assert b.stats.errors == 3
+    assert b.stats.errors == 6
+    assert b.match(chain("kappa"), None, time.monotonic()) == {POD_B: 8}  # good picks next to bad ones still count
 
 
 async def test_redis_down_keeps_routing_locally_and_catches_up(tmp_path: Path, namespace: str,

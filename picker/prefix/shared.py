@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -29,10 +30,13 @@ from picker.prefix.memory import InMemoryPrefixIndex
 
 log = logging.getLogger(__name__)
 
-_REPLICA, _OP, _ADDRESS, _TIME, _KEYS, _CHARS, _SESSION = b"r", b"o", b"a", b"t", b"k", b"c", b"s"
-_RECORD, _REMOVE = b"r", b"x"
-_READ_BATCH = 1000
-_WRITE_BATCH = 500
+# A stream entry is {r: replica id, p: msgpack list of picks}: one entry per flush, so a burst of picks costs one
+# XADD and one entry to read back. A pick is [op, address, wall time, packed keys, prompt chars, session id].
+_REPLICA, _PICKS = b"r", b"p"
+_RECORD, _REMOVE = "r", "x"
+_READ_BATCH = 200  # entries per XREAD
+_PICKS_PER_ENTRY = 256
+_Pick = tuple[str, str, float, bytes, int, str]
 
 
 @dataclass(slots=True)
@@ -99,7 +103,7 @@ class SharedPrefixIndex:
         # from_url validates the URL now, so a typo fails `picker serve` at start-up, not at the first pick.
         self._writer = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
         self._reader = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0)
-        self._pending: deque[dict[bytes, bytes]] = deque()
+        self._pending: deque[_Pick] = deque()
         self._max_pending = max_pending
         self._wake = asyncio.Event()
         self._last_id = b"0-0"
@@ -122,15 +126,11 @@ class SharedPrefixIndex:
         self.local.record(keys, address, now)
         if keys:
             wall = now + self.wall_clock() - self.clock()
-            entry = {_OP: _RECORD, _ADDRESS: address.encode(), _TIME: repr(wall).encode(), _KEYS: encode_keys(keys),
-                     _CHARS: str(prompt_chars).encode()}
-            if session_id:
-                entry[_SESSION] = session_id.encode()
-            self._publish(entry)
+            self._publish((_RECORD, address, wall, encode_keys(keys), prompt_chars, session_id))
 
     def remove_endpoint(self, address: str) -> None:
         self.local.remove_endpoint(address)
-        self._publish({_OP: _REMOVE, _ADDRESS: address.encode(), _TIME: repr(self.wall_clock()).encode()})
+        self._publish((_REMOVE, address, self.wall_clock(), b"", 0, ""))
 
     def size(self) -> int:
         return self.local.size()
@@ -175,12 +175,11 @@ class SharedPrefixIndex:
 
     # Publishing ---------------------------------------------------------------------------------------
 
-    def _publish(self, entry: dict[bytes, bytes]) -> None:
-        entry[_REPLICA] = self.replica_id
+    def _publish(self, pick: _Pick) -> None:
         if len(self._pending) >= self._max_pending:
             self._pending.popleft()  # Redis has been away a long time: keep the newest knowledge
             self.stats.dropped += 1
-        self._pending.append(entry)
+        self._pending.append(pick)
         self._wake.set()
 
     async def _write_loop(self) -> None:
@@ -200,22 +199,20 @@ class SharedPrefixIndex:
 
     async def _flush_all(self) -> None:
         while self._pending:
-            batch = [self._pending.popleft() for _ in range(min(_WRITE_BATCH, len(self._pending)))]
-            ttl = self.local.ttl
-            pipe = self._writer.pipeline(transaction=False)
-            for entry in batch:
+            picks = [self._pending.popleft() for _ in range(min(_PICKS_PER_ENTRY, len(self._pending)))]
+            entry = {_REPLICA: self.replica_id, _PICKS: msgpack.packb(picks, use_bin_type=True)}
+            try:
+                ttl = self.local.ttl
                 if ttl is not None:  # the stream is the index: entries older than the TTL are trimmed away
                     minid = f"{max(0, int((self.wall_clock() + self._server_offset - ttl) * 1000))}-0"
-                    pipe.xadd(self.stream, entry, minid=minid, approximate=True)  # type: ignore[arg-type]
+                    await self._writer.xadd(self.stream, entry, minid=minid, approximate=True)  # type: ignore[arg-type]
                 else:
-                    pipe.xadd(self.stream, entry, maxlen=self.max_stream_entries,  # type: ignore[arg-type]
-                              approximate=True)
-            try:
-                await pipe.execute()
+                    await self._writer.xadd(self.stream, entry, maxlen=self.max_stream_entries,  # type: ignore[arg-type]
+                                            approximate=True)
             except BaseException:
-                self._pending.extendleft(reversed(batch))  # retried after the backoff, order kept
+                self._pending.extendleft(reversed(picks))  # retried after the backoff, order kept
                 raise
-            self.stats.sent += len(batch)
+            self.stats.sent += len(picks)
             self.stats.connected = True
 
     # Following ----------------------------------------------------------------------------------------
@@ -257,7 +254,7 @@ class SharedPrefixIndex:
                 backoff = min(backoff * 2, 2.0)
 
     def _apply_response(self, response: Any) -> int:
-        """XREAD's answer: a list of (stream, entries) in RESP2, a mapping in RESP3."""
+        """XREAD's answer: a list of (stream, entries) in RESP2, a mapping in RESP3. Returns the entries read."""
         count = 0
         streams = response.items() if isinstance(response, dict) else (response or ())
         for _stream, entries in streams:
@@ -267,32 +264,42 @@ class SharedPrefixIndex:
                 if not entry or entry.get(_REPLICA) == self.replica_id:
                     continue
                 try:
-                    self._apply(entry)
-                except (ValueError, KeyError, UnicodeDecodeError) as exc:
-                    self.stats.errors += 1
-                    log.warning("shared prefix index %s: skipping malformed entry %s: %s", self.stream,
-                                entry_id.decode(errors="replace"), exc)
+                    picks = msgpack.unpackb(entry[_PICKS], raw=False)
+                    if not isinstance(picks, list):
+                        raise ValueError("the picks are not a list")
+                except (KeyError, ValueError, TypeError, msgpack.UnpackException) as exc:
+                    self._malformed(entry_id, exc)
+                    continue
+                for pick in picks:
+                    try:
+                        self._apply(pick)
+                    except (ValueError, TypeError, IndexError, UnicodeDecodeError) as exc:
+                        self._malformed(entry_id, exc)
         return count
 
-    def _apply(self, entry: dict[bytes, bytes]) -> None:
-        op = entry[_OP]
-        address = entry[_ADDRESS].decode()
-        wall = float(entry[_TIME])
+    def _apply(self, pick: list[Any]) -> None:
+        op, address, wall = pick[0], str(pick[1]), float(pick[2])
         now = self.clock()
         if op == _REMOVE:
             self.local.remove_endpoint(address)
         elif op == _RECORD:
+            keys = decode_keys(pick[3])
             # Into our clock, never in the future, never older than what we applied before: the local view's
             # LRU order must follow time for its TTL and longest-match invariants.
             at = min(now, max(wall - self.wall_clock() + now, self._applied_floor))
             self._applied_floor = at
-            self.local.record(decode_keys(entry[_KEYS]), address, at)
+            self.local.record(keys, address, at)
             if self.peer_listener is not None:
-                self.peer_listener(address, int(entry.get(_CHARS, b"0")), entry.get(_SESSION, b"").decode(), at)
+                self.peer_listener(address, int(pick[4]), str(pick[5]), at)
         else:
             raise ValueError(f"unknown operation {op!r}")
         self.stats.received += 1
         self.stats.lag_seconds = max(0.0, self.wall_clock() - wall)
+
+    def _malformed(self, entry_id: bytes, exc: BaseException) -> None:
+        self.stats.errors += 1
+        log.warning("shared prefix index %s: skipping a malformed pick in entry %s: %s", self.stream,
+                    entry_id.decode(errors="replace"), exc)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.stats.errors += 1
