@@ -68,6 +68,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "chat: in-flight 8": _with_weights("bursty-chat", {"in-flight-load-scorer": 8}),
     "prefix guard 16/8": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 16, "loadGuardWaiting": 8}),
     "prefix guard 4/2": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 4, "loadGuardWaiting": 2}),
+    # What 4 replicas hinted (bench/README.md, "Several picker replicas"): in-flight load weighed less.
+    "in-flight slack 4": _with_params("in-flight-load-scorer", {"slack": 4.0}),
+    "in-flight slack 2": _with_params("in-flight-load-scorer", {"slack": 2.0}),
+    "context-heavy: in-flight 0.5": _with_weights("context-heavy", {"in-flight-load-scorer": 0.5}),
 }
 
 
