@@ -36,6 +36,21 @@ def parse_size(value: str | int) -> int:
     return int(match.group(1)) * scale
 
 
+def parse_ports(text: str) -> list[int]:
+    """"8000" or "8000,8001" → ports; ValueError naming the bad one."""
+    ports = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or not 0 < int(part) < 65536:
+            raise ValueError(f"{part!r} is not a TCP port")
+        ports.append(int(part))
+    if not ports:
+        raise ValueError("no ports given")
+    return ports
+
+
 @dataclass(slots=True)
 class ServeConfig:
     host: str = "0.0.0.0"
@@ -47,8 +62,8 @@ class ServeConfig:
     refresh_metrics_interval: float = 0.05
     unhealthy_after_failures: int = 2
     max_body_bytes: int = 16 * 2**20
-    pool_name: str = "default"
-    pool_namespace: str = "default"
+    pool_name: str = ""  # empty: "default" as a label; set without static endpoints: discover the InferencePool
+    pool_namespace: str = ""  # empty: the picker's own namespace in a cluster, else "default"
     fallback_endpoints: int = 1
     strategy: str = "picker"
     seed: int | None = None
@@ -57,9 +72,27 @@ class ServeConfig:
     index_backend: str = "memory"
     redis_url: str = ""
     index_namespace: str = ""
+    # Kubernetes discovery: an InferencePool (--pool-name with no static endpoints) or a label selector.
+    endpoint_selector: str = ""
+    endpoint_target_ports: str = ""
+    kubeconfig: str = ""
     # Policy sections passed through to the scheduler and admission builders (GIE-like names).
     scheduling: dict[str, Any] = field(default_factory=dict)
     admission: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pool_label(self) -> str:
+        """The pool's name in metrics and in the shared index namespace."""
+        return self.pool_name or "default"
+
+    @property
+    def discovery(self) -> str:
+        """Where endpoints come from: "static" (flags, file), "inferencepool" or "selector" (Kubernetes)."""
+        if self.endpoint_selector:
+            return "selector"
+        if self.pool_name and not (self.endpoints or self.endpoints_file):
+            return "inferencepool"
+        return "static"
 
 
 _CONVERTERS: dict[str, Any] = {
@@ -98,8 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--refresh-metrics-interval", help="how often each endpoint's /metrics is scraped (default 50ms)")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before an endpoint stops being picked (2)")
     a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
-    a("--pool-name", help="InferencePool name (metrics label)")
-    a("--pool-namespace", help="InferencePool namespace")
+    a("--pool-name", help="InferencePool to discover pods from (Kubernetes; without --endpoints/--endpoints-file), "
+      "also the metrics label")
+    a("--pool-namespace", help="namespace of the InferencePool or of the selected pods (default: the picker's own)")
+    a("--endpoint-selector", help="discover pods by label selector instead of an InferencePool, e.g. app=vllm")
+    a("--endpoint-target-ports", help="with --endpoint-selector: the model server ports, e.g. 8000 or 8000,8001")
+    a("--kubeconfig", help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG)")
     a("--fallback-endpoints", type=int, help="ranked endpoints to return, comma-separated (default 1; Envoy's "
       "ORIGINAL_DST accepts only 1, lists are for gateways that implement GIE fallbacks)")
     a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only")
@@ -122,6 +159,12 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
         value = getattr(args, f.name, None)
         if value is not None and f.name not in ("scheduling", "admission"):
             _apply(config, f.name, value, "command line")
+    if config.endpoint_selector and (config.endpoints or config.endpoints_file):
+        raise ValueError("--endpoint-selector discovers pods itself: drop --endpoints/--endpoints-file")
+    if config.endpoint_selector and not config.endpoint_target_ports:
+        raise ValueError("--endpoint-selector needs --endpoint-target-ports (e.g. 8000)")
+    if config.endpoint_target_ports:
+        parse_ports(config.endpoint_target_ports)
     if config.index_backend not in ("memory", "redis"):
         raise ValueError(f"index_backend must be memory or redis, not {config.index_backend!r}")
     if config.index_backend == "redis" and not config.redis_url:

@@ -33,7 +33,7 @@ def share_index(config: ServeConfig, scheduler: Scheduler) -> SharedPrefixIndex 
     local = getattr(scheduler, "index", None)
     if not isinstance(local, InMemoryPrefixIndex):
         raise ValueError(f"--index-backend redis needs a strategy with a prefix index, not {config.strategy!r}")
-    namespace = config.index_namespace or f"{config.pool_namespace}/{config.pool_name}"
+    namespace = config.index_namespace or f"{config.pool_namespace or 'default'}/{config.pool_label}"
     shared = SharedPrefixIndex(local, config.redis_url, namespace)
     shared.peer_listener = getattr(scheduler, "on_peer_picked", None)
     scheduler.index = shared  # type: ignore[attr-defined]

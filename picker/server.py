@@ -50,7 +50,7 @@ class PickerServer:
 
     async def start(self) -> None:
         c = self.config
-        self.metrics = PickerMetrics(c.pool_name)
+        self.metrics = PickerMetrics(c.pool_label)
         if c.endpoints:
             self.pool.set_endpoints(parse_endpoint_list(c.endpoints))
         self._tasks: list[asyncio.Task[None]] = []
