@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import ipaddress
+import re
 import shutil
 import string
 import subprocess
@@ -20,6 +22,9 @@ from picker.endpoints.state import parse_address
 
 TEMPLATES = {"buffered": "envoy.yaml", "full-duplex": "envoy-full-duplex.yaml"}
 _REPO_ENVOY_DIR = Path(__file__).resolve().parents[1] / "envoy"
+# An installed (non-editable) package, e.g. the container image, carries copies of the templates here.
+_PACKAGED_ENVOY_DIR = Path(__file__).resolve().parent / "envoy_templates"
+_DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
 
 @dataclass(slots=True)
@@ -36,23 +41,74 @@ class EnvoySettings:
     message_timeout: str = "5s"
     route_timeout: str = "600s"
     buffer_bytes: int = 16 * 2**20
+    # Several picker replicas (IPs or DNS names, e.g. compose services); empty: just `picker_host`.
+    # Any DNS name makes the picker cluster STRICT_DNS (every address a name resolves to is one host).
+    picker_hosts: tuple[str, ...] = ()
+
+    def picker_host_list(self) -> tuple[str, ...]:
+        return self.picker_hosts or (self.picker_host,)
 
 
 def template_path(mode: str) -> Path:
     if mode not in TEMPLATES:
         raise ValueError(f"unknown body mode {mode!r}; choose from {', '.join(TEMPLATES)}")
-    path = _REPO_ENVOY_DIR / TEMPLATES[mode]
-    if not path.exists():
-        raise FileNotFoundError(f"Envoy template {path} not found (install picker from a source checkout)")
-    return path
+    for directory in (_REPO_ENVOY_DIR, _PACKAGED_ENVOY_DIR):
+        path = directory / TEMPLATES[mode]
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"Envoy template {TEMPLATES[mode]} not found in {_REPO_ENVOY_DIR} or "
+                            f"{_PACKAGED_ENVOY_DIR} (install picker from a source checkout)")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def check_host(host: str) -> str:
+    """An IP literal or a DNS name (for STRICT_DNS clusters); ValueError otherwise."""
+    if _is_ip(host) or _DNS_NAME.match(host):
+        return host
+    raise ValueError(f"{host!r} is neither an IP address nor a DNS name")
+
+
+def parse_pool_address(text: str) -> tuple[str, int]:
+    """"ip:port", or "dns-name:port" for the fail-open round-robin cluster (e.g. a headless Service)."""
+    try:
+        return parse_address(text)
+    except ValueError:
+        host, sep, port_text = text.strip().rpartition(":")
+        if sep and host and _DNS_NAME.match(host) and not _is_ip(host) and port_text.isdigit() \
+                and 0 < int(port_text) < 65536 and not host.replace(".", "").isdigit():
+            return host, int(port_text)
+        raise
+
+
+def cluster_type(hosts: tuple[str, ...]) -> str:
+    """STATIC when every host is an IP literal, STRICT_DNS as soon as one is a name."""
+    return "STATIC" if all(_is_ip(h) for h in hosts) else "STRICT_DNS"
 
 
 def _lb_endpoints(pool: tuple[str, ...]) -> str:
     entries = []
     for address in pool:
-        host, port = parse_address(address)
+        host, port = parse_pool_address(address)
         entries.append(f"{{endpoint: {{address: {{socket_address: {{address: '{host}', port_value: {port}}}}}}}}}")
     return "[" + ", ".join(entries) + "]"
+
+
+def _picker_lb_endpoints(settings: EnvoySettings) -> str:
+    """Block-style lb_endpoints of the picker cluster: one per replica, health-checked on the health port."""
+    lines = []
+    for host in settings.picker_host_list():
+        lines.append("        - endpoint:\n"
+                     f"            address: {{socket_address: {{address: '{check_host(host)}', "
+                     f"port_value: {settings.picker_port}}}}}\n"
+                     f"            health_check_config: {{port_value: {settings.picker_health_port}}}")
+    return "\n".join(lines)
 
 
 def render(settings: EnvoySettings) -> str:
@@ -65,6 +121,9 @@ def render(settings: EnvoySettings) -> str:
         PICKER_HOST=settings.picker_host,
         PICKER_PORT=settings.picker_port,
         PICKER_HEALTH_PORT=settings.picker_health_port,
+        PICKER_CLUSTER_TYPE=cluster_type(settings.picker_host_list()),
+        PICKER_LB_ENDPOINTS=_picker_lb_endpoints(settings),
+        POOL_CLUSTER_TYPE=cluster_type(tuple(parse_pool_address(a)[0] for a in settings.pool)),
         POOL_LB_ENDPOINTS=_lb_endpoints(settings.pool),
         FAILURE_MODE_ALLOW="true" if settings.failure_mode_allow else "false",
         MESSAGE_TIMEOUT=settings.message_timeout,
@@ -130,10 +189,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--listen-host", default="127.0.0.1")
     a("--listen-port", type=int, default=8080)
     a("--admin-port", type=int, default=9901)
-    a("--picker-host", default="127.0.0.1")
+    a("--picker-host", default="127.0.0.1",
+      help="picker address; comma-separated for several replicas; DNS names make a STRICT_DNS cluster")
     a("--picker-port", type=int, default=9002)
     a("--picker-health-port", type=int, default=9003)
-    a("--pool", default="", help="ip:port,... of the model servers (the fail-open round-robin route)")
+    a("--pool", default="", help="ip:port,... of the model servers (the fail-open round-robin route); "
+      "name:port (e.g. a headless Service) makes that cluster STRICT_DNS")
     a("--fail-closed", action="store_true", help="a picker outage gives 500 instead of round-robin")
     a("--message-timeout", default="5s")
     a("--out", help="write here instead of stdout")
@@ -141,9 +202,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    picker_hosts = tuple(h.strip() for h in args.picker_host.split(",") if h.strip())
     settings = EnvoySettings(
         listen_port=args.listen_port, admin_port=args.admin_port, picker_port=args.picker_port,
-        picker_health_port=args.picker_health_port, listen_host=args.listen_host, picker_host=args.picker_host,
+        picker_health_port=args.picker_health_port, listen_host=args.listen_host,
+        picker_host=picker_hosts[0] if picker_hosts else args.picker_host,
+        picker_hosts=picker_hosts if len(picker_hosts) > 1 else (),
         pool=tuple(p.strip() for p in args.pool.split(",") if p.strip()), mode=args.mode,
         failure_mode_allow=not args.fail_closed, message_timeout=args.message_timeout,
     )
