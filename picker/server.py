@@ -23,6 +23,7 @@ from picker import config as cfg
 from picker.api.service import PickerService, picker_pb2_grpc
 from picker.director import Director
 from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
+from picker.endpoints.kubernetes import KubernetesDiscovery, discovery_from_config
 from picker.endpoints.pool import EndpointPool
 from picker.extproc.servicer import ExtProcServicer
 from picker.observability import DecisionTracer, PickerMetrics
@@ -58,6 +59,12 @@ class PickerServer:
             watcher = EndpointsFileWatcher(Path(c.endpoints_file), self.pool)
             watcher.load_now()
             self._tasks.append(asyncio.create_task(watcher.run()))
+        self.discovery: KubernetesDiscovery | None = None
+        if c.discovery != "static":
+            self.discovery = discovery_from_config(c, self.pool)
+            self._tasks.append(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
+            with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
+                await asyncio.wait_for(self.discovery.synced.wait(), 5.0)
         self.scheduler = build_scheduler(c)
         self.shared_index = share_index(c, self.scheduler)
         if self.shared_index is not None:
@@ -105,6 +112,8 @@ class PickerServer:
         await self.health_server.stop(0)
         if self.shared_index is not None:
             await self.shared_index.stop()
+        if self.discovery is not None:
+            await self.discovery.api.close()
         if getattr(self, "_http_server", None) is not None:
             self._http_server.shutdown()
         if self.tracer is not None:

@@ -1,0 +1,319 @@
+"""Kubernetes discovery: InferencePool / label-selector pods → endpoints, against a stand-in API server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import ssl
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from picker.config import ServeConfig
+from picker.endpoints.kubernetes import (
+    KubeApi,
+    KubeConfig,
+    KubernetesDiscovery,
+    discovery_from_config,
+    load_kube_config,
+    pod_endpoints,
+    pool_spec,
+)
+from picker.endpoints.pool import EndpointPool
+from picker.supervisor import Envoy, free_port, process_scope, spawn, start_envoy, start_picker, wait_until
+from tests.kubefake import FakeKube, FakeKubeThread
+
+NS = "llm"
+LABELS = {"app": "vllm-llama3"}
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKube]:
+    fake = FakeKube()
+    await fake.start()
+    try:
+        yield fake
+    finally:
+        await fake.stop()
+
+
+async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def running(discovery: KubernetesDiscovery) -> AsyncIterator[KubernetesDiscovery]:
+    task = asyncio.create_task(discovery.run())
+    try:
+        yield discovery
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await discovery.api.close()
+
+
+def addresses(pool: EndpointPool) -> set[str]:
+    return {e.address for e in pool.all()}
+
+
+def pod(ip: str = "10.1.0.5", *, phase: str = "Running", ready: str = "True", deleting: bool = False,
+        name: str = "vllm-0") -> dict[str, object]:
+    meta: dict[str, object] = {"name": name}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-30T00:00:00Z"
+    return {"metadata": meta, "status": {"phase": phase, "podIP": ip,
+                                         "conditions": [{"type": "Ready", "status": ready}]}}
+
+
+# Pure rules ------------------------------------------------------------------------------------------------
+
+def test_only_running_ready_pods_with_an_ip_serve() -> None:
+    assert [e.address for e in pod_endpoints(pod(), (8000,))] == ["10.1.0.5:8000"]
+    assert pod_endpoints(pod(), (8000,))[0].name == "vllm-0"
+    assert pod_endpoints(pod(ready="False"), (8000,)) == []
+    assert pod_endpoints(pod(phase="Pending"), (8000,)) == []
+    assert pod_endpoints(pod(ip=""), (8000,)) == []
+    assert pod_endpoints(pod(deleting=True), (8000,)) == []
+    assert pod_endpoints({"metadata": {"name": "x"}, "status": {"phase": "Running", "podIP": "10.1.0.5"}},
+                         (8000,)) == []  # no Ready condition yet
+
+
+def test_each_target_port_is_one_endpoint_and_ipv6_is_bracketed() -> None:
+    ranks = pod_endpoints(pod(), (8000, 8001))
+    assert [(e.address, e.name) for e in ranks] == [("10.1.0.5:8000", "vllm-0-rank-0"),
+                                                    ("10.1.0.5:8001", "vllm-0-rank-1")]
+    assert pod_endpoints(pod(ip="fd00::5"), (8000,))[0].address == "[fd00::5]:8000"
+
+
+def test_pool_spec_reads_v1_fields_and_refuses_an_unusable_pool() -> None:
+    spec = pool_spec({"spec": {"selector": {"matchLabels": {"b": "2", "a": "1"}},
+                               "targetPorts": [{"number": 8000}, {"number": 8001}]}})
+    assert spec.selector == "a=1,b=2" and spec.ports == (8000, 8001)
+    with pytest.raises(ValueError, match="selector"):
+        pool_spec({"spec": {"targetPorts": [{"number": 8000}]}})
+    with pytest.raises(ValueError, match="targetPorts"):
+        pool_spec({"spec": {"selector": {"matchLabels": {"a": "1"}}}})
+
+
+# Credentials -------------------------------------------------------------------------------------------------
+
+def test_kubeconfig_gives_server_token_and_namespace(tmp_path: Path) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text("""
+current-context: dev
+contexts:
+- name: dev
+  context: {cluster: c1, user: u1, namespace: team-a}
+clusters:
+- name: c1
+  cluster: {server: "http://127.0.0.1:6443/"}
+users:
+- name: u1
+  user: {token: s3cret}
+""")
+    config = load_kube_config(str(path), environ={})
+    assert (config.server, config.token, config.namespace, config.ssl_context) == (
+        "http://127.0.0.1:6443", "s3cret", "team-a", None)
+
+
+def test_kubeconfig_with_https_uses_its_certificate_authority(tmp_path: Path) -> None:
+    cafile = ssl.get_default_verify_paths().cafile or ssl.get_default_verify_paths().openssl_cafile
+    path = tmp_path / "kubeconfig"
+    path.write_text(f"""
+current-context: prod
+contexts: [{{name: prod, context: {{cluster: c, user: u}}}}]
+clusters: [{{name: c, cluster: {{server: "https://10.0.0.1:6443", certificate-authority: "{cafile}"}}}}]
+users: [{{name: u, user: {{token: t}}}}]
+""")
+    config = load_kube_config(str(path), environ={})
+    assert config.ssl_context is not None and config.ssl_context.verify_mode == ssl.CERT_REQUIRED
+    assert config.namespace == "default"
+
+
+def test_in_cluster_service_account_is_used_when_present(tmp_path: Path) -> None:
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("pod-token\n")
+    (account / "namespace").write_text("inference\n")
+    cafile = ssl.get_default_verify_paths().cafile or ssl.get_default_verify_paths().openssl_cafile
+    (account / "ca.crt").write_text(Path(str(cafile)).read_text())
+    config = load_kube_config("", environ={"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"},
+                              service_account=account)
+    assert (config.server, config.token, config.namespace) == ("https://10.96.0.1:443", "pod-token", "inference")
+
+
+def test_no_cluster_and_no_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs a cluster"):
+        load_kube_config("", environ={"KUBECONFIG": str(tmp_path / "missing")}, service_account=tmp_path / "none")
+    broken = tmp_path / "broken"
+    broken.write_text("current-context: nope\ncontexts: []\n")
+    with pytest.raises(ValueError, match="no context named 'nope'"):
+        load_kube_config(str(broken), environ={})
+
+
+# Against the stand-in API server -----------------------------------------------------------------------------
+
+def discovery(kube: FakeKube, pool: EndpointPool, *, token: str | None = None, **kw: object) -> KubernetesDiscovery:
+    api = KubeApi(KubeConfig(kube.url, NS, kube.token if token is None else token))
+    kw.setdefault("pool_name", "llama")
+    return KubernetesDiscovery(api, pool, NS, retry_max=0.2, **kw)  # type: ignore[arg-type]
+
+
+async def test_inference_pool_pods_follow_readiness_additions_and_deletions(kube: FakeKube) -> None:
+    await kube.put_pool(NS, "llama", LABELS, [8000])
+    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+    await kube.put_pod(NS, "vllm-1", "10.1.0.2", LABELS)
+    await kube.put_pod(NS, "starting", "10.1.0.3", LABELS, ready=False)
+    await kube.put_pod(NS, "other-app", "10.1.0.9", {"app": "other"})
+    await kube.put_pod("elsewhere", "vllm-x", "10.2.0.1", LABELS)
+    pool = EndpointPool()
+    removed: list[str] = []
+    pool.add_removal_listener(lambda e: removed.append(e.address))
+    async with running(discovery(kube, pool)) as d:
+        await asyncio.wait_for(d.synced.wait(), 5)
+        assert addresses(pool) == {"10.1.0.1:8000", "10.1.0.2:8000"}
+        await kube.put_pod(NS, "starting", "10.1.0.3", LABELS, ready=True)
+        await eventually(lambda: "10.1.0.3:8000" in addresses(pool))
+        await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS, deleting=True)  # terminating: stop picking it now
+        await eventually(lambda: "10.1.0.1:8000" not in addresses(pool))
+        await kube.delete("pods", NS, "vllm-1")
+        await eventually(lambda: addresses(pool) == {"10.1.0.3:8000"})
+        assert removed == ["10.1.0.1:8000", "10.1.0.2:8000"]  # listeners purge the prefix index
+        assert pool.get("10.1.0.3:8000").name == "starting"  # type: ignore[union-attr]
+    assert kube.lists["pods"] == 1  # one list, then only the watch
+
+
+async def test_a_changed_pool_rereads_its_pods_and_a_deleted_pool_empties_the_set(kube: FakeKube) -> None:
+    await kube.put_pool(NS, "llama", LABELS, [8000])
+    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+    await kube.put_pod(NS, "canary", "10.1.0.7", {"app": "canary"})
+    pool = EndpointPool()
+    async with running(discovery(kube, pool)) as d:
+        await asyncio.wait_for(d.synced.wait(), 5)
+        await kube.put_pool(NS, "llama", LABELS, [8000, 8001])  # two data-parallel ranks per pod
+        await eventually(lambda: addresses(pool) == {"10.1.0.1:8000", "10.1.0.1:8001"})
+        await kube.put_pool(NS, "llama", {"app": "canary"}, [9000])  # a new selector
+        await eventually(lambda: addresses(pool) == {"10.1.0.7:9000"})
+        await kube.delete("pools", NS, "llama")
+        await eventually(lambda: addresses(pool) == set())
+        await kube.put_pool(NS, "llama", LABELS, [8000])  # back again
+        await eventually(lambda: addresses(pool) == {"10.1.0.1:8000"}, within=10)
+
+
+async def test_expired_watches_relist_and_closed_watches_resume(kube: FakeKube) -> None:
+    await kube.put_pool(NS, "llama", LABELS, [8000])
+    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+    pool = EndpointPool()
+    async with running(discovery(kube, pool)) as d:
+        await asyncio.wait_for(d.synced.wait(), 5)
+        await eventually(lambda: kube.watches["pods"] == 1)
+        await kube.drop_watches()  # the server ends the streams: re-watch from the last version, no new list
+        await eventually(lambda: kube.watches["pods"] >= 2)
+        await kube.put_pod(NS, "vllm-1", "10.1.0.2", LABELS)
+        await eventually(lambda: "10.1.0.2:8000" in addresses(pool))
+        assert kube.lists["pods"] == 1
+        await kube.compact()  # history gone: 410, so list again, and nothing is missed
+        await kube.delete("pods", NS, "vllm-0")
+        await eventually(lambda: addresses(pool) == {"10.1.0.2:8000"})
+        assert kube.lists["pods"] >= 2
+
+
+async def test_label_selector_mode_needs_no_pool_object(kube: FakeKube) -> None:
+    await kube.put_pod(NS, "a", "10.1.0.1", {"app": "vllm", "tier": "gpu"})
+    await kube.put_pod(NS, "b", "10.1.0.2", {"app": "vllm", "tier": "cpu"})
+    pool = EndpointPool()
+    d = discovery(kube, pool, pool_name="", selector="app=vllm,tier=gpu", ports=(8000,))
+    async with running(d):
+        await asyncio.wait_for(d.synced.wait(), 5)
+        assert addresses(pool) == {"10.1.0.1:8000"}
+    assert kube.lists["pools"] == 0 and kube.watches["pools"] == 0
+
+
+async def test_a_missing_pool_or_bad_credentials_keep_retrying_without_endpoints(kube: FakeKube) -> None:
+    pool = EndpointPool()
+    async with running(discovery(kube, pool)):
+        await asyncio.sleep(0.3)
+        assert addresses(pool) == set()
+        await kube.put_pool(NS, "llama", LABELS, [8000])
+        await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+        await eventually(lambda: addresses(pool) == {"10.1.0.1:8000"})  # found once it exists
+    denied = EndpointPool()
+    async with running(discovery(kube, denied, token="wrong")):
+        await eventually(lambda: kube.unauthorized >= 2)
+        assert addresses(denied) == set()
+
+
+def test_discovery_mode_comes_from_the_flags(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    fake = FakeKube()
+    fake.url = "http://127.0.0.1:1"  # never contacted: building discovery only reads the kubeconfig
+    kubeconfig.write_text(fake.kubeconfig(namespace="team-b"))
+    assert ServeConfig(endpoints="10.0.0.1:8000").discovery == "static"
+    assert ServeConfig(pool_name="llama", endpoints="10.0.0.1:8000").discovery == "static"  # a label only
+    by_pool = discovery_from_config(ServeConfig(pool_name="llama", kubeconfig=str(kubeconfig)), EndpointPool())
+    assert (by_pool.pool_name, by_pool.namespace, by_pool.fixed) == ("llama", "team-b", None)
+    by_labels = discovery_from_config(ServeConfig(endpoint_selector="app=x", endpoint_target_ports="8000,8001",
+                                                  pool_namespace="ns", kubeconfig=str(kubeconfig)), EndpointPool())
+    assert by_labels.fixed is not None and by_labels.fixed.ports == (8000, 8001) and by_labels.namespace == "ns"
+
+
+# Through real Envoy: a picker process discovers an InferencePool's pods from the API server ---------------------
+
+def _served_by(envoy: Envoy, text: str) -> str:
+    body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": text}]}).encode()
+    request = urllib.request.Request(f"{envoy.url}/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return str(json.loads(response.read())["served_by"])
+
+
+def _bound(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def test_envoy_routes_to_the_pods_an_inference_pool_selects(tmp_path: Path) -> None:
+    port = free_port()
+    pods = {f"vllm-{i}": f"127.0.0.{i + 2}" for i in range(3)}  # loopback addresses stand in for pod IPs
+    addresses_of = {name: f"{ip}:{port}" for name, ip in pods.items()}
+    thread = FakeKubeThread()
+    with thread as kube, process_scope("kube") as (logdir, started):
+        backends = spawn("pods", [sys.executable, "-m", "picker.echo", *addresses_of.values()], logdir)
+        started.append(backends)
+        for address in addresses_of.values():
+            wait_until(lambda a=address: _bound(a), 20, f"pod {address}", backends.proc)  # type: ignore[misc]
+        thread.run(kube.put_pool(NS, "llama", LABELS, [port]))
+        for name in ("vllm-0", "vllm-1"):
+            thread.run(kube.put_pod(NS, name, pods[name], LABELS))
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(kube.kubeconfig(namespace=NS))
+        picker = start_picker(logdir, extra=["--pool-name", "llama", "--kubeconfig", str(kubeconfig)])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, list(addresses_of.values()))
+        started.append(envoy.process)
+
+        served = {_served_by(envoy, f"cold question {i} " * 30) for i in range(8)}
+        assert served == {addresses_of["vllm-0"], addresses_of["vllm-1"]}
+
+        thread.run(kube.put_pod(NS, "vllm-2", pods["vllm-2"], LABELS))  # scaled up: picked within moments
+        deadline = time.monotonic() + 10
+        while _served_by(envoy, f"new pod {time.monotonic()} " * 30) != addresses_of["vllm-2"]:
+            assert time.monotonic() < deadline, "the new pod was never picked"
+
+        thread.run(kube.delete("pods", NS, "vllm-0"))  # scaled down: never picked again
+        time.sleep(0.5)
+        after = {_served_by(envoy, f"after delete {i} " * 30) for i in range(8)}
+        assert after == {addresses_of["vllm-1"], addresses_of["vllm-2"]}
+        assert picker.process.alive() and "discovery of InferencePool llm/llama" in picker.process.log()
