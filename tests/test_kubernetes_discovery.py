@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import ssl
+import subprocess
 import sys
 import time
 import urllib.request
@@ -317,3 +319,15 @@ def test_envoy_routes_to_the_pods_an_inference_pool_selects(tmp_path: Path) -> N
         after = {_served_by(envoy, f"after delete {i} " * 30) for i in range(8)}
         assert after == {addresses_of["vllm-1"], addresses_of["vllm-2"]}
         assert picker.process.alive() and "discovery of InferencePool llm/llama" in picker.process.log()
+
+
+def test_serve_outside_a_cluster_says_what_is_missing(tmp_path: Path) -> None:
+    env = {**os.environ, "HOME": str(tmp_path), "KUBECONFIG": ""}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    result = subprocess.run([sys.executable, "-m", "picker", "serve", "--pool-name", "llama", "--grpc-port", "0",
+                             "--grpc-health-port", "0", "--metrics-port", "-1"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "needs a cluster" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "picker", "serve", "--endpoint-selector", "app=x",
+                             "--metrics-port", "-1"], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "--endpoint-target-ports" in result.stderr
