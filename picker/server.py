@@ -33,6 +33,10 @@ log = logging.getLogger("picker")
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXTPROC_SERVICE)
+# Until Kubernetes discovery has listed the pods once, the picker is alive but not ready: Kubernetes keeps it out
+# of its Service and Envoy's health check sends requests down the fail-open route instead of to a picker with
+# no endpoints.
+READY_SERVICES = ("readiness", EXTPROC_SERVICE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +68,7 @@ class PickerServer:
             self.discovery = discovery_from_config(c, self.pool)
             self._tasks.append(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
             with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
-                await asyncio.wait_for(self.discovery.synced.wait(), 5.0)
+                await asyncio.wait_for(self.discovery.synced.wait(), 3.0)
         self.scheduler = build_scheduler(c)
         self.shared_index = share_index(c, self.scheduler)
         if self.shared_index is not None:
@@ -94,10 +98,22 @@ class PickerServer:
             self.metrics_port = http_server.server_port
         await self.server.start()
         await self.health_server.start()
+        discovery = self.discovery
+        waiting = discovery is not None and not discovery.synced.is_set()
         for name in HEALTH_SERVICES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            serving = not (waiting and name in READY_SERVICES)
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING if serving
+                                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if waiting and discovery is not None:
+            self._tasks.append(asyncio.create_task(self._ready_when_synced(discovery)))
         log.info("picker serving ext_proc on %s:%d, health on %d, metrics on %d, %d endpoints",
                  c.host, self.grpc_port, self.health_port, self.metrics_port, len(self.pool))
+
+    async def _ready_when_synced(self, discovery: KubernetesDiscovery) -> None:
+        await discovery.synced.wait()
+        for name in READY_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("endpoints discovered: ready")
 
     async def stop(self, grace: float = 2.0) -> None:
         """Report NOT_SERVING first so Envoy's health check moves away, then drain streams."""

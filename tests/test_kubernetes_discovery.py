@@ -15,7 +15,9 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from picker.config import ServeConfig
 from picker.endpoints.kubernetes import (
@@ -331,3 +333,28 @@ def test_serve_outside_a_cluster_says_what_is_missing(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "picker", "serve", "--endpoint-selector", "app=x",
                              "--metrics-port", "-1"], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2 and "--endpoint-target-ports" in result.stderr
+
+
+def _health(port: int, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+
+def test_the_picker_is_not_ready_until_its_pool_is_discovered(tmp_path: Path) -> None:
+    thread = FakeKubeThread()
+    with thread as kube, process_scope("kube-ready") as (logdir, started):
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(kube.kubeconfig(namespace=NS))
+        picker = start_picker(logdir, extra=["--pool-name", "llama", "--kubeconfig", str(kubeconfig)])
+        started.append(picker.process)
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _health(picker.health_port, "liveness") == serving
+        for service in ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            assert _health(picker.health_port, service) == not_serving  # no InferencePool yet
+        thread.run(kube.put_pool(NS, "llama", LABELS, [8000]))
+        deadline = time.monotonic() + 15
+        while _health(picker.health_port, "readiness") != serving:
+            assert time.monotonic() < deadline, picker.process.log()
+            time.sleep(0.1)
+        assert _health(picker.health_port, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
