@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -32,6 +32,7 @@ from picker.endpoints.kubernetes import (
 from picker.endpoints.pool import EndpointPool
 from picker.supervisor import Envoy, free_port, process_scope, spawn, start_envoy, start_picker, wait_until
 from tests.kubefake import FakeKube, FakeKubeThread
+from tests.waiting import eventually
 
 NS = "llm"
 LABELS = {"app": "vllm-llama3"}
@@ -45,13 +46,6 @@ async def kube() -> AsyncIterator[FakeKube]:
         yield fake
     finally:
         await fake.stop()
-
-
-async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager

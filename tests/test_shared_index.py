@@ -33,6 +33,7 @@ from picker.supervisor import (
     start_picker,
     start_valkey,
 )
+from tests.waiting import eventually
 
 POD_A, POD_B = "10.0.0.1:8000", "10.0.0.2:8000"
 
@@ -71,13 +72,6 @@ async def replicas() -> AsyncIterator[Factory]:
 
 def chain(tag: str, blocks: int = 8) -> list[int]:
     return prefix_keys(f"{tag} " * (16 * blocks), 7, 64, 256)[:blocks]
-
-
-async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 def test_keys_round_trip_as_uint64() -> None:
