@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,10 +51,10 @@ def _bindable(port: int) -> bool:
         return True
 
 
-def port_open(port: int) -> bool:
+def port_open(port: int, host: str = HOST) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
-        return s.connect_ex((HOST, port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None
@@ -177,15 +177,17 @@ class Picker:
     metrics_port: int
     process: Managed
     endpoints_file: Path | None = None
+    host: str = HOST
 
 
 def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_file: Path | None = None,
                  extra: list[str] | None = None, name: str = "picker", grpc_port: int | None = None,
-                 health_port: int | None = None) -> Picker:
+                 health_port: int | None = None, host: str = HOST) -> Picker:
+    """`host` may be another loopback address (127.0.0.x): replicas then share their ports, as pods do."""
     grpc_port = grpc_port or free_port()
     health_port = health_port or free_port()
     metrics_port = free_port()
-    args = [sys.executable, "-m", "picker", "serve", "--host", HOST, "--grpc-port", str(grpc_port),
+    args = [sys.executable, "-m", "picker", "serve", "--host", host, "--grpc-port", str(grpc_port),
             "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--seed", "7"]
     if endpoints is not None:
         args += ["--endpoints", ",".join(endpoints)]
@@ -193,8 +195,8 @@ def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_
         args += ["--endpoints-file", str(endpoints_file)]
     args += extra or []
     process = spawn(name, args, logdir)
-    wait_until(lambda: port_open(health_port) and port_open(grpc_port), 30, "picker", process.proc)
-    return Picker(grpc_port, health_port, metrics_port, process, endpoints_file)
+    wait_until(lambda: port_open(health_port, host) and port_open(grpc_port, host), 30, "picker", process.proc)
+    return Picker(grpc_port, health_port, metrics_port, process, endpoints_file, host)
 
 
 @dataclass
@@ -212,17 +214,25 @@ class Envoy:
     def picker_healthy(self) -> bool:
         with urllib.request.urlopen(f"http://{HOST}:{self.admin_port}/clusters", timeout=1) as response:
             text = response.read().decode()
-        return any(line.startswith("picker::") and "health_flags::healthy" in line for line in text.splitlines())
+        healthy = {line.split("::")[1] for line in text.splitlines()
+                   if line.startswith("picker::") and "health_flags::healthy" in line}
+        return len(healthy) >= len(self.settings.picker_host_list())
 
 
 _base_id = iter(range(1000 + os.getpid() % 1000 * 100, 10**7))
 
 
-def start_envoy(logdir: Path, picker: Picker, pool: list[str], *, mode: str = "buffered", fail_open: bool = True,
-                name: str = "envoy", wait_for_picker: bool = True) -> Envoy:
-    settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=picker.grpc_port,
-                             picker_health_port=picker.health_port, pool=tuple(pool), mode=mode,
-                             failure_mode_allow=fail_open)
+def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str], *, mode: str = "buffered",
+                fail_open: bool = True, name: str = "envoy", wait_for_picker: bool = True) -> Envoy:
+    """Envoy in front of one picker, or of several replicas (same ports, different hosts) it balances over."""
+    pickers = [picker] if isinstance(picker, Picker) else list(picker)
+    first = pickers[0]
+    if any((p.grpc_port, p.health_port) != (first.grpc_port, first.health_port) for p in pickers):
+        raise ValueError("picker replicas behind one Envoy cluster must share their ports (use different hosts)")
+    settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=first.grpc_port,
+                             picker_health_port=first.health_port, pool=tuple(pool), mode=mode,
+                             failure_mode_allow=fail_open, picker_host=first.host,
+                             picker_hosts=tuple(p.host for p in pickers) if len(pickers) > 1 else ())
     config_path = logdir / f"{name}.yaml"
     config_path.write_text(render(settings))
     process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),

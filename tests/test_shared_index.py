@@ -243,7 +243,7 @@ def test_a_bad_redis_url_is_refused_at_construction() -> None:
 # Through real Envoy: two picker replicas (each behind its own Envoy) share one Valkey --------------------------
 
 def _sync_entries(picker: Picker, direction: str) -> float:
-    url = f"http://127.0.0.1:{picker.metrics_port}/metrics"
+    url = f"http://{picker.host}:{picker.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=2) as response:
         for family in text_string_to_metric_families(response.read().decode()):
             for sample in family.samples:
@@ -312,3 +312,31 @@ def test_serve_wires_the_shared_index_into_the_scheduler() -> None:
     assert shared.stream == "picker:{prod/llama}:prefix-index"
     assert shared.peer_listener == scheduler.on_peer_picked  # type: ignore[attr-defined]
     assert share_index(ServeConfig(), build_scheduler(ServeConfig())) is None
+
+
+async def test_one_envoy_balancing_two_replicas_keeps_prefix_affinity() -> None:
+    """The deployment shape: one gateway, a picker Service with two replicas (here on 127.0.0.5 and 127.0.0.6,
+    same ports); Envoy round-robins ext_proc streams over them, so a prompt's second request reaches the other
+    replica, which must know where the first one sent it."""
+    with process_scope("replicas-one-envoy") as (logdir, started):
+        valkey = start_valkey(logdir)
+        started.append(valkey.process)
+        backends = start_backends(3, logdir)
+        started.append(backends.process)
+        shared = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "one-envoy"]
+        grpc_port, health_port = free_port(), free_port()
+        pickers = [start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"replica-{i}",
+                                host=f"127.0.0.{5 + i}", grpc_port=grpc_port, health_port=health_port)
+                   for i in range(2)]
+        started += [p.process for p in pickers]
+        envoy = start_envoy(logdir, pickers, backends.addresses)
+        started.append(envoy.process)
+        documents = {f"doc{i}": " ".join(f"doc{i}-word{w}" for w in range(300)) for i in range(6)}
+        first = {tag: await _served_by(envoy, text, "summarise it") for tag, text in documents.items()}
+        assert len(set(first.values())) >= 2, "cold documents should spread over the pods"
+        await eventually(lambda: min(_sync_entries(p, "received") for p in pickers) >= len(documents) // 2)
+        await _served_by(envoy, "an unrelated short question", "hi")  # shifts the replica rotation by one
+        second = {tag: await _served_by(envoy, text, "list the key points") for tag, text in documents.items()}
+        assert second == first
+        sent = [_sync_entries(p, "sent") for p in pickers]
+        assert all(n >= len(documents) // 2 for n in sent), f"both replicas should have routed: {sent}"
