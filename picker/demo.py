@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,11 +20,15 @@ import picker.api  # noqa: F401 - compiles the stubs when missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.explain import format_explain
 from picker.supervisor import (
+    Managed,
+    Picker,
+    free_port,
     process_scope,
     start_backends,
     start_envoy,
     start_picker,
     start_sim,
+    start_valkey,
 )
 
 SYSTEM = ("You are a meticulous assistant for the ACME inference platform. Answer in short, precise sentences, "
@@ -84,7 +89,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["sim", "echo"], default="sim",
                         help="sim: simulated vLLM (default); echo: tiny servers that echo what they got")
     parser.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="picker replicas behind Envoy, sharing the prefix index through a local Valkey (default 1)")
     parser.add_argument("--once", action="store_true", help="exit after the sample requests")
+
+
+def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[Managed]) -> list[Picker]:
+    """One picker, or several on their own loopback addresses (same ports, as pods behind a Service) sharing
+    the prefix index through a Valkey started for the demo."""
+    if replicas <= 1:
+        picker = start_picker(logdir, endpoints=pool)
+        started.append(picker.process)
+        return [picker]
+    valkey = start_valkey(logdir)
+    started.append(valkey.process)
+    print(f"  valkey: {valkey.url} (the prefix index shared by {replicas} picker replicas)")
+    grpc_port, health_port = free_port(), free_port()
+    pickers = []
+    for i in range(replicas):
+        picker = start_picker(logdir, endpoints=pool, name=f"picker-{i}", host=f"127.0.0.{10 + i}",
+                              grpc_port=grpc_port, health_port=health_port,
+                              extra=["--index-backend", "redis", "--redis-url", valkey.url])
+        started.append(picker.process)
+        pickers.append(picker)
+    return pickers
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,15 +124,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             fleet = start_backends(args.pods, logdir)
             started.append(fleet.process)
-        picker = start_picker(logdir, endpoints=fleet.addresses)
-        started.append(picker.process)
-        envoy = start_envoy(logdir, picker, fleet.addresses, mode=args.mode)
+        pickers = _start_pickers(args.replicas, fleet.addresses, logdir, started)
+        picker = pickers[0]
+        envoy = start_envoy(logdir, pickers, fleet.addresses, mode=args.mode)
         started.append(envoy.process)
         print(f"  fleet:  {', '.join(fleet.addresses)}")
-        print(f"  picker: 127.0.0.1:{picker.grpc_port} (metrics http://127.0.0.1:{picker.metrics_port}/metrics)")
+        for p in pickers:
+            print(f"  picker: {p.host}:{p.grpc_port} (metrics http://{p.host}:{p.metrics_port}/metrics)")
         print(f"  envoy:  {envoy.url} ({args.mode} body mode)\n")
         names = {f"sim-{i}": address for i, address in enumerate(fleet.addresses)}  # x-sim-pod → address
-        with grpc.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
+        with grpc.insecure_channel(f"{picker.host}:{picker.grpc_port}") as channel:
             for i, sample in enumerate(samples(args.model), 1):
                 why, best = _explain(channel, sample)
                 status, pod, text = _send(envoy.url, sample)
@@ -122,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"Envoy is up at {envoy.url}; try:\n  curl -s {envoy.url}/v1/chat/completions -H 'content-type: "
               f"application/json' -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", "
-              f"\"content\": \"hi\"}}]}}'\n  picker explain --target 127.0.0.1:{picker.grpc_port} --endpoints\n"
+              f"\"content\": \"hi\"}}]}}'\n  picker explain --target {picker.host}:{picker.grpc_port} --endpoints\n"
               "Ctrl-C stops everything.")
         # Ctrl-C and SIGTERM both stop everything (also when started in the background, where SIGINT is ignored).
         for sig in (signal.SIGINT, signal.SIGTERM):
