@@ -1,0 +1,56 @@
+"""The Grafana dashboard only queries series the picker really exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from picker.endpoints.state import Endpoint
+from picker.observability import PickerMetrics
+from picker.prefix.shared import SyncStats
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "manifests" / "grafana" / "picker-dashboard.json"
+METRIC = re.compile(r"\b(?:inference|picker)_[a-z0-9_]+\b")
+
+
+def exported_series() -> set[str]:
+    """Every series name a picker exposes once it has routed, refused, scraped a pod and synced an index."""
+    metrics = PickerMetrics("pool")
+    metrics.watch_index_sync(SyncStats())
+    metrics.requests.labels("m", "m", "0").inc()
+    metrics.errors.labels("m", "m", "0", "saturated").inc()
+    metrics.duration.labels("m", "m", "0").observe(1.0)
+    metrics.scheduler_duration.observe(0.001)
+    metrics.index_hit_ratio.observe(0.5)
+    metrics.index_size.set(1)
+    metrics.observe_usage("m", "m", 100, 10, 50)
+    pod = Endpoint.from_address("10.0.0.1:8000")
+    metrics.observe_pool([pod])
+    text = generate_latest(metrics.registry).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_query_names_an_exported_series() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
+    exprs.append(dashboard["templating"]["list"][1]["definition"])
+    assert len(exprs) > 15
+    exported = exported_series()
+    used = {name for expr in exprs for name in METRIC.findall(expr)}
+    assert used and used <= exported, sorted(used - exported)
+    # Every picker_* and GIE family the picker exports has a panel.
+    families = {re.sub(r"_(bucket|sum|count|total|created)$", "", n) for n in exported}
+    shown = {re.sub(r"_(bucket|sum|count|total|created)$", "", n) for n in used}
+    assert families <= shown, sorted(families - shown)
+
+
+def test_panels_do_not_overlap() -> None:
+    cells: set[tuple[int, int]] = set()
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        g = panel["gridPos"]
+        area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not area & cells, panel["title"]
+        cells |= area
