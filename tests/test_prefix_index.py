@@ -156,3 +156,17 @@ def test_purge_on_removal_and_capacity_shrink() -> None:
     assert index.size() == 0
     with pytest.raises(ValueError):
         index.set_capacity("b:1", 0)
+
+
+def test_late_records_never_make_a_parent_older_than_its_child() -> None:
+    """Picks from other replicas arrive a moment late: `never_older` keeps the newer time a block already has."""
+    keys = prefix_keys("late " * 200, 1, 64, 256)[:4]
+    index = InMemoryPrefixIndex(ttl=60.0)
+    index.record(keys[:3], "a", 100.0)
+    index.record(keys[:4], "a", 90.0, never_older=True)  # a peer's older pick of a longer chain
+    assert index.match(keys, None, 149.0) == {"a": 4}  # cutoff 89: the new leaf (90) still counts
+    assert index.match(keys, None, 155.0) == {"a": 3}  # cutoff 95: the leaf expired, its parents (100) did not
+    plain = InMemoryPrefixIndex(ttl=60.0)
+    plain.record(keys[:3], "a", 100.0)
+    plain.record(keys[:4], "a", 90.0)  # without it the parents fall back to 90 and expire with the leaf
+    assert plain.match(keys, None, 155.0) == {}

@@ -59,7 +59,9 @@ class InMemoryPrefixIndex:
         return out
 
     def record(self, keys: Sequence[int], address: str, now: float, *, prompt_chars: int = 0,
-               session_id: str = "") -> None:
+               session_id: str = "", never_older: bool = False) -> None:
+        """`never_older`: keep a newer time already held (picks from other replicas may arrive a moment late;
+        a parent must never end up older than its child, or `match`'s binary search breaks)."""
         if not keys:
             return
         lru = self._lru.get(address)
@@ -72,9 +74,16 @@ class InMemoryPrefixIndex:
         # Leaf first, root last. Key i-1 (the parent, fixed by key i since keys are chained) is then always
         # more recent and no older than key i, so LRU and TTL evict chains from the tail (as vLLM frees
         # blocks) and each endpoint's blocks of any chain form a prefix: what makes `match` a binary search.
-        for key in reversed(keys):
-            lru[key] = now  # appends a new key, updates an old one in place ...
-            move(key)  # ... which this then makes the most recent
+        if never_older:
+            get = lru.get
+            for key in reversed(keys):
+                held = get(key)
+                lru[key] = now if held is None or held < now else held
+                move(key)
+        else:
+            for key in reversed(keys):
+                lru[key] = now  # appends a new key, updates an old one in place ...
+                move(key)  # ... which this then makes the most recent
         self._evict(address, lru, now)
 
     def _evict(self, address: str, lru: OrderedDict[int, float], now: float | None) -> None:

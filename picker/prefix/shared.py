@@ -288,7 +288,7 @@ class SharedPrefixIndex:
             # LRU order must follow time for its TTL and longest-match invariants.
             at = min(now, max(wall - self.wall_clock() + now, self._applied_floor))
             self._applied_floor = at
-            self.local.record(keys, address, at)
+            self.local.record(keys, address, at, never_older=True)
             if self.peer_listener is not None:
                 self.peer_listener(address, int(pick[4]), str(pick[5]), at)
         else:
