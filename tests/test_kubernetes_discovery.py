@@ -97,8 +97,18 @@ def test_pool_spec_reads_v1_fields_and_refuses_an_unusable_pool() -> None:
     spec = pool_spec({"spec": {"selector": {"matchLabels": {"b": "2", "a": "1"}},
                                "targetPorts": [{"number": 8000}, {"number": 8001}]}})
     assert spec.selector == "a=1,b=2" and spec.ports == (8000, 8001)
+    expressions = pool_spec({"spec": {"targetPorts": [{"number": 8000}], "selector": {
+        "matchLabels": {"app": "vllm"},
+        "matchExpressions": [{"key": "tier", "operator": "In", "values": ["gpu", "tpu"]},
+                             {"key": "canary", "operator": "DoesNotExist"},
+                             {"key": "zone", "operator": "Exists"}]}}})
+    assert expressions.selector == "app=vllm,tier in (gpu,tpu),!canary,zone"
+    assert pool_spec({"spec": {"selector": {"app": "old"}, "targetPorts": [{"number": 8000}]}}).selector == "app=old"
     with pytest.raises(ValueError, match="selector"):
         pool_spec({"spec": {"targetPorts": [{"number": 8000}]}})
+    with pytest.raises(ValueError, match="unsupported"):
+        pool_spec({"spec": {"targetPorts": [{"number": 8000}],
+                            "selector": {"matchExpressions": [{"key": "a", "operator": "Gt", "values": ["1"]}]}}})
     with pytest.raises(ValueError, match="targetPorts"):
         pool_spec({"spec": {"selector": {"matchLabels": {"a": "1"}}}})
 

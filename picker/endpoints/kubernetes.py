@@ -214,17 +214,37 @@ def pool_spec(pool: Mapping[str, Any]) -> PoolSpec:
     """InferencePool v1: spec.selector.matchLabels and spec.targetPorts[].number (ValueError if unusable)."""
     spec = pool.get("spec") or {}
     selector = spec.get("selector") or {}
-    labels = selector.get("matchLabels", selector) if isinstance(selector, dict) else None
-    if not isinstance(labels, dict) or not labels:
+    if not isinstance(selector, dict):
+        raise ValueError("InferencePool spec.selector is not a mapping")
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        selector = {"matchLabels": selector}  # older API versions: a plain label map
+    query = label_selector(selector)
+    if not query:
         raise ValueError("InferencePool has no spec.selector.matchLabels")
     ports = tuple(int(p["number"]) for p in spec.get("targetPorts") or () if isinstance(p, dict) and "number" in p)
     if not ports:
         raise ValueError("InferencePool has no spec.targetPorts")
-    return PoolSpec(label_selector(labels), ports)
+    return PoolSpec(query, ports)
 
 
-def label_selector(labels: Mapping[str, Any]) -> str:
-    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+_SET_OPERATORS = {"In": "in", "NotIn": "notin"}
+
+
+def label_selector(selector: Mapping[str, Any]) -> str:
+    """A LabelSelector (matchLabels + matchExpressions) as the API's labelSelector query string."""
+    terms = [f"{key}={value}" for key, value in sorted((selector.get("matchLabels") or {}).items())]
+    for expression in selector.get("matchExpressions") or ():
+        key, operator = expression.get("key"), expression.get("operator")
+        values = ",".join(str(v) for v in expression.get("values") or ())
+        if operator in _SET_OPERATORS and values:
+            terms.append(f"{key} {_SET_OPERATORS[operator]} ({values})")
+        elif operator == "Exists":
+            terms.append(str(key))
+        elif operator == "DoesNotExist":
+            terms.append(f"!{key}")
+        else:
+            raise ValueError(f"unsupported selector expression {expression!r}")
+    return ",".join(terms)
 
 
 def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...]) -> list[Endpoint]:
