@@ -83,7 +83,7 @@ class SharedPrefixIndex:
         *,
         replica_id: str | None = None,
         flush_interval: float = 0.002,
-        max_pending: int = 100_000,
+        max_pending: int = 10_000,  # picks held while Redis is away (each up to 2 KB of keys)
         max_stream_entries: int = 1_000_000,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
