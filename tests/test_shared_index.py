@@ -340,3 +340,17 @@ async def test_one_envoy_balancing_two_replicas_keeps_prefix_affinity() -> None:
         assert second == first
         sent = [_sync_entries(p, "sent") for p in pickers]
         assert all(n >= len(documents) // 2 for n in sent), f"both replicas should have routed: {sent}"
+
+
+async def test_a_long_outage_keeps_only_the_newest_picks(namespace: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens
+    index = SharedPrefixIndex(InMemoryPrefixIndex(), url, namespace, max_pending=3)
+    try:
+        await index.start(catch_up_timeout=1.0)
+        for i in range(5):
+            index.record(chain(f"outage{i}"), POD_A, time.monotonic())
+        assert index.stats.dropped == 2
+        assert [pick[3] for pick in index._pending] == [encode_keys(chain(f"outage{i}")) for i in (2, 3, 4)]
+        assert index.size() == 5 * 8  # the local view kept everything
+    finally:
+        await index.stop(flush_timeout=0.2)
