@@ -23,7 +23,9 @@ from picker.prefix.hashing import prefix_keys
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.shared import SharedPrefixIndex, decode_keys, encode_keys, stream_name
 from picker.supervisor import (
+    Backends,
     Envoy,
+    Managed,
     Picker,
     Valkey,
     free_port,
@@ -262,13 +264,21 @@ async def _served_by(envoy: Envoy, document: str, question: str) -> str:
         return str((await response.json())["served_by"])
 
 
+DOCUMENTS = {f"doc{i}": " ".join(f"doc{i}-word{w}" for w in range(300)) for i in range(6)}
+
+
+def _pods_and_valkey(logdir: Path, started: list[Managed], namespace: str) -> tuple[Backends, list[str]]:
+    """Three echo pods, a Valkey, and the `picker serve` flags that share the index through it."""
+    valkey = start_valkey(logdir)
+    started.append(valkey.process)
+    backends = start_backends(3, logdir)
+    started.append(backends.process)
+    return backends, ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", namespace]
+
+
 async def test_replicas_behind_different_envoys_route_a_prefix_to_the_same_pod() -> None:
     with process_scope("shared-index") as (logdir, started):
-        valkey = start_valkey(logdir)
-        started.append(valkey.process)
-        backends = start_backends(3, logdir)
-        started.append(backends.process)
-        shared = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "e2e"]
+        backends, shared = _pods_and_valkey(logdir, started, "e2e")
         pickers, envoys = [], []
         for i in range(2):
             picker = start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"picker-{i}")
@@ -277,7 +287,7 @@ async def test_replicas_behind_different_envoys_route_a_prefix_to_the_same_pod()
             envoy = start_envoy(logdir, picker, backends.addresses, name=f"envoy-{i}")
             started.append(envoy.process)
             envoys.append(envoy)
-        documents = {f"doc{i}": " ".join(f"doc{i}-word{w}" for w in range(300)) for i in range(6)}
+        documents = DOCUMENTS
         first = {tag: await _served_by(envoys[0], text, "summarise it") for tag, text in documents.items()}
         assert len(set(first.values())) >= 2, "cold documents should spread over the pods"
         await eventually(lambda: _sync_entries(pickers[1], "received") >= len(documents))
@@ -319,11 +329,7 @@ async def test_one_envoy_balancing_two_replicas_keeps_prefix_affinity() -> None:
     same ports); Envoy round-robins ext_proc streams over them, so a prompt's second request reaches the other
     replica, which must know where the first one sent it."""
     with process_scope("replicas-one-envoy") as (logdir, started):
-        valkey = start_valkey(logdir)
-        started.append(valkey.process)
-        backends = start_backends(3, logdir)
-        started.append(backends.process)
-        shared = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "one-envoy"]
+        backends, shared = _pods_and_valkey(logdir, started, "one-envoy")
         grpc_port, health_port = free_port(), free_port()
         pickers = [start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"replica-{i}",
                                 host=f"127.0.0.{5 + i}", grpc_port=grpc_port, health_port=health_port)
@@ -331,7 +337,7 @@ async def test_one_envoy_balancing_two_replicas_keeps_prefix_affinity() -> None:
         started += [p.process for p in pickers]
         envoy = start_envoy(logdir, pickers, backends.addresses)
         started.append(envoy.process)
-        documents = {f"doc{i}": " ".join(f"doc{i}-word{w}" for w in range(300)) for i in range(6)}
+        documents = DOCUMENTS
         first = {tag: await _served_by(envoy, text, "summarise it") for tag, text in documents.items()}
         assert len(set(first.values())) >= 2, "cold documents should spread over the pods"
         await eventually(lambda: min(_sync_entries(p, "received") for p in pickers) >= len(documents) // 2)
