@@ -45,6 +45,7 @@ class Variant:
     replicas: int = 1
     shared_index: bool = False
     peer_picks: bool = True
+    exact_index: bool = False  # bench/exact_index.py: matches from the pods' real caches
 
 
 VARIANTS = (
@@ -68,7 +69,8 @@ def _trace(spec: FastSpec, workload: str, rate: float) -> Trace:
 def run_variant(spec: FastSpec, workload: str, rate: float, variant: Variant) -> dict[str, Any]:
     """One replay; its figures plus how long it took."""
     cfg = FastConfig(spec.get_profile(), spec.pods, seed=spec.seed, replicas=variant.replicas,
-                     shared_index=variant.shared_index, peer_picks=variant.peer_picks)
+                     shared_index=variant.shared_index, peer_picks=variant.peer_picks,
+                     exact_index=variant.exact_index)
     res = run_fast(_trace(spec, workload, rate), variant.strategy, cfg, scheduling=spec.scheduling_config())
     return {"figures": summarize(res), "wall_s": res.wall_s, "notes": res.notes}
 

@@ -8,11 +8,12 @@ import math
 import pytest
 
 from picker.bench.capacity import cost_per_request, rate_for_load
-from picker.bench.fast import FastConfig, _FastRun, run_fast
+from picker.bench.fast import ExactCacheIndex, FastConfig, _FastRun, run_fast
 from picker.bench.results import OK, RunResult
 from picker.bench.summary import summarize
 from picker.bench.trace import Trace
 from picker.bench.workloads import FleetSpec, generate
+from picker.sim.engine import Engine, SimRequest
 from picker.sim.profiles import get_profile
 
 PODS = 4
@@ -67,3 +68,29 @@ def test_every_replica_routes_and_releases_its_in_flight_counts(trace: Trace) ->
             assert any(ep.last_picked_at >= 0 for ep in endpoints), "round-robin over replicas reaches each one"
             assert [(ep.in_flight, ep.in_flight_tokens) for ep in endpoints] == [(0, 0)] * PODS
         assert len(run.schedulers) == 4 and len({id(s) for s in run.schedulers}) == 4
+
+
+def test_the_exact_cache_view_reads_what_each_pod_holds_now() -> None:
+    """bench/exact_index.py's bound of KV-event routing: matches come from the engines' caches, evictions included."""
+    profile = get_profile("tiny-cpu")
+    engines = [Engine(profile, seed=1), Engine(profile, seed=1)]
+    index = ExactCacheIndex(engines, ["10.0.0.1:8000", "10.0.0.2:8000"])
+    ids = list(range(1, 4 * profile.block_size + 2))  # 4 full blocks and a bit
+    engines[1].add_request(SimRequest("r", ids, 1, ignore_eos=True), 0.0)
+    now = 0.0
+    while engines[1].has_work():
+        now = max(now, engines[1].next_step_time() or now)
+        now = engines[1].step(now).end
+    block_chars = 4 * profile.block_size
+    index.prepare(ids, 4 * len(ids), block_chars)  # 4 characters per token, as the simulator's tokenizer
+    keys = list(range(len(ids) * 4 // block_chars + 1))
+    assert index.match(keys, None, now) == {"10.0.0.2:8000": 4}
+    assert index.match(keys, ["10.0.0.1:8000"], now) == {}
+    engines[1].reset_prefix_cache()  # a cache reset is seen at once: no stale affinity
+    assert index.match(keys, None, now) == {}
+
+
+def test_exact_cache_view_runs_the_same_trace(trace: Trace) -> None:
+    exact = summarize(run_fast(trace, "picker", FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1,
+                                                           exact_index=True)))
+    assert exact["completed"] == N and exact["hit_rate"] > summarize(run_fast(trace, "round-robin", _cfg()))["hit_rate"]

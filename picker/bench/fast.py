@@ -25,7 +25,7 @@ import heapq
 import math
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from picker.requests import ApiKind, InferenceRequest, RequestError, estimated_t
 from picker.scheduling.config import build_strategy, merged_config
 from picker.scheduling.types import Scheduler
 from picker.sim.engine import Engine, SimRequest, StepResult
+from picker.sim.kvcache import block_hashes
 from picker.sim.profiles import Profile
 
 _DELIVER, _ARRIVE, _STEP, _SCRAPE = 0, 1, 2, 3
@@ -61,6 +62,7 @@ class FastConfig:
     replicas: int = 1  # picker replicas behind Envoy, requests dealt round-robin in arrival order
     shared_index: bool = False  # replicas share one prefix index (Redis-shared index with zero replication lag)
     peer_picks: bool = True  # with shared_index: replicas also learn each other's picks (load, stickiness), as serve does
+    exact_index: bool = False  # prefix matches read from the pods' real caches: the bound of KV-event routing
 
 
 def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None, *,
@@ -77,6 +79,55 @@ def shared_prefix_index(strategy: str, scheduling: Mapping[str, Any] | None = No
     lag; the real one converges within milliseconds."""
     pc = merged_config(scheduling if strategy == "picker" else None)["prefixCache"]
     return InMemoryPrefixIndex(int(pc["lruCapacityPerServer"]), pc["ttlSeconds"])
+
+
+class ExactCacheIndex:
+    """Implements `PrefixIndex` from what each simulated pod's KV cache holds at the moment of the decision.
+
+    The upper bound of precise (KV-event) routing: exact token blocks, no replication or event lag, evictions seen
+    at once. `prepare()` hands it each request's token ids before the decision; matches are converted from token
+    blocks to the scheduler's character blocks. Recording is a no-op: the caches themselves are the truth.
+    """
+
+    ttl: float | None = None
+
+    def __init__(self, engines: list[Engine], addresses: list[str]) -> None:
+        self.engines = dict(zip(addresses, engines, strict=True))
+        self._hashes: list[int] = []
+        self._max_blocks = 0
+        self._chars_per_block = 1.0  # prompt characters per token block of this request
+        self._block_chars = 1
+
+    def prepare(self, token_ids: list[int], prompt_chars: int, block_chars: int) -> None:
+        engine = next(iter(self.engines.values()))
+        self._hashes = block_hashes(token_ids, engine.block_size)
+        self._max_blocks = (len(token_ids) - 1) // engine.block_size
+        self._chars_per_block = prompt_chars / max(1, len(token_ids)) * engine.block_size
+        self._block_chars = block_chars
+
+    def match(self, keys: Sequence[int], addresses: Collection[str] | None, now: float) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for address, engine in self.engines.items():
+            if addresses is not None and address not in addresses:
+                continue
+            held = len(engine.kv.lookup(self._hashes, self._max_blocks))
+            matched = min(len(keys), int(held * self._chars_per_block // self._block_chars))
+            if matched:
+                out[address] = matched
+        return out
+
+    def record(self, keys: Sequence[int], address: str, now: float, *, prompt_chars: int = 0,
+               session_id: str = "") -> None:
+        return None
+
+    def remove_endpoint(self, address: str) -> None:
+        return None
+
+    def size(self) -> int:
+        return 0
+
+    def set_capacity(self, address: str, blocks: int) -> None:
+        return None
 
 
 def run_fast(trace: Trace, strategy: str, cfg: FastConfig, *, scheduling: Mapping[str, Any] | None = None,
@@ -104,7 +155,10 @@ class _FastRun:
         self.replica_endpoints = [self.make_endpoints() for _ in range(cfg.replicas)]
         self.endpoints = self.replica_endpoints[0]
         self.pod_of = {ep.address: k for k, ep in enumerate(self.endpoints)}
-        index = shared_prefix_index(strategy, scheduling) if cfg.shared_index else None
+        index: PrefixIndex | None = shared_prefix_index(strategy, scheduling) if cfg.shared_index else None
+        self.exact = ExactCacheIndex(self.engines, [e.address for e in self.endpoints]) if cfg.exact_index else None
+        if self.exact is not None:
+            index = self.exact
         self.schedulers = [make_scheduler(strategy, cfg.seed + r, scheduling, index=index)
                            for r in range(cfg.replicas)]
         use_admission = cfg.admission and strategy != "round-robin"
@@ -220,6 +274,9 @@ class _FastRun:
             request_id=str(i), model=self.cfg.profile.model, api=ApiKind.CHAT if r.is_chat else ApiKind.COMPLETIONS,
             path="/v1/chat/completions" if r.is_chat else "/v1/completions",
             prompt_text=prompt_text(messages, r.prompt), stream=True, max_tokens=r.max_tokens, session_id=r.session)
+        if self.exact is not None:
+            self.exact.prepare(ids, len(request.prompt_text),
+                               self.schedulers[0].hasher.block_chars(self.cfg.profile.block_size))  # type: ignore[attr-defined]
         replica = self.arrivals % self.cfg.replicas  # Envoy round-robins ext_proc streams over the replicas
         self.arrivals += 1
         endpoints = self.replica_endpoints[replica]
