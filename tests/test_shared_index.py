@@ -267,18 +267,19 @@ async def _served_by(envoy: Envoy, document: str, question: str) -> str:
 DOCUMENTS = {f"doc{i}": " ".join(f"doc{i}-word{w}" for w in range(300)) for i in range(6)}
 
 
-def _pods_and_valkey(logdir: Path, started: list[Managed], namespace: str) -> tuple[Backends, list[str]]:
+def _pods_and_valkey(logdir: Path, started: list[Managed], namespace: str) -> tuple[Backends, list[str], Managed]:
     """Three echo pods, a Valkey, and the `picker serve` flags that share the index through it."""
     valkey = start_valkey(logdir)
     started.append(valkey.process)
     backends = start_backends(3, logdir)
     started.append(backends.process)
-    return backends, ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", namespace]
+    return (backends, ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", namespace],
+            valkey.process)
 
 
 async def test_replicas_behind_different_envoys_route_a_prefix_to_the_same_pod() -> None:
     with process_scope("shared-index") as (logdir, started):
-        backends, shared = _pods_and_valkey(logdir, started, "e2e")
+        backends, shared, _ = _pods_and_valkey(logdir, started, "e2e")
         pickers, envoys = [], []
         for i in range(2):
             picker = start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"picker-{i}")
@@ -329,7 +330,7 @@ async def test_one_envoy_balancing_two_replicas_keeps_prefix_affinity() -> None:
     same ports); Envoy round-robins ext_proc streams over them, so a prompt's second request reaches the other
     replica, which must know where the first one sent it."""
     with process_scope("replicas-one-envoy") as (logdir, started):
-        backends, shared = _pods_and_valkey(logdir, started, "one-envoy")
+        backends, shared, _ = _pods_and_valkey(logdir, started, "one-envoy")
         grpc_port, health_port = free_port(), free_port()
         pickers = [start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"replica-{i}",
                                 host=f"127.0.0.{5 + i}", grpc_port=grpc_port, health_port=health_port)
@@ -360,3 +361,43 @@ async def test_a_long_outage_keeps_only_the_newest_picks(namespace: str) -> None
         assert index.size() == 5 * 8  # the local view kept everything
     finally:
         await index.stop(flush_timeout=0.2)
+
+
+def _sync_gauge(picker: Picker, name: str) -> float:
+    url = f"http://{picker.host}:{picker.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=2) as response:
+        for family in text_string_to_metric_families(response.read().decode()):
+            for sample in family.samples:
+                if sample.name == name:
+                    return sample.value
+    return -1.0
+
+
+async def test_valkey_dying_under_load_fails_no_request() -> None:
+    with process_scope("valkey-dies") as (logdir, started):
+        backends, shared, valkey = _pods_and_valkey(logdir, started, "chaos")
+        grpc_port, health_port = free_port(), free_port()
+        pickers = [start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"chaos-{i}",
+                                host=f"127.0.0.{7 + i}", grpc_port=grpc_port, health_port=health_port)
+                   for i in range(2)]
+        started += [p.process for p in pickers]
+        envoy = start_envoy(logdir, pickers, backends.addresses)
+        started.append(envoy.process)
+        assert all(_sync_gauge(p, "picker_prefix_index_sync_connected") == 1.0 for p in pickers)
+        statuses: list[int] = []
+
+        async def client(n: int) -> None:
+            async with aiohttp.ClientSession() as session:
+                for i in range(40):
+                    body = {"model": "tiny", "messages": [{"role": "user", "content": f"client {n} turn {i} " * 40}]}
+                    async with session.post(f"{envoy.url}/v1/chat/completions", json=body) as response:
+                        statuses.append(response.status)
+                    await asyncio.sleep(0.01)
+
+        load = asyncio.gather(*(client(n) for n in range(4)))
+        await asyncio.sleep(0.3)
+        valkey.kill()  # SIGKILL mid-load
+        await load
+        assert statuses == [200] * 160
+        await eventually(lambda: all(_sync_gauge(p, "picker_prefix_index_sync_connected") == 0.0 for p in pickers))
+        assert all(p.process.alive() for p in pickers)
