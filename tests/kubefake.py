@@ -67,6 +67,11 @@ class FakeKube:
                           "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
         await self._put("pods", namespace, name, pod)
 
+    async def put_raw_pod(self, namespace: str, name: str, labels: dict[str, str], status: Any) -> None:
+        """A pod whose status is whatever the test says (to check that garbage does not kill discovery)."""
+        await self._put("pods", namespace, name, {"apiVersion": "v1", "kind": "Pod", "status": status,
+                                                  "metadata": {"name": name, "namespace": namespace, "labels": labels}})
+
     async def put_pool(self, namespace: str, name: str, labels: dict[str, str], ports: list[int]) -> None:
         pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
                 "metadata": {"name": name, "namespace": namespace},

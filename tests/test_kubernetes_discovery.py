@@ -236,6 +236,21 @@ async def test_expired_watches_relist_and_closed_watches_resume(kube: FakeKube) 
         assert kube.lists["pods"] >= 2
 
 
+async def test_a_malformed_pod_does_not_stop_discovery(kube: FakeKube) -> None:
+    await kube.put_pool(NS, "llama", LABELS, [8000])
+    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+    pool = EndpointPool()
+    async with running(discovery(kube, pool)) as d:
+        await asyncio.wait_for(d.synced.wait(), 5)
+        await kube.put_raw_pod(NS, "broken", LABELS, ["not", "a", "status"])
+        await kube.put_raw_pod(NS, "odd", LABELS, {"phase": "Running", "podIP": "10.1.0.3", "conditions": "yes"})
+        await kube.put_pod(NS, "vllm-1", "10.1.0.4", LABELS)  # events after the garbage still arrive
+        await eventually(lambda: addresses(pool) == {"10.1.0.1:8000", "10.1.0.4:8000"})
+        assert kube.lists["pods"] == 1  # the garbage serves nothing and breaks nothing
+        await kube.put_pod(NS, "broken", "10.1.0.2", LABELS)  # fixed
+        await eventually(lambda: addresses(pool) == {"10.1.0.1:8000", "10.1.0.2:8000", "10.1.0.4:8000"})
+
+
 async def test_label_selector_mode_needs_no_pool_object(kube: FakeKube) -> None:
     await kube.put_pod(NS, "a", "10.1.0.1", {"app": "vllm", "tier": "gpu"})
     await kube.put_pod(NS, "b", "10.1.0.2", {"app": "vllm", "tier": "cpu"})

@@ -248,13 +248,18 @@ def label_selector(selector: Mapping[str, Any]) -> str:
 
 
 def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...]) -> list[Endpoint]:
-    """The endpoints a pod serves now: none unless it is Running, Ready, has an IP and is not being deleted."""
+    """The endpoints a pod serves now: none unless it is Running, Ready, has an IP and is not being deleted
+    (a malformed pod object serves nothing rather than stopping discovery)."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
-    ip = status.get("podIP")
-    if meta.get("deletionTimestamp") or not ip or status.get("phase") != "Running":
+    if not isinstance(meta, dict) or not isinstance(status, dict):
         return []
-    if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()):
+    ip = status.get("podIP")
+    if meta.get("deletionTimestamp") or not isinstance(ip, str) or not ip or status.get("phase") != "Running":
+        return []
+    conditions = status.get("conditions")
+    if not isinstance(conditions, list) or not any(
+            isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
         return []
     name = str(meta.get("name") or ip)
     host = f"[{ip}]" if ":" in ip else ip
@@ -315,7 +320,8 @@ class KubernetesDiscovery:
                 for task in done:
                     task.result()  # re-raise what ended it
                 delay = 0.2  # the pool changed: start over at once
-            except (KubeError, _Gone, aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
+            except (KubeError, _Gone, aiohttp.ClientError, TimeoutError, OSError,
+                    ValueError, TypeError, KeyError, AttributeError) as exc:  # the last four: a malformed answer
                 log.warning("discovery of %s: %s; retrying in %.1fs", self.describe(), exc or type(exc).__name__,
                             delay)
                 await asyncio.sleep(delay)
