@@ -248,7 +248,7 @@ class SharedPrefixIndex:
                 self._apply_response(response)
                 self.stats.connected = True
                 backoff = 0.05
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, ValueError, TypeError) as exc:  # the last two: an answer of odd shape
                 self._failed("follow", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
