@@ -17,7 +17,7 @@ import logging
 import os
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -270,6 +270,41 @@ def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...]) -> list[Endpoi
 
 # Discovery ---------------------------------------------------------------------------------------------------
 
+async def follow_collection(api: KubeApi, path: str, params: Mapping[str, str],
+                            apply: Callable[[dict[str, dict[str, Any]]], None], what: str) -> None:
+    """LIST a collection, then WATCH it from the list's version for ever, calling `apply(objects by name)` after
+    the list and after every change. An expired version (410) lists again; other errors propagate."""
+    async def listing() -> tuple[dict[str, dict[str, Any]], str]:
+        data = await api.get(path, params)
+        found = {str((o.get("metadata") or {}).get("name")): o for o in data.get("items") or ()}
+        apply(found)
+        return found, str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    objects, version = await listing()
+    while True:
+        try:
+            query = {**params, "resourceVersion": version, "allowWatchBookmarks": "true"}
+            async for event in api.watch(path, query):
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise _Gone()
+                    raise KubeError(int(obj.get("code") or 0), str(obj.get("message")))
+                meta = obj.get("metadata") or {}
+                version = str(meta.get("resourceVersion") or version)
+                if kind == "BOOKMARK":
+                    continue
+                objects = dict(objects)
+                if kind == "DELETED":
+                    objects.pop(str(meta.get("name") or ""), None)
+                else:
+                    objects[str(meta.get("name") or "")] = obj
+                apply(objects)
+        except _Gone:
+            log.info("%s: watch expired, listing again", what)
+            objects, version = await listing()
+
+
 class KubernetesDiscovery:
     """Keeps `pool` equal to the ready pods of an InferencePool (`pool_name`) or of a label `selector`."""
 
@@ -371,37 +406,11 @@ class KubernetesDiscovery:
                         return
 
     async def _follow_pods(self, spec: PoolSpec) -> None:
-        version = await self._list_pods(spec)
-        while True:
-            params = {"labelSelector": spec.selector, "resourceVersion": version, "allowWatchBookmarks": "true"}
-            try:
-                async for event in self.api.watch(self._pods_path, params):
-                    kind, obj = event.get("type"), event.get("object") or {}
-                    if kind == "ERROR":
-                        if obj.get("code") == 410:
-                            raise _Gone()
-                        raise KubeError(int(obj.get("code") or 0), str(obj.get("message")))
-                    meta = obj.get("metadata") or {}
-                    version = str(meta.get("resourceVersion") or version)
-                    if kind == "BOOKMARK":
-                        continue
-                    name = str(meta.get("name") or "")
-                    pods = dict(self._pods)
-                    if kind == "DELETED":
-                        pods.pop(name, None)
-                    else:
-                        pods[name] = obj
-                    self._replace_pods(pods, spec)
-            except _Gone:
-                log.info("discovery of %s: watch expired, listing again", self.describe())
-                version = await self._list_pods(spec)
+        def update(pods: dict[str, dict[str, Any]]) -> None:
+            self._replace_pods(pods, spec)
+            self.synced.set()
 
-    async def _list_pods(self, spec: PoolSpec) -> str:
-        listing = await self.api.get(self._pods_path, {"labelSelector": spec.selector})
-        pods = {str((p.get("metadata") or {}).get("name")): p for p in listing.get("items") or ()}
-        self._replace_pods(pods, spec)
-        self.synced.set()
-        return str((listing.get("metadata") or {}).get("resourceVersion") or "")
+        await follow_collection(self.api, self._pods_path, {"labelSelector": spec.selector}, update, self.describe())
 
     def _replace_pods(self, pods: dict[str, dict[str, Any]], spec: PoolSpec | None) -> None:
         self._pods = pods
