@@ -100,13 +100,20 @@ class AdmissionController:
 
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = config if config is not None else AdmissionConfig()
+        # Priorities of the pool's InferenceObjectives as the cluster declares them (Kubernetes discovery);
+        # an objective named in the config wins.
+        self.discovered_objectives: dict[str, int] = {}
+
+    def set_discovered_objectives(self, priorities: dict[str, int]) -> None:
+        self.discovered_objectives = dict(priorities)
 
     def priority_of(self, request: InferenceRequest) -> int:
         """Resolve and store request.priority from its objective (unknown objective: default priority)."""
         cfg = self.config
         priority = cfg.default_priority
-        if request.objective:
-            priority = cfg.objectives.get(request.objective, priority)
+        objective = request.objective
+        if objective:
+            priority = cfg.objectives.get(objective, self.discovered_objectives.get(objective, priority))
         request.priority = priority
         return priority
 

@@ -23,7 +23,7 @@ from picker import config as cfg
 from picker.api.service import PickerService, picker_pb2_grpc
 from picker.director import Director
 from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
-from picker.endpoints.kubernetes import KubernetesDiscovery, discovery_from_config
+from picker.endpoints.kubernetes import KubernetesDiscovery, discovery_from_config, watch_objectives
 from picker.endpoints.pool import EndpointPool
 from picker.extproc.servicer import ExtProcServicer
 from picker.observability import DecisionTracer, PickerMetrics
@@ -75,9 +75,14 @@ class PickerServer:
             await self.shared_index.start()
             self.metrics.watch_index_sync(self.shared_index.stats)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
-        self.director = Director(self.pool, self.scheduler, admission=build_admission(c), metrics=self.metrics,
+        self.admission = build_admission(c)
+        self.director = Director(self.pool, self.scheduler, admission=self.admission, metrics=self.metrics,
                                  fallbacks=c.fallback_endpoints, tracer=self.tracer)
         self._tasks.append(start_monitor(c, self.pool, self.scheduler, self.metrics))
+        if self.discovery is not None and self.discovery.pool_name:
+            self._tasks.append(asyncio.create_task(watch_objectives(
+                self.discovery.api, self.discovery.namespace, self.discovery.pool_name,
+                self.admission.set_discovered_objectives), name="inference-objectives"))
 
         limit = c.max_body_bytes + 2**20  # headroom for the protobuf envelope
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),

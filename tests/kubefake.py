@@ -19,6 +19,7 @@ from aiohttp import web
 
 T = TypeVar("T")
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
+OBJECTIVES = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives"
 
 
 def _status(code: int, message: str) -> dict[str, Any]:
@@ -48,8 +49,9 @@ class FakeKube:
         self.events: list[tuple[int, str, str, str, dict[str, Any]]] = []  # (version, kind, ns, type, object)
         self.compacted = 0  # watches from an older version get 410
         self.generation = 0  # bumping it ends every open watch (the server closing streams)
-        self.lists: dict[str, int] = {"pods": 0, "pools": 0}
-        self.watches: dict[str, int] = {"pods": 0, "pools": 0}
+        self.lists: dict[str, int] = {"pods": 0, "pools": 0, "objectives": 0}
+        self.watches: dict[str, int] = {"pods": 0, "pools": 0, "objectives": 0}
+        self.objectives_installed = True  # False: the InferenceObjective CRD is absent (404)
         self.unauthorized = 0
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
@@ -78,6 +80,15 @@ class FakeKube:
                 "spec": {"selector": {"matchLabels": labels}, "targetPorts": [{"number": p} for p in ports],
                          "endpointPickerRef": {"kind": "Service", "name": "picker", "port": {"number": 9002}}}}
         await self._put("pools", namespace, name, pool)
+
+    async def put_objective(self, namespace: str, name: str, pool: str, priority: int | None) -> None:
+        spec: dict[str, Any] = {"poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                            "name": pool}}
+        if priority is not None:
+            spec["priority"] = priority
+        await self._put("objectives", namespace, name, {"apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                                                        "kind": "InferenceObjective", "spec": spec,
+                                                        "metadata": {"name": name, "namespace": namespace}})
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         obj = self.objects.pop((kind, namespace, name))
@@ -112,6 +123,7 @@ class FakeKube:
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._pods)
         app.router.add_get(POOLS.format(ns="{ns}"), self._pools)
         app.router.add_get(POOLS.format(ns="{ns}") + "/{name}", self._pool)
+        app.router.add_get(OBJECTIVES.format(ns="{ns}"), self._objectives)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -144,6 +156,11 @@ class FakeKube:
 
     async def _pools(self, request: web.Request) -> web.StreamResponse:
         return await self._collection(request, "pools")
+
+    async def _objectives(self, request: web.Request) -> web.StreamResponse:
+        if not self.objectives_installed:
+            return web.json_response(_status(404, "the server could not find the requested resource"), status=404)
+        return await self._collection(request, "objectives")
 
     async def _pool(self, request: web.Request) -> web.Response:
         if not self._authorized(request):

@@ -21,6 +21,7 @@ import yaml
 
 from picker import cli
 from picker.config import ServeConfig, parse_ports, resolve
+from picker.endpoints.kubernetes import objective_priorities
 from picker.envoyconfig import EnvoySettings, render, validate_with_envoy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +31,7 @@ COMPOSE_ENVOY = ROOT / "envoy" / "compose.yaml"
 SIDECAR = MANIFESTS / "sidecar"
 DISCOVERY_VERBS = {"get", "list", "watch"}
 POOL_GROUP = "inference.networking.k8s.io"
+OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective (priorities)
 
 Doc = dict[str, Any]
 
@@ -341,7 +343,8 @@ def test_httproute_and_hpa_name_what_exists() -> None:
 
 
 def test_rbac_covers_discovery() -> None:
-    needs = {("", "pods"): DISCOVERY_VERBS, (POOL_GROUP, "inferencepools"): DISCOVERY_VERBS}
+    needs = {("", "pods"): DISCOVERY_VERBS, (POOL_GROUP, "inferencepools"): DISCOVERY_VERBS,
+             (OBJECTIVE_GROUP, "inferenceobjectives"): DISCOVERY_VERBS}
     assert check_rbac(docs_in(MANIFESTS), "picker", needs) == []
     # the sidecar discovers by label selector: pods only
     sidecar = docs_in(SIDECAR)
@@ -522,3 +525,11 @@ def test_envoy_validate_rejects_a_broken_compose_config(tmp_path: Path) -> None:
     path.write_text(COMPOSE_ENVOY.read_text().replace("STRICT_DNS", "STRICTER_DNS"))
     with pytest.raises(ValueError, match="envoy rejected"):
         validate_with_envoy(path)
+
+
+def test_inference_objectives_belong_to_the_pool_and_read_as_priorities() -> None:
+    docs = docs_in(MANIFESTS)
+    pool = find(docs, "InferencePool")[0]["metadata"]["name"]
+    objectives = {o["metadata"]["name"]: o for o in find(docs, "InferenceObjective")}
+    assert objective_priorities(objectives, pool) == {"interactive": 10, "batch": -1}
+    assert all(o["apiVersion"] == f"{OBJECTIVE_GROUP}/v1alpha2" for o in objectives.values())

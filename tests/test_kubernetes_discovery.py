@@ -11,6 +11,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from picker.admission import AdmissionConfig, AdmissionController
 from picker.config import ServeConfig
 from picker.endpoints.kubernetes import (
     KubeApi,
@@ -26,10 +28,13 @@ from picker.endpoints.kubernetes import (
     KubernetesDiscovery,
     discovery_from_config,
     load_kube_config,
+    objective_priorities,
     pod_endpoints,
     pool_spec,
+    watch_objectives,
 )
 from picker.endpoints.pool import EndpointPool
+from picker.requests import InferenceRequest
 from picker.supervisor import Envoy, free_port, process_scope, spawn, start_envoy, start_picker, wait_until
 from tests.kubefake import FakeKube, FakeKubeThread
 from tests.waiting import eventually
@@ -377,3 +382,102 @@ def test_the_picker_is_not_ready_until_its_pool_is_discovered(tmp_path: Path) ->
             assert time.monotonic() < deadline, picker.process.log()
             time.sleep(0.1)
         assert _health(picker.health_port, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
+
+
+# InferenceObjectives → priorities ------------------------------------------------------------------------------
+
+def test_objective_priorities_are_those_of_our_pool() -> None:
+    def objective(pool: str, priority: object = None) -> dict[str, object]:
+        spec: dict[str, object] = {"poolRef": {"name": pool}}
+        if priority is not None:
+            spec["priority"] = priority
+        return {"spec": spec}
+
+    objectives: dict[str, dict[str, object]] = {
+        "chat": objective("llama", 10), "batch": objective("llama", -1), "plain": objective("llama"),
+        "elsewhere": objective("mistral", 5), "bad": objective("llama", "high"), "odd": {"spec": []}}
+    assert objective_priorities(objectives, "llama") == {"chat": 10, "batch": -1, "plain": 0}
+
+
+def test_configured_objectives_win_over_discovered_ones() -> None:
+    admission = AdmissionController(AdmissionConfig.from_dict({"objectives": {"chat": 3}}))
+    admission.set_discovered_objectives({"chat": -5, "batch": -1})
+
+    def priority(objective: str | None) -> int:
+        return admission.priority_of(InferenceRequest("r", "m", prompt_text="x", objective=objective))
+
+    assert (priority("chat"), priority("batch"), priority("unknown"), priority(None)) == (3, -1, 0, 0)
+
+
+async def test_objectives_follow_the_cluster_and_a_missing_crd_is_not_an_error(kube: FakeKube) -> None:
+    seen: list[dict[str, int]] = []
+    api = KubeApi(KubeConfig(kube.url, NS, kube.token))
+    kube.objectives_installed = False
+    task = asyncio.create_task(watch_objectives(api, NS, "llama", seen.append, retry=0.2))
+    try:
+        await eventually(lambda: kube.lists["objectives"] == 0 and kube.unauthorized == 0 and not task.done())
+        await asyncio.sleep(0.3)
+        assert seen == [] and not task.done()  # asked again later, quietly
+        await kube.put_objective(NS, "chat", "llama", 10)
+        await kube.put_objective(NS, "other-pool", "mistral", 7)
+        kube.objectives_installed = True
+        await eventually(lambda: seen[-1:] == [{"chat": 10}])
+        await kube.put_objective(NS, "batch", "llama", -1)
+        await eventually(lambda: seen[-1:] == [{"chat": 10, "batch": -1}])
+        await kube.put_objective(NS, "batch", "llama", 0)
+        await eventually(lambda: seen[-1:] == [{"chat": 10, "batch": 0}])
+        await kube.delete("objectives", NS, "chat")
+        await eventually(lambda: seen[-1:] == [{"batch": 0}])
+        await kube.put_objective(NS, "other-pool", "mistral", 8)  # not ours: no new report
+        await asyncio.sleep(0.2)
+        assert seen[-1] == {"batch": 0} and len(seen) == 4
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await api.close()
+
+
+def test_envoy_sheds_by_the_priority_an_inference_objective_declares(tmp_path: Path) -> None:
+    """Drop-in behaviour: the client names an InferenceObjective; its spec.priority decides shedding."""
+    thread = FakeKubeThread()
+    with thread as kube, process_scope("kube-objectives") as (logdir, started):
+        port = free_port()
+        address = f"127.0.0.2:{port}"
+        backends = spawn("pods", [sys.executable, "-m", "picker.echo", address], logdir)
+        started.append(backends)
+        wait_until(lambda: _bound(address), 20, "pod", backends.proc)
+        thread.run(kube.put_pool(NS, "llama", LABELS, [port]))
+        thread.run(kube.put_pod(NS, "vllm-0", "127.0.0.2", LABELS))
+        thread.run(kube.put_objective(NS, "batch", "llama", -1))
+        thread.run(kube.put_objective(NS, "interactive", "llama", 5))
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(kube.kubeconfig(namespace=NS))
+        picker = start_picker(logdir, extra=["--pool-name", "llama", "--kubeconfig", str(kubeconfig)])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, [address])
+        started.append(envoy.process)
+        saturated = json.dumps({"waiting": 20, "running": 4, "kv": 0.99}).encode()
+        urllib.request.urlopen(urllib.request.Request(f"http://{address}/test/metrics", data=saturated,
+                                                      headers={"content-type": "application/json"}), timeout=5)
+
+        def status(objective: str) -> int:
+            body = json.dumps({"model": "llama", "prompt": "hello"}).encode()
+            request = urllib.request.Request(f"{envoy.url}/v1/completions", data=body, headers={
+                "content-type": "application/json", "x-gateway-inference-objective": objective})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return int(response.status)
+            except urllib.error.HTTPError as err:
+                return int(err.code)
+
+        deadline = time.monotonic() + 10
+        while status("batch") != 429:  # once the picker has scraped the saturated pod and read the objectives
+            assert time.monotonic() < deadline, picker.process.log()
+            time.sleep(0.1)
+        assert status("interactive") == 200 and status("unknown-objective") == 200
+        thread.run(kube.put_objective(NS, "batch", "llama", 0))  # the platform team promotes batch traffic
+        deadline = time.monotonic() + 10
+        while status("batch") != 200:
+            assert time.monotonic() < deadline, picker.process.log()
+            time.sleep(0.1)

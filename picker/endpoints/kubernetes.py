@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
+OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective is alpha in GIE
+OBJECTIVE_VERSION = "v1alpha2"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 WATCH_TIMEOUT_SECONDS = 300  # the API server closes each watch after this; we re-watch from the last version
 
@@ -270,6 +272,10 @@ def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...]) -> list[Endpoi
 
 # Discovery ---------------------------------------------------------------------------------------------------
 
+# What a follower retries after (with backoff): the API's refusals, the network, and malformed answers.
+_RETRYABLE = (KubeError, _Gone, aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError, KeyError,
+              AttributeError)
+
 async def follow_collection(api: KubeApi, path: str, params: Mapping[str, str],
                             apply: Callable[[dict[str, dict[str, Any]]], None], what: str) -> None:
     """LIST a collection, then WATCH it from the list's version for ever, calling `apply(objects by name)` after
@@ -355,8 +361,7 @@ class KubernetesDiscovery:
                 for task in done:
                     task.result()  # re-raise what ended it
                 delay = 0.2  # the pool changed: start over at once
-            except (KubeError, _Gone, aiohttp.ClientError, TimeoutError, OSError,
-                    ValueError, TypeError, KeyError, AttributeError) as exc:  # the last four: a malformed answer
+            except _RETRYABLE as exc:
                 log.warning("discovery of %s: %s; retrying in %.1fs", self.describe(), exc or type(exc).__name__,
                             delay)
                 await asyncio.sleep(delay)
@@ -421,6 +426,61 @@ class KubernetesDiscovery:
         added, removed = self.pool.set_endpoints(endpoints)
         log.info("discovery of %s: %d endpoints (+%d, -%d)", self.describe(), len(self.pool), len(added),
                  len(removed))
+
+
+# InferenceObjectives → priorities ------------------------------------------------------------------------------
+
+def objective_priorities(objectives: Mapping[str, Mapping[str, Any]], pool_name: str) -> dict[str, int]:
+    """{objective name: spec.priority} for the InferenceObjectives whose spec.poolRef names our pool (priority
+    absent: 0; an unusable one is skipped with a warning)."""
+    out: dict[str, int] = {}
+    for name, objective in objectives.items():
+        spec = objective.get("spec")
+        if not isinstance(spec, dict):
+            continue
+        ref = spec.get("poolRef")
+        if not isinstance(ref, dict) or ref.get("name") != pool_name:
+            continue
+        try:
+            out[name] = int(spec.get("priority") or 0)
+        except (TypeError, ValueError):
+            log.warning("InferenceObjective %s: priority %r is not an integer; ignored", name, spec.get("priority"))
+    return out
+
+
+async def watch_objectives(api: KubeApi, namespace: str, pool_name: str,
+                           on_change: Callable[[dict[str, int]], None], *, retry: float = 60.0) -> None:
+    """Keep `on_change` told of the priorities of the pool's InferenceObjectives (GIE: the request header
+    `x-gateway-inference-objective` names one). A cluster without the CRD is asked again every `retry` s."""
+    path = f"/apis/{OBJECTIVE_GROUP}/{OBJECTIVE_VERSION}/namespaces/{quote(namespace)}/inferenceobjectives"
+    what = f"InferenceObjectives of {namespace}/{pool_name}"
+    last: dict[str, int] | None = None
+
+    def apply(objects: dict[str, dict[str, Any]]) -> None:
+        nonlocal last
+        priorities = objective_priorities(objects, pool_name)
+        if priorities != last:
+            last = priorities
+            on_change(priorities)
+            log.info("%s: %s", what, ", ".join(f"{k}={v}" for k, v in sorted(priorities.items())) or "none")
+
+    delay = 0.2
+    while True:
+        try:
+            await follow_collection(api, path, {}, apply, what)
+            continue
+        except KubeError as exc:
+            if exc.status == 404:
+                log.info("%s: the InferenceObjective API is not installed; priorities come from the config only",
+                         what)
+                await asyncio.sleep(retry)
+                continue
+            problem: BaseException = exc
+        except _RETRYABLE as exc:
+            problem = exc
+        log.warning("%s: %s; retrying in %.1fs", what, problem or type(problem).__name__, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 10.0)
 
 
 def discovery_from_config(config: ServeConfig, pool: EndpointPool) -> KubernetesDiscovery:
