@@ -72,6 +72,24 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "in-flight slack 4": _with_params("in-flight-load-scorer", {"slack": 4.0}),
     "in-flight slack 2": _with_params("in-flight-load-scorer", {"slack": 2.0}),
     "context-heavy: in-flight 0.5": _with_weights("context-heavy", {"in-flight-load-scorer": 0.5}),
+    # GIE's default scheduling, emulated with our plugins: queue 2, kv-cache 2, prefix 3 (matched/total only, no
+    # load guard), max score with random tie-break, one profile; same prefix hashing (64-character blocks) and
+    # per-pod LRU. Not GIE's code: its Go picker does not run here.
+    "GIE defaults (emulated)": {
+        "plugins": [
+            {"type": "prefix-cache-scorer", "name": "prefix-cache-scorer",
+             "parameters": {"ratioWeight": 1.0, "loadGuardInFlight": None, "loadGuardWaiting": None}},
+            {"type": "kv-cache-utilization-scorer", "name": "kv-cache-utilization-scorer"},
+            {"type": "queue-scorer", "name": "queue-scorer"},
+            {"type": "max-score-picker", "name": "max-score-picker"},
+        ],
+        "schedulingProfiles": [{"name": "default", "plugins": [
+            {"pluginRef": "prefix-cache-scorer", "weight": 3},
+            {"pluginRef": "queue-scorer", "weight": 2},
+            {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+            {"pluginRef": "max-score-picker"},
+        ]}],
+    },
 }
 
 
