@@ -72,6 +72,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "in-flight slack 4": _with_params("in-flight-load-scorer", {"slack": 4.0}),
     "in-flight slack 2": _with_params("in-flight-load-scorer", {"slack": 2.0}),
     "context-heavy: in-flight 0.5": _with_weights("context-heavy", {"in-flight-load-scorer": 0.5}),
+    # code's one loss to GIE's emulation (prefix weighed higher there): more prefix or less in-flight for chat?
+    "chat: prefix 4": _with_weights("bursty-chat", {"prefix-cache-scorer": 4}),
+    "chat: in-flight 2": _with_weights("bursty-chat", {"in-flight-load-scorer": 2}),
     # GIE's default scheduling, emulated with our plugins: queue 2, kv-cache 2, prefix 3 (matched/total only, no
     # load guard), max score with random tie-break, one profile; same prefix hashing (64-character blocks) and
     # per-pod LRU. Not GIE's code: its Go picker does not run here.
