@@ -56,19 +56,8 @@ class PickerServer:
     async def start(self) -> None:
         c = self.config
         self.metrics = PickerMetrics(c.pool_label)
-        if c.endpoints:
-            self.pool.set_endpoints(parse_endpoint_list(c.endpoints))
         self._tasks: list[asyncio.Task[None]] = []
-        if c.endpoints_file:
-            watcher = EndpointsFileWatcher(Path(c.endpoints_file), self.pool)
-            watcher.load_now()
-            self._tasks.append(asyncio.create_task(watcher.run()))
-        self.discovery: KubernetesDiscovery | None = None
-        if c.discovery != "static":
-            self.discovery = discovery_from_config(c, self.pool)
-            self._tasks.append(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
-            with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
-                await asyncio.wait_for(self.discovery.synced.wait(), 3.0)
+        await self._start_endpoint_sources(c)
         self.scheduler = build_scheduler(c)
         self.shared_index = share_index(c, self.scheduler)
         if self.shared_index is not None:
@@ -83,7 +72,27 @@ class PickerServer:
             self._tasks.append(asyncio.create_task(watch_objectives(
                 self.discovery.api, self.discovery.namespace, self.discovery.pool_name,
                 self.admission.set_discovered_objectives), name="inference-objectives"))
+        await self._start_servers(c)
+        log.info("picker serving ext_proc on %s:%d, health on %d, metrics on %d, %d endpoints",
+                 c.host, self.grpc_port, self.health_port, self.metrics_port, len(self.pool))
 
+    async def _start_endpoint_sources(self, c: cfg.ServeConfig) -> None:
+        """Static flags, a watched file, or Kubernetes discovery (given a moment to list the pods first)."""
+        if c.endpoints:
+            self.pool.set_endpoints(parse_endpoint_list(c.endpoints))
+        if c.endpoints_file:
+            watcher = EndpointsFileWatcher(Path(c.endpoints_file), self.pool)
+            watcher.load_now()
+            self._tasks.append(asyncio.create_task(watcher.run()))
+        self.discovery: KubernetesDiscovery | None = None
+        if c.discovery != "static":
+            self.discovery = discovery_from_config(c, self.pool)
+            self._tasks.append(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
+            with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
+                await asyncio.wait_for(self.discovery.synced.wait(), 3.0)
+
+    async def _start_servers(self, c: cfg.ServeConfig) -> None:
+        """ext_proc + picker.v1 on the gRPC port, health on its own port, Prometheus; then report health."""
         limit = c.max_body_bytes + 2**20  # headroom for the protobuf envelope
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                    ("grpc.so_reuseport", 0)]
@@ -111,8 +120,6 @@ class PickerServer:
                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         if waiting and discovery is not None:
             self._tasks.append(asyncio.create_task(self._ready_when_synced(discovery)))
-        log.info("picker serving ext_proc on %s:%d, health on %d, metrics on %d, %d endpoints",
-                 c.host, self.grpc_port, self.health_port, self.metrics_port, len(self.pool))
 
     async def _ready_when_synced(self, discovery: KubernetesDiscovery) -> None:
         await discovery.synced.wait()
