@@ -244,15 +244,19 @@ def test_a_bad_redis_url_is_refused_at_construction() -> None:
 
 # Through real Envoy: two picker replicas (each behind its own Envoy) share one Valkey --------------------------
 
-def _sync_entries(picker: Picker, direction: str) -> float:
+def _metric(picker: Picker, name: str, **labels: str) -> float:
+    """One sample of a picker's /metrics (-1 when absent)."""
     url = f"http://{picker.host}:{picker.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=2) as response:
         for family in text_string_to_metric_families(response.read().decode()):
             for sample in family.samples:
-                if (sample.name == "picker_prefix_index_sync_entries_total"
-                        and sample.labels.get("direction") == direction):
+                if sample.name == name and labels.items() <= sample.labels.items():
                     return sample.value
     return -1.0
+
+
+def _sync_entries(picker: Picker, direction: str) -> float:
+    return _metric(picker, "picker_prefix_index_sync_entries_total", direction=direction)
 
 
 async def _served_by(envoy: Envoy, document: str, question: str) -> str:
@@ -275,6 +279,20 @@ def _pods_and_valkey(logdir: Path, started: list[Managed], namespace: str) -> tu
     started.append(backends.process)
     return (backends, ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", namespace],
             valkey.process)
+
+
+def _replicas_behind_one_envoy(logdir: Path, started: list[Managed], backends: Backends, flags: list[str], *,
+                               first_host: int) -> tuple[list[Picker], Envoy]:
+    """Two picker replicas on 127.0.0.<first_host> and the next address (same ports, as pods behind a Service)
+    and one Envoy that balances ext_proc streams over them."""
+    grpc_port, health_port = free_port(), free_port()
+    pickers = [start_picker(logdir, endpoints=backends.addresses, extra=flags, name=f"replica-{first_host + i}",
+                            host=f"127.0.0.{first_host + i}", grpc_port=grpc_port, health_port=health_port)
+               for i in range(2)]
+    started += [p.process for p in pickers]
+    envoy = start_envoy(logdir, pickers, backends.addresses)
+    started.append(envoy.process)
+    return pickers, envoy
 
 
 async def test_replicas_behind_different_envoys_route_a_prefix_to_the_same_pod() -> None:
@@ -331,13 +349,7 @@ async def test_one_envoy_balancing_two_replicas_keeps_prefix_affinity() -> None:
     replica, which must know where the first one sent it."""
     with process_scope("replicas-one-envoy") as (logdir, started):
         backends, shared, _ = _pods_and_valkey(logdir, started, "one-envoy")
-        grpc_port, health_port = free_port(), free_port()
-        pickers = [start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"replica-{i}",
-                                host=f"127.0.0.{5 + i}", grpc_port=grpc_port, health_port=health_port)
-                   for i in range(2)]
-        started += [p.process for p in pickers]
-        envoy = start_envoy(logdir, pickers, backends.addresses)
-        started.append(envoy.process)
+        pickers, envoy = _replicas_behind_one_envoy(logdir, started, backends, shared, first_host=5)
         documents = DOCUMENTS
         first = {tag: await _served_by(envoy, text, "summarise it") for tag, text in documents.items()}
         assert len(set(first.values())) >= 2, "cold documents should spread over the pods"
@@ -363,27 +375,11 @@ async def test_a_long_outage_keeps_only_the_newest_picks(namespace: str) -> None
         await index.stop(flush_timeout=0.2)
 
 
-def _sync_gauge(picker: Picker, name: str) -> float:
-    url = f"http://{picker.host}:{picker.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=2) as response:
-        for family in text_string_to_metric_families(response.read().decode()):
-            for sample in family.samples:
-                if sample.name == name:
-                    return sample.value
-    return -1.0
-
-
 async def test_valkey_dying_under_load_fails_no_request() -> None:
     with process_scope("valkey-dies") as (logdir, started):
         backends, shared, valkey = _pods_and_valkey(logdir, started, "chaos")
-        grpc_port, health_port = free_port(), free_port()
-        pickers = [start_picker(logdir, endpoints=backends.addresses, extra=shared, name=f"chaos-{i}",
-                                host=f"127.0.0.{7 + i}", grpc_port=grpc_port, health_port=health_port)
-                   for i in range(2)]
-        started += [p.process for p in pickers]
-        envoy = start_envoy(logdir, pickers, backends.addresses)
-        started.append(envoy.process)
-        assert all(_sync_gauge(p, "picker_prefix_index_sync_connected") == 1.0 for p in pickers)
+        pickers, envoy = _replicas_behind_one_envoy(logdir, started, backends, shared, first_host=7)
+        assert all(_metric(p, "picker_prefix_index_sync_connected") == 1.0 for p in pickers)
         statuses: list[int] = []
 
         async def client(n: int) -> None:
@@ -399,5 +395,5 @@ async def test_valkey_dying_under_load_fails_no_request() -> None:
         valkey.kill()  # SIGKILL mid-load
         await load
         assert statuses == [200] * 160
-        await eventually(lambda: all(_sync_gauge(p, "picker_prefix_index_sync_connected") == 0.0 for p in pickers))
+        await eventually(lambda: all(_metric(p, "picker_prefix_index_sync_connected") == 0.0 for p in pickers))
         assert all(p.process.alive() for p in pickers)
