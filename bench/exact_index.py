@@ -12,18 +12,15 @@ round-robin, at the headline's cache size and under cache pressure (smaller KV c
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replicas import WORKLOADS, Variant, _commit, _trace, markdown  # noqa: E402
+from replicas import WORKLOADS, Variant, _commit, _trace, markdown, run_parallel, write_report  # noqa: E402
 
 from picker.bench.fast import FastConfig, run_fast  # noqa: E402
 from picker.bench.suite import FastSpec, calibrate  # noqa: E402
@@ -60,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     base = specs[max(specs)]
     cal = calibrate(base)
     jobs = [(blocks, w, v) for blocks in specs for w in WORKLOADS for v in VARIANTS]
-    ctx = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx) as pool:
-        futures = [pool.submit(run, base, specs[b], w, cal[w]["rate_rps"], v) for b, w, v in jobs]
-        outs = [f.result() for f in futures]
+    outs = run_parallel(run, [(base, specs[b], w, cal[w]["rate_rps"], v) for b, w, v in jobs], args.jobs)
     rows = [{"workload": f"{w}, {b:,} blocks/pod", "label": v.label, "strategy": v.strategy, "replicas": v.replicas,
              "exact_index": v.exact_index, "rate_rps": cal[w]["rate_rps"], **out}
             for (b, w, v), out in zip(jobs, outs, strict=True)]
@@ -71,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Fast mode, 8 pods, llama3-8b-h100 with the KV cache per pod as given, rate of load 0.8 at "
               f"{max(specs):,} blocks, {args.requests} requests, seed 1, commit {_commit()}. "
               f"`bench/exact_index.py` took {time.monotonic() - started:.0f} s.\n\n")
-    print(header + table, end="")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "exact_index.md").write_text(header + table)
-    (out / "exact_index.json").write_text(json.dumps({"commit": _commit(), "rows": rows}, indent=1, default=str))
+    write_report(args.out, "exact_index", header, table, {"rows": rows})
     return 0
 
 

@@ -22,6 +22,7 @@ import multiprocessing
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,22 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_parallel(fn: Callable[..., dict[str, Any]], calls: list[tuple[Any, ...]], jobs: int) -> list[dict[str, Any]]:
+    """`fn(*call)` for every call on `jobs` forked workers, results in call order."""
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [pool.submit(fn, *call) for call in calls]
+        return [f.result() for f in futures]
+
+
+def write_report(out: str, stem: str, header: str, table: str, data: dict[str, Any]) -> None:
+    """Print the table and write it (`stem`.md) with every figure (`stem`.json) to `out`."""
+    print(header + table, end="")
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(header + table)
+    (out_dir / f"{stem}.json").write_text(json.dumps({"commit": _commit(), **data}, indent=1, default=str) + "\n")
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
@@ -117,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = FastSpec(workloads=WORKLOADS, requests=args.requests, sweep_workloads=(), capacity_workload=None)
     cal = calibrate(spec)
     jobs = [(w, v) for w in WORKLOADS for v in VARIANTS]
-    ctx = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx) as pool:
-        futures = [pool.submit(run_variant, spec, w, cal[w]["rate_rps"], v) for w, v in jobs]
-        outs = [f.result() for f in futures]
+    outs = run_parallel(run_variant, [(spec, w, cal[w]["rate_rps"], v) for w, v in jobs], args.jobs)
     rows = [{"workload": w, "label": v.label, "strategy": v.strategy, "replicas": v.replicas,
              "shared_index": v.shared_index, "rate_rps": cal[w]["rate_rps"], **out}
             for (w, v), out in zip(jobs, outs, strict=True)]
@@ -129,14 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Fast mode, {spec.pods} pods, profile {spec.profile}, load {spec.load}, {spec.requests} requests per "
               f"workload, seed {spec.seed}, commit {_commit()}; shared index = one index for every replica with zero "
               f"replication lag. `bench/replicas.py --requests {spec.requests}` took {wall:.0f} s.\n\n")
-    print(header + table, end="")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "replicas.md").write_text(header + table)
-    report = {"commit": _commit(), "pods": spec.pods, "profile": spec.profile, "load": spec.load,
-              "requests": spec.requests, "seed": spec.seed, "calibration": {w: cal[w] for w in WORKLOADS},
-              "wall_s": wall, "rows": rows}
-    (out_dir / "replicas.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    write_report(args.out, "replicas", header, table, {
+        "pods": spec.pods, "profile": spec.profile, "load": spec.load, "requests": spec.requests, "seed": spec.seed,
+        "calibration": {w: cal[w] for w in WORKLOADS}, "wall_s": wall, "rows": rows})
     return 0
 
 
