@@ -54,15 +54,24 @@ async def kube() -> AsyncIterator[FakeKube]:
 
 
 @contextlib.asynccontextmanager
-async def running(discovery: KubernetesDiscovery) -> AsyncIterator[KubernetesDiscovery]:
+async def running(discovery: KubernetesDiscovery, *, synced: bool = False) -> AsyncIterator[KubernetesDiscovery]:
+    """Discovery running in the background (`synced`: once it has listed the pods), stopped on exit."""
     task = asyncio.create_task(discovery.run())
     try:
+        if synced:
+            await asyncio.wait_for(discovery.synced.wait(), 5)
         yield discovery
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await discovery.api.close()
+
+
+async def llama_with_one_pod(kube: FakeKube) -> None:
+    """InferencePool `llama` (port 8000) selecting one ready pod, vllm-0 at 10.1.0.1."""
+    await kube.put_pool(NS, "llama", LABELS, [8000])
+    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
 
 
 def addresses(pool: EndpointPool) -> set[str]:
@@ -192,8 +201,7 @@ async def test_inference_pool_pods_follow_readiness_additions_and_deletions(kube
     pool = EndpointPool()
     removed: list[str] = []
     pool.add_removal_listener(lambda e: removed.append(e.address))
-    async with running(discovery(kube, pool)) as d:
-        await asyncio.wait_for(d.synced.wait(), 5)
+    async with running(discovery(kube, pool), synced=True):
         assert addresses(pool) == {"10.1.0.1:8000", "10.1.0.2:8000"}
         await kube.put_pod(NS, "starting", "10.1.0.3", LABELS, ready=True)
         await eventually(lambda: "10.1.0.3:8000" in addresses(pool))
@@ -207,12 +215,10 @@ async def test_inference_pool_pods_follow_readiness_additions_and_deletions(kube
 
 
 async def test_a_changed_pool_rereads_its_pods_and_a_deleted_pool_empties_the_set(kube: FakeKube) -> None:
-    await kube.put_pool(NS, "llama", LABELS, [8000])
-    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+    await llama_with_one_pod(kube)
     await kube.put_pod(NS, "canary", "10.1.0.7", {"app": "canary"})
     pool = EndpointPool()
-    async with running(discovery(kube, pool)) as d:
-        await asyncio.wait_for(d.synced.wait(), 5)
+    async with running(discovery(kube, pool), synced=True):
         await kube.put_pool(NS, "llama", LABELS, [8000, 8001])  # two data-parallel ranks per pod
         await eventually(lambda: addresses(pool) == {"10.1.0.1:8000", "10.1.0.1:8001"})
         await kube.put_pool(NS, "llama", {"app": "canary"}, [9000])  # a new selector
@@ -224,11 +230,9 @@ async def test_a_changed_pool_rereads_its_pods_and_a_deleted_pool_empties_the_se
 
 
 async def test_expired_watches_relist_and_closed_watches_resume(kube: FakeKube) -> None:
-    await kube.put_pool(NS, "llama", LABELS, [8000])
-    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+    await llama_with_one_pod(kube)
     pool = EndpointPool()
-    async with running(discovery(kube, pool)) as d:
-        await asyncio.wait_for(d.synced.wait(), 5)
+    async with running(discovery(kube, pool), synced=True):
         await eventually(lambda: kube.watches["pods"] == 1)
         await kube.drop_watches()  # the server ends the streams: re-watch from the last version, no new list
         await eventually(lambda: kube.watches["pods"] >= 2)
@@ -242,11 +246,9 @@ async def test_expired_watches_relist_and_closed_watches_resume(kube: FakeKube) 
 
 
 async def test_a_malformed_pod_does_not_stop_discovery(kube: FakeKube) -> None:
-    await kube.put_pool(NS, "llama", LABELS, [8000])
-    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+    await llama_with_one_pod(kube)
     pool = EndpointPool()
-    async with running(discovery(kube, pool)) as d:
-        await asyncio.wait_for(d.synced.wait(), 5)
+    async with running(discovery(kube, pool), synced=True):
         await kube.put_raw_pod(NS, "broken", LABELS, ["not", "a", "status"])
         await kube.put_raw_pod(NS, "odd", LABELS, {"phase": "Running", "podIP": "10.1.0.3", "conditions": "yes"})
         await kube.put_pod(NS, "vllm-1", "10.1.0.4", LABELS)  # events after the garbage still arrive
@@ -261,8 +263,7 @@ async def test_label_selector_mode_needs_no_pool_object(kube: FakeKube) -> None:
     await kube.put_pod(NS, "b", "10.1.0.2", {"app": "vllm", "tier": "cpu"})
     pool = EndpointPool()
     d = discovery(kube, pool, pool_name="", selector="app=vllm,tier=gpu", ports=(8000,))
-    async with running(d):
-        await asyncio.wait_for(d.synced.wait(), 5)
+    async with running(d, synced=True):
         assert addresses(pool) == {"10.1.0.1:8000"}
     assert kube.lists["pools"] == 0 and kube.watches["pools"] == 0
 
@@ -272,8 +273,7 @@ async def test_a_missing_pool_or_bad_credentials_keep_retrying_without_endpoints
     async with running(discovery(kube, pool)):
         await asyncio.sleep(0.3)
         assert addresses(pool) == set()
-        await kube.put_pool(NS, "llama", LABELS, [8000])
-        await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+        await llama_with_one_pod(kube)
         await eventually(lambda: addresses(pool) == {"10.1.0.1:8000"})  # found once it exists
     denied = EndpointPool()
     async with running(discovery(kube, denied, token="wrong")):
