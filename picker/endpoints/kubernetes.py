@@ -327,7 +327,6 @@ class KubernetesDiscovery:
         self.fixed = PoolSpec(selector, ports) if selector else None
         self.retry_max = retry_max
         self.synced = asyncio.Event()  # set after the first successful pod list
-        self._pods: dict[str, dict[str, Any]] = {}
 
     @property
     def _pods_path(self) -> str:
@@ -418,7 +417,7 @@ class KubernetesDiscovery:
         await follow_collection(self.api, self._pods_path, {"labelSelector": spec.selector}, update, self.describe())
 
     def _replace_pods(self, pods: dict[str, dict[str, Any]], spec: PoolSpec | None) -> None:
-        self._pods = pods
+        """The pool becomes the endpoints of `pods` (none without a spec: the InferencePool is gone)."""
         endpoints = [e for pod in pods.values() for e in pod_endpoints(pod, spec.ports)] if spec else []
         before = {e.address for e in self.pool.all()}
         if before == {e.address for e in endpoints}:

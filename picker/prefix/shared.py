@@ -89,7 +89,6 @@ class SharedPrefixIndex:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.local = local
-        self.namespace = namespace
         self.stream = stream_name(namespace)
         self.replica_id = (replica_id or uuid.uuid4().hex[:12]).encode()
         self.flush_interval = flush_interval
