@@ -123,7 +123,7 @@ def index_bytes_per_entry(entries: int, endpoints_n: int, sharing: float) -> flo
 
 
 def bench_metrics_parse(iterations: int) -> tuple[float, float] | None:
-    path = Path("/work/shared/data/vllm-metrics/vllm-0.32-cpu-idle.txt")
+    path = Path(__file__).resolve().parent.parent / "tests" / "data" / "vllm-0.32-cpu-idle.txt"
     if not path.exists():
         return None
     body = path.read_text()
