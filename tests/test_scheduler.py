@@ -14,6 +14,7 @@ from picker.scheduling.config import build_scheduler, build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.strategies import (
     LeastLoadScheduler,
+    PrefixHashScheduler,
     PrefixOnlyScheduler,
     RandomScheduler,
     RoundRobinScheduler,
@@ -234,7 +235,7 @@ def test_baseline_strategies() -> None:
     po = PrefixOnlyScheduler(random.Random(1))
     first = route(po, req(SYSTEM + "1"), endpoints)
     assert all(route(po, req(SYSTEM + str(i)), endpoints) is first for i in range(10))  # ignores load
-    for name in ("picker", "round-robin", "random", "least-load", "prefix-only"):
+    for name in ("picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash"):
         s = build_strategy(name, rng=random.Random(0))
         assert s.schedule(req("x"), endpoints, 0.0).ranked
     assert isinstance(build_strategy("picker"), PrefixAwareScheduler)
@@ -242,6 +243,28 @@ def test_baseline_strategies() -> None:
         build_strategy("bogus")
     with pytest.raises(RequestError):
         rr.schedule(req("x"), [], 0.0)
+
+
+def test_prefix_hash_is_sticky_spread_and_consistent() -> None:
+    """Same first 1,000 characters -> same pod whatever the load; many prefixes spread; a pod leaving moves only
+    the prefixes it held (rendezvous hashing)."""
+    endpoints = pods(4)
+    ph = PrefixHashScheduler(prefix_chars=1000)
+    first = route(ph, req(SYSTEM + "question one"), endpoints)
+    first.metrics.waiting = 50
+    assert all(route(ph, req(SYSTEM + f"q{i}"), endpoints) is first for i in range(10))
+    prompts = [f"system prompt number {i}. " * 60 for i in range(400)]
+    placed = {p: ph.schedule(req(p), endpoints, 0.0).ranked[0] for p in prompts}
+    share = Counter(e.address for e in placed.values())
+    assert len(share) == 4 and min(share.values()) > 60  # 100 each on average
+    gone = endpoints[1]
+    rest = [e for e in endpoints if e is not gone]
+    for p, e in placed.items():
+        after = ph.schedule(req(p), rest, 0.0).ranked[0]
+        assert after is e or e is gone
+    by_model = [ph.schedule(req(p, model=m), endpoints, 0.0).ranked[0] for p in prompts[:40] for m in ("m1", "m2")]
+    assert any(a is not b for a, b in zip(by_model[::2], by_model[1::2], strict=True))  # the model is in the key
+    assert len(ph.schedule(req("a"), endpoints, 0.0).ranked) == 3  # max_endpoints
 
 
 def test_large_pools_sum_in_numpy_with_exact_ties() -> None:

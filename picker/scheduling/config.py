@@ -44,6 +44,7 @@ from picker.scheduling.scorers import (
 )
 from picker.scheduling.strategies import (
     LeastLoadScheduler,
+    PrefixHashScheduler,
     PrefixOnlyScheduler,
     RandomScheduler,
     RoundRobinScheduler,
@@ -231,7 +232,7 @@ def build_scheduler(
     return PrefixAwareScheduler(profiles, classifier, index=index, hasher=hasher, explain=bool(cfg["explain"]))
 
 
-STRATEGIES = ("picker", "round-robin", "random", "least-load", "prefix-only")
+STRATEGIES = ("picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash")
 
 
 def build_strategy(
@@ -241,7 +242,8 @@ def build_strategy(
     rng: random.Random | None = None,
     index: PrefixIndex | None = None,
 ) -> Scheduler:
-    """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only."""
+    """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only,
+    prefix-hash."""
     if name in ("picker", "prefix-aware"):
         return build_scheduler(config, rng=rng, index=index)
     if name == "round-robin":
@@ -250,6 +252,8 @@ def build_strategy(
         return RandomScheduler(rng)
     if name == "least-load":
         return LeastLoadScheduler(rng)
+    if name == "prefix-hash":
+        return PrefixHashScheduler()
     if name == "prefix-only":
         cfg = merged_config(config)["prefixCache"]
         hasher = PrefixHasher(cfg["blockChars"], int(cfg["maxPrefixBlocksToMatch"]), int(cfg["charsPerToken"]))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import xxhash
+
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
@@ -56,6 +58,39 @@ class RandomScheduler:
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         return None
+
+
+class PrefixHashScheduler:
+    """Rendezvous hash of the prompt's first `prefix_chars` characters: no index, no metrics, no load.
+
+    The trivial cache-aware baseline: identical prefixes always land on the same pod (while the pod set is
+    unchanged; a pod leaving moves only its own share), so a router that looks at load must beat this."""
+
+    def __init__(self, prefix_chars: int = 1000, max_endpoints: int = 3) -> None:
+        if prefix_chars <= 0:
+            raise ValueError("prefix_chars must be positive")
+        self.prefix_chars = prefix_chars
+        self.max_endpoints = max_endpoints
+
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
+        if not endpoints:
+            raise RequestError(503, "no_endpoints", "no candidate endpoints")
+        key = f"{request.target_model or request.model}\0{request.prompt_text[: self.prefix_chars]}".encode(
+            "utf-8", "surrogatepass")
+        ranked = sorted(endpoints, key=lambda e: xxhash.xxh64_intdigest(key, seed=_address_seed(e.address)),
+                        reverse=True)
+        return SchedulingResult(ranked=ranked[: self.max_endpoints], profile="prefix-hash")
+
+    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+        return None
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        return None
+
+
+def _address_seed(address: str) -> int:
+    """A stable 64-bit seed per endpoint address (rendezvous hashing's per-node salt)."""
+    return xxhash.xxh64_intdigest(address.encode())
 
 
 class LeastLoadScheduler(PrefixAwareScheduler):
