@@ -23,7 +23,7 @@ class AdmissionConfig:
 
     queue_threshold: float = 5.0  # waiting requests at which a pod counts as full
     kv_threshold: float = 0.8  # KV-cache utilisation at which a pod counts as full
-    stale_threshold: float = 0.2  # seconds; older metrics count as a full pod
+    stale_threshold: float = 0.2  # seconds past the pod's scrape cadence; older metrics count as a full pod
     saturation_limit: float = 1.0  # pool saturated when the mean pod saturation reaches this
     objectives: dict[str, int] = field(default_factory=dict)  # objective name -> priority
     default_priority: int = 0
@@ -81,9 +81,10 @@ def _objectives(value: Any) -> dict[str, int]:
 
 
 def pod_saturation(endpoint: Endpoint, now: float, config: AdmissionConfig) -> float:
-    """max(waiting/queueThreshold, kv/kvThreshold); 1.0 when metrics are stale (we cannot tell)."""
+    """max(waiting/queueThreshold, kv/kvThreshold); 1.0 when metrics are stale (we cannot tell): more than
+    `stale_threshold` late for the pod's scrape cadence (a calm pod is scraped less often, not staler)."""
     m = endpoint.metrics
-    if m.updated_at < 0 or now - m.updated_at > config.stale_threshold:
+    if m.updated_at < 0 or endpoint.metrics_overdue(now) > config.stale_threshold:
         return 1.0
     return max(m.waiting / config.queue_threshold, m.kv_usage / config.kv_threshold)
 

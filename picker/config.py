@@ -59,7 +59,9 @@ class ServeConfig:
     metrics_port: int = 9090
     endpoints: str = ""
     endpoints_file: str = ""
-    refresh_metrics_interval: float = 0.05
+    refresh_metrics_interval: float | None = None  # fixed scrape cadence; None: adaptive (the two below)
+    metrics_fast_interval: float = 0.1  # scrape cadence of a pod near saturation or busier than we know
+    metrics_slow_interval: float = 1.0  # scrape cadence of a calm pod
     unhealthy_after_failures: int = 2
     max_body_bytes: int = 16 * 2**20
     pool_name: str = ""  # empty: "default" as a label; set without static endpoints: discover the InferencePool
@@ -97,6 +99,8 @@ class ServeConfig:
 
 _CONVERTERS: dict[str, Any] = {
     "refresh_metrics_interval": parse_duration,
+    "metrics_fast_interval": parse_duration,
+    "metrics_slow_interval": parse_duration,
     "max_body_bytes": parse_size,
 }
 
@@ -128,7 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free port, -1 disables)")
     a("--endpoints", help="static pool: ip:port,ip:port")
     a("--endpoints-file", help="YAML/JSON list of endpoints, reloaded when it changes")
-    a("--refresh-metrics-interval", help="how often each endpoint's /metrics is scraped (default 50ms)")
+    a("--refresh-metrics-interval", help="scrape every endpoint's /metrics at this fixed cadence (e.g. 50ms); "
+      "default: adaptive, see --metrics-fast-interval and --metrics-slow-interval")
+    a("--metrics-fast-interval", help="adaptive scraping: cadence of a pod near saturation, running requests we "
+      "did not route, or failing (default 100ms)")
+    a("--metrics-slow-interval", help="adaptive scraping: cadence of a calm pod (default 1s)")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before an endpoint stops being picked (2)")
     a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
     a("--pool-name", help="InferencePool to discover pods from (Kubernetes; without --endpoints/--endpoints-file), "
@@ -139,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kubeconfig", help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG)")
     a("--fallback-endpoints", type=int, help="ranked endpoints to return, comma-separated (default 1; Envoy's "
       "ORIGINAL_DST accepts only 1, lists are for gateways that implement GIE fallbacks)")
-    a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only")
+    a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only, "
+      "prefix-hash (hash of the prompt's first 1,000 characters: a baseline that reads no metrics)")
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
     a("--log-level", help="DEBUG, INFO, WARNING, ERROR")
     a("--otlp-endpoint", help="OTLP/HTTP collector for traces (e.g. http://127.0.0.1:4318); empty disables")
@@ -165,6 +174,12 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--endpoint-selector needs --endpoint-target-ports (e.g. 8000)")
     if config.endpoint_target_ports:
         parse_ports(config.endpoint_target_ports)
+    for name in ("refresh_metrics_interval", "metrics_fast_interval", "metrics_slow_interval"):
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name.replace('_', '-')} must be positive")
+    if config.metrics_fast_interval > config.metrics_slow_interval:
+        raise ValueError("metrics-fast-interval must not exceed metrics-slow-interval")
     if config.index_backend not in ("memory", "redis"):
         raise ValueError(f"index_backend must be memory or redis, not {config.index_backend!r}")
     if config.index_backend == "redis" and not config.redis_url:

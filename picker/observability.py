@@ -74,6 +74,9 @@ class PickerMetrics:
         self.cached_tokens = Counter("picker_response_cached_tokens",
                                      "Prompt tokens the model server served from its prefix cache "
                                      "(usage.prompt_tokens_details.cached_tokens).", ["model_name"], registry=r)
+        self.scrapes = Counter("picker_model_server_scrapes",
+                               "/metrics requests this picker made to each model server (what our signals cost "
+                               "the pods), by result.", ["name", "model_server_pod", "result"], registry=r)
         self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
@@ -83,6 +86,9 @@ class PickerMetrics:
         self.output_tokens.labels(model, target).observe(completion)
         self.prompt_tokens.labels(model).inc(prompt)
         self.cached_tokens.labels(model).inc(cached)
+
+    def observe_scrape(self, endpoint: Endpoint, ok: bool) -> None:
+        self.scrapes.labels(self.pool_name, endpoint.name, "ok" if ok else "error").inc()
 
     def observe_pool(self, endpoints: Iterable[Endpoint]) -> None:
         """Refresh pool gauges from the latest endpoint state (called after each scrape round)."""

@@ -12,7 +12,8 @@ import random
 from picker.admission import AdmissionConfig, AdmissionController
 from picker.config import ServeConfig
 from picker.endpoints.pool import EndpointPool
-from picker.endpoints.scraper import MetricsScraper
+from picker.endpoints.scraper import Cadence, MetricsScraper
+from picker.endpoints.shared_scrape import SharedScrapes
 from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -33,8 +34,7 @@ def share_index(config: ServeConfig, scheduler: Scheduler) -> SharedPrefixIndex 
     local = getattr(scheduler, "index", None)
     if not isinstance(local, InMemoryPrefixIndex):
         raise ValueError(f"--index-backend redis needs a strategy with a prefix index, not {config.strategy!r}")
-    namespace = config.index_namespace or f"{config.pool_namespace or 'default'}/{config.pool_label}"
-    shared = SharedPrefixIndex(local, config.redis_url, namespace)
+    shared = SharedPrefixIndex(local, config.redis_url, index_namespace(config))
     shared.peer_listener = getattr(scheduler, "on_peer_picked", None)
     scheduler.index = shared  # type: ignore[attr-defined]
     return shared
@@ -42,6 +42,28 @@ def share_index(config: ServeConfig, scheduler: Scheduler) -> SharedPrefixIndex 
 
 def build_admission(config: ServeConfig) -> AdmissionController:
     return AdmissionController(AdmissionConfig.from_dict(config.admission))
+
+
+def scrape_cadence(config: ServeConfig) -> Cadence:
+    """A fixed cadence when --refresh-metrics-interval is given (GIE's flag), else the adaptive one. Replicas that
+    share scrapes each route only part of a pod's traffic, so they cannot compare it with their own in-flight."""
+    if config.refresh_metrics_interval is not None:
+        return Cadence.fixed(config.refresh_metrics_interval)
+    return Cadence(fast=config.metrics_fast_interval, slow=config.metrics_slow_interval,
+                   compare_in_flight=config.index_backend != "redis")
+
+
+def index_namespace(config: ServeConfig) -> str:
+    """Replicas with the same namespace share one prefix index and one set of scrapes."""
+    return config.index_namespace or f"{config.pool_namespace or 'default'}/{config.pool_label}"
+
+
+def shared_scrapes(config: ServeConfig) -> SharedScrapes | None:
+    """With `--index-backend redis`, replicas take turns scraping each pod (the pool's scrape load stays that
+    of one replica)."""
+    if config.index_backend != "redis":
+        return None
+    return SharedScrapes(config.redis_url, index_namespace(config))
 
 
 class PoolMonitor:
@@ -52,10 +74,12 @@ class PoolMonitor:
         self.pool = pool
         self.scheduler = scheduler
         self.metrics = metrics
-        self.scraper = MetricsScraper(pool.all, refresh_interval=config.refresh_metrics_interval,
-                                      failure_threshold=config.unhealthy_after_failures,
-                                      timeout=max(0.2, min(2.0, config.refresh_metrics_interval * 10)),
-                                      on_unhealthy=self._unhealthy, on_healthy=self._healthy)
+        cadence = scrape_cadence(config)
+        self.shared = shared_scrapes(config)
+        self.scraper = MetricsScraper(pool.all, cadence=cadence, failure_threshold=config.unhealthy_after_failures,
+                                      timeout=max(0.2, min(2.0, cadence.fast * 10)),
+                                      on_unhealthy=self._unhealthy, on_healthy=self._healthy,
+                                      on_scrape=metrics.observe_scrape, shared=self.shared)
 
     def _unhealthy(self, endpoint: Endpoint) -> None:
         self.pool.refresh()
@@ -77,6 +101,9 @@ class PoolMonitor:
         finally:
             with contextlib.suppress(Exception):
                 await self.scraper.stop()
+            if self.shared is not None:
+                with contextlib.suppress(Exception):
+                    await self.shared.close()
 
 
 def start_monitor(config: ServeConfig, pool: EndpointPool, scheduler: Scheduler,

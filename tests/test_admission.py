@@ -46,6 +46,9 @@ def test_saturation_is_gie_mean_of_max_with_stale_as_full() -> None:
     fresh.metrics.kv_usage = 0.6
     assert pod_saturation(fresh, 10.1, cfg) == pytest.approx(0.75)
     assert pod_saturation(fresh, 10.25, cfg) == 1.0  # older than 200 ms
+    fresh.scrape_interval = 1.0  # a calm pod on the slow cadence: stale only 200 ms past its next scrape
+    assert pod_saturation(fresh, 10.9, cfg) == pytest.approx(0.75)
+    assert pod_saturation(fresh, 11.25, cfg) == 1.0
     assert pod_saturation(Endpoint.from_address("10.0.0.9:1"), 0.0, cfg) == 1.0  # never scraped
     idle = pods(1, at=10.0)[0]
     assert pool_saturation([fresh, idle], 10.1, cfg) == pytest.approx(0.375)

@@ -4,55 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import pytest
-from aiohttp import web
 
-from picker.endpoints.scraper import MetricsScraper
-from picker.endpoints.state import Endpoint
-
-_IDLE = Path("/work/shared/data/vllm-metrics/vllm-0.32-cpu-idle.txt")
-IDLE_TEXT = _IDLE.read_text() if _IDLE.exists() else ""  # read once: handlers must not block
-
-
-class FakePod:
-    """A /metrics server whose behaviour a test flips: ok, error (503), hang, or down (socket closed)."""
-
-    def __init__(self) -> None:
-        self.mode = "ok"
-        self.waiting = 0
-        self.hits = 0
-        self.port = 0
-        self._runner: web.AppRunner | None = None
-
-    async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        self.hits += 1
-        if self.mode == "error":
-            return web.Response(status=503, text="overloaded")
-        if self.mode == "hang":
-            await asyncio.sleep(10)
-        text = IDLE_TEXT + f'vllm:num_requests_waiting{{engine="1",model_name="tiny"}} {self.waiting}\n'
-        return web.Response(text=text, content_type="text/plain")
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-        await site.start()
-        if not self.port:
-            self.port = self._runner.addresses[0][1]
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint.from_address(f"127.0.0.1:{self.port}")
+from picker.endpoints.scraper import Cadence, MetricsScraper
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from tests.fake_pod import FakePod
 
 
 @pytest.fixture
@@ -84,8 +41,7 @@ async def test_poll_updates_metrics_with_injected_clock(pods: list[FakePod]) -> 
         await scraper.stop()
     assert [e.metrics.updated_at for e in endpoints] == [100.0] * 3
     assert [e.metrics.waiting for e in endpoints] == [0.0, 7.0, 0.0]  # engine "1" series summed in
-    if IDLE_TEXT:
-        assert endpoints[0].metrics.num_gpu_blocks == 8192 and endpoints[0].metrics.block_size == 128
+    assert endpoints[0].metrics.num_gpu_blocks == 8192 and endpoints[0].metrics.block_size == 128
 
 
 async def test_pod_that_stops_answering_is_unhealthy_within_two_polls_and_restored(pods: list[FakePod]) -> None:
@@ -167,3 +123,46 @@ async def _until(condition: Callable[[], bool], limit: float) -> None:
 def test_rejects_bad_settings() -> None:
     with pytest.raises(ValueError):
         MetricsScraper(list, refresh_interval=0)
+
+
+def test_cadence_is_fast_only_while_a_pod_needs_watching() -> None:
+    cadence = Cadence(fast=0.1, slow=1.0)
+    calm = Endpoint.from_address("10.0.0.1:8000")
+    calm.metrics = EndpointMetrics(running=2, updated_at=0.0)
+    calm.in_flight = 2
+    assert cadence.interval(calm, ok=True) == 1.0
+    assert cadence.interval(calm, ok=False) == 0.1  # a failed scrape is retried soon: health needs it
+    calm.metrics.waiting = 1
+    assert cadence.interval(calm, ok=True) == 0.1  # queueing: near saturation
+    calm.metrics.waiting, calm.metrics.kv_usage = 0, 0.75
+    assert cadence.interval(calm, ok=True) == 0.1  # KV cache filling
+    calm.metrics.kv_usage, calm.metrics.running = 0.1, 4
+    assert cadence.interval(calm, ok=True) == 0.1  # runs 2 requests we did not route: traffic around us
+    assert Cadence(fast=0.1, slow=1.0, compare_in_flight=False).interval(calm, ok=True) == 1.0
+    assert Cadence.fixed(0.05).interval(calm, ok=True) == 0.05
+    with pytest.raises(ValueError):
+        Cadence(fast=2.0, slow=1.0)
+    with pytest.raises(ValueError):
+        MetricsScraper(list, refresh_interval=0.05, cadence=cadence)
+
+
+async def test_calm_pods_are_scraped_at_the_slow_cadence_busy_ones_at_the_fast(pods: list[FakePod]) -> None:
+    endpoints = [p.endpoint for p in pods]
+    pods[1].waiting = 3
+    seen: list[tuple[str, bool]] = []
+    scraper = MetricsScraper(lambda: endpoints, cadence=Cadence(fast=0.02, slow=0.5),
+                             on_scrape=lambda e, ok: seen.append((e.address, ok)))
+    await scraper.start()
+    try:
+        await _until(lambda: pods[1].hits >= 15, 5.0)
+        assert pods[0].hits <= 2 and pods[2].hits <= 2  # 15 fast scrapes take ~0.3 s: one slow period
+        assert endpoints[0].scrape_interval == 0.5 and endpoints[1].scrape_interval == 0.02
+        assert (endpoints[1].address, True) in seen and all(ok for _, ok in seen)
+        pods[1].waiting = 0  # the queue drained: back to the slow cadence
+        await _until(lambda: endpoints[1].scrape_interval == 0.5, 2.0)
+        calm_hits = pods[1].hits
+        pods[0].running = 5  # requests we never routed appear on pod 0: it is watched closely at once
+        await _until(lambda: pods[0].hits >= 10, 5.0)
+        assert pods[1].hits <= calm_hits + 2
+    finally:
+        await scraper.stop()

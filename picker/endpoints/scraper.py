@@ -1,4 +1,11 @@
-"""Polls every endpoint's vLLM /metrics on a fixed cadence and keeps Endpoint.metrics and health current.
+"""Polls every endpoint's vLLM /metrics and keeps Endpoint.metrics and health current, on a per-pod cadence.
+
+A scrape is not free for the pod: vLLM renders /metrics (~50 KB) in its API server, the event loop that also
+streams every token (bench/scrape_cost.py measures it). Our own in-flight accounting is the fast signal; the
+scrape corrects it. So by default (`Cadence()`) a pod is scraped every `slow` seconds while it is calm and every
+`fast` seconds while it is near saturation (waiting requests, KV cache filling), while it runs more requests
+than we routed to it (traffic that bypasses us), or after a failed scrape. A fixed cadence (GIE's
+`--refresh-metrics-interval`) is `Cadence.fixed(interval)`.
 
 Each endpoint is scraped on its own task, so a pod that hangs until the timeout never delays the others'
 refresh; a pod is not scraped again while its previous scrape is still running. After
@@ -14,15 +21,51 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import aiohttp
 
 from picker.endpoints.metrics import parse_vllm_metrics
-from picker.endpoints.state import Endpoint
+from picker.endpoints.shared_scrape import SharedScrapes
+from picker.endpoints.state import Endpoint, EndpointMetrics
 
 log = logging.getLogger(__name__)
 
 EndpointCallback = Callable[[Endpoint], None]
+ScrapeCallback = Callable[[Endpoint, bool], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Cadence:
+    """How often one pod is scraped; `fast == slow` is a fixed cadence."""
+
+    fast: float = 0.1
+    slow: float = 1.0
+    busy_waiting: float = 1.0  # waiting requests at which a pod is near saturation
+    busy_kv: float = 0.7  # KV-cache utilisation at which a pod is near saturation
+    unseen_requests: int = 2  # requests a pod runs beyond those we routed to it that count as disagreement
+    # Our in-flight count is all of the pod's traffic only when we are its only router; replicas that share
+    # scrapes each see a part, so they cannot use that rule.
+    compare_in_flight: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fast <= self.slow:
+            raise ValueError("cadence needs 0 < fast <= slow")
+
+    @classmethod
+    def fixed(cls, interval: float) -> Cadence:
+        return cls(fast=interval, slow=interval)
+
+    def interval(self, endpoint: Endpoint, ok: bool) -> float:
+        """Seconds until this pod's next scrape, given the scrape that just ended."""
+        if self.fast == self.slow or not ok:
+            return self.fast
+        m = endpoint.metrics
+        if m.waiting >= self.busy_waiting or m.kv_usage >= self.busy_kv:
+            return self.fast
+        if self.compare_in_flight and m.running + m.waiting - endpoint.in_flight >= self.unseen_requests:
+            return self.fast
+        return self.slow
 
 
 class MetricsScraper:
@@ -30,28 +73,40 @@ class MetricsScraper:
         self,
         endpoints_fn: Callable[[], Iterable[Endpoint]],
         *,
-        refresh_interval: float = 0.05,
+        refresh_interval: float | None = None,
+        cadence: Cadence | None = None,
         timeout: float = 0.5,
         failure_threshold: int = 2,
         clock: Callable[[], float] = time.monotonic,
         on_unhealthy: EndpointCallback | None = None,
         on_healthy: EndpointCallback | None = None,
+        on_scrape: ScrapeCallback | None = None,
         session: aiohttp.ClientSession | None = None,
         path: str = "/metrics",
+        shared: SharedScrapes | None = None,
     ) -> None:
-        if refresh_interval <= 0 or timeout <= 0 or failure_threshold <= 0:
+        """`refresh_interval` (a fixed cadence) and `cadence` exclude each other; neither: `Cadence()`.
+        With `shared`, replicas take turns scraping each pod and the others read the result."""
+        if refresh_interval is not None and cadence is not None:
+            raise ValueError("give refresh_interval or cadence, not both")
+        if (refresh_interval is not None and refresh_interval <= 0) or timeout <= 0 or failure_threshold <= 0:
             raise ValueError("refresh_interval, timeout and failure_threshold must be positive")
         self.endpoints_fn = endpoints_fn
-        self.refresh_interval = refresh_interval
+        self.cadence = Cadence.fixed(refresh_interval) if refresh_interval is not None else (cadence or Cadence())
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.failure_threshold = failure_threshold
         self.clock = clock
         self.on_unhealthy = on_unhealthy
         self.on_healthy = on_healthy
+        self.on_scrape = on_scrape
         self.path = path
+        self.shared = shared
+        self._applied: dict[str, float] = {}  # address -> time of the last shared record applied
         self._session = session
         self._owns_session = session is None
         self._inflight: dict[str, asyncio.Task[bool]] = {}
+        self._due: dict[str, float] = {}  # address -> loop time of its next scrape
+        self._scraped = asyncio.Event()  # a scrape ended: its pod's next due time is known
         self._loop_task: asyncio.Task[None] | None = None
         self.polls = 0  # scrape attempts, for tests and our own metrics
         self.failures = 0
@@ -83,27 +138,74 @@ class MetricsScraper:
             self._session = None
 
     async def _run(self) -> None:
+        """Start every scrape that is due, then sleep until the next one is (at most `fast`: new pods join)."""
         loop = asyncio.get_running_loop()
-        next_tick = loop.time()
         while True:
-            self._launch()
-            next_tick += self.refresh_interval
-            delay = next_tick - loop.time()
-            if delay < 0:  # fell behind (a stalled loop): skip missed ticks rather than burst
-                next_tick = loop.time()
-                delay = 0
-            await asyncio.sleep(delay)
+            now = loop.time()
+            self._launch(now)
+            upcoming = [due for address, due in self._due.items() if address not in self._inflight]
+            wake = min(upcoming, default=now + self.cadence.fast)
+            self._scraped.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._scraped.wait(), min(self.cadence.fast, max(0.0, wake - now)))
 
-    def _launch(self) -> list[asyncio.Task[bool]]:
+    def _launch(self, now: float | None = None) -> list[asyncio.Task[bool]]:
+        """Scrape the endpoints due by `now` (None: all of them) that are not being scraped already."""
         started = []
+        current = set()
         for endpoint in self.endpoints_fn():
-            if endpoint.address in self._inflight:
+            current.add(endpoint.address)
+            if endpoint.address in self._inflight or (now is not None and self._due.get(endpoint.address, 0.0) > now):
                 continue
-            task = asyncio.create_task(self.scrape(endpoint))
+            task = asyncio.create_task(self._scrape_and_schedule(endpoint))
             self._inflight[endpoint.address] = task
             task.add_done_callback(functools.partial(self._done, endpoint.address))
             started.append(task)
+        if len(self._due) > len(current):  # pods that left the pool
+            for address in [a for a in self._due if a not in current]:
+                del self._due[address]
         return started
+
+    async def _scrape_and_schedule(self, endpoint: Endpoint) -> bool:
+        start = asyncio.get_running_loop().time()
+        if self.shared is not None:
+            ok, wait = await self._refresh_shared(endpoint, self.shared)
+        else:
+            ok = await self.scrape(endpoint)
+            wait = endpoint.scrape_interval = self.cadence.interval(endpoint, ok)
+        self._due[endpoint.address] = start + wait
+        self._scraped.set()
+        return ok
+
+    async def _refresh_shared(self, endpoint: Endpoint, shared: SharedScrapes) -> tuple[bool, float]:
+        """Read the pod's shared record; scrape it only when no other replica is keeping it fresh. Returns
+        (ok, seconds until this pod's next refresh)."""
+        address = endpoint.address
+        record = await shared.read(address)
+        wall = shared.wall_clock()
+        if record is not None and record.replica != shared.replica_id and record.fresh(wall):
+            ok = True
+            if self._applied.get(address) != record.at:  # each record counts once, for health too
+                self._applied[address] = record.at
+                ok = self._apply(endpoint, record.metrics, record.at - wall)
+            endpoint.scrape_interval = record.interval
+            return ok, max(0.01, record.at + record.interval + 0.01 - wall)
+        hold = max(endpoint.scrape_interval, self.cadence.fast)
+        if not await shared.claim(address, hold + max(0.05, 0.5 * hold)):
+            return True, min(0.02, self.cadence.fast)  # another replica took it just now: read its record soon
+        ok = await self.scrape(endpoint)
+        interval = endpoint.scrape_interval = self.cadence.interval(endpoint, ok)
+        await shared.publish(address, endpoint.metrics if ok else None, interval)
+        return ok, interval
+
+    def _apply(self, endpoint: Endpoint, metrics: EndpointMetrics | None, age_offset: float) -> bool:
+        """Take another replica's scrape as ours (`age_offset`: its time minus now, <= 0)."""
+        if metrics is None:
+            self._failed(endpoint, RuntimeError("the scraping replica's poll failed"))
+            return False
+        metrics.updated_at = self.clock() + min(0.0, age_offset)
+        self._succeeded(endpoint, metrics)
+        return True
 
     def _done(self, address: str, task: asyncio.Task[bool]) -> None:
         if self._inflight.get(address) is task:
@@ -129,7 +231,15 @@ class MetricsScraper:
             metrics = parse_vllm_metrics(body.decode("utf-8", "replace"), updated_at=self.clock())
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             self._failed(endpoint, exc)
+            if self.on_scrape is not None:
+                self.on_scrape(endpoint, False)
             return False
+        if self.on_scrape is not None:
+            self.on_scrape(endpoint, True)
+        self._succeeded(endpoint, metrics)
+        return True
+
+    def _succeeded(self, endpoint: Endpoint, metrics: EndpointMetrics) -> None:
         endpoint.metrics = metrics
         endpoint.consecutive_failures = 0
         if not endpoint.healthy:
@@ -137,7 +247,6 @@ class MetricsScraper:
             log.info("endpoint %s healthy again", endpoint.address)
             if self.on_healthy is not None:
                 self.on_healthy(endpoint)
-        return True
 
     def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:
         self.failures += 1

@@ -56,6 +56,7 @@ class Endpoint:
     in_flight_tokens: int = 0
     last_picked_at: float = -1.0
     consecutive_failures: int = 0
+    scrape_interval: float = 0.0  # seconds until the scraper refreshes `metrics` again (its current cadence)
 
     @classmethod
     def from_address(cls, address: str, name: str = "") -> Endpoint:
@@ -66,6 +67,10 @@ class Endpoint:
     def metrics_age(self, now: float) -> float:
         """Seconds since the last successful scrape (infinite when never scraped)."""
         return float("inf") if self.metrics.updated_at < 0 else now - self.metrics.updated_at
+
+    def metrics_overdue(self, now: float) -> float:
+        """Seconds the metrics are older than the scraper's cadence promises (<= 0: current)."""
+        return self.metrics_age(now) - self.scrape_interval
 
     def start_request(self, tokens: int, now: float) -> None:
         self.in_flight += 1

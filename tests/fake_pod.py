@@ -1,0 +1,53 @@
+"""A /metrics server on 127.0.0.1 that tests steer: a real vLLM page plus the queue gauges they set."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiohttp import web
+
+from picker.endpoints.state import Endpoint
+
+IDLE_TEXT = (Path(__file__).resolve().parent / "data" / "vllm-0.32-cpu-idle.txt").read_text()  # read once
+
+
+class FakePod:
+    """A /metrics server whose behaviour a test flips: ok, error (503), hang, or down (socket closed)."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.waiting = 0
+        self.running = 0
+        self.hits = 0
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        if self.mode == "error":
+            return web.Response(status=503, text="overloaded")
+        if self.mode == "hang":
+            await asyncio.sleep(10)
+        text = IDLE_TEXT + f'vllm:num_requests_waiting{{engine="1",model_name="tiny"}} {self.waiting}\n' + \
+            f'vllm:num_requests_running{{engine="1",model_name="tiny"}} {self.running}\n'
+        return web.Response(text=text, content_type="text/plain")
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        if not self.port:
+            self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint.from_address(f"127.0.0.1:{self.port}")

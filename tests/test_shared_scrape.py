@@ -1,0 +1,211 @@
+"""Replicas sharing scrapes through a real valkey-server: one scrape per pod per cadence, however many replicas."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from picker.endpoints.scraper import Cadence, MetricsScraper
+from picker.endpoints.shared_scrape import SharedSample, SharedScrapes, _decode, _encode
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.supervisor import (
+    Envoy,
+    Picker,
+    Valkey,
+    free_port,
+    process_scope,
+    start_backends,
+    start_envoy,
+    start_picker,
+    start_valkey,
+)
+from tests.fake_pod import FakePod
+from tests.waiting import eventually
+
+INTERVAL = 0.05
+
+
+@pytest.fixture(scope="module")
+def valkey() -> Iterator[Valkey]:
+    with process_scope("valkey-scrapes") as (logdir, started):
+        server = start_valkey(logdir)
+        started.append(server.process)
+        yield server
+
+
+@pytest.fixture
+async def pods() -> AsyncIterator[list[FakePod]]:
+    started = [FakePod() for _ in range(2)]
+    for pod in started:
+        await pod.start()
+    yield started
+    for pod in started:
+        await pod.stop()
+
+
+class Replica:
+    """One picker replica's scraper with its own Endpoint objects (replicas share no memory)."""
+
+    def __init__(self, pods: list[FakePod], url: str, namespace: str, cadence: Cadence) -> None:
+        self.endpoints = [p.endpoint for p in pods]
+        self.shared = SharedScrapes(url, namespace)
+        self.scrapes = 0
+        self.down: list[str] = []
+        self.scraper = MetricsScraper(lambda: self.endpoints, cadence=cadence, shared=self.shared,
+                                      on_scrape=self._count, on_unhealthy=lambda e: self.down.append(e.address))
+
+    def _count(self, endpoint: Endpoint, ok: bool) -> None:
+        self.scrapes += 1
+
+    async def stop(self) -> None:
+        await self.scraper.stop()
+        await self.shared.close()
+
+
+async def _replicas(n: int, pods: list[FakePod], url: str, cadence: Cadence) -> list[Replica]:
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    out = [Replica(pods, url, namespace, cadence) for _ in range(n)]
+    for r in out:
+        await r.scraper.start()
+    return out
+
+
+def test_record_round_trip() -> None:
+    m = EndpointMetrics(2, 3, 0.5, 64, 160, 1000, 500, 2, frozenset({"a"}), frozenset())
+    back = _decode(_encode(SharedSample("r1", 12.5, 0.1, m)))
+    assert back.metrics == m and (back.replica, back.at, back.interval) == ("r1", 12.5, 0.1)
+    assert _decode(_encode(SharedSample("r1", 1.0, 0.1, None))).metrics is None
+    assert SharedSample("r", 10.0, 1.0, None).fresh(11.4) and not SharedSample("r", 10.0, 1.0, None).fresh(11.6)
+
+
+async def test_four_replicas_cost_each_pod_one_scrape_per_cadence(valkey: Valkey, pods: list[FakePod]) -> None:
+    pods[0].waiting = 3
+    replicas = await _replicas(4, pods, valkey.url, Cadence.fixed(INTERVAL))
+    try:
+        start = time.monotonic()
+        # every replica sees pod 0's queue, whoever scraped it
+        await eventually(lambda: all(r.endpoints[0].metrics.waiting == 3 for r in replicas), 5.0)
+        await eventually(lambda: pods[0].hits >= 20, 10.0)
+        elapsed = time.monotonic() - start
+        # 20 scrapes at one per 50 ms take >= ~1 s; four replicas each scraping would take 0.25 s
+        assert elapsed >= 20 * INTERVAL * 0.7, f"{pods[0].hits} scrapes in {elapsed:.2f}s"
+        assert sum(r.scrapes for r in replicas) <= pods[0].hits + pods[1].hits
+        now = time.monotonic()
+        assert all(now - e.metrics.updated_at < 0.5 for r in replicas for e in r.endpoints)  # all current
+        # the scraping replica goes away: another takes each pod over within a cadence and a grace
+        busiest = max(replicas, key=lambda r: r.scrapes)
+        await busiest.stop()
+        replicas.remove(busiest)
+        hits = pods[0].hits
+        await eventually(lambda: pods[0].hits >= hits + 10, 5.0)
+        pods[0].waiting = 7
+        await eventually(lambda: all(r.endpoints[0].metrics.waiting == 7 for r in replicas), 5.0)
+    finally:
+        for r in replicas:
+            await r.stop()
+
+
+async def test_a_failing_pod_is_unhealthy_on_every_replica(valkey: Valkey, pods: list[FakePod]) -> None:
+    replicas = await _replicas(3, pods, valkey.url, Cadence.fixed(INTERVAL))
+    try:
+        await eventually(lambda: all(r.endpoints[1].metrics.updated_at > 0 for r in replicas), 5.0)
+        pods[1].mode = "error"
+        await eventually(lambda: all(not r.endpoints[1].healthy for r in replicas), 5.0)
+        assert all(r.down == [r.endpoints[1].address] for r in replicas)
+        assert all(r.endpoints[0].healthy for r in replicas)
+    finally:
+        for r in replicas:
+            await r.stop()
+
+
+async def test_without_redis_each_replica_scrapes_for_itself(pods: list[FakePod]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens
+    replicas = await _replicas(2, pods, url, Cadence(fast=0.05, slow=0.2))
+    try:
+        pods[0].waiting = 2
+        await eventually(lambda: all(r.endpoints[0].metrics.waiting == 2 for r in replicas), 5.0)
+        await eventually(lambda: all(r.scrapes >= 4 for r in replicas), 5.0)
+        assert all(r.shared.errors > 0 for r in replicas)
+    finally:
+        for r in replicas:
+            await r.stop()
+
+
+def _scrapes(picker: Picker, pod: str) -> float:
+    """picker_model_server_scrapes_total of one replica for one pod (ok and error)."""
+    url = f"http://{picker.host}:{picker.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return sum(s.value for family in text_string_to_metric_families(response.read().decode())
+                   for s in family.samples
+                   if s.name == "picker_model_server_scrapes_total" and s.labels.get("model_server_pod") == pod)
+
+
+async def _chat_through(envoy: Envoy, n: int) -> list[int]:
+    async with aiohttp.ClientSession() as session:
+        statuses = []
+        for i in range(n):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": f"question {i} " * 30}]}
+            async with session.post(f"{envoy.url}/v1/chat/completions", json=body) as response:
+                statuses.append(response.status)
+        return statuses
+
+
+async def test_through_envoy_a_calm_pod_is_scraped_slowly_a_queueing_one_fast() -> None:
+    with process_scope("cadence-envoy") as (logdir, started):
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--metrics-slow-interval", "400ms",
+                                                                            "--metrics-fast-interval", "20ms"])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, backends.addresses)
+        started.append(envoy.process)
+        assert await _chat_through(envoy, 6) == [200] * 6
+        calm, busy = backends.addresses
+        _set_metrics(busy, waiting=3)  # the pod starts queueing: watched closely from its next scrape
+        await eventually(lambda: _scrapes(picker, busy) >= 1, 5.0)
+        start_busy, start_calm = _scrapes(picker, busy), _scrapes(picker, calm)
+        await eventually(lambda: _scrapes(picker, busy) >= start_busy + 25, 10.0)
+        assert _scrapes(picker, calm) <= start_calm + 3  # 25 fast scrapes take ~0.5 s: about one slow period
+
+
+async def test_through_envoy_three_replicas_scrape_each_pod_as_often_as_one() -> None:
+    with process_scope("shared-scrapes-envoy") as (logdir, started):
+        valkey = start_valkey(logdir)
+        started.append(valkey.process)
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        flags = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "scrapes",
+                 "--metrics-slow-interval", "200ms"]
+        grpc_port, health_port = free_port(), free_port()
+        pickers = [start_picker(logdir, endpoints=backends.addresses, extra=flags, name=f"replica-{i}",
+                                host=f"127.0.0.{20 + i}", grpc_port=grpc_port, health_port=health_port)
+                   for i in range(3)]
+        started += [p.process for p in pickers]
+        envoy = start_envoy(logdir, pickers, backends.addresses)
+        started.append(envoy.process)
+        assert await _chat_through(envoy, 9) == [200] * 9
+        pod = backends.addresses[0]
+
+        def total() -> float:
+            return sum(_scrapes(p, pod) for p in pickers)
+
+        before = total()
+        start = time.monotonic()
+        await eventually(lambda: total() >= before + 6, 10.0)
+        elapsed = time.monotonic() - start
+        # one scrape per 200 ms for the whole fleet: 6 take >= ~1.2 s; three replicas each scraping: ~0.4 s
+        assert elapsed >= 6 * 0.2 * 0.7, f"6 scrapes of {pod} in {elapsed:.2f}s"
+
+
+def _set_metrics(address: str, **values: object) -> None:
+    request = urllib.request.Request(f"http://{address}/test/metrics", data=json.dumps(values).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=2) as response:
+        response.read()
