@@ -2,14 +2,20 @@
 
 No network, no asyncio: simulated vLLM engines (`picker.sim.engine.Engine`) are stepped from one event heap, and
 the scheduler under test is the same object `picker serve` runs. It sees endpoints the way the live picker does:
-metrics refreshed by a scrape every `scrape_interval` of simulated time (waiting, running, kv_usage, cache
-config) and its own in-flight counts, moved at pick and at the end of the response.
+metrics refreshed by scrapes on the scraper's cadence (`cadence`: fixed every `scrape_interval`, or adaptive per
+pod as `picker serve` does by default) and its own in-flight counts, moved at pick and at the end of the response.
 
-Events, in time order (ties: deliveries, then arrivals, then steps, then scrapes):
-- arrival: build the request (a follow-up gets its parent's answer), admit, schedule, add it to the pod;
+A scrape is not free for a real vLLM: it holds the pod's API server for `scrape_cost` seconds (bench/scrape_cost.py
+measures ~5-7 ms of CPU per scrape on vLLM 0.32), and that loop is the one that takes in requests and streams
+tokens. So each scrape delays the pod's next request intake and first token by that much (0: a free scrape).
+
+Events, in time order (ties: deliveries, then arrivals, then intakes, then steps, then scrapes, then samples):
+- arrival: build the request (a follow-up gets its parent's answer), admit, schedule, hand it to the pod;
+- intake: the pod's API server passes a request on to its engine (at once unless scrapes hold it);
 - step: the pod runs one batch; its outputs are delivered when the batch ends;
 - deliver: first tokens, finished requests (in-flight released, follow-ups scheduled);
-- scrape: refresh every endpoint's metrics; every `sample_interval` also record per-pod load.
+- scrape: refresh one pod's metrics in every replica's view and schedule its next scrape;
+- sample: every `sample_interval`, record per-pod load.
 
 Several picker replicas (`replicas` > 1) stand for N `picker serve` processes behind one Envoy, which round-robins
 ext_proc streams over them: the n-th arriving request goes to replica n % N. Each replica has its own scheduler
@@ -34,6 +40,7 @@ from picker.bench.oracle import InfiniteCacheOracle
 from picker.bench.prompts import PromptBuilder, prompt_text
 from picker.bench.results import OK, SHED, RunResult
 from picker.bench.trace import Message, Trace
+from picker.endpoints.scraper import Cadence
 from picker.endpoints.state import Endpoint
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -44,7 +51,7 @@ from picker.sim.engine import Engine, SimRequest, StepResult
 from picker.sim.kvcache import block_hashes
 from picker.sim.profiles import Profile
 
-_DELIVER, _ARRIVE, _STEP, _SCRAPE = 0, 1, 2, 3
+_DELIVER, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE = 0, 1, 2, 3, 4, 5
 Progress = Callable[[int], None]
 
 
@@ -55,7 +62,10 @@ class FastConfig:
     profile: Profile
     pods: int
     seed: int = 0
-    scrape_interval: float = 0.05  # picker's --refresh-metrics-interval
+    scrape_interval: float = 0.05  # picker's --refresh-metrics-interval, when `cadence` is None
+    cadence: Cadence | None = None  # per-pod adaptive scraping (picker serve's default); None: fixed interval
+    scrape_cost: float = 0.0  # seconds one scrape holds a pod's API server (0: scrapes are free)
+    scraping: bool = True  # the router reads the pods' metrics at all (Envoy alone does not)
     sample_interval: float = 1.0  # per-pod load time series
     prefix_caching: bool = True
     admission: bool = True  # run the picker's admission check (the Envoy-only baseline has none)
@@ -174,6 +184,11 @@ class _FastRun:
         self.seq = 0
         self.scheduled = [False] * cfg.pods
         self.busy = [0.0] * cfg.pods
+        self.api_busy_until = [0.0] * cfg.pods  # the pod's API server is rendering /metrics until then
+        self.cadence = cfg.cadence or Cadence.fixed(cfg.scrape_interval)
+        # Replicas sharing an index share scrapes too (one scrape per pod per cadence); otherwise each scrapes.
+        self.scrapers = 1 if cfg.shared_index else cfg.replicas
+        self.scrapes = [0] * cfg.pods
         self.served = [0] * cfg.pods
         self.history: dict[int, tuple[Message, ...]] = {}  # full messages (+ answer) of requests with follow-ups
         # index -> (prompt ids, oracle hashes, tokens, replica that routed it)
@@ -209,7 +224,9 @@ class _FastRun:
         for r in self.trace.requests:
             if r.parent < 0:
                 self.push(r.at, _ARRIVE, r.index)
-        self.push(0.0, _SCRAPE, 0)
+        for k in range(self.cfg.pods if self.cfg.scraping else 0):
+            self.push(0.0, _SCRAPE, k)
+        self.push(0.0, _SAMPLE, 0)
         heap = self.heap
         pop = heapq.heappop
         while heap:
@@ -220,8 +237,13 @@ class _FastRun:
                 self.deliver(payload[0], payload[1], now)
             elif kind == _ARRIVE:
                 self.arrive(payload, now)
-            else:
+            elif kind == _INTAKE:
+                self.intake(payload[0], payload[1], now)
+            elif kind == _SCRAPE:
                 self.scrape(payload, now)
+                continue
+            else:
+                self.sample(now)
                 continue
             self.last_event = now
         if self.progress is not None and self.unreported:
@@ -295,27 +317,50 @@ class _FastRun:
             self.done()
             return
         k = self.pod_of[chosen.address]
-        try:
-            self.engines[k].add_request(SimRequest(str(i), ids, r.max_tokens, ignore_eos=True), now)
-        except ValueError as exc:
-            if len(res.notes) < 5:
-                res.notes.append(f"request {i} refused by pod {k}: {exc}")
-            self.done()
+        sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
+        delayed = self.api_busy_until[k] > now  # scrapes hold the pod's API server: the engine gets it later
+        if not delayed and not self.hand_over(k, sim_request, now):
             return
         tokens = estimated_tokens(request)
         chosen.start_request(tokens, now)
         res.pod[i] = k
         self.served[k] += 1
         self.live[i] = (ids, hashes, tokens, replica)
-        self.wake(k, now)
+        if delayed:
+            self.push(self.api_busy_until[k], _INTAKE, (k, sim_request))
+        else:
+            self.wake(k, now)
+
+    def hand_over(self, k: int, request: SimRequest, now: float) -> bool:
+        """Give the request to pod k's engine; a refused one (vLLM's 400) ends at once."""
+        try:
+            self.engines[k].add_request(request, now)
+        except ValueError as exc:
+            if len(self.res.notes) < 5:
+                self.res.notes.append(f"request {request.request_id} refused by pod {k}: {exc}")
+            self.done()
+            return False
+        return True
+
+    def intake(self, k: int, request: SimRequest, now: float) -> None:
+        """A request held by the pod's busy API server reaches its engine."""
+        if self.hand_over(k, request, now):
+            self.wake(k, now)
+            return
+        i = int(request.request_id)
+        _, _, tokens, replica = self.live.pop(i)
+        self.replica_endpoints[replica][k].finish_request(tokens)
+        self.served[k] -= 1
+        self.res.pod[i] = -1
 
     def deliver(self, k: int, result: StepResult, now: float) -> None:
         """Outputs of one batch at its end: first tokens, finished requests and their follow-ups."""
         res = self.res
+        streamed = max(now, self.api_busy_until[k])  # the first token leaves through the pod's API server
         for rid in result.first_tokens:
             i = int(rid)
-            self.first_token[i] = now
-            res.ttft[i] = now - res.sent[i]
+            self.first_token[i] = streamed
+            res.ttft[i] = streamed - res.sent[i]
         for fin in result.finished:
             i = int(fin.request_id)
             ids, hashes, tokens, replica = self.live.pop(i)
@@ -338,22 +383,33 @@ class _FastRun:
             self.done()
         self.wake(k, now)
 
-    def scrape(self, count: int, now: float) -> None:
-        """What the picker's metrics scraper would have read at `now`."""
-        for k, eng in enumerate(self.engines):
-            waiting, running, kv_usage = eng.num_waiting, eng.num_running, eng.kv_usage()
-            for endpoints in self.replica_endpoints:  # every replica scrapes the same pod and reads the same values
-                m = endpoints[k].metrics
-                m.waiting = waiting
-                m.running = running
-                m.kv_usage = kv_usage
-                m.updated_at = now
-        cfg = self.cfg
-        if count % max(1, round(cfg.sample_interval / cfg.scrape_interval)) == 0:
-            self.res.load_times.append(now)
-            self.res.load_per_pod.append([e.num_running + e.num_waiting for e in self.engines])
+    def scrape(self, k: int, now: float) -> None:
+        """What the picker's metrics scraper would have read of pod `k` at `now`; its next scrape on the cadence
+        (read from the first replica's view: every replica reads the same values)."""
+        eng = self.engines[k]
+        waiting, running, kv_usage = eng.num_waiting, eng.num_running, eng.kv_usage()
+        for endpoints in self.replica_endpoints:
+            m = endpoints[k].metrics
+            m.waiting = waiting
+            m.running = running
+            m.kv_usage = kv_usage
+            m.updated_at = now
+        interval = self.cadence.interval(self.endpoints[k], ok=True)
+        for endpoints in self.replica_endpoints:
+            endpoints[k].scrape_interval = interval
+        self.scrapes[k] += self.scrapers
+        if self.cfg.scrape_cost > 0:
+            self.api_busy_until[k] = max(now, self.api_busy_until[k]) + self.cfg.scrape_cost * self.scrapers
         if self.outstanding > 0:
-            self.push(now + cfg.scrape_interval, _SCRAPE, count + 1)
+            self.push(now + interval, _SCRAPE, k)
+
+    def sample(self, now: float) -> None:
+        if self.outstanding <= 0:
+            return
+        self.res.load_times.append(now)
+        self.res.load_per_pod.append([e.num_running + e.num_waiting for e in self.engines])
+        if self.outstanding > 0:
+            self.push(now + self.cfg.sample_interval, _SAMPLE, 0)
 
     def finish_result(self, wall: float) -> RunResult:
         res = self.res
@@ -371,5 +427,6 @@ class _FastRun:
         res.oracle_hits = self.oracle.hits
         first = min((t for t in res.sent if not math.isnan(t)), default=0.0)
         res.duration_s = self.last_event - first
+        res.extra["scrapes_per_pod_per_s"] = max(self.scrapes) / res.duration_s if res.duration_s > 0 else 0.0
         res.wall_s = wall
         return res
