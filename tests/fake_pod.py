@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
@@ -51,3 +53,16 @@ class FakePod:
     @property
     def endpoint(self) -> Endpoint:
         return Endpoint.from_address(f"127.0.0.1:{self.port}")
+
+
+@contextlib.asynccontextmanager
+async def running_pods(count: int) -> AsyncIterator[list[FakePod]]:
+    """`count` started pods, stopped on exit."""
+    pods = [FakePod() for _ in range(count)]
+    try:
+        for pod in pods:
+            await pod.start()
+        yield pods
+    finally:
+        for pod in pods:
+            await pod.stop()

@@ -9,17 +9,13 @@ import pytest
 
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.state import Endpoint, EndpointMetrics
-from tests.fake_pod import FakePod
+from tests.fake_pod import FakePod, running_pods
 
 
 @pytest.fixture
 async def pods() -> AsyncIterator[list[FakePod]]:
-    started = [FakePod() for _ in range(3)]
-    for pod in started:
-        await pod.start()
-    yield started
-    for pod in started:
-        await pod.stop()
+    async with running_pods(3) as started:
+        yield started
 
 
 class Clock:

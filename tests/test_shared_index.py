@@ -8,7 +8,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -38,14 +38,6 @@ from picker.supervisor import (
 from tests.waiting import eventually
 
 POD_A, POD_B = "10.0.0.1:8000", "10.0.0.2:8000"
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[Valkey]:
-    with process_scope("valkey") as (logdir, started):
-        server = start_valkey(logdir)
-        started.append(server.process)
-        yield server
 
 
 @pytest.fixture

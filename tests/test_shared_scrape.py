@@ -6,7 +6,7 @@ import json
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -26,28 +26,16 @@ from picker.supervisor import (
     start_picker,
     start_valkey,
 )
-from tests.fake_pod import FakePod
+from tests.fake_pod import FakePod, running_pods
 from tests.waiting import eventually
 
 INTERVAL = 0.05
 
 
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[Valkey]:
-    with process_scope("valkey-scrapes") as (logdir, started):
-        server = start_valkey(logdir)
-        started.append(server.process)
-        yield server
-
-
 @pytest.fixture
 async def pods() -> AsyncIterator[list[FakePod]]:
-    started = [FakePod() for _ in range(2)]
-    for pod in started:
-        await pod.start()
-    yield started
-    for pod in started:
-        await pod.stop()
+    async with running_pods(2) as started:
+        yield started
 
 
 class Replica:

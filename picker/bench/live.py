@@ -107,6 +107,7 @@ _COUNTERS = {
     "vllm:num_preemptions_total": "preemptions",
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
+    "vllm:request_success_total": "requests",
 }
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 

@@ -39,7 +39,7 @@ import numpy as np
 from picker.bench import vllm_engine as engine
 from picker.bench.client import _one
 from picker.bench.fast import FastConfig, run_fast
-from picker.bench.live import start_direct_envoy
+from picker.bench.live import parse_counters, start_direct_envoy
 from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, shared_prefix
 from picker.endpoints.scraper import Cadence
@@ -121,24 +121,13 @@ def tokens_per_word(url: str) -> float:
 
 
 # --- the servers' own counters -------------------------------------------------------------------------------------
-_COUNTERS = {
-    "vllm:prefix_cache_queries_total": "queries",
-    "vllm:prefix_cache_hits_total": "hits",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:request_success_total": "requests",
-}
 _SAMPLE = re.compile(r"^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 
 
 def read_counters(url: str) -> dict[str, float]:
+    """The server's counters the benchmark reads (the live mode's set), summed over label sets."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out = dict.fromkeys(_COUNTERS.values(), 0.0)
-    for name, _labels, value in _SAMPLE.findall(text):
-        key = _COUNTERS.get(name)
-        if key is not None:
-            out[key] += float(value)
-    return out
+        return parse_counters(resp.read().decode())
 
 
 def picker_scrapes(metrics_port: int, host: str = HOST) -> dict[str, float]:
@@ -277,11 +266,11 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
                  for r in ok)
     prompt = sum(int((r.get("usage") or {}).get("prompt_tokens") or 0) for r in ok)
     served = [d["requests"] for d in delta]
-    queries = sum(d["queries"] for d in delta)
+    queries = sum(d["prefix_queries"] for d in delta)
     return {
         "strategy": strategy, "repeat": repeat, "requests": len(records), "completed": len(ok),
         "failed": len(records) - len(ok),
-        "hit_rate": sum(d["hits"] for d in delta) / queries if queries else math.nan,
+        "hit_rate": sum(d["prefix_hits"] for d in delta) / queries if queries else math.nan,
         "usage_cached_share": cached / prompt if prompt else math.nan,
         "mean_prompt_tokens": prompt / len(ok) if ok else math.nan,
         "ttft_mean_ms": float(ttft.mean()) if ttft.size else math.nan,
