@@ -21,6 +21,9 @@ def parse_duration(value: str | float | int) -> float:
     match = _DURATION.match(value)
     if not match:
         raise ValueError(f"{value!r} is not a duration (e.g. 50ms, 0.5s, 2m)")
+    if match.group(2) is None and float(match.group(1)) != 0:
+        # as Go's time.ParseDuration (GIE's flags): "50" could mean 50 ms or 50 s, so it needs its unit
+        raise ValueError(f"{value!r} needs a unit: {value.strip()}ms or {value.strip()}s")
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 

@@ -53,7 +53,10 @@ def test_bad_bodies(body: bytes, code: str) -> None:
 
 def test_durations_and_sizes() -> None:
     assert cfg.parse_duration("50ms") == pytest.approx(0.05)
-    assert cfg.parse_duration("2m") == 120 and cfg.parse_duration(0.5) == 0.5
+    assert cfg.parse_duration("2m") == 120 and cfg.parse_duration(0.5) == 0.5  # YAML numbers are seconds
+    assert cfg.parse_duration("0") == 0.0
+    with pytest.raises(ValueError, match="needs a unit: 50ms or 50s"):
+        cfg.parse_duration("50")  # a flag value without a unit is ambiguous
     assert cfg.parse_size("16Mi") == 16 * 2**20 and cfg.parse_size("512k") == 512_000
     with pytest.raises(ValueError):
         cfg.parse_duration("soon")

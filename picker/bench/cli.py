@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from picker.bench.workloads import WORKLOADS
+from picker.config import parse_duration
 from picker.scheduling.config import STRATEGIES
 
 FAST_STRATEGIES = ("round-robin", "random", "least-load", "prefix-only", "picker")
@@ -57,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--capacity-workload", default=None, help="workload of the smallest-fleet search ('' to skip)")
     a("--capacity-requests", type=int, default=None, help="requests per smallest-fleet try (default 1500)")
     a("--ttft-target", type=float, default=None, help="p95 TTFT target (s) of the smallest-fleet search")
+    a("--adaptive-scrape", action="store_true",
+      help="fast mode: scrape on picker serve's adaptive cadence (1 s calm, 100 ms busy) instead of every 50 ms")
+    a("--scrape-cost", type=parse_duration, default=0.0,
+      help="fast mode: time one scrape holds a pod's API server, e.g. 6ms as measured on vLLM (default 0: free)")
     a("--scheduling", default=None, help="YAML/JSON scheduler config for the full picker (as picker serve reads it)")
     a("--live-workload", default="shared-prefix", help="live-mode workload")
     a("--live-pods", type=int, default=None, help="live-mode fleet size (default 4)")
@@ -115,6 +120,8 @@ def fast_spec(args: argparse.Namespace) -> Any:
         capacity_requests=args.capacity_requests or (300 if smoke else 1500),
         ttft_target=args.ttft_target,
         jobs=args.jobs,
+        adaptive_scrape=args.adaptive_scrape,
+        scrape_cost=args.scrape_cost,
     )
 
 

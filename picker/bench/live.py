@@ -6,10 +6,10 @@ Routers, one at a time on the same pods (prefix caches reset in between):
 - sglang-router and vllm-router in cache_aware mode (peers.py), skipped with the reason when unavailable.
 Hit rates come from the pods' own counters (/metrics before and after), latencies from the client.
 
-All simulated pods share one Python process, so the picker's 50 ms /metrics scrape of every pod costs the
-*simulated GPUs* CPU time (a real vLLM serves /metrics from its API server, not from the engine). So that no
-router is slowed by another's probes, routers that do not scrape (Envoy round-robin, the peers) run with the
-same scrape load added by the benchmark: every router sees an equally busy simulator.
+All simulated pods share one Python process, so the picker's /metrics scrapes of every pod cost the *simulated
+GPUs* CPU time (a real vLLM serves /metrics from its API server, not from the engine). So that no router is
+slowed by another's probes, routers that do not scrape (Envoy round-robin, the peers) run with a scrape of every
+pod at the picker's calm cadence (1 s) added by the benchmark.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ async def sample_load(session: aiohttp.ClientSession, urls: list[str], res: RunR
 
 
 async def equal_scrape(session: aiohttp.ClientSession, urls: list[str], stop: asyncio.Event,
-                       period: float = 0.05) -> None:
+                       period: float = 1.0) -> None:
     """What `picker serve` does to the pods: GET and parse every pod's /metrics every `period` seconds."""
 
     async def one(url: str) -> None:
@@ -276,8 +276,8 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
         "rate_rps": rate, "wall_rate_rps": rate * spec.time_scale, "time_scale": spec.time_scale,
         "profile": profile.name, "num_gpu_blocks": profile.num_gpu_blocks, "seed": spec.seed,
         "trace_params": trace.params, "times": "model seconds (wall seconds x time_scale)",
-        "equal_scrape_load": "routers that do not scrape /metrics (Envoy round-robin, peers) run with the picker's "
-                             "50 ms scrape of every pod added, so the shared simulator process is equally busy",
+        "equal_scrape_load": "routers that do not scrape /metrics (Envoy round-robin, peers) run with a scrape of "
+                             "every pod each second (the picker's calm cadence) added",
         "strategies": {}, "cdf": {}, "pod_load_series": {}, "skipped": {}, "notes": [],
     }
     bar = ProgressBar(len(trace) * len(order), "live mode")

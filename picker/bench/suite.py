@@ -26,6 +26,7 @@ from picker.bench.results import RunResult
 from picker.bench.summary import summarize, ttft_sample
 from picker.bench.trace import Trace
 from picker.bench.workloads import FleetSpec, generate
+from picker.endpoints.scraper import Cadence
 from picker.sim.profiles import Profile, get_profile
 
 
@@ -52,6 +53,10 @@ class FastSpec:
     ttft_target: float | None = None  # seconds; None = 3 x the workload's cache-blind request cost
     jobs: int = 0  # 0 = os.cpu_count()
     workload_params: str = ""  # JSON {workload: {param: value}}
+    # How the picker's scrapes are modelled: a fixed 50 ms cadence of free scrapes (the figures in the README), or
+    # picker serve's adaptive cadence, each scrape holding the pod's API server `scrape_cost` seconds.
+    adaptive_scrape: bool = False
+    scrape_cost: float = 0.0
 
     def get_profile(self) -> Profile:
         return get_profile(self.profile).with_overrides(**dict(self.profile_overrides))
@@ -112,7 +117,8 @@ def _trace(spec: FastSpec, workload: str, n: int, rate: float) -> Trace:
 
 
 def _fast_config(spec: FastSpec, pods: int) -> FastConfig:
-    return FastConfig(spec.get_profile(), pods, seed=spec.seed)
+    return FastConfig(spec.get_profile(), pods, seed=spec.seed, cadence=Cadence() if spec.adaptive_scrape else None,
+                      scrape_cost=spec.scrape_cost)
 
 
 def _quantiles(res: RunResult) -> list[float]:

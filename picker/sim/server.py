@@ -103,6 +103,7 @@ class SimPod:
         self.publisher: KVEventPublisher | None = None
         self._runner: web.AppRunner | None = None
         self._closing = False
+        self._api_free_at = 0.0  # loop time until which /metrics rendering holds this pod's API server
 
     @property
     def url(self) -> str:
@@ -201,7 +202,14 @@ class SimPod:
         plan = parse_chat(await self._body(request), self.served)
         return await self._generate(request, plan, f"chatcmpl-{uuid.uuid4().hex[:16]}")
 
+    async def _api_turn(self) -> None:
+        """Wait while this pod's API server is busy rendering /metrics (profile.scrape_cost_s per scrape)."""
+        delay = self._api_free_at - asyncio.get_running_loop().time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
     async def _generate(self, request: web.Request, plan: GenerationPlan, rid: str) -> web.StreamResponse:
+        await self._api_turn()  # request intake runs on the API server's loop
         if self._closing or self.driver is None:
             raise ApiError("The server is shutting down.", 503)
         created = int(time.time())
@@ -302,6 +310,7 @@ class SimPod:
                 if fin is not None:
                     done[i] = True
             if out:
+                await self._api_turn()  # so does every streamed chunk
                 await response.write(b"".join(out))
             if not all(done):
                 if self._closing:
@@ -361,7 +370,12 @@ class SimPod:
         return self._json({"version": VLLM_VERSION})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        """GET /metrics: Prometheus text."""
+        """GET /metrics: Prometheus text; with a scrape cost, it holds the API server that long (model time)."""
+        cost = self.config.profile.scrape_cost_s
+        if cost > 0:
+            now = asyncio.get_running_loop().time()
+            self._api_free_at = max(now, self._api_free_at) + cost / self.config.time_scale
+            await self._api_turn()
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     def _tokens_of(self, body: Any) -> list[list[int]]:

@@ -255,3 +255,32 @@ def test_sync_fleet_thread_serves_and_stops() -> None:
         assert fleet.call(lambda: fleet.pods[1].engine.stats.generation_tokens) == 3
     with pytest.raises(OSError):
         urllib.request.urlopen(urls[0] + "/health", timeout=2)
+
+
+async def test_a_scrape_cost_holds_the_pods_api_server() -> None:
+    """With profile.scrape_cost_s, each GET /metrics holds that pod's API server: scrapes queue behind each other and
+    a request that arrives meanwhile waits; the other pod is not held."""
+    async with SimFleet(2, profile="tiny-cpu", time_scale=1.0,
+                        profile_overrides={"scrape_cost_s": 0.05}) as f, aiohttp.ClientSession() as http:
+        loop = asyncio.get_running_loop()
+
+        async def scrape(url: str) -> None:
+            async with http.get(url + "/metrics") as resp:
+                assert resp.status == 200
+                await resp.read()
+
+        async def completion(url: str) -> float:
+            start = loop.time()
+            body = {"model": "tiny", "prompt": "hello there", "max_tokens": 1}
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+            return loop.time() - start
+
+        start = loop.time()
+        storm = [asyncio.create_task(scrape(f.urls[0])) for _ in range(6)]
+        await asyncio.wait(storm, return_when=asyncio.FIRST_COMPLETED)  # the other five are queued by now
+        held, free = await asyncio.gather(completion(f.urls[0]), completion(f.urls[1]))
+        await asyncio.gather(*storm)
+        assert loop.time() - start >= 6 * 0.05 * 0.9  # six scrapes one after the other
+        assert held >= 0.15 and free < held  # the request waited for the scrapes ahead of it
