@@ -1,8 +1,10 @@
 """`picker bench --engine vllm` (`make bench-real`): routers compared on real vLLM CPU servers, not the simulator.
 
-Each (strategy, repeat) gets fresh servers: N real vLLM servers (bench/.venvs/vllm, the tiny local model, prefix
-caching, `block_size` x `num_blocks` of KV cache each, engine i bound to core i), the router in front, a short
-warm-up sent to every server directly, then the same open-loop trace through Envoy:
+Each (strategy, repeat) gets fresh servers: N real vLLM servers (bench/.venvs/vllm, a small random-weight Llama
+built locally, prefix caching, `block_size` x `num_blocks` of KV cache each, engine i bound to core i), the router
+in front, a short warm-up sent to every server directly, then the same open-loop trace through Envoy. The model
+(vllm_engine.SMALL) is sized so that a cold prefill costs ~4x a cached request's TTFT, as on a GPU-served 8B
+model; with the tiny validate-sim model a cache hit saves ~10 ms of ~28 and no router could show much.
 
 - shared prefixes with cache pressure (inference-perf's `shared_prefix` shape): `groups` system prompts of
   `system_tokens` tokens, `prompts_per_group` questions of `question_tokens` each, `output_tokens` out, Poisson
@@ -20,11 +22,13 @@ real-ttft.png; medians over repeats are what the report compares.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
 import re
+import signal
 import statistics
 import sys
 import time
@@ -52,6 +56,10 @@ HEALTH_ONLY_INTERVAL = "5s"
 # API-server CPU one /metrics scrape costs vLLM 0.32 on the CPU (bench/scrape_cost.py: 4.4-6.7 ms), for the
 # simulator's mirror of this benchmark.
 SCRAPE_COST_S = 0.006
+# The small model on one core, measured: an 800-token cold prefill ~160 ms, a cached request's TTFT ~35 ms, ~5 ms
+# per decode step. The mirror's engine model is the tiny-cpu profile with those two rates.
+SMALL_PREFILL_TOKEN_S = 170e-6
+SMALL_STEP_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -226,7 +234,8 @@ def warm_up(servers: list[engine.VllmServer], spec: RealSpec, tokens_per_word: f
 def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: Path) -> dict[str, Any]:
     """Fresh servers, one router, the trace; the figures of this run."""
     servers = [engine.start_server(logdir, block_size=spec.block_size, num_blocks=spec.num_blocks,
-                                   name=f"vllm-{strategy}-{repeat}-{i}", cpu=i % _cpus())
+                                   name=f"vllm-{strategy}-{repeat}-{i}", cpu=i % _cpus(),
+                                   model_dir=engine.SMALL.directory)
                for i in range(spec.servers)]
     router: Router | None = None
     try:
@@ -307,7 +316,8 @@ def sim_mirror(spec: RealSpec) -> dict[str, dict[str, Any]]:
     """The same workload shape and routers in fast mode (picker sim's engine model of the tiny CPU server, scrapes
     costing the pod's API server SCRAPE_COST_S each): does the simulator rank the routers as the real servers do?
     Also the picker with the old fixed 50 ms scrape, which the simulator alone can afford to add."""
-    profile = TINY_CPU.with_overrides(block_size=spec.block_size, num_gpu_blocks=spec.num_blocks)
+    profile = TINY_CPU.with_overrides(block_size=spec.block_size, num_gpu_blocks=spec.num_blocks,
+                                      prefill_token_s=SMALL_PREFILL_TOKEN_S, step_overhead_s=SMALL_STEP_S)
     fleet = FleetSpec(profile, spec.servers)
     trace = shared_prefix(spec.requests, spec.rate, spec.seed, fleet, system_prompt_len=spec.system_tokens,
                           question_len=spec.question_tokens, output_len=spec.output_tokens,
@@ -362,7 +372,7 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
         if s not in STRATEGIES:
             raise ValueError(f"unknown strategy {s!r} for --engine vllm (known: {', '.join(STRATEGIES)})")
     engine.install()
-    engine.build_model()
+    engine.build_model(engine.SMALL)
     calibration: dict[str, float] = {}
 
     def trace_fn(url: str) -> tuple[list[Request], float]:
@@ -371,7 +381,10 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
         return build_trace(spec, calibration["tokens_per_word"]), calibration["tokens_per_word"]
 
     runs: list[dict[str, Any]] = []
-    with process_scope("bench-real") as (logdir, _started):
+    # SIGTERM unwinds like Ctrl-C, so every server and router started so far is stopped on the way out.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with contextlib.ExitStack() as restore, process_scope("bench-real") as (logdir, _started):
+        restore.callback(signal.signal, signal.SIGTERM, previous)
         for repeat in range(spec.repeats):
             order = list(spec.strategies) if repeat % 2 == 0 else list(reversed(spec.strategies))
             for strategy in order:
@@ -456,7 +469,7 @@ def report(section: dict[str, Any]) -> str:
     lines = [
         "# Routers on real vLLM servers",
         "",
-        f"{spec['servers']} vLLM {engine.VLLM_VERSION} CPU servers (tiny random-weight Llama, local tokenizer, "
+        f"{spec['servers']} vLLM {engine.VLLM_VERSION} CPU servers (small random-weight Llama, local tokenizer, "
         f"prefix caching, block {spec['block_size']}, {spec['num_blocks']} KV blocks each, one core per engine), "
         f"Envoy in front. Workload: {spec['groups']} groups x {spec['prompts_per_group']} prompts, "
         f"{spec['system_tokens']}-token shared system prompts, {spec['question_tokens']}-token questions, "

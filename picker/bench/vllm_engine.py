@@ -26,10 +26,33 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 VENV = REPO / "bench" / ".venvs" / "vllm"
 OUT = REPO / "bench" / "out"
-MODEL_DIR = OUT / "tiny-llama"
 MODEL_NAME = "tiny"
 VOCAB = 4096
 MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A random-weight Llama's size. Heads of 64 dimensions: vLLM's CPU attention kernels reject smaller ones."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+    @property
+    def directory(self) -> Path:
+        return OUT / self.name
+
+
+# validate-sim's model: as small as vLLM runs, so the simulator's timing profile (tiny-cpu) is fitted to it.
+TINY = ModelShape("tiny-llama", hidden=128, intermediate=256, layers=2, heads=2, kv_heads=1)
+# The real-engine benchmark's model: a cold 800-token prefill takes ~4x a cached request's TTFT on one core, about
+# the ratio of an 8B model on a GPU, where the tiny model's prefill is nearly free and routing could not matter.
+SMALL = ModelShape("small-llama", hidden=512, intermediate=1536, layers=4, heads=8, kv_heads=2)
+MODEL_DIR = TINY.directory
 
 BUILD_MODEL = textwrap.dedent(
     """
@@ -40,6 +63,7 @@ BUILD_MODEL = textwrap.dedent(
 
     out, vocab, max_len = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     template = Path(sys.argv[4]).read_text()
+    hidden, intermediate, layers, heads, kv_heads = (int(a) for a in sys.argv[5:10])
     specials = ["<|unk|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                 "<|eot_id|>"]
     rng = random.Random(0)
@@ -59,8 +83,8 @@ BUILD_MODEL = textwrap.dedent(
     fast.chat_template = template
     fast.model_max_length = max_len
     fast.save_pretrained(out)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=max_len, bos_token_id=bos,
                          eos_token_id=tok.token_to_id("<|end_of_text|>"), tie_word_embeddings=True,
                          torch_dtype="float32")
@@ -100,16 +124,19 @@ def install() -> None:
     marker.write_text("ok\n")
 
 
-def build_model(model_dir: Path = MODEL_DIR) -> Path:
-    """The tiny random-weight Llama and its tokenizer (kept between runs: same seed, same model)."""
+def build_model(shape: ModelShape = TINY) -> Path:
+    """A random-weight Llama of `shape` and its tokenizer (kept between runs: same seed, same model)."""
+    model_dir = shape.directory
     if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
         return model_dir
     model_dir.mkdir(parents=True, exist_ok=True)
-    script = model_dir.parent / "build_tiny_llama.py"
+    script = model_dir.parent / "build_llama.py"
     script.write_text(BUILD_MODEL)
     template = model_dir.parent / "llama3_template.jinja"
     template.write_text(LLAMA3_JINJA_TEMPLATE)
-    _run([str(venv_python()), str(script), str(model_dir), str(VOCAB), str(MAX_MODEL_LEN), str(template)])
+    sizes = [shape.hidden, shape.intermediate, shape.layers, shape.heads, shape.kv_heads]
+    _run([str(venv_python()), str(script), str(model_dir), str(VOCAB), str(MAX_MODEL_LEN), str(template),
+          *map(str, sizes)])
     return model_dir
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from picker.endpoints.metrics import parse_vllm_metrics
-from picker.endpoints.shared_scrape import SharedScrapes
+from picker.endpoints.shared_scrape import SharedScrapes, grace
 from picker.endpoints.state import Endpoint, EndpointMetrics
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,7 @@ class MetricsScraper:
         if len(self._due) > len(current):  # pods that left the pool
             for address in [a for a in self._due if a not in current]:
                 del self._due[address]
+                self._applied.pop(address, None)
         return started
 
     async def _scrape_and_schedule(self, endpoint: Endpoint) -> bool:
@@ -191,7 +192,7 @@ class MetricsScraper:
             endpoint.scrape_interval = record.interval
             return ok, max(0.01, record.at + record.interval + 0.01 - wall)
         hold = max(endpoint.scrape_interval, self.cadence.fast)
-        if not await shared.claim(address, hold + max(0.05, 0.5 * hold)):
+        if not await shared.claim(address, hold + grace(hold)):
             return True, min(0.02, self.cadence.fast)  # another replica took it just now: read its record soon
         ok = await self.scrape(endpoint)
         interval = endpoint.scrape_interval = self.cadence.interval(endpoint, ok)

@@ -6,7 +6,9 @@ it parsed (the record: who, when, the cadence it will keep, the metrics or the f
 reads the record instead of asking the pod. While a record is fresh (younger than its cadence plus a grace) the
 others wait for the next one; when it goes stale (the scraping replica stopped or lost Redis) the first replica
 to claim the lease takes over. A replica that cannot reach Redis scrapes the pod itself: a lost Redis costs the
-pods the old per-replica load, never visibility.
+pods the old per-replica load, never visibility. Records carry wall-clock times, so replicas' clocks are assumed
+to agree within the grace (NTP does far better); a larger skew costs extra scrapes or a slower takeover, never
+wrong metrics.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ class SharedSample:
 
     def fresh(self, wall_now: float) -> bool:
         """Still the newest scrape there will be: the next is not yet overdue."""
-        return wall_now - self.at <= self.interval + self.grace
+        return wall_now - self.at <= self.interval + grace(self.interval)
 
-    @property
-    def grace(self) -> float:
-        return max(0.05, 0.5 * self.interval)
+
+def grace(interval: float) -> float:
+    """How late a scrape due every `interval` may be before another replica takes the pod over."""
+    return max(0.05, 0.5 * interval)
 
 
 def _encode(sample: SharedSample) -> bytes:
