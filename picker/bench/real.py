@@ -22,6 +22,7 @@ real-ttft.png; medians over repeats are what the report compares.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -204,8 +205,10 @@ async def replay(url: str, trace: list[Request], spec: RealSpec) -> list[dict[st
 
         async def send(r: Request) -> dict[str, Any]:
             await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
+            # Random weights may pick special tokens, which decode to nothing: keep them, so every token
+            # streams visible text and the first one marks the TTFT.
             body = {"model": engine.MODEL_NAME, "prompt": r.prompt, "max_tokens": spec.output_tokens,
-                    "ignore_eos": True, "temperature": 0.0, "stream": True,
+                    "ignore_eos": True, "temperature": 0.0, "stream": True, "skip_special_tokens": False,
                     "stream_options": {"include_usage": True}}
             got = await _one(session, url + "/v1/completions", body, {})
             got.pop("text", None)
@@ -276,9 +279,11 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
     prompt = sum(int((r.get("usage") or {}).get("prompt_tokens") or 0) for r in ok)
     served = [d["requests"] for d in delta]
     queries = sum(d["prefix_queries"] for d in delta)
+    failures = collections.Counter(f"{r.get('status')} {r.get('error', '')}".strip()[:160]
+                                   for r in records if r.get("status") != 200 or r.get("first") is None)
     return {
         "strategy": strategy, "repeat": repeat, "requests": len(records), "completed": len(ok),
-        "failed": len(records) - len(ok),
+        "failed": len(records) - len(ok), "failures": dict(failures.most_common(3)),
         "hit_rate": sum(d["prefix_hits"] for d in delta) / queries if queries else math.nan,
         "usage_cached_share": cached / prompt if prompt else math.nan,
         "mean_prompt_tokens": prompt / len(ok) if ok else math.nan,
