@@ -52,7 +52,11 @@ def test_direction_check_and_report() -> None:
            "b": {"hit_rate": 0.8, "ttft_mean_ms": 30.0, "ttft_p90_ms": 95.0}}
     rows = direction_check(real, sim)
     assert [(r["figure"], r["agree"]) for r in rows] == [("hit_rate", True), ("ttft_mean_ms", True),
-                                                         ("ttft_p90_ms", False)]
+                                                         ("ttft_p90_ms", False)]  # sim: level (90 vs 95)
+    sim["b"]["hit_rate"] = 0.505  # level in the simulator, 0.4 apart on real servers
+    assert not direction_check(real, sim)[0]["agree"]
+    real["b"]["hit_rate"] = 0.405
+    assert direction_check(real, sim)[0]["agree"]  # level on both
     runs = [run("round-robin", 0, 0.44, 90, 160, 0.5, 0.0), run("picker", 0, 0.83, 40, 100, 0.55, 1.0)]
     section = {"spec": {**RealSpec().__dict__, "requests": 240}, "calibration": {"tokens_per_word": 2.5},
                "runs": [*runs, {"strategy": "picker", "repeat": 1, "error": "boom"}],

@@ -29,6 +29,7 @@ def exported_series() -> set[str]:
     metrics.observe_usage("m", "m", 100, 10, 50)
     pod = Endpoint.from_address("10.0.0.1:8000")
     metrics.observe_pool([pod])
+    metrics.observe_scrape(pod, True)
     text = generate_latest(metrics.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
