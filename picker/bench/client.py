@@ -29,7 +29,8 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], h
                ) -> dict[str, Any]:
     """Send one streaming request; returns timings (monotonic seconds), status, usage, text and pod name."""
     sent = time.monotonic()
-    out: dict[str, Any] = {"sent": sent, "first": None, "last": None, "chunks": 0, "text": [], "usage": None}
+    out: dict[str, Any] = {"sent": sent, "first": None, "first_chunk": None, "last": None, "chunks": 0, "text": [],
+                           "usage": None}
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             out["status"] = resp.status
@@ -48,6 +49,8 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], h
                 if chunk.get("usage"):
                     out["usage"] = chunk["usage"]
                 for choice in chunk.get("choices") or ():
+                    if out["first_chunk"] is None:  # a token came back, even if it decodes to no text yet
+                        out["first_chunk"] = time.monotonic()
                     piece = choice.get("text")
                     if piece is None:
                         piece = (choice.get("delta") or {}).get("content")

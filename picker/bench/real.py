@@ -205,8 +205,7 @@ async def replay(url: str, trace: list[Request], spec: RealSpec) -> list[dict[st
 
         async def send(r: Request) -> dict[str, Any]:
             await asyncio.sleep(max(0.0, start + r.at - time.monotonic()))
-            # Random weights may pick special tokens, which decode to nothing: keep them, so every token
-            # streams visible text and the first one marks the TTFT.
+            # Special tokens stay visible, so their chunks carry text like every other token's.
             body = {"model": engine.MODEL_NAME, "prompt": r.prompt, "max_tokens": spec.output_tokens,
                     "ignore_eos": True, "temperature": 0.0, "stream": True, "skip_special_tokens": False,
                     "stream_options": {"include_usage": True}}
@@ -271,8 +270,10 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
     scrapes_per_pod = {s.address: sum(a.get(s.address, 0.0) - b.get(s.address, 0.0)
                                       for a, b in zip(scrapes_after, scrapes_before, strict=True)) / wall
                        for s in servers}
-    ok = [r for r in records if r.get("status") == 200 and r.get("first") is not None]
-    ttft = np.array([r["first"] - r["sent"] for r in ok]) * 1000
+    # TTFT: the first streamed chunk with a choice. Random weights sometimes pick byte tokens that decode to no
+    # text yet, but the token came back all the same.
+    ok = [r for r in records if r.get("status") == 200 and r.get("first_chunk") is not None]
+    ttft = np.array([r["first_chunk"] - r["sent"] for r in ok]) * 1000
     warm = np.array([_cached_share(r) >= 0.5 for r in ok], dtype=bool)
     cached = sum(int(((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                  for r in ok)
@@ -280,7 +281,7 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
     served = [d["requests"] for d in delta]
     queries = sum(d["prefix_queries"] for d in delta)
     failures = collections.Counter(f"{r.get('status')} {r.get('error', '')}".strip()[:160]
-                                   for r in records if r.get("status") != 200 or r.get("first") is None)
+                                   for r in records if r.get("status") != 200 or r.get("first_chunk") is None)
     return {
         "strategy": strategy, "repeat": repeat, "requests": len(records), "completed": len(ok),
         "failed": len(records) - len(ok), "failures": dict(failures.most_common(3)),
