@@ -1,4 +1,4 @@
-"""Prometheus metrics (GIE-compatible names, DESIGN.md §3) and OpenTelemetry tracing for decisions.
+"""Prometheus metrics (GIE-compatible names) and OpenTelemetry tracing for decisions.
 
 One `PickerMetrics` per server, on its own registry, so several pickers can live in one process (tests,
 benchmarks) without clashing.

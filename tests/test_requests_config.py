@@ -106,6 +106,7 @@ def test_readme_config_example_builds_the_policy(tmp_path: Path) -> None:
     path.write_text(example)
     config = cfg.resolve(argparse.Namespace(config_file=str(path)))
     assert config.admission["objectives"] == {"batch": -1, "interactive": 1}
+    assert config.metrics_slow_interval == 1.0 and config.refresh_metrics_interval is None
     admission = build_admission(config)
     assert admission.config.max_wait == pytest.approx(0.5)
     assert build_scheduler(config) is not None

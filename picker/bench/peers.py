@@ -56,7 +56,7 @@ def ensure_installed(peer: PeerSpec, log: Path) -> Path:
 
 
 def command(peer: PeerSpec, exe: Path, port: int, prometheus_port: int, worker_urls: list[str]) -> list[str]:
-    """Command line of the peer in cache-aware mode (DESIGN.md §5)."""
+    """Command line of the peer in cache-aware mode."""
     common = ["--host", HOST, "--port", str(port), "--worker-urls", *worker_urls, "--policy", "cache_aware",
               "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port)]
     if peer.name == "sglang-router":
@@ -64,7 +64,7 @@ def command(peer: PeerSpec, exe: Path, port: int, prometheus_port: int, worker_u
     return [str(exe), *common]
 
 
-# What the peers call on a worker before and while routing (DESIGN.md §5), with a body for the POSTs.
+# What the peers call on a worker before and while routing, with a body for the POSTs.
 PEER_ENDPOINTS: tuple[tuple[str, str, dict[str, object] | None], ...] = (
     ("GET", "/health", None),
     ("GET", "/get_server_info", None),

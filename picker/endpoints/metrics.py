@@ -1,6 +1,6 @@
-"""vLLM /metrics (Prometheus text) -> EndpointMetrics, DESIGN.md §4.
+"""vLLM /metrics (Prometheus text) -> EndpointMetrics (vLLM 0.32 names; tests/data has real pages).
 
-Hand-rolled because it runs every 50 ms per pod: one regex pass finds only the sample lines of the few series
+Hand-rolled because it runs on every scrape of every pod (down to 100 ms apart): one regex pass finds only the sample lines of the few series
 we use (the name is followed by `{` or a space, and the match must start a line, which drops `# HELP`/`# TYPE`),
 so the histogram buckets that make up most of the text are never split into lines or labels. Series of several engines (data-parallel ranks) add up; KV usage is their mean.
 """

@@ -26,7 +26,7 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass(slots=True)
 class EndpointMetrics:
-    """What a vLLM pod reports on /metrics (DESIGN.md §4); `updated_at` is the picker clock at the scrape."""
+    """What a vLLM pod reports on /metrics; `updated_at` is the picker clock at the scrape."""
 
     waiting: float = 0.0  # vllm:num_requests_waiting
     running: float = 0.0  # vllm:num_requests_running

@@ -1,4 +1,4 @@
-"""Envoy ext_proc protocol constants and response builders (Envoy 1.40 behaviour, DESIGN.md §2).
+"""Envoy ext_proc protocol constants and response builders (Envoy 1.40 behaviour).
 
 Builders return fresh upb messages; the constant ones are shared because responses are never mutated
 after they are built.

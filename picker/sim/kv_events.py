@@ -1,6 +1,6 @@
 """vLLM KV-cache events: the event records, their msgpack wire encoding and a ZMQ publisher.
 
-Wire format (vLLM 0.32, checked against /work/shared/data/vllm-kv-events/): one ZMQ message per engine step with
+Wire format (vLLM 0.32, checked against tests/data/vllm-kv-events/, captured from vLLM): one ZMQ message per engine step with
 three frames `[topic, seq (uint64 big-endian), msgpack([ts, [event, ...], dp_rank])]`; each event is a map whose
 first key is "type", with the keys in the order vLLM writes them. Hashes are unsigned 64-bit integers.
 vLLM *connects* its PUB socket to a concrete tcp endpoint (the consumer binds), so we do the same.

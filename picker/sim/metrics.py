@@ -1,7 +1,7 @@
 """vLLM 0.32 `/metrics` exposition for one simulated instance, on its own prometheus_client CollectorRegistry.
 
 Names, label sets (sorted alphabetically, as in the captured samples), histogram buckets and `_created` series follow
-/work/shared/data/vllm-metrics/. A custom collector renders everything from the engine's counters at scrape time,
+tests/data/ (pages captured from a real vLLM 0.32). A custom collector renders everything from the engine's counters at scrape time,
 so a step costs no Prometheus bookkeeping beyond a few histogram increments.
 """
 

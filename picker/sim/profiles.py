@@ -1,6 +1,6 @@
 """Named hardware/model profiles for the simulated vLLM engine.
 
-Every number here is either read from a real vLLM capture (`/work/shared/data/vllm-metrics/`) or derived from
+Every number here is either read from a real vLLM capture (`tests/data/vllm-0.32-*.txt`) or derived from
 public hardware figures; the reasoning sits next to each value so a reader can judge (and change) it. Routing
 quality depends mostly on the *ratios* (cache size vs. working set, prefill cost vs. decode cost), so those are
 what the comments justify.
@@ -100,7 +100,7 @@ LLAMA3_8B_H100 = Profile(
     eos_mean_tokens=None,
 )
 
-# The CPU vLLM 0.32.0 that produced /work/shared/data/vllm-metrics/vllm-0.32-cpu-idle.txt: a tiny random-weight
+# The CPU vLLM 0.32.0 that produced tests/data/vllm-0.32-cpu-idle.txt: a tiny random-weight
 # Llama served as "tiny".
 TINY_CPU = Profile(
     name="tiny-cpu",
