@@ -19,11 +19,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="picker", description=__doc__)
+    # No abbreviations: `--endpoints-fil` must be an error, not a silent `--endpoints-file`.
+    parser = argparse.ArgumentParser(prog="picker", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = args_list[0] if args_list else None
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         sub_parser.set_defaults(_module=module_name)
         if name == chosen:
             importlib.import_module(module_name).add_arguments(sub_parser)

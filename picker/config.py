@@ -100,6 +100,8 @@ class ServeConfig:
         return "static"
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 _CONVERTERS: dict[str, Any] = {
     "refresh_metrics_interval": parse_duration,
     "metrics_fast_interval": parse_duration,
@@ -171,6 +173,11 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
         value = getattr(args, f.name, None)
         if value is not None and f.name not in ("scheduling", "admission"):
             _apply(config, f.name, value, "command line")
+    if config.discovery == "static" and not (config.endpoints or config.endpoints_file):
+        raise ValueError("no endpoint source: give --endpoints, --endpoints-file, --pool-name (an InferencePool, in "
+                         "Kubernetes) or --endpoint-selector")
+    if config.log_level.upper() not in _LOG_LEVELS:
+        raise ValueError(f"log-level {config.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
     if config.endpoint_selector and (config.endpoints or config.endpoints_file):
         raise ValueError("--endpoint-selector discovers pods itself: drop --endpoints/--endpoints-file")
     if config.endpoint_selector and not config.endpoint_target_ports:

@@ -156,8 +156,9 @@ async def serve(config: cfg.ServeConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     server = PickerServer(config)
     await server.start()
-    print(f"picker: ext_proc on {config.host}:{server.grpc_port}, health on :{server.health_port}, "
-          f"metrics on :{server.metrics_port}", flush=True)
+    metrics = f"metrics on :{server.metrics_port}" if config.metrics_port >= 0 else "metrics off"
+    print(f"picker: ext_proc on {config.host}:{server.grpc_port}, health on :{server.health_port}, {metrics}",
+          flush=True)
     await stop.wait()
     await server.stop()
 

@@ -65,9 +65,13 @@ def test_durations_and_sizes() -> None:
 def test_config_file_then_flags(tmp_path: Path) -> None:
     path = tmp_path / "picker.yaml"
     path.write_text("grpc-port: 7000\nrefresh-metrics-interval: 100ms\nmax_body_bytes: 1Mi\n")
-    args = argparse.Namespace(config_file=str(path), grpc_port=7001)
+    args = argparse.Namespace(config_file=str(path), grpc_port=7001, endpoints="10.0.0.1:8000")
     config = cfg.resolve(args)
     assert (config.grpc_port, config.refresh_metrics_interval, config.max_body_bytes) == (7001, 0.1, 2**20)
+    with pytest.raises(ValueError, match="no endpoint source"):
+        cfg.resolve(argparse.Namespace(config_file=str(path)))  # nothing to route to: say so at start-up
+    with pytest.raises(ValueError, match="log-level 'verbose'"):
+        cfg.resolve(argparse.Namespace(endpoints="10.0.0.1:8000", log_level="verbose"))
     path.write_text("grpc-prot: 1\n")
     with pytest.raises(ValueError, match="unknown option"):
         cfg.resolve(args)
@@ -110,3 +114,11 @@ def test_readme_config_example_builds_the_policy(tmp_path: Path) -> None:
     admission = build_admission(config)
     assert admission.config.max_wait == pytest.approx(0.5)
     assert build_scheduler(config) is not None
+
+
+def test_abbreviated_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from picker.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--endpoints-fil", "pool.yaml"])  # once taken for --endpoints-file, silently
+    assert exit_info.value.code == 2 and "--endpoints-fil" in capsys.readouterr().err
