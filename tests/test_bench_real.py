@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from picker.bench.real import RealSpec, build_trace, direction_check, medians, report, targets
 
@@ -58,9 +59,10 @@ def test_direction_check_and_report() -> None:
     real["b"]["hit_rate"] = 0.405
     assert direction_check(real, sim)[0]["agree"]  # level on both
     runs = [run("round-robin", 0, 0.44, 90, 160, 0.5, 0.0), run("picker", 0, 0.83, 40, 100, 0.55, 1.0)]
-    section = {"spec": {**RealSpec().__dict__, "requests": 240}, "calibration": {"tokens_per_word": 2.5},
-               "runs": [*runs, {"strategy": "picker", "repeat": 1, "error": "boom"}],
-               "medians": medians(runs, ("round-robin", "picker")), "sim": {}, "sim_direction": []}
-    section["targets"] = targets(section["medians"])
+    summary = medians(runs, ("round-robin", "picker"))
+    section: dict[str, Any] = {"spec": {**RealSpec().__dict__, "requests": 240},
+                               "calibration": {"tokens_per_word": 2.5},
+                               "runs": [*runs, {"strategy": "picker", "repeat": 1, "error": "boom"}],
+                               "medians": summary, "targets": targets(summary), "sim": {}, "sim_direction": []}
     text = report(section)
     assert "| picker | 0.83 |" in text and "boom" in text and "23.3 ms" in text  # 1/12 x 60 + 11/12 x 20
