@@ -113,6 +113,9 @@ class PickerMetrics:
         for gauge in (self.pod_queue, self.in_flight):
             with contextlib.suppress(KeyError):
                 gauge.remove(self.pool_name, endpoint.name)
+        for result in ("ok", "error"):  # a departed pod's series go with it (pod churn must not grow /metrics)
+            with contextlib.suppress(KeyError):
+                self.scrapes.remove(self.pool_name, endpoint.name, result)
 
 
 class _IndexSyncCollector(Collector):

@@ -6,8 +6,11 @@ import asyncio
 import json
 
 import aiohttp
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.endpoints.state import Endpoint
+from picker.observability import PickerMetrics
 from tests.conftest import Stack
 
 
@@ -70,3 +73,16 @@ async def test_pool_gauges_follow_the_pool(stack: Stack) -> None:
     assert samples[("inference_pool_ready_pods", "default")] == len(stack.backends.addresses)
     assert samples[("inference_pool_average_kv_cache_utilization", "default")] == 0.0
     assert samples[("inference_extension_prefix_indexer_size", "")] > 0
+
+
+def test_scrape_counts_per_pod_and_a_departed_pod_leaves_no_series() -> None:
+    metrics = PickerMetrics("pool")
+    pod = Endpoint.from_address("10.0.0.1:8000")
+    metrics.observe_scrape(pod, True)
+    metrics.observe_scrape(pod, True)
+    metrics.observe_scrape(pod, False)
+    text = generate_latest(metrics.registry).decode()
+    assert 'picker_model_server_scrapes_total{model_server_pod="10.0.0.1:8000",name="pool",result="ok"} 2.0' in text
+    assert 'result="error"} 1.0' in text
+    metrics.forget_pod(pod)
+    assert "10.0.0.1:8000" not in generate_latest(metrics.registry).decode()
