@@ -244,6 +244,38 @@ def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str]
     return envoy
 
 
+@dataclass
+class PickerFleet:
+    """Picker replicas behind one Envoy: what `start_picker_fleet` started, in start order."""
+
+    pickers: list[Picker]
+    envoy: Envoy
+
+    @property
+    def processes(self) -> list[Managed]:
+        return [*(p.process for p in self.pickers), self.envoy.process]
+
+
+def start_picker_fleet(logdir: Path, pool: list[str], *, flags: list[str] | None = None, replicas: int = 1,
+                       name: str = "picker", first_host: int = 10) -> PickerFleet:
+    """`replicas` `picker serve` processes and one Envoy balancing ext_proc streams over them. One replica binds
+    HOST; several bind 127.0.0.<first_host + i> and share their ports, as pods behind a Service do. Whatever
+    started is stopped again if a later step fails."""
+    grpc_port, health_port = free_port(), free_port()
+    pickers: list[Picker] = []
+    try:
+        for i in range(replicas):
+            host = HOST if replicas == 1 else f"127.0.0.{first_host + i}"
+            pickers.append(start_picker(logdir, endpoints=pool, extra=flags, name=f"{name}-{i}" if replicas > 1
+                                        else name, host=host, grpc_port=grpc_port, health_port=health_port))
+        envoy = start_envoy(logdir, pickers, pool, name=f"envoy-{name}")
+    except BaseException:
+        for picker in reversed(pickers):
+            picker.process.stop()
+        raise
+    return PickerFleet(pickers, envoy)
+
+
 @contextlib.contextmanager
 def process_scope(prefix: str) -> Iterator[tuple[Path, list[Managed]]]:
     """A log directory and a list of processes that are all stopped on exit, even on failure."""

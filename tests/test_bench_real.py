@@ -5,7 +5,19 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from picker.bench.real import RealSpec, build_trace, direction_check, medians, report, targets
+from prometheus_client import generate_latest
+
+from picker.bench.real import (
+    RealSpec,
+    build_trace,
+    direction_check,
+    medians,
+    report,
+    scrapes_per_pod,
+    targets,
+)
+from picker.endpoints.state import Endpoint
+from picker.observability import PickerMetrics
 
 
 def run(strategy: str, repeat: int, hit: float, mean: float, p90: float, share: float, scrapes: float) -> dict:
@@ -66,3 +78,12 @@ def test_direction_check_and_report() -> None:
                                "medians": summary, "targets": targets(summary), "sim": {}, "sim_direction": []}
     text = report(section)
     assert "| picker | 0.83 |" in text and "boom" in text and "23.3 ms" in text  # 1/12 x 60 + 11/12 x 20
+
+
+def test_scrapes_are_read_per_pod_from_the_pickers_own_counter() -> None:
+    metrics = PickerMetrics("pool")
+    a, b = Endpoint.from_address("10.0.0.1:8000"), Endpoint.from_address("10.0.0.2:8000")
+    for ok in (True, True, False):
+        metrics.observe_scrape(a, ok)
+    metrics.observe_scrape(b, True)
+    assert scrapes_per_pod(generate_latest(metrics.registry).decode()) == {"10.0.0.1:8000": 3.0, "10.0.0.2:8000": 1.0}

@@ -33,6 +33,7 @@ from picker.supervisor import (
     start_backends,
     start_envoy,
     start_picker,
+    start_picker_fleet,
     start_valkey,
 )
 from tests.waiting import eventually
@@ -277,14 +278,10 @@ def _replicas_behind_one_envoy(logdir: Path, started: list[Managed], backends: B
                                first_host: int) -> tuple[list[Picker], Envoy]:
     """Two picker replicas on 127.0.0.<first_host> and the next address (same ports, as pods behind a Service)
     and one Envoy that balances ext_proc streams over them."""
-    grpc_port, health_port = free_port(), free_port()
-    pickers = [start_picker(logdir, endpoints=backends.addresses, extra=flags, name=f"replica-{first_host + i}",
-                            host=f"127.0.0.{first_host + i}", grpc_port=grpc_port, health_port=health_port)
-               for i in range(2)]
-    started += [p.process for p in pickers]
-    envoy = start_envoy(logdir, pickers, backends.addresses)
-    started.append(envoy.process)
-    return pickers, envoy
+    fleet = start_picker_fleet(logdir, backends.addresses, flags=flags, replicas=2, name=f"replica-{first_host}",
+                               first_host=first_host)
+    started += fleet.processes
+    return fleet.pickers, fleet.envoy
 
 
 async def test_replicas_behind_different_envoys_route_a_prefix_to_the_same_pod() -> None:

@@ -24,6 +24,7 @@ from picker.supervisor import (
     start_backends,
     start_envoy,
     start_picker,
+    start_picker_fleet,
     start_valkey,
 )
 from tests.fake_pod import FakePod, running_pods
@@ -171,14 +172,10 @@ async def test_through_envoy_three_replicas_scrape_each_pod_as_often_as_one() ->
         started.append(backends.process)
         flags = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "scrapes",
                  "--metrics-slow-interval", "200ms"]
-        grpc_port, health_port = free_port(), free_port()
-        pickers = [start_picker(logdir, endpoints=backends.addresses, extra=flags, name=f"replica-{i}",
-                                host=f"127.0.0.{20 + i}", grpc_port=grpc_port, health_port=health_port)
-                   for i in range(3)]
-        started += [p.process for p in pickers]
-        envoy = start_envoy(logdir, pickers, backends.addresses)
-        started.append(envoy.process)
-        assert await _chat_through(envoy, 9) == [200] * 9
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=flags, replicas=3, name="replica", first_host=20)
+        started += fleet.processes
+        pickers = fleet.pickers
+        assert await _chat_through(fleet.envoy, 9) == [200] * 9
         pod = backends.addresses[0]
 
         def total() -> float:

@@ -49,8 +49,7 @@ from picker.supervisor import (
     port_open,
     process_scope,
     spawn,
-    start_envoy,
-    start_picker,
+    start_picker_fleet,
     start_sim,
     wait_until,
 )
@@ -203,15 +202,8 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
     extra = ["--strategy", strategy, "--log-level", "WARNING"]
     if spec.scheduling_file and strategy == "picker":
         extra += ["--config-file", _serve_config(spec.scheduling_file, logdir)]
-    picker = start_picker(logdir, endpoints=pool, extra=extra, name=f"picker-{strategy}")
-    procs = [picker.process]
-    try:
-        envoy = start_envoy(logdir, picker, pool, name=f"envoy-{strategy}")
-    except BaseException:
-        picker.process.stop()
-        raise
-    procs.append(envoy.process)
-    return procs, envoy.url
+    fleet = start_picker_fleet(logdir, pool, flags=extra, name=f"picker-{strategy}")
+    return fleet.processes, fleet.envoy.url
 
 
 def _serve_config(path: str, logdir: Path) -> str:

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import random
-import re
 import signal
 import statistics
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from picker.bench import vllm_engine as engine
 from picker.bench.client import _one
@@ -49,16 +49,16 @@ from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, shared_prefix
 from picker.endpoints.scraper import Cadence
 from picker.sim.profiles import TINY_CPU
-from picker.supervisor import HOST, Managed, free_port, process_scope, start_envoy, start_picker, start_valkey
+from picker.supervisor import HOST, Managed, process_scope, start_picker_fleet, start_valkey
 
 STRATEGIES = ("round-robin", "prefix-hash", "picker", "picker-4-replicas")
 # What the prefix-hash baseline reads: nothing but liveness, so its scrapes are kept to a health check.
 HEALTH_ONLY_INTERVAL = "5s"
-# API-server CPU one /metrics scrape costs vLLM 0.32 on the CPU (bench/scrape_cost.py: 4.4-6.7 ms), for the
-# simulator's mirror of this benchmark.
+# API-server CPU one /metrics scrape costs vLLM 0.32 on the CPU (bench/scrape_cost.py: 6.7-6.8 ms idle, 4.2-7.7 ms
+# under traffic), for the simulator's mirror of this benchmark.
 SCRAPE_COST_S = 0.006
-# The small model on one core, measured: an 800-token cold prefill ~160 ms, a cached request's TTFT ~35 ms, ~5 ms
-# per decode step. The mirror's engine model is the tiny-cpu profile with those two rates.
+# The small model alone on one core, measured: an 800-token cold prefill ~160 ms, a cached request's TTFT ~35 ms,
+# ~5 ms per decode step (under the benchmark's load ~190 and ~47 ms). The mirror's engine model is the tiny-cpu profile with those two rates.
 SMALL_PREFILL_TOKEN_S = 170e-6
 SMALL_STEP_S = 0.005
 
@@ -85,13 +85,6 @@ class RealSpec:
 
 
 # --- the workload -------------------------------------------------------------------------------------------------
-def vocabulary() -> list[str]:
-    """The words the tiny model's tokenizer was trained on (same seed as vllm_engine.BUILD_MODEL): prompts made of
-    them tokenize like text the tokenizer knows."""
-    rng = random.Random(0)
-    return ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
-
-
 @dataclass(frozen=True)
 class Request:
     at: float  # seconds after the start
@@ -102,7 +95,7 @@ class Request:
 def build_trace(spec: RealSpec, tokens_per_word: float) -> list[Request]:
     """Shared-prefix prompts in a seeded random order with Poisson arrivals."""
     rng = random.Random(spec.seed)
-    words = vocabulary()
+    words = engine.vocabulary()
 
     def text(tokens: int) -> str:
         return " ".join(rng.choice(words) for _ in range(max(1, round(tokens / tokens_per_word))))
@@ -121,7 +114,7 @@ def build_trace(spec: RealSpec, tokens_per_word: float) -> list[Request]:
 def tokens_per_word(url: str) -> float:
     """Calibrate word counts to token counts with the server's own tokenizer (/tokenize)."""
     rng = random.Random(99)
-    words = vocabulary()
+    words = engine.vocabulary()
     sample = " ".join(rng.choice(words) for _ in range(2000))
     body = json.dumps({"model": engine.MODEL_NAME, "prompt": sample, "add_special_tokens": False}).encode()
     req = urllib.request.Request(url + "/tokenize", data=body, headers={"content-type": "application/json"})
@@ -130,9 +123,6 @@ def tokens_per_word(url: str) -> float:
 
 
 # --- the servers' own counters -------------------------------------------------------------------------------------
-_SAMPLE = re.compile(r"^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
-
-
 def read_counters(url: str) -> dict[str, float]:
     """The server's counters the benchmark reads (the live mode's set), summed over label sets."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
@@ -140,15 +130,19 @@ def read_counters(url: str) -> dict[str, float]:
 
 
 def picker_scrapes(metrics_port: int, host: str = HOST) -> dict[str, float]:
-    """Scrapes one picker replica made, per pod address, from its picker_model_server_scrapes_total counter."""
+    """Scrapes one picker replica made, per pod address (its /metrics)."""
     with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+        return scrapes_per_pod(resp.read().decode())
+
+
+def scrapes_per_pod(text: str) -> dict[str, float]:
+    """picker_model_server_scrapes_total of a picker's exposition, per pod, ok and failed together."""
     out: dict[str, float] = {}
-    for name, labels, value in _SAMPLE.findall(text):
-        if name == "picker_model_server_scrapes_total":
-            pod = re.search(r'model_server_pod="([^"]*)"', labels or "")
-            if pod:
-                out[pod.group(1)] = out.get(pod.group(1), 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "picker_model_server_scrapes_total":
+                pod = sample.labels["model_server_pod"]
+                out[pod] = out.get(pod, 0.0) + sample.value
     return out
 
 
@@ -164,36 +158,26 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -
     if strategy == "round-robin":
         direct, url = start_direct_envoy(logdir, pool)
         return Router(url, [direct])
+    if strategy == "prefix-hash":
+        flags = ["--strategy", "prefix-hash", "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
+    elif strategy in ("picker", "picker-4-replicas"):
+        flags = list(spec.picker_args)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+    flags += ["--log-level", "WARNING"]
+    replicas = 4 if strategy == "picker-4-replicas" else 1
     procs: list[Managed] = []
+    if replicas > 1:
+        valkey = start_valkey(logdir, name=f"valkey-{strategy}")
+        procs.append(valkey.process)
+        flags += ["--index-backend", "redis", "--redis-url", valkey.url]
     try:
-        if strategy == "prefix-hash":
-            flags = ["--strategy", "prefix-hash", "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
-            replicas = 1
-        elif strategy in ("picker", "picker-4-replicas"):
-            flags = list(spec.picker_args)
-            replicas = 4 if strategy == "picker-4-replicas" else 1
-        else:
-            raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
-        flags += ["--log-level", "WARNING"]
-        if replicas > 1:
-            valkey = start_valkey(logdir, name=f"valkey-{strategy}")
-            procs.append(valkey.process)
-            flags += ["--index-backend", "redis", "--redis-url", valkey.url]
-        grpc_port, health_port = free_port(), free_port()
-        pickers = []
-        for i in range(replicas):
-            host = HOST if replicas == 1 else f"127.0.0.{10 + i}"
-            picker = start_picker(logdir, endpoints=pool, extra=flags, name=f"picker-{strategy}-{i}", host=host,
-                                  grpc_port=grpc_port, health_port=health_port)
-            procs.append(picker.process)
-            pickers.append(picker)
-        envoy = start_envoy(logdir, pickers, pool, name=f"envoy-{strategy}")
-        procs.append(envoy.process)
-        return Router(envoy.url, procs, [(p.host, p.metrics_port) for p in pickers])
+        fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{strategy}")
     except BaseException:
-        for proc in reversed(procs):
+        for proc in procs:
             proc.stop()
         raise
+    return Router(fleet.envoy.url, [*procs, *fleet.processes], [(p.host, p.metrics_port) for p in fleet.pickers])
 
 
 # --- one run -------------------------------------------------------------------------------------------------------
@@ -220,7 +204,7 @@ def warm_up(servers: list[engine.VllmServer], spec: RealSpec, tokens_per_word: f
     """Three full-size requests per server, sent directly with text no trace prompt shares: first-request costs
     (allocations, kernels seen for the first time at this size) stay out of the measurement."""
     rng = random.Random(12345)
-    words = vocabulary()
+    words = engine.vocabulary()
     n_words = round((spec.system_tokens + spec.question_tokens) / tokens_per_word)
     for server in servers:
         for _ in range(3):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -92,6 +93,13 @@ BUILD_MODEL = textwrap.dedent(
     print("built", out, "vocab", tok.get_vocab_size())
     """
 )
+
+
+def vocabulary() -> list[str]:
+    """The words BUILD_MODEL trains the tokenizer on (same generator, same seed: keep the two in step); prompts made
+    of them tokenize like text the tokenizer knows."""
+    rng = random.Random(0)
+    return ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
 
 
 def log(msg: str) -> None:

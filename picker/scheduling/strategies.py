@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 
@@ -88,8 +89,9 @@ class PrefixHashScheduler:
         return None
 
 
+@functools.lru_cache(maxsize=4096)
 def _address_seed(address: str) -> int:
-    """A stable 64-bit seed per endpoint address (rendezvous hashing's per-node salt)."""
+    """A stable 64-bit seed per endpoint address (rendezvous hashing's per-node salt), hashed once per pod."""
     return xxhash.xxh64_intdigest(address.encode())
 
 
