@@ -106,7 +106,7 @@ class MetricsScraper:
         self._owns_session = session is None
         self._inflight: dict[str, asyncio.Task[bool]] = {}
         self._due: dict[str, float] = {}  # address -> loop time of its next scrape
-        self._scraped = asyncio.Event()  # a scrape ended: its pod's next due time is known
+        self._wakeup: asyncio.Future[None] | None = None  # the loop's sleep; a finished scrape ends it early
         self._loop_task: asyncio.Task[None] | None = None
         self.polls = 0  # scrape attempts, for tests and our own metrics
         self.failures = 0
@@ -145,9 +145,18 @@ class MetricsScraper:
             self._launch(now)
             upcoming = [due for address, due in self._due.items() if address not in self._inflight]
             wake = min(upcoming, default=now + self.cadence.fast)
-            self._scraped.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._scraped.wait(), min(self.cadence.fast, max(0.0, wake - now)))
+            # A plain future woken by a timer or by a finished scrape. Not wait_for(event.wait()): on Python 3.11
+            # that can swallow a cancellation that lands as the event fires, and stop() would wait forever.
+            self._wakeup = loop.create_future()
+            timer = loop.call_later(min(self.cadence.fast, max(0.0, wake - now)), self._wake)
+            try:
+                await self._wakeup
+            finally:
+                timer.cancel()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     def _launch(self, now: float | None = None) -> list[asyncio.Task[bool]]:
         """Scrape the endpoints due by `now` (None: all of them) that are not being scraped already."""
@@ -175,7 +184,7 @@ class MetricsScraper:
             ok = await self.scrape(endpoint)
             wait = endpoint.scrape_interval = self.cadence.interval(endpoint, ok)
         self._due[endpoint.address] = start + wait
-        self._scraped.set()
+        self._wake()  # its pod's next due time is known now
         return ok
 
     async def _refresh_shared(self, endpoint: Endpoint, shared: SharedScrapes) -> tuple[bool, float]:
