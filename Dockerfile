@@ -3,7 +3,7 @@
 #   docker build -t picker:0.1.0 .
 #   docker run --rm -p 9002:9002 -p 9003:9003 -p 9090:9090 picker:0.1.0 serve --endpoints 10.0.0.5:8000
 #
-# Two stages: the first builds a virtualenv (our protos compiled into the package before it is installed), the
+# Two stages: the first builds a virtualenv (our protos compiled while the package is built), the
 # second copies only that virtualenv and runs it as a non-root user that cannot write to it.
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -12,18 +12,14 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/picker
 ENV PATH=/opt/picker/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY protos/ protos/
 COPY picker/ picker/
 # `picker envoy-config` looks for its templates in the package when there is no source checkout.
 COPY envoy/envoy.yaml envoy/envoy-full-duplex.yaml picker/envoy_templates/
-# Generated stubs of our picker.v1 API (never committed; .dockerignore keeps local ones out): compiled here
-# because the installed package is read-only at run time, so they cannot be generated on first import.
-RUN pip install "grpcio-tools==1.85.*" \
- && python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
-      protos/picker/api/v1/picker.proto \
- && test -f picker/api/v1/picker_pb2_grpc.py \
- && pip install .
+# setup.py's build step compiles our picker.v1 stubs into the wheel (grpcio-tools is a build dependency only;
+# .dockerignore keeps local stubs out); the image also runs the simulator, hence the `sim` extra.
+RUN pip install ".[sim]"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/picker/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1

@@ -8,15 +8,18 @@ GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
 .PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost validate-sim overhead clean
 
-$(STAMP): pyproject.toml
+# Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
+# install compiles the protos too (setup.py's build hook).
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q -e '.[dev,sim,bench]'
 	touch $(STAMP)
 
 install: $(STAMP) protos
 
-# Our own gRPC API, compiled with grpcio-tools; generated code is never committed.
+# Our own gRPC API, compiled with grpcio-tools (the dev extra; a build dependency of the package, whose wheel and
+# sdist builds compile it themselves); generated code is never committed. Re-run after editing a .proto.
 protos: $(GENERATED)
 picker/api/v1/%_pb2.py: protos/picker/api/v1/%.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<

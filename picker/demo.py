@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-import picker.api  # noqa: F401 - compiles the stubs when missing
+import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.explain import format_explain
 from picker.supervisor import (

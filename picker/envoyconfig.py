@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import ipaddress
+import json
 import re
 import shutil
 import string
 import subprocess
 import sys
 import sysconfig
+import urllib.parse
 from dataclasses import dataclass
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +24,6 @@ import yaml
 from picker.endpoints.state import parse_address
 
 TEMPLATES = {"buffered": "envoy.yaml", "full-duplex": "envoy-full-duplex.yaml"}
-_REPO_ENVOY_DIR = Path(__file__).resolve().parents[1] / "envoy"
-# An installed (non-editable) package, e.g. the container image, carries copies of the templates here.
-_PACKAGED_ENVOY_DIR = Path(__file__).resolve().parent / "envoy_templates"
 _DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
 
@@ -49,15 +49,45 @@ class EnvoySettings:
         return self.picker_hosts or (self.picker_host,)
 
 
+def editable_checkout() -> Path | None:
+    """The source tree of the editable install (`pip install -e`) this package runs from, as pip records it
+    (PEP 610); None for a regular install. Other installs of picker on sys.path (another venv's editable one,
+    a stray .egg-info) are not this package and are skipped."""
+    package = Path(__file__).resolve().parent
+    for dist in metadata.distributions(name="picker"):
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        url = urllib.parse.urlparse(str(info.get("url", "")))
+        if isinstance(info.get("dir_info"), dict) and info["dir_info"].get("editable") and url.scheme == "file":
+            tree = Path(urllib.parse.unquote(url.path))
+            if (tree / "picker").resolve() == package:
+                return tree
+    return None
+
+
+def template_dirs() -> list[Path]:
+    """Where the Envoy templates are looked for, in order. An editable install reads envoy/ of its checkout
+    (the files the repository's compose and manifests are rendered from, so edits apply at once); a wheel, an
+    sdist install or the image carries copies as package data (bundled by setup.py's build hook); last, envoy/
+    under the working directory, for a checkout run without installing."""
+    checkout = editable_checkout()
+    packaged = Path(str(resources.files("picker") / "envoy_templates"))
+    return [*([checkout / "envoy"] if checkout else []), packaged, Path.cwd() / "envoy"]
+
+
 def template_path(mode: str) -> Path:
     if mode not in TEMPLATES:
         raise ValueError(f"unknown body mode {mode!r}; choose from {', '.join(TEMPLATES)}")
-    for directory in (_REPO_ENVOY_DIR, _PACKAGED_ENVOY_DIR):
+    dirs = template_dirs()
+    for directory in dirs:
         path = directory / TEMPLATES[mode]
-        if path.exists():
+        if path.is_file():
             return path
-    raise FileNotFoundError(f"Envoy template {TEMPLATES[mode]} not found in {_REPO_ENVOY_DIR} or "
-                            f"{_PACKAGED_ENVOY_DIR} (install picker from a source checkout)")
+    raise FileNotFoundError(f"Envoy template {TEMPLATES[mode]} not found in {', '.join(map(str, dirs))}: "
+                            "install picker from a wheel or sdist (their build bundles the templates), or run from "
+                            "the root of a source checkout")
 
 
 def _is_ip(host: str) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-import picker.api  # noqa: F401 - compiles the stubs when missing
+import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 
 from picker.envoyconfig import EnvoySettings, envoy_binary, render
 
-REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 
 
@@ -102,9 +101,10 @@ class Managed:
 
 
 def spawn(name: str, args: list[str], logdir: Path, env: dict[str, str] | None = None) -> Managed:
+    """Start `args` with output to logdir/<name>.log, in the caller's working directory."""
     log_path = logdir / f"{name}.log"
     handle = open(log_path, "wb")  # noqa: SIM115 - kept open for the child's lifetime
-    proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO,
+    proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})}, start_new_session=False)
     handle.close()
     return Managed(name, proc, log_path)

@@ -18,7 +18,8 @@ from picker.scheduling.config import STRATEGIES
 
 FAST_STRATEGIES = ("round-robin", "random", "least-load", "prefix-only", "picker")
 PEERS = ("sglang-router", "vllm-router")
-REPO = Path(__file__).resolve().parents[2]
+# Default output root, relative to the working directory (the repository root under `make bench`).
+OUT_ROOT = Path("bench") / "out"
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--requests", type=int, default=None, help="requests per workload and strategy (default 4000)")
     a("--seed", type=int, default=1, help="seed of every trace and tie-break")
     a("--arrival", choices=("poisson", "ramp"), default="poisson", help="open-loop arrival process")
-    a("--out", default=None, help="output directory (default bench/out/<timestamp>)")
+    a("--out", default=None, help="output directory (default bench/out/<timestamp> under the working directory)")
     a("--jobs", type=int, default=0, help="worker processes for fast mode (default: CPU count)")
     a("--sweep-loads", type=_floats, default=None, help="loads of the sweep (default 0.5,0.7,0.85,1.0,1.15)")
     a("--sweep-workloads", type=_csv, default=None, help="workloads of the sweep (default shared-prefix,multi-turn)")
@@ -128,7 +129,7 @@ def fast_spec(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Entry point called by `picker bench`."""
     mode = args.mode or ("both" if args.smoke else "fast")
-    out = Path(args.out) if args.out else REPO / "bench" / "out" / time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else OUT_ROOT / time.strftime("%Y%m%d-%H%M%S")
     command = "picker bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["bench"] else \
         "picker bench (programmatic)"
     from picker.bench import report

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from picker.supervisor import HOST, Managed, free_port, port_open, spawn, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
-VENVS = REPO / "bench" / ".venvs"
+# The peers' venvs, relative to the working directory (the repository root under `make`); resolved when used.
+VENVS = Path("bench") / ".venvs"
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ PEERS: dict[str, PeerSpec] = {
 def ensure_installed(peer: PeerSpec, log: Path) -> Path:
     """The peer's executable in bench/.venvs/<name>, creating the venv and pip-installing on first use.
     Raises RuntimeError with the reason when that is not possible."""
-    venv = VENVS / peer.name
+    venv = (VENVS / peer.name).resolve()
     exe = venv / "bin" / peer.executable
     if exe.exists():
         return exe

@@ -19,7 +19,7 @@ class ProgressBar:
         self.start = time.monotonic()
         self._last_draw = 0.0
         self._last_decile = -1
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._tty = self.stream.isatty()
 
     def set_label(self, label: str) -> None:
         self.label = label

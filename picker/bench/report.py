@@ -16,14 +16,16 @@ from picker.bench import plots
 from picker.bench.suite import SuiteResult, ordered
 from picker.bench.summary import FIGURES, ratios_to
 from picker.bench.targets import evaluate_fast, evaluate_live, evaluate_sweep
+from picker.envoyconfig import editable_checkout
 
 PAPER_WORKLOADS = {"chat": "system_len", "code": "context_len", "multi-turn": None, "summarize": "doc_len"}
 PAPER_PREFIX = {"chat": 256, "code": 512, "multi-turn": 1024, "summarize": 2048}
 
 
 def _git_commit() -> str:
-    """HEAD of the checkout the benchmark ran from, marked dirty when files differ (numbers move with code)."""
-    repo = Path(__file__).resolve().parents[2]
+    """HEAD of the checkout the benchmark ran from, marked dirty when files differ (numbers move with code): an
+    editable install's source tree, else the working directory ("unknown" outside a git checkout)."""
+    repo = editable_checkout() or Path.cwd()
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=5).stdout.strip()

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from picker.sim.tokenizer import LLAMA3_JINJA_TEMPLATE
-from picker.supervisor import HOST, REPO, free_port
+from picker.supervisor import HOST, free_port
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
-VENV = REPO / "bench" / ".venvs" / "vllm"
-OUT = REPO / "bench" / "out"
+# Relative to the working directory (the repository root under `make`), like the benchmark's other outputs.
+VENV = Path("bench") / ".venvs" / "vllm"
+OUT = Path("bench") / "out"
 MODEL_NAME = "tiny"
 VOCAB = 4096
 MAX_MODEL_LEN = 2048

@@ -1,0 +1,260 @@
+"""The package as users get it: `pip install picker` is the lean serving picker, the simulator and the benchmark
+are extras, and the gRPC stubs and Envoy templates come from the build, so a read-only install works.
+
+The wheel is built from an sdist of a clean copy of the sources (no generated stubs, no build/ directory): built
+straight from the checkout it would carry the developer's stubs and hide a broken build hook."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import textwrap
+import tomllib
+import zipfile
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from picker import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "picker", "protos", "envoy")
+GENERATED = re.compile(r"_pb2(_grpc)?\.pyi?$")
+RUNTIME_FORBIDDEN = {"grpcio-tools", "matplotlib", "pyzmq"}
+STUBS = ("picker/api/v1/picker_pb2.py", "picker/api/v1/picker_pb2.pyi", "picker/api/v1/picker_pb2_grpc.py")
+TEMPLATES = ("picker/envoy_templates/envoy.yaml", "picker/envoy_templates/envoy-full-duplex.yaml")
+
+
+def _build_tools_missing() -> str | None:
+    """What keeps this environment from building picker without build isolation (read from the installed
+    metadata: importing setuptools here would replace distutils under the other tests)."""
+    for dist, minimum in (("setuptools", 77), ("grpcio-tools", 0), ("pip", 22)):
+        try:
+            major = int(metadata.version(dist).split(".")[0])
+        except (metadata.PackageNotFoundError, ValueError):
+            return f"{dist} is not installed (the dev extra brings it)"
+        if major < minimum:
+            return f"{dist} {metadata.version(dist)} is older than {minimum}"
+    return None
+
+
+MISSING_BUILD_TOOL = _build_tools_missing()
+needs_build_tools = pytest.mark.skipif(MISSING_BUILD_TOOL is not None, reason=f"cannot build: {MISSING_BUILD_TOOL}")
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 60
+         ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _copy_sources(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py",
+                                    "envoy_templates", "*.egg-info")
+    for name in SOURCES:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(source, dest / name)
+
+
+def _chmod_tree(root: Path, file_mode: int, dir_mode: int) -> None:
+    """chmod every file and directory under root; symlinks are left alone (a venv's python points outside)."""
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, dir_mode)
+        for name in files:
+            target = Path(directory, name)
+            if not target.is_symlink():
+                os.chmod(target, file_mode | (target.stat().st_mode & 0o111))
+
+
+@pytest.fixture(scope="module")
+def built() -> Iterator[tuple[Path, Path]]:
+    """(sdist, wheel), built like `pip install picker-*.tar.gz` would, in a directory removed afterwards."""
+    work = Path(tempfile.mkdtemp(prefix="picker-packaging-"))
+    try:
+        src = work / "src"
+        src.mkdir()
+        _copy_sources(src)
+        dist = work / "dist"
+        build_sdist = f"from setuptools import build_meta; print(build_meta.build_sdist({str(dist)!r}))"
+        sdist = _run([sys.executable, "-c", build_sdist], cwd=src)
+        assert sdist.returncode == 0, sdist.stderr
+        archive = dist / sdist.stdout.strip().splitlines()[-1]
+        with tarfile.open(archive) as tar:
+            tar.extractall(work / "unpacked", filter="data")
+        unpacked = next((work / "unpacked").iterdir())
+        wheels = work / "wheels"
+        result = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                       str(wheels), "."], cwd=unpacked, timeout=120)
+        assert result.returncode == 0, result.stderr
+        yield archive, next(wheels.glob("picker-*.whl"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@needs_build_tools
+def test_sdist_can_build_the_wheel_alone(built: tuple[Path, Path]) -> None:
+    with tarfile.open(built[0]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"setup.py", "pyproject.toml", "protos/picker/api/v1/picker.proto", "envoy/envoy.yaml",
+            "envoy/envoy-full-duplex.yaml"} <= names
+    assert not [n for n in names if GENERATED.search(n)], "generated stubs must come from the build"
+
+
+@needs_build_tools
+def test_wheel_has_the_stubs_and_a_lean_runtime(built: tuple[Path, Path]) -> None:
+    with zipfile.ZipFile(built[1]) as whl:
+        names = set(whl.namelist())
+        meta = whl.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert set(STUBS) | set(TEMPLATES) | {"picker/py.typed", "picker/api/__init__.py"} <= names
+    requires = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
+    runtime = {_dist_name(r) for r in requires if "extra ==" not in r}
+    assert not runtime & RUNTIME_FORBIDDEN, runtime
+    assert {"grpcio", "protobuf", "pydantic", "xds-protos"} <= runtime
+    extras = {extra: {_dist_name(r) for r in requires if f'extra == "{extra}"' in r} for extra in ("sim", "bench")}
+    assert "pyzmq" in extras["sim"] and {"pyzmq", "matplotlib"} <= extras["bench"]
+
+
+def _dist_name(requirement: str) -> str:
+    return re.split(r"[\s;<>=!~\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+@pytest.fixture(scope="module")
+def read_only_venv(built: tuple[Path, Path]) -> Iterator[Path]:
+    """A venv with only the wheel installed (--no-deps), its site-packages read-only. The dependencies come from
+    the dev venv through a .pth path entry placed after the wheel: a plain path, so the dev venv's own .pth
+    files (the editable finder of this checkout) are not run and cannot shadow the wheel."""
+    venv = Path(tempfile.mkdtemp(prefix="picker-venv-"))
+    try:
+        assert _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=venv).returncode == 0
+        python = venv / "bin" / "python"
+        install = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                        "--no-index", str(built[1])], cwd=venv, timeout=120)
+        assert install.returncode == 0, install.stderr
+        site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         cwd=venv).stdout.strip())
+        dev_paths = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+        (site / "zz_picker_test_deps.pth").write_text("".join(f"{p}\n" for p in dev_paths))
+        _chmod_tree(site, 0o444, 0o555)
+        yield venv
+    finally:
+        _chmod_tree(venv, 0o644, 0o755)
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under root with its size and mtime, to catch writes that permission bits do not stop."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+# Runs "$@" with directory $1 remounted read-only in a private mount namespace: a read-only file system stops
+# root too, whom the chmod above does not stop.
+READ_ONLY_MOUNT = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+
+
+def _read_only_prefix(directory: Path) -> list[str]:
+    """A command prefix that runs its command with `directory` mounted read-only, or [] where mount
+    namespaces are not available (then chmod and the snapshot comparison do the checking)."""
+    if shutil.which("unshare") is None:
+        return []
+    prefix = ["unshare", "-m", "sh", "-c", READ_ONLY_MOUNT, "sh", str(directory)]
+    probe = _run([*prefix, "sh", "-c", f"! touch {directory}/probe 2>/dev/null"], cwd=directory)
+    return prefix if probe.returncode == 0 else []
+
+
+@needs_build_tools
+def test_read_only_install_serves_and_explains(read_only_venv: Path, tmp_path: Path) -> None:
+    bin_dir = read_only_venv / "bin"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1")
+    ro = _read_only_prefix(read_only_venv)
+    before = _snapshot(read_only_venv)
+    where = _run([*ro, str(bin_dir / "python"), "-c", "import picker.api, picker; from picker.api.v1 import "
+                  "picker_pb2_grpc; from picker.envoyconfig import template_path; "
+                  "print(picker.__file__); print(template_path('full-duplex'))"], cwd=tmp_path, env=env)
+    assert where.returncode == 0, where.stderr
+    assert all(line.startswith(str(read_only_venv)) for line in where.stdout.split()), where.stdout
+    for command in (["serve", "--help"], ["explain", "--help"]):
+        result = _run([*ro, str(bin_dir / "picker"), *command], cwd=tmp_path, env=env)
+        assert result.returncode == 0 and "usage: picker" in result.stdout, result.stderr
+    rendered = _run([*ro, str(bin_dir / "picker"), "envoy-config", "--pool", "127.0.0.1:8001"], cwd=tmp_path,
+                    env=env)
+    assert rendered.returncode == 0 and "127.0.0.1" in rendered.stdout, rendered.stderr
+    assert _snapshot(read_only_venv) == before, "running the installed picker wrote into its venv"
+
+
+def test_package_without_stubs_says_run_make_protos(tmp_path: Path) -> None:
+    for module in ("picker/__init__.py", "picker/api/__init__.py", "picker/api/v1/__init__.py"):
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / module, tmp_path / module)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
+    result = _run([sys.executable, "-c", "import picker.api"], cwd=tmp_path, env=env)
+    assert result.returncode != 0 and "ImportError" in result.stderr and "make protos" in result.stderr
+    assert not list((tmp_path / "picker/api/v1").glob("*_pb2*")), "nothing may be compiled at import time"
+
+
+# A subprocess in which some modules cannot be imported, as if their packages were not installed.
+BLOCKER = textwrap.dedent("""
+    import sys
+    BLOCKED = {blocked!r}
+
+    class Blocker:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+                raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)", name=name)
+            return None
+
+    sys.meta_path.insert(0, Blocker)
+""")
+
+
+def _run_blocked(blocked: tuple[str, ...], code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return _run([sys.executable, "-c", BLOCKER.format(blocked=blocked) + textwrap.dedent(code)], cwd=cwd)
+
+
+@pytest.mark.parametrize(("command", "extra"), [("sim", "sim"), ("bench", "bench"), ("demo", "sim")])
+def test_subcommand_without_its_extra_says_which_to_install(command: str, extra: str, tmp_path: Path) -> None:
+    result = _run_blocked(("zmq", "matplotlib"), f"""
+        from picker.cli import main
+        sys.exit(main([{command!r}, "--help"]))
+    """, tmp_path)
+    assert result.returncode != 0 and result.stdout == ""
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"pip install 'picker[{extra}]'" in result.stderr
+
+
+def test_serving_needs_no_extra_nor_simulator(tmp_path: Path) -> None:
+    """serve, explain and envoy-config import neither the simulator, the benchmark, nor any extra's package."""
+    result = _run_blocked(("picker.sim", "picker.bench", "zmq", "matplotlib", "grpc_tools", "tokenizers"), """
+        import picker.server, picker.explain, picker.envoyconfig, picker.api.service
+        from picker.cli import main
+        for command in ("serve", "explain", "envoy-config"):
+            try:
+                main([command, "--help"])
+            except SystemExit as exc:
+                assert exc.code == 0, (command, exc.code)
+        print("ok")
+    """, tmp_path)
+    assert result.returncode == 0 and result.stdout.rstrip().endswith("ok"), result.stderr
+
+
+def test_cli_extras_match_pyproject() -> None:
+    """picker.cli's module list of each extra names packages that pyproject's extra really installs."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    owners = metadata.packages_distributions()
+    for command, (extra, modules) in cli.EXTRAS.items():
+        assert command in cli.SUBCOMMANDS and extra in extras
+        wanted = {_dist_name(r) for r in extras[extra]}
+        for module in modules:
+            dists = {d.lower().replace("_", "-") for d in owners.get(module, [])}
+            assert dists & wanted, f"{command}: {module} is not installed by the {extra!r} extra ({wanted})"
