@@ -3,6 +3,8 @@
 No real API server runs on these machines, so discovery is tested against this one. It keeps the parts of the
 protocol discovery relies on: resourceVersions that grow with every change, watches that replay from a version,
 410 for versions older than the last compaction, bearer-token auth, label and field selectors (equality).
+Tests can also rotate the accepted token (`token`), make the next requests fail (`failures`: 5xx, 429 with
+Retry-After), feed watches malformed events (`put_raw_event`) and lists malformed items (`put_garbage`).
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ def _status(code: int, message: str) -> dict[str, Any]:
             "code": code}
 
 
-def _selected(obj: dict[str, Any], label_selector: str, field_selector: str) -> bool:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
+def _selected(obj: Any, label_selector: str, field_selector: str) -> bool:
+    if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict):
+        return True  # garbage goes to every reader, as from a broken server
+    labels = obj["metadata"].get("labels") or {}
     for term in filter(None, label_selector.split(",")):
         key, _, value = term.replace("==", "=").partition("=")
         if labels.get(key) != value:
             return False
     for term in filter(None, field_selector.split(",")):
         key, _, value = term.partition("=")
-        if key == "metadata.name" and obj["metadata"]["name"] != value:
+        if key == "metadata.name" and obj["metadata"].get("name") != value:
             return False
     return True
 
@@ -45,14 +49,18 @@ class FakeKube:
     def __init__(self, token: str = "test-token") -> None:
         self.token = token
         self.version = 100
-        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, namespace, name) -> object
-        self.events: list[tuple[int, str, str, str, dict[str, Any]]] = []  # (version, kind, ns, type, object)
+        self.objects: dict[tuple[str, str, str], Any] = {}  # (kind, namespace, name) -> object
+        self.events: list[tuple[int, str, str, str, Any]] = []  # (version, kind, ns, type or RAW, object)
         self.compacted = 0  # watches from an older version get 410
         self.generation = 0  # bumping it ends every open watch (the server closing streams)
         self.lists: dict[str, int] = {"pods": 0, "pools": 0, "objectives": 0}
         self.watches: dict[str, int] = {"pods": 0, "pools": 0, "objectives": 0}
         self.objectives_installed = True  # False: the InferenceObjective CRD is absent (404)
         self.unauthorized = 0
+        self.tokens_seen: list[str] = []  # the bearer token of every request, accepted or not
+        self.pool_gets = 0  # GETs of one InferencePool (found or not)
+        self.objective_misses = 0  # InferenceObjective requests answered 404 (CRD absent)
+        self.failures: list[int] = []  # the next requests are answered with these statuses, one each
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -60,8 +68,11 @@ class FakeKube:
     # Test controls ---------------------------------------------------------------------------------------
 
     async def put_pod(self, namespace: str, name: str, ip: str, labels: dict[str, str], *, ready: bool = True,
-                      phase: str = "Running", deleting: bool = False) -> None:
+                      phase: str = "Running", deleting: bool = False,
+                      annotations: dict[str, str] | None = None) -> None:
         metadata: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
+        if annotations:
+            metadata["annotations"] = annotations
         if deleting:
             metadata["deletionTimestamp"] = "2026-11-30T00:00:00Z"
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
@@ -89,6 +100,17 @@ class FakeKube:
         await self._put("objectives", namespace, name, {"apiVersion": "inference.networking.x-k8s.io/v1alpha2",
                                                         "kind": "InferenceObjective", "spec": spec,
                                                         "metadata": {"name": name, "namespace": namespace}})
+
+    async def put_raw_event(self, kind: str, namespace: str, event: Any) -> None:
+        """A watch line of any shape (`event` as JSON), sent to the kind's watchers in `namespace`."""
+        self.version += 1
+        self.events.append((self.version, kind, namespace, "RAW", event))
+        async with self._changed:
+            self._changed.notify_all()
+
+    def put_garbage(self, kind: str, namespace: str, key: str, obj: Any) -> None:
+        """A malformed object that lists return (no event: a server does not announce garbage)."""
+        self.objects[(kind, namespace, key)] = obj
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         obj = self.objects.pop((kind, namespace, name))
@@ -137,19 +159,35 @@ class FakeKube:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def kubeconfig(self, namespace: str = "default", token: str | None = None) -> str:
+    def kubeconfig(self, namespace: str = "default", token: str | None = None,
+                   user: dict[str, Any] | None = None) -> str:
+        """A kubeconfig for this server; `user` replaces the default bearer-token user stanza."""
+        if user is None:
+            user = {"token": self.token if token is None else token}
         return json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "fake",
             "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "picker", "user": {"token": self.token if token is None else token}}],
+            "users": [{"name": "picker", "user": user}],
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "picker", "namespace": namespace}}],
         })
 
     def _authorized(self, request: web.Request) -> bool:
-        if request.headers.get("Authorization") == f"Bearer {self.token}":
+        header = request.headers.get("Authorization", "")
+        self.tokens_seen.append(header.removeprefix("Bearer "))
+        if header == f"Bearer {self.token}":
             return True
         self.unauthorized += 1
         return False
+
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        """The answer to a request that does not get through: an injected failure, or a bad token."""
+        if self.failures:
+            code = self.failures.pop(0)
+            headers = {"Retry-After": "1"} if code == 429 else {}
+            return web.json_response(_status(code, "injected failure"), status=code, headers=headers)
+        if not self._authorized(request):
+            return web.json_response(_status(401, "Unauthorized"), status=401)
+        return None
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         return await self._collection(request, "pods")
@@ -159,20 +197,24 @@ class FakeKube:
 
     async def _objectives(self, request: web.Request) -> web.StreamResponse:
         if not self.objectives_installed:
+            self.objective_misses += 1
             return web.json_response(_status(404, "the server could not find the requested resource"), status=404)
         return await self._collection(request, "objectives")
 
     async def _pool(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return web.json_response(_status(401, "Unauthorized"), status=401)
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        self.pool_gets += 1
         obj = self.objects.get(("pools", request.match_info["ns"], request.match_info["name"]))
         if obj is None:
             return web.json_response(_status(404, "inferencepools not found"), status=404)
         return web.json_response(obj)
 
     async def _collection(self, request: web.Request, kind: str) -> web.StreamResponse:
-        if not self._authorized(request):
-            return web.json_response(_status(401, "Unauthorized"), status=401)
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
         namespace = request.match_info["ns"]
         labels = request.query.get("labelSelector", "")
         fields = request.query.get("fieldSelector", "")
@@ -198,7 +240,10 @@ class FakeKube:
                 if version <= sent:
                     continue
                 sent = version
-                if k == kind and ns == namespace and _selected(obj, labels, fields):
+                if event_type == "RAW":
+                    if k == kind and ns == namespace:
+                        await response.write(json.dumps(obj).encode() + b"\n")
+                elif k == kind and ns == namespace and _selected(obj, labels, fields):
                     await response.write(json.dumps({"type": event_type, "object": obj}).encode() + b"\n")
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:

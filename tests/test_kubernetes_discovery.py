@@ -1,4 +1,9 @@
-"""Kubernetes discovery: InferencePool / label-selector pods → endpoints, against a stand-in API server."""
+"""Kubernetes discovery: InferencePool / label-selector pods → endpoints, against a stand-in API server.
+
+Also the credentials (a rotated token file, exec credential plugins, refused auth mechanisms) and what is
+retried (transient errors, with backoff) and what is not (a malformed object is skipped, a bug ends the loop).
+Tests wait on conditions (`eventually`, `wait_until`, events), never for a fixed time.
+"""
 
 from __future__ import annotations
 
@@ -13,30 +18,42 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from picker.admission import AdmissionConfig, AdmissionController
+from picker.admission import AdmissionConfig, Priorities
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.config import ServeConfig
 from picker.endpoints.kubernetes import (
+    CredentialsError,
+    ExecCredentials,
+    ExecPlugin,
     KubeApi,
     KubeConfig,
+    KubeError,
     KubernetesDiscovery,
+    TokenFile,
     discovery_from_config,
+    follow_collection,
     load_kube_config,
     objective_priorities,
+    parse_exec_credential,
     pod_endpoints,
     pool_spec,
     watch_objectives,
 )
-from picker.endpoints.pool import EndpointPool
+from picker.endpoints.pool import EndpointPool, PoolEvent
+from picker.endpoints.state import Endpoint
 from picker.requests import InferenceRequest
+from picker.retry import Backoff
 from picker.supervisor import Envoy, free_port, process_scope, spawn, start_envoy, start_picker, wait_until
-from tests.kubefake import FakeKube, FakeKubeThread
+from tests.kubefake import POOLS, FakeKube, FakeKubeThread
 from tests.waiting import eventually
 
 NS = "llm"
@@ -170,8 +187,11 @@ def test_in_cluster_service_account_is_used_when_present(tmp_path: Path) -> None
     cafile = ssl.get_default_verify_paths().cafile or ssl.get_default_verify_paths().openssl_cafile
     (account / "ca.crt").write_text(Path(str(cafile)).read_text())
     config = load_kube_config("", environ={"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"},
-                              service_account=account)
-    assert (config.server, config.token, config.namespace) == ("https://10.96.0.1:443", "pod-token", "inference")
+                              service_account=account, token_max_age=5.0)
+    assert (config.server, config.namespace) == ("https://10.96.0.1:443", "inference")
+    assert isinstance(config.credentials, TokenFile)  # read per request as it rotates, not once at start-up
+    assert (config.credentials.path, config.credentials.max_age) == (account / "token", 5.0)
+    assert asyncio.run(config.auth().token()) == "pod-token"
 
 
 def test_no_cluster_and_no_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
@@ -185,10 +205,12 @@ def test_no_cluster_and_no_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
 
 # Against the stand-in API server -----------------------------------------------------------------------------
 
-def discovery(kube: FakeKube, pool: EndpointPool, *, token: str | None = None, **kw: object) -> KubernetesDiscovery:
-    api = KubeApi(KubeConfig(kube.url, NS, kube.token if token is None else token))
-    kw.setdefault("pool_name", "llama")
-    return KubernetesDiscovery(api, pool, NS, retry_max=0.2, **kw)  # type: ignore[arg-type]
+def discovery(kube: FakeKube, pool: EndpointPool, *, token: str | None = None, pool_name: str = "llama",
+              selector: str = "", ports: tuple[int, ...] = (), api: KubeApi | None = None,
+              backoff: Backoff | None = None) -> KubernetesDiscovery:
+    api = api or KubeApi(KubeConfig(kube.url, NS, kube.token if token is None else token))
+    return KubernetesDiscovery(api, pool, NS, pool_name=pool_name, selector=selector, ports=ports,
+                               retry_max=0.2, backoff=backoff)
 
 
 async def test_inference_pool_pods_follow_readiness_additions_and_deletions(kube: FakeKube) -> None:
@@ -200,7 +222,7 @@ async def test_inference_pool_pods_follow_readiness_additions_and_deletions(kube
     await kube.put_pod("elsewhere", "vllm-x", "10.2.0.1", LABELS)
     pool = EndpointPool()
     removed: list[str] = []
-    pool.add_removal_listener(lambda e: removed.append(e.address))
+    pool.subscribe(lambda event, e: removed.append(e.address) if event is PoolEvent.REMOVED else None)
     async with running(discovery(kube, pool), synced=True):
         assert addresses(pool) == {"10.1.0.1:8000", "10.1.0.2:8000"}
         await kube.put_pod(NS, "starting", "10.1.0.3", LABELS, ready=True)
@@ -271,7 +293,7 @@ async def test_label_selector_mode_needs_no_pool_object(kube: FakeKube) -> None:
 async def test_a_missing_pool_or_bad_credentials_keep_retrying_without_endpoints(kube: FakeKube) -> None:
     pool = EndpointPool()
     async with running(discovery(kube, pool)):
-        await asyncio.sleep(0.3)
+        await eventually(lambda: kube.pool_gets >= 2)  # asked, not found, asked again
         assert addresses(pool) == set()
         await llama_with_one_pod(kube)
         await eventually(lambda: addresses(pool) == {"10.1.0.1:8000"})  # found once it exists
@@ -303,6 +325,14 @@ def _served_by(envoy: Envoy, text: str) -> str:
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as response:
         return str(json.loads(response.read())["served_by"])
+
+
+def _listed(grpc_port: int) -> set[str]:
+    """The addresses in the running picker's pool (its picker.v1 ListEndpoints)."""
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = picker_pb2_grpc.PickerStub(channel)
+        listing = stub.ListEndpoints(picker_pb2.ListEndpointsRequest(), timeout=5)
+    return {e.address for e in listing.endpoints}
 
 
 def _bound(address: str) -> bool:
@@ -341,7 +371,8 @@ def test_envoy_routes_to_the_pods_an_inference_pool_selects(tmp_path: Path) -> N
             assert time.monotonic() < deadline, "the new pod was never picked"
 
         thread.run(kube.delete("pods", NS, "vllm-0"))  # scaled down: never picked again
-        time.sleep(0.5)
+        wait_until(lambda: addresses_of["vllm-0"] not in _listed(picker.grpc_port), 10,
+                   "vllm-0 gone from the pool", picker.process.proc)
         after = {_served_by(envoy, f"after delete {i} " * 30) for i in range(8)}
         assert after == {addresses_of["vllm-1"], addresses_of["vllm-2"]}
         assert picker.process.alive() and "discovery of InferencePool llm/llama" in picker.process.log()
@@ -377,10 +408,8 @@ def test_the_picker_is_not_ready_until_its_pool_is_discovered(tmp_path: Path) ->
         for service in ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             assert _health(picker.health_port, service) == not_serving  # no InferencePool yet
         thread.run(kube.put_pool(NS, "llama", LABELS, [8000]))
-        deadline = time.monotonic() + 15
-        while _health(picker.health_port, "readiness") != serving:
-            assert time.monotonic() < deadline, picker.process.log()
-            time.sleep(0.1)
+        wait_until(lambda: _health(picker.health_port, "readiness") == serving, 15, "readiness",
+                   picker.process.proc)
         assert _health(picker.health_port, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
 
 
@@ -400,11 +429,11 @@ def test_objective_priorities_are_those_of_our_pool() -> None:
 
 
 def test_configured_objectives_win_over_discovered_ones() -> None:
-    admission = AdmissionController(AdmissionConfig.from_dict({"objectives": {"chat": 3}}))
-    admission.set_discovered_objectives({"chat": -5, "batch": -1})
+    priorities = Priorities(AdmissionConfig.from_dict({"objectives": {"chat": 3}}))
+    priorities.set_discovered({"chat": -5, "batch": -1})
 
     def priority(objective: str | None) -> int:
-        return admission.priority_of(InferenceRequest("r", "m", prompt_text="x", objective=objective))
+        return priorities.of(InferenceRequest("r", "m", prompt_text="x", objective=objective))
 
     assert (priority("chat"), priority("batch"), priority("unknown"), priority(None)) == (3, -1, 0, 0)
 
@@ -415,9 +444,8 @@ async def test_objectives_follow_the_cluster_and_a_missing_crd_is_not_an_error(k
     kube.objectives_installed = False
     task = asyncio.create_task(watch_objectives(api, NS, "llama", seen.append, retry=0.2))
     try:
-        await eventually(lambda: kube.lists["objectives"] == 0 and kube.unauthorized == 0 and not task.done())
-        await asyncio.sleep(0.3)
-        assert seen == [] and not task.done()  # asked again later, quietly
+        await eventually(lambda: kube.objective_misses >= 2)  # asked again later, quietly
+        assert seen == [] and not task.done() and kube.lists["objectives"] == 0 and kube.unauthorized == 0
         await kube.put_objective(NS, "chat", "llama", 10)
         await kube.put_objective(NS, "other-pool", "mistral", 7)
         kube.objectives_installed = True
@@ -429,8 +457,9 @@ async def test_objectives_follow_the_cluster_and_a_missing_crd_is_not_an_error(k
         await kube.delete("objectives", NS, "chat")
         await eventually(lambda: seen[-1:] == [{"batch": 0}])
         await kube.put_objective(NS, "other-pool", "mistral", 8)  # not ours: no new report
-        await asyncio.sleep(0.2)
-        assert seen[-1] == {"batch": 0} and len(seen) == 4
+        await kube.put_objective(NS, "late", "llama", 1)  # ours, after it: once this is seen, so was that
+        await eventually(lambda: seen[-1:] == [{"batch": 0, "late": 1}])
+        assert len(seen) == 5
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -471,13 +500,264 @@ def test_envoy_sheds_by_the_priority_an_inference_objective_declares(tmp_path: P
             except urllib.error.HTTPError as err:
                 return int(err.code)
 
-        deadline = time.monotonic() + 10
-        while status("batch") != 429:  # once the picker has scraped the saturated pod and read the objectives
-            assert time.monotonic() < deadline, picker.process.log()
-            time.sleep(0.1)
+        # once the picker has scraped the saturated pod and read the objectives
+        wait_until(lambda: status("batch") == 429, 10, "batch shed", picker.process.proc)
         assert status("interactive") == 200 and status("unknown-objective") == 200
         thread.run(kube.put_objective(NS, "batch", "llama", 0))  # the platform team promotes batch traffic
-        deadline = time.monotonic() + 10
-        while status("batch") != 200:
-            assert time.monotonic() < deadline, picker.process.log()
-            time.sleep(0.1)
+        wait_until(lambda: status("batch") == 200, 10, "batch admitted", picker.process.proc)
+
+
+# Credentials that rotate or expire --------------------------------------------------------------------------
+
+async def test_a_rotated_token_file_is_read_again_and_a_401_forces_a_reread(kube: FakeKube,
+                                                                            tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("first\n")
+    kube.token = "first"
+    now = [0.0]
+    source = TokenFile(token_file, max_age=60.0, clock=lambda: now[0])
+    api = KubeApi(KubeConfig(kube.url, NS, credentials=source))
+    await llama_with_one_pod(kube)
+    pool = EndpointPool()
+    async with running(discovery(kube, pool, api=api), synced=True):
+        await eventually(lambda: kube.watches["pods"] == 1 and kube.watches["pools"] == 1)
+        token_file.write_text("second\n")  # the kubelet rotated it; the server accepts only the new one
+        kube.token = "second"
+        now[0] = 61.0  # the token in hand is older than a minute: read the file again before the next request
+        await kube.drop_watches()
+        await eventually(lambda: kube.watches["pods"] == 2 and kube.watches["pools"] == 2)
+        assert kube.unauthorized == 0 and kube.tokens_seen[-2:] == ["second", "second"]
+
+        token_file.write_text("third\n")  # rotated again, the token in hand still fresh: the 401 says read it
+        kube.token = "third"
+        await kube.drop_watches()
+        await eventually(lambda: kube.watches["pods"] == 3 and kube.watches["pools"] == 3)
+        assert 1 <= kube.unauthorized <= 2 and kube.tokens_seen[-1] == "third"
+        await kube.put_pod(NS, "vllm-1", "10.1.0.2", LABELS)
+        await eventually(lambda: "10.1.0.2:8000" in addresses(pool))
+    assert kube.lists["pods"] == 1  # each refusal was answered by the request itself, not by starting over
+
+
+async def test_an_unreadable_token_file_keeps_the_last_token(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    with pytest.raises(CredentialsError, match="token file"):
+        await TokenFile(token_file).token()  # never readable: no token to send
+    token_file.write_text("kept\n")
+    source = TokenFile(token_file, max_age=0.0)
+    assert await source.token() == "kept"
+    token_file.unlink()  # e.g. a remount in progress
+    assert await source.token() == "kept"
+
+
+PLUGIN = '''
+import json, os, pathlib, sys
+state = pathlib.Path(sys.argv[1])
+runs = state / "runs"
+runs.write_text(str(int(runs.read_text()) + 1 if runs.exists() else 1))
+(state / "greeting").write_text(os.environ.get("PLUGIN_GREETING", ""))
+if (state / "fail").exists():
+    sys.exit("the identity provider is down")
+info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
+status = {"token": (state / "token").read_text().strip()}
+if (state / "expiry").exists():
+    status["expirationTimestamp"] = (state / "expiry").read_text().strip()
+print(json.dumps({"apiVersion": info["apiVersion"], "kind": "ExecCredential", "status": status}))
+'''
+
+
+def exec_plugin(tmp_path: Path, token: str) -> tuple[Path, Path]:
+    """A credential plugin script and its state directory (token to hand out, runs counted)."""
+    script, state = tmp_path / "plugin.py", tmp_path / "plugin-state"
+    script.write_text(PLUGIN)
+    state.mkdir()
+    (state / "token").write_text(token)
+    return script, state
+
+
+def runs(state: Path) -> int:
+    path = state / "runs"
+    return int(path.read_text()) if path.exists() else 0
+
+
+async def test_an_exec_credential_plugin_is_run_once_and_again_after_a_401(kube: FakeKube,
+                                                                            tmp_path: Path) -> None:
+    script, state = exec_plugin(tmp_path, "minted-1")
+    kube.token = "minted-1"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(kube.kubeconfig(namespace=NS, user={"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable,
+        "args": [str(script), str(state)],
+        "env": [{"name": "PLUGIN_GREETING", "value": "hello"}], "interactiveMode": "Never"}}))
+    config = load_kube_config(str(kubeconfig), environ={})
+    assert isinstance(config.credentials, ExecCredentials)
+    await llama_with_one_pod(kube)
+    pool = EndpointPool()
+    async with running(discovery(kube, pool, api=KubeApi(config)), synced=True):
+        await eventually(lambda: kube.watches["pods"] == 1 and kube.watches["pools"] == 1)
+        assert runs(state) == 1 and (state / "greeting").read_text() == "hello"  # no expiry: cached
+        assert set(kube.tokens_seen) == {"minted-1"}
+        (state / "token").write_text("minted-2")  # the old token is revoked: the 401 re-runs the plugin
+        kube.token = "minted-2"
+        await kube.drop_watches()
+        await eventually(lambda: kube.watches["pods"] == 2 and kube.watches["pools"] == 2)
+        assert runs(state) == 2 and kube.tokens_seen[-1] == "minted-2"
+    assert kube.lists["pods"] == 1
+
+
+async def test_an_exec_credential_is_cached_until_it_expires(kube: FakeKube, tmp_path: Path) -> None:
+    script, state = exec_plugin(tmp_path, "short-lived-1")
+    (state / "expiry").write_text("2030-01-01T00:00:00Z")
+    kube.token = "short-lived-1"
+    expiry = datetime(2030, 1, 1, tzinfo=UTC).timestamp()
+    now = [expiry - 3600]
+    plugin = ExecPlugin(sys.executable, (str(script), str(state)), (), "client.authentication.k8s.io/v1beta1")
+    credentials = ExecCredentials(plugin, clock=lambda: now[0], margin=10.0)
+    api = KubeApi(KubeConfig(kube.url, NS, credentials=credentials))
+    await kube.put_pool(NS, "llama", LABELS, [8000])
+    path = POOLS.format(ns=NS) + "/llama"
+    try:
+        await api.get(path)
+        await api.get(path)
+        assert runs(state) == 1  # valid for an hour: one run serves both
+        credentials.invalidate("an-older-token")  # a late 401 for a token already replaced: no new run
+        await api.get(path)
+        assert runs(state) == 1
+        (state / "token").write_text("short-lived-2")
+        kube.token = "short-lived-2"
+        now[0] = expiry - 5  # inside the margin: mint a new one before the old one lapses
+        await api.get(path)
+        assert runs(state) == 2 and kube.tokens_seen[-1] == "short-lived-2" and kube.unauthorized == 0
+        (state / "fail").write_text("")
+        now[0] = expiry + 60
+        with pytest.raises(KubeError, match="the identity provider is down"):
+            await api.get(path)
+    finally:
+        await api.close()
+
+
+def test_exec_credential_output_is_checked() -> None:
+    v1 = "client.authentication.k8s.io/v1"
+
+    def credential(status: object, version: str = v1) -> bytes:
+        return json.dumps({"apiVersion": version, "kind": "ExecCredential", "status": status}).encode()
+
+    assert parse_exec_credential(credential({"token": "t"}), v1) == ("t", None)
+    expiring = credential({"token": "t", "expirationTimestamp": "2030-01-01T00:00:00Z"})
+    assert parse_exec_credential(expiring, v1) == ("t", datetime(2030, 1, 1, tzinfo=UTC).timestamp())
+    for output, problem in [(b"not json", "no JSON"), (credential({"token": "t"}, "other/v1"), "answered in"),
+                            (credential({}), "no status.token"), (credential([]), "no status"),
+                            (credential({"clientCertificateData": "PEM"}), "client certificate"),
+                            (credential({"token": "t", "expirationTimestamp": "soon"}), "RFC 3339")]:
+        with pytest.raises(CredentialsError, match=problem):
+            parse_exec_credential(output, v1)
+
+
+def write_kubeconfig(tmp_path: Path, user: dict[str, Any]) -> Path:
+    fake = FakeKube()
+    fake.url = "http://127.0.0.1:1"  # never contacted
+    path = tmp_path / "kubeconfig"
+    path.write_text(fake.kubeconfig(user=user))
+    return path
+
+
+def test_kubeconfig_auth_mechanisms_picker_cannot_use_are_refused_by_name(tmp_path: Path) -> None:
+    exec_v1 = {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable}
+    refused: list[tuple[dict[str, Any], str]] = [
+            ({"auth-provider": {"name": "gcp", "config": {}}}, "auth-provider 'gcp'"),
+            ({"auth-provider": {"name": "oidc", "config": {"refresh-token": "r"}}}, "auth-provider 'oidc'"),
+            ({"username": "admin", "password": "secret"}, "basic auth"),
+            ({"token": "t", "as": "someone-else"}, "impersonation"),
+            ({"exec": {**exec_v1, "apiVersion": "client.authentication.k8s.io/v1alpha1"}}, "v1alpha1"),
+            ({"exec": {**exec_v1, "command": "no-such-credential-plugin", "installHint": "get it from IT"}},
+             "not installed.*get it from IT"),
+            ({"exec": {**exec_v1, "interactiveMode": "Always"}}, "unattended")]
+    for user, problem in refused:
+        with pytest.raises(ValueError, match=problem):
+            load_kube_config(str(write_kubeconfig(tmp_path, user)), environ={})
+
+
+async def test_kubeconfig_token_sources_that_still_work(tmp_path: Path) -> None:
+    oidc = load_kube_config(str(write_kubeconfig(tmp_path, {"auth-provider": {
+        "name": "oidc", "config": {"id-token": "id.jwt", "idp-issuer-url": "https://issuer"}}})), environ={})
+    assert await oidc.auth().token() == "id.jwt"
+    (tmp_path / "token-file").write_text("from-file\n")
+    both: dict[str, Any] = {"tokenFile": "token-file", "token": "unused"}  # the file wins, as in kubectl
+    by_file = load_kube_config(str(write_kubeconfig(tmp_path, both)), environ={})
+    assert isinstance(by_file.credentials, TokenFile) and await by_file.auth().token() == "from-file"
+    assert await load_kube_config(str(write_kubeconfig(tmp_path, {})), environ={}).auth().token() == ""
+
+
+def test_serve_with_an_unsupported_auth_provider_says_so_without_a_traceback(tmp_path: Path) -> None:
+    kubeconfig = write_kubeconfig(tmp_path, {"auth-provider": {"name": "azure", "config": {}}})
+    result = subprocess.run([sys.executable, "-m", "picker", "serve", "--pool-name", "llama", "--kubeconfig",
+                             str(kubeconfig), "--grpc-port", "0", "--grpc-health-port", "0",
+                             "--metrics-port", "-1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "auth-provider 'azure'" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# What is retried, what is skipped, what is a bug ----------------------------------------------------------
+
+async def test_a_malformed_object_is_skipped_and_the_watch_goes_on(kube: FakeKube) -> None:
+    await llama_with_one_pod(kube)
+    kube.put_garbage("pods", NS, "junk", ["not", "an", "object"])  # in the list
+    pool = EndpointPool()
+    async with running(discovery(kube, pool), synced=True):
+        assert addresses(pool) == {"10.1.0.1:8000"}
+        await eventually(lambda: kube.watches["pods"] == 1)
+        for raw in ("not an event", {"type": "ADDED", "object": ["x"]},
+                    {"type": "MODIFIED", "object": {"metadata": 7}},
+                    {"type": "SURPRISE", "object": {"metadata": {"name": "vllm-9"}}},
+                    {"type": "ADDED", "object": {"metadata": {"name": 5, "resourceVersion": "1"}}}):
+            await kube.put_raw_event("pods", NS, raw)
+        big = {"notes": "x" * 300_000}  # one event longer than aiohttp's readline allows
+        await kube.put_pod(NS, "vllm-1", "10.1.0.4", LABELS, annotations=big)
+        await eventually(lambda: addresses(pool) == {"10.1.0.1:8000", "10.1.0.4:8000"})
+        assert kube.lists["pods"] == 1 and kube.watches["pods"] == 1  # the same watch carried on
+
+
+async def test_transient_errors_are_retried_with_backoff_honouring_retry_after(kube: FakeKube) -> None:
+    await llama_with_one_pod(kube)
+    delays: list[float] = []
+
+    async def no_wait(delay: float) -> None:
+        delays.append(delay)
+
+    kube.failures = [503, 500, 429]
+    pool = EndpointPool()
+    backoff = Backoff(0.2, 5.0, rand=lambda: 0.5, sleep=no_wait)
+    async with running(discovery(kube, pool, backoff=backoff), synced=True):
+        assert addresses(pool) == {"10.1.0.1:8000"}
+    assert delays == [0.1, 0.2, 1.0]  # half of 0.2, 0.4, 0.8 (the jitter), then the server's Retry-After: 1
+    assert backoff.failures == 0  # reset by the successful list
+
+
+class BrokenPool(EndpointPool):
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> tuple[list[Endpoint], list[Endpoint]]:
+        raise AttributeError("a bug in our own code")
+
+
+async def test_a_bug_ends_discovery_instead_of_being_retried(kube: FakeKube) -> None:
+    await llama_with_one_pod(kube)
+    d = discovery(kube, BrokenPool())
+    try:
+        with pytest.raises(AttributeError, match="a bug"):
+            await asyncio.wait_for(d.run(), 5)
+    finally:
+        await d.api.close()
+    assert kube.lists["pods"] == 1 and not d.synced.is_set()
+
+    api = KubeApi(KubeConfig(kube.url, NS, kube.token))
+
+    def broken(objects: dict[str, dict[str, object]]) -> None:
+        raise KeyError("also a bug")
+
+    try:
+        with pytest.raises(KeyError):
+            await asyncio.wait_for(watch_objectives(api, NS, "llama", lambda priorities: broken({})), 5)
+        with pytest.raises(KeyError):
+            pods = f"/api/v1/namespaces/{NS}/pods"
+            await asyncio.wait_for(follow_collection(api, pods, {}, broken, "pods"), 5)
+    finally:
+        await api.close()
+    assert kube.lists["objectives"] == 1 and kube.lists["pods"] == 2

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from picker.prefix.memory import InMemoryPrefixIndex
+from picker.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -182,18 +183,17 @@ class SharedPrefixIndex:
         self._wake.set()
 
     async def _write_loop(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)
         while True:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(self.flush_interval)  # let a burst of picks share one round trip
             try:
                 await self._flush_all()
-                backoff = 0.05
+                backoff.reset()
             except (RedisError, OSError) as exc:
                 self._failed("publish", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait()
                 self._wake.set()
 
     async def _flush_all(self) -> None:
@@ -238,7 +238,7 @@ class SharedPrefixIndex:
                 return applied
 
     async def _read_loop(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)
         while True:
             try:
                 if not self._positioned:
@@ -246,11 +246,10 @@ class SharedPrefixIndex:
                 response = await self._reader.xread({self.stream: self._last_id}, count=_READ_BATCH, block=1000)
                 self._apply_response(response)
                 self.stats.connected = True
-                backoff = 0.05
+                backoff.reset()
             except (RedisError, OSError, ValueError, TypeError) as exc:  # the last two: an answer of odd shape
                 self._failed("follow", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait()
 
     def _apply_response(self, response: Any) -> int:
         """XREAD's answer: a list of (stream, entries) in RESP2, a mapping in RESP3. Returns the entries read."""

@@ -1,0 +1,254 @@
+"""The discovery loops: keep the endpoint pool equal to the ready pods of an InferencePool (or of a label
+selector), and keep admission told of the pool's InferenceObjective priorities.
+
+Each loop LISTs, then WATCHes from the list's resourceVersion; a closed stream re-watches from the last
+version seen, a 410 lists again. In InferencePool mode the pool object is watched too: a changed selector or
+port list re-reads the pods, a deleted pool empties the set until it comes back, an unusable one empties it
+until it is fixed.
+
+What is retried, and how: only `TRANSIENT` errors (the network, timeouts, and the API server's answers: 5xx
+and 429, honouring Retry-After, but also 401/403/404, which an operator fixes by applying the RBAC or creating
+the pool) are logged and retried, after an exponential, capped, jittered delay that resets once a list or an
+event arrives again. A malformed object is skipped where it is read (see `client` and `objects`). Anything
+else, an AttributeError, KeyError, TypeError or ValueError from our own code, is a bug: it is logged with its
+traceback and ends the loop, rather than being retried for ever as if the network had failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote
+
+from picker.config import ServeConfig, parse_ports
+from picker.endpoints.kube.client import TRANSIENT, Gone, KubeApi, KubeError
+from picker.endpoints.kube.kubeconfig import load_kube_config
+from picker.endpoints.kube.objects import (
+    MalformedObject,
+    PoolSpec,
+    objective_priorities,
+    pod_endpoints,
+    pool_spec,
+)
+from picker.endpoints.pool import EndpointPool
+from picker.retry import Backoff
+
+log = logging.getLogger(__name__)
+
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_VERSION = "v1"
+OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective is alpha in GIE
+OBJECTIVE_VERSION = "v1alpha2"
+
+
+def _retry_after(exc: BaseException) -> float:
+    return exc.retry_after if isinstance(exc, KubeError) else 0.0
+
+
+async def follow_collection(api: KubeApi, path: str, params: dict[str, str],
+                            apply: Callable[[dict[str, dict[str, Any]]], None], what: str) -> None:
+    """LIST a collection, then WATCH it from the list's version for ever, calling `apply(objects by name)`
+    after the list and after every change. An expired version (410) lists again; other errors propagate."""
+    objects, version = await api.list(path, params)
+    apply(objects)
+    while True:
+        try:
+            async with contextlib.aclosing(api.watch(path, params, version)) as events:
+                async for event in events:
+                    version = event.version or version
+                    if event.type == "BOOKMARK":
+                        continue
+                    objects = dict(objects)
+                    if event.type == "DELETED":
+                        objects.pop(event.name, None)
+                    else:
+                        objects[event.name] = event.object
+                    apply(objects)
+        except Gone:
+            log.info("%s: watch expired, listing again", what)
+            objects, version = await api.list(path, params)
+            apply(objects)
+
+
+class KubernetesDiscovery:
+    """Keeps `pool` equal to the ready pods of an InferencePool (`pool_name`) or of a label `selector`."""
+
+    def __init__(self, api: KubeApi, pool: EndpointPool, namespace: str, *, pool_name: str = "",
+                 selector: str = "", ports: tuple[int, ...] = (), retry_max: float = 10.0,
+                 backoff: Backoff | None = None) -> None:
+        if bool(pool_name) == bool(selector):
+            raise ValueError("discover by an InferencePool name or by a label selector, exactly one")
+        if selector and not ports:
+            raise ValueError("a label selector needs target ports")
+        self.api = api
+        self.pool = pool
+        self.namespace = namespace
+        self.pool_name = pool_name
+        self.fixed = PoolSpec(selector, ports) if selector else None
+        self.backoff = backoff or Backoff(min(0.2, retry_max), retry_max)
+        self.synced = asyncio.Event()  # set after the first successful pod list
+
+    @property
+    def _pods_path(self) -> str:
+        return f"/api/v1/namespaces/{quote(self.namespace)}/pods"
+
+    @property
+    def _pools_path(self) -> str:
+        return f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{quote(self.namespace)}/inferencepools"
+
+    def describe(self) -> str:
+        if self.fixed is not None:
+            return f"pods {self.fixed.selector!r} in {self.namespace}"
+        return f"InferencePool {self.namespace}/{self.pool_name}"
+
+    async def run(self) -> None:
+        """Follow the cluster for ever; returns only by cancellation, raises only on a bug."""
+        while True:
+            try:
+                await self._follow()  # returns when the pool object changed: start over at once
+            except TRANSIENT as exc:
+                delay = max(self.backoff.next_delay(), _retry_after(exc))
+                log.warning("discovery of %s: %s; retrying in %.1fs", self.describe(),
+                            exc or type(exc).__name__, delay)
+                await self.backoff.sleep(delay)
+            except Exception:
+                log.exception("discovery of %s stopped: an unexpected error is a bug, not retried",
+                              self.describe())
+                raise
+
+    async def _follow(self) -> None:
+        spec, version = await self._read_spec()
+        followers = [asyncio.create_task(self._follow_pods(spec))] if spec is not None else []
+        if self.fixed is None:
+            followers.append(asyncio.create_task(self._follow_pool(spec, version)))
+        try:
+            done, _ = await asyncio.wait(followers, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in followers:
+                task.cancel()
+            for task in followers:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        for task in done:
+            task.result()  # re-raise what ended it
+
+    async def _read_spec(self) -> tuple[PoolSpec | None, str]:
+        """The pods to follow (None: the pool is unusable, follow only the pool) and the pool's version."""
+        if self.fixed is not None:
+            return self.fixed, ""
+        try:
+            pool = await self.api.get(f"{self._pools_path}/{quote(self.pool_name)}")
+        except KubeError as exc:
+            if exc.status == 404:
+                self._replace_pods({}, None)
+                raise KubeError(404, f"InferencePool {self.namespace}/{self.pool_name} not found: "
+                                     "no endpoints until it exists") from exc
+            raise
+        meta = pool.get("metadata")
+        version = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        version = version if isinstance(version, str) else ""
+        try:
+            spec = pool_spec(pool)
+        except MalformedObject as exc:
+            log.warning("InferencePool %s/%s: %s; no endpoints until it is fixed", self.namespace,
+                        self.pool_name, exc)
+            self._replace_pods({}, None)
+            return None, version
+        log.info("InferencePool %s/%s: pods %r, ports %s", self.namespace, self.pool_name, spec.selector,
+                 ",".join(map(str, spec.ports)))
+        return spec, version
+
+    async def _follow_pool(self, spec: PoolSpec | None, version: str) -> None:
+        """Returns when the pool's selector or ports change, it is deleted or its watch expired (the caller
+        starts over)."""
+        params = {"fieldSelector": f"metadata.name={self.pool_name}"}
+        while True:
+            try:
+                async with contextlib.aclosing(self.api.watch(self._pools_path, params, version)) as events:
+                    async for event in events:
+                        version = event.version or version
+                        if event.type == "DELETED":
+                            log.warning("InferencePool %s/%s deleted", self.namespace, self.pool_name)
+                            return
+                        if event.type in ("ADDED", "MODIFIED"):
+                            try:
+                                changed = pool_spec(event.object) != spec
+                            except MalformedObject:
+                                changed = spec is not None  # broken now, or still broken: nothing new to do
+                            if changed:
+                                return
+            except Gone:
+                return
+
+    async def _follow_pods(self, spec: PoolSpec) -> None:
+        def update(pods: dict[str, dict[str, Any]]) -> None:
+            self._replace_pods(pods, spec)
+            self.backoff.reset()
+            self.synced.set()
+
+        await follow_collection(self.api, self._pods_path, {"labelSelector": spec.selector}, update,
+                                self.describe())
+
+    def _replace_pods(self, pods: dict[str, dict[str, Any]], spec: PoolSpec | None) -> None:
+        """The pool becomes the endpoints of `pods` (none without a spec: the InferencePool is gone)."""
+        endpoints = [e for pod in pods.values() for e in pod_endpoints(pod, spec.ports)] if spec else []
+        before = {e.address for e in self.pool.all()}
+        if before == {e.address for e in endpoints}:
+            return
+        added, removed = self.pool.set_endpoints(endpoints)
+        log.info("discovery of %s: %d endpoints (+%d, -%d)", self.describe(), len(self.pool), len(added),
+                 len(removed))
+
+
+async def watch_objectives(api: KubeApi, namespace: str, pool_name: str,
+                           on_change: Callable[[dict[str, int]], None], *, retry: float = 60.0,
+                           backoff: Backoff | None = None) -> None:
+    """Keep `on_change` told of the priorities of the pool's InferenceObjectives (GIE: the request header
+    `x-gateway-inference-objective` names one). A cluster without the CRD is asked again every `retry` s;
+    transient errors are retried with `backoff`, a bug ends the loop."""
+    path = f"/apis/{OBJECTIVE_GROUP}/{OBJECTIVE_VERSION}/namespaces/{quote(namespace)}/inferenceobjectives"
+    what = f"InferenceObjectives of {namespace}/{pool_name}"
+    delays = backoff or Backoff(0.2, 10.0)
+    last: dict[str, int] | None = None
+
+    def apply(objects: dict[str, dict[str, Any]]) -> None:
+        nonlocal last
+        delays.reset()
+        priorities = objective_priorities(objects, pool_name)
+        if priorities != last:
+            last = priorities
+            on_change(priorities)
+            log.info("%s: %s", what, ", ".join(f"{k}={v}" for k, v in sorted(priorities.items())) or "none")
+
+    while True:
+        try:
+            await follow_collection(api, path, {}, apply, what)
+        except KubeError as exc:
+            if exc.status != 404:
+                delay = max(delays.next_delay(), exc.retry_after)
+                log.warning("%s: %s; retrying in %.1fs", what, exc, delay)
+                await delays.sleep(delay)
+                continue
+            log.info("%s: the InferenceObjective API is not installed; priorities come from the config only",
+                     what)
+            await delays.sleep(retry)
+        except TRANSIENT as exc:
+            delay = delays.next_delay()
+            log.warning("%s: %s; retrying in %.1fs", what, exc or type(exc).__name__, delay)
+            await delays.sleep(delay)
+        except Exception:
+            log.exception("%s: stopped; an unexpected error is a bug, not retried", what)
+            raise
+
+
+def discovery_from_config(config: ServeConfig, pool: EndpointPool) -> KubernetesDiscovery:
+    """`picker serve`'s Kubernetes discovery (`config.discovery` is "inferencepool" or "selector")."""
+    kube = load_kube_config(config.kubeconfig)
+    namespace = config.pool_namespace or kube.namespace
+    if config.discovery == "selector":
+        return KubernetesDiscovery(KubeApi(kube), pool, namespace, selector=config.endpoint_selector,
+                                   ports=tuple(parse_ports(config.endpoint_target_ports)))
+    return KubernetesDiscovery(KubeApi(kube), pool, namespace, pool_name=config.pool_name)
