@@ -72,7 +72,8 @@ def bench_schedule(n_endpoints: int, prompt_chars: int, iterations: int, explain
         t0 = time.perf_counter_ns()
         result = scheduler.schedule(request, pool, now)
         chosen = result.ranked[0]
-        scheduler.on_picked(request, chosen, now)
+        assert result.context is not None
+        scheduler.on_picked(result.context, chosen, now)
         t1 = time.perf_counter_ns()
         chosen.start_request(prompt_chars // 4, now)
         in_flight.append((chosen, prompt_chars // 4))

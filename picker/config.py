@@ -1,30 +1,25 @@
-"""Server options: defaults, then `--config-file` (YAML), then command-line flags, in that order of strength."""
+"""Server options: defaults, then `--config-file` (YAML), then command-line flags, in that order of strength.
+
+Decoded strictly (picker.schema): an unknown key or a wrong type at the top level or in the `admission` and
+`scheduling` sections is a ConfigError naming the key's path, and `picker serve` exits non-zero with it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+from picker.admission import AdmissionConfig
+from picker.scheduling.config import SchedulingConfig, StrategyName, build_strategy
+from picker.schema import ConfigError, Duration, Section, describe, parse_duration
 
-
-def parse_duration(value: str | float | int) -> float:
-    """"50ms", "0.5s", "2m" or a number of seconds → seconds (GIE-style flag values)."""
-    if isinstance(value, int | float):
-        return float(value)
-    match = _DURATION.match(value)
-    if not match:
-        raise ValueError(f"{value!r} is not a duration (e.g. 50ms, 0.5s, 2m)")
-    if match.group(2) is None and float(match.group(1)) != 0:
-        # as Go's time.ParseDuration (GIE's flags): "50" could mean 50 ms or 50 s, so it needs its unit
-        raise ValueError(f"{value!r} needs a unit: {value.strip()}ms or {value.strip()}s")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+__all__ = ["ConfigError", "ServeConfig", "add_arguments", "parse_duration", "parse_ports", "parse_size", "resolve"]
 
 
 def parse_size(value: str | int) -> int:
@@ -33,7 +28,7 @@ def parse_size(value: str | int) -> int:
         return value
     match = re.match(r"^\s*(\d+)\s*([kKmMgG]i?[bB]?)?\s*$", value)
     if not match:
-        raise ValueError(f"{value!r} is not a size (e.g. 16Mi, 512Ki, 1048576)")
+        raise ConfigError(f"{value!r} is not a size (e.g. 16Mi, 512Ki, 1048576)")
     unit = (match.group(2) or "").lower().rstrip("b")
     scale = {"": 1, "k": 1000, "ki": 1024, "m": 10**6, "mi": 2**20, "g": 10**9, "gi": 2**30}[unit]
     return int(match.group(1)) * scale
@@ -47,43 +42,49 @@ def parse_ports(text: str) -> list[int]:
         if not part:
             continue
         if not part.isdigit() or not 0 < int(part) < 65536:
-            raise ValueError(f"{part!r} is not a TCP port")
+            raise ConfigError(f"{part!r} is not a TCP port")
         ports.append(int(part))
     if not ports:
-        raise ValueError("no ports given")
+        raise ConfigError("no ports given")
     return ports
 
 
-@dataclass(slots=True)
-class ServeConfig:
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class ServeConfig(Section):
+    """Every `picker serve` option; config-file keys are the flag names (grpc-port or grpc_port)."""
+
+    model_config = ConfigDict(alias_generator=None)
+
     host: str = "0.0.0.0"
-    grpc_port: int = 9002
-    grpc_health_port: int = 9003
-    metrics_port: int = 9090
+    grpc_port: int = Field(9002, ge=0, le=65535)
+    grpc_health_port: int = Field(9003, ge=0, le=65535)
+    metrics_port: int = Field(9090, ge=-1, le=65535)
     endpoints: str = ""
     endpoints_file: str = ""
-    refresh_metrics_interval: float | None = None  # fixed scrape cadence; None: adaptive (the two below)
-    metrics_fast_interval: float = 0.1  # scrape cadence of a pod near saturation or busier than we know
-    metrics_slow_interval: float = 1.0  # scrape cadence of a calm pod
-    unhealthy_after_failures: int = 2
-    max_body_bytes: int = 16 * 2**20
+    refresh_metrics_interval: Duration | None = Field(None, gt=0)  # fixed scrape cadence; None: adaptive
+    metrics_fast_interval: Duration = Field(0.1, gt=0)  # cadence of a pod near saturation or busier than we know
+    metrics_slow_interval: Duration = Field(1.0, gt=0)  # cadence of a calm pod
+    unhealthy_after_failures: int = Field(2, ge=1)
+    max_body_bytes: Size = Field(16 * 2**20, gt=0)
     pool_name: str = ""  # empty: "default" as a label; set without static endpoints: discover the InferencePool
     pool_namespace: str = ""  # empty: the picker's own namespace in a cluster, else "default"
-    fallback_endpoints: int = 1
-    strategy: str = "picker"
+    fallback_endpoints: int = Field(1, ge=1)
+    strategy: StrategyName = "picker"
     seed: int | None = None
     log_level: str = "INFO"
     otlp_endpoint: str = ""
-    index_backend: str = "memory"
+    index_backend: Literal["memory", "redis"] = "memory"
     redis_url: str = ""
     index_namespace: str = ""
     # Kubernetes discovery: an InferencePool (--pool-name with no static endpoints) or a label selector.
     endpoint_selector: str = ""
     endpoint_target_ports: str = ""
     kubeconfig: str = ""
-    # Policy sections passed through to the scheduler and admission builders (GIE-like names).
-    scheduling: dict[str, Any] = field(default_factory=dict)
-    admission: dict[str, Any] = field(default_factory=dict)
+    # Policy sections (GIE-like camelCase keys inside).
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @property
     def pool_label(self) -> str:
@@ -102,28 +103,13 @@ class ServeConfig:
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-_CONVERTERS: dict[str, Any] = {
-    "refresh_metrics_interval": parse_duration,
-    "metrics_fast_interval": parse_duration,
-    "metrics_slow_interval": parse_duration,
-    "max_body_bytes": parse_size,
-}
-
-
-def _apply(config: ServeConfig, key: str, value: Any, source: str) -> None:
-    name = key.replace("-", "_")
-    known = {f.name for f in fields(ServeConfig)}
-    if name not in known:
-        raise ValueError(f"{source}: unknown option {key!r}")
-    if name in _CONVERTERS:
-        value = _CONVERTERS[name](value)
-    setattr(config, name, value)
-
-
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the config file must be a YAML mapping")
+        raise ConfigError(f"{path}: the config file must be a YAML mapping")
     return data
 
 
@@ -163,35 +149,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--index-namespace", help="replicas with the same namespace share one index (default: pool namespace/name)")
 
 
+def decode_serve_config(data: Mapping[str, Any], source: str = "") -> ServeConfig:
+    """Options keyed by flag name (dashes or underscores) as a ServeConfig; ConfigError names the bad key as
+    it was spelled."""
+    spelled = {str(key).replace("-", "_"): str(key) for key in data}
+    try:
+        return ServeConfig.model_validate({name: data[key] for name, key in spelled.items()})
+    except ValidationError as exc:
+        problems = describe(exc, "", spelled)
+        raise ConfigError(f"{source}: {problems}" if source else problems) from None
+
+
 def resolve(args: argparse.Namespace) -> ServeConfig:
-    """Merge defaults, the config file and explicit flags; ValueError with the offending option."""
-    config = ServeConfig()
-    if getattr(args, "config_file", None):
-        for key, value in load_config_file(args.config_file).items():
-            _apply(config, key, value, args.config_file)
-    for f in fields(ServeConfig):
-        value = getattr(args, f.name, None)
-        if value is not None and f.name not in ("scheduling", "admission"):
-            _apply(config, f.name, value, "command line")
+    """Merge defaults, the config file and explicit flags; ConfigError naming the offending option."""
+    given = vars(args)
+    config_file = given.get("config_file")
+    data: dict[str, Any] = dict(load_config_file(config_file)) if config_file else {}
+    flags = {name.replace("_", "-"): value for name, value in given.items()
+             if value is not None and name in ServeConfig.model_fields and name not in ("scheduling", "admission")}
+    for key in [k for k in data if str(k).replace("-", "_") in {f.replace("-", "_") for f in flags}]:
+        del data[key]  # a flag beats the file's value, however the file spelled the key
+    data.update(flags)
+    source = " + ".join(filter(None, (config_file, "command line" if flags else "")))
+    config = decode_serve_config(data, source)
+    try:  # the plugin graph (types, parameters, references) is checked now, not when the first request comes
+        build_strategy(config.strategy, config=config.scheduling, saturation=config.admission.thresholds)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
     if config.discovery == "static" and not (config.endpoints or config.endpoints_file):
-        raise ValueError("no endpoint source: give --endpoints, --endpoints-file, --pool-name (an InferencePool, in "
+        raise ConfigError("no endpoint source: give --endpoints, --endpoints-file, --pool-name (an InferencePool, in "
                          "Kubernetes) or --endpoint-selector")
     if config.log_level.upper() not in _LOG_LEVELS:
-        raise ValueError(f"log-level {config.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
+        raise ConfigError(f"log-level {config.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
     if config.endpoint_selector and (config.endpoints or config.endpoints_file):
-        raise ValueError("--endpoint-selector discovers pods itself: drop --endpoints/--endpoints-file")
+        raise ConfigError("--endpoint-selector discovers pods itself: drop --endpoints/--endpoints-file")
     if config.endpoint_selector and not config.endpoint_target_ports:
-        raise ValueError("--endpoint-selector needs --endpoint-target-ports (e.g. 8000)")
+        raise ConfigError("--endpoint-selector needs --endpoint-target-ports (e.g. 8000)")
     if config.endpoint_target_ports:
         parse_ports(config.endpoint_target_ports)
-    for name in ("refresh_metrics_interval", "metrics_fast_interval", "metrics_slow_interval"):
-        value = getattr(config, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"{name.replace('_', '-')} must be positive")
     if config.metrics_fast_interval > config.metrics_slow_interval:
-        raise ValueError("metrics-fast-interval must not exceed metrics-slow-interval")
-    if config.index_backend not in ("memory", "redis"):
-        raise ValueError(f"index_backend must be memory or redis, not {config.index_backend!r}")
+        raise ConfigError("metrics-fast-interval must not exceed metrics-slow-interval")
     if config.index_backend == "redis" and not config.redis_url:
-        raise ValueError("--index-backend redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
+        raise ConfigError("--index-backend redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
     return config

@@ -1,28 +1,44 @@
-"""The director: parse → admit → locate candidates → schedule → account. It knows policy only through the
-Scheduler and Admission interfaces, and nothing of ext_proc, so Explain and benchmarks reuse it."""
+"""The director: parse → resolve priority → admit → locate candidates → schedule → account.
+
+It knows policy only through the Scheduler and Admission interfaces and nothing of ext_proc: the servicer hands
+it headers and a body (and, at the end, the token usage it read), Explain and the benchmark's fast mode call
+`rank` and `decide` directly.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from picker.endpoints.pool import EndpointPool
+from picker.admission import Priorities
+from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
-from picker.extproc.usage import Usage
 from picker.observability import DecisionTracer, PickerMetrics
-from picker.requests import InferenceRequest, RequestError, build_request, estimated_tokens
-from picker.scheduling.filters import match_subset
+from picker.prefix.hashing import CHARS_PER_TOKEN
+from picker.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
 from picker.scheduling.types import Scheduler, SchedulingResult
 
 
 class Admission(Protocol):
-    """Admission control: returns when the request may be routed, raises RequestError(429/503) otherwise."""
+    """Admission control on a request whose priority is resolved: shed (RequestError 429), or tell whether it
+    should wait for capacity first."""
 
-    async def admit(
-        self, request: InferenceRequest, candidates_fn: Callable[[], Sequence[Endpoint]], clock: Callable[[], float]
-    ) -> None: ...
+    def check(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> bool:
+        """Raises RequestError(429) to shed; returns True when the request should wait for capacity."""
+        ...
+
+    def wait_for_capacity(self, candidates_fn: Callable[[], Sequence[Endpoint]],
+                          clock: Callable[[], float]) -> Awaitable[None]:
+        """Returns once capacity frees or the configured wait is over (never raises for a standard request)."""
+        ...
+
+
+def match_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...]) -> list[Endpoint]:
+    """Endpoints named by Envoy's subset hint, by "ip:port" or by "ip"."""
+    wanted = set(subset)
+    return [e for e in candidates if e.address in wanted or e.ip in wanted]
 
 
 @dataclass(slots=True)
@@ -49,24 +65,34 @@ class Director:
         scheduler: Scheduler,
         *,
         admission: Admission | None = None,
+        priorities: Priorities | None = None,
         metrics: PickerMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         fallbacks: int = 1,
         tracer: DecisionTracer | None = None,
+        chars_per_token: int = CHARS_PER_TOKEN,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.admission = admission
+        self.priorities = priorities if priorities is not None else Priorities()
         self.metrics = metrics
         self.clock = clock
         self.fallbacks = max(1, fallbacks)
         self.tracer = tracer
-        pool.add_removal_listener(scheduler.on_endpoint_removed)
-        if metrics is not None:
-            pool.add_removal_listener(metrics.forget_pod)
+        self.chars_per_token = chars_per_token  # the scheduling config's prefixCache.charsPerToken
+        pool.subscribe(self._pool_changed)
+
+    def _pool_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
+        """A departed pod is forgotten everywhere; an unready one's cache is presumed lost (vLLM restarts empty),
+        so the scheduler forgets what it holds but its metrics series stay until it leaves the pool."""
+        if event is PoolEvent.REMOVED or event is PoolEvent.UNREADY:
+            self.scheduler.on_endpoint_removed(endpoint)
+        if event is PoolEvent.REMOVED and self.metrics is not None:
+            self.metrics.forget_pod(endpoint)
 
     def candidates(self, request: InferenceRequest) -> Sequence[Endpoint]:
-        """Ready endpoints the request may go to; RequestError 503 when there are none."""
+        """Ready endpoints the request may go to (Envoy's subset hint applied); RequestError 503 when none."""
         ready = self.pool.ready()
         candidates = ready if request.subset is None else match_subset(ready, request.subset)
         if not candidates:
@@ -76,17 +102,57 @@ class Director:
             raise RequestError(503, "no_endpoints", "no ready endpoints in the pool")
         return candidates
 
-    def rank(self, request: InferenceRequest) -> SchedulingResult:
+    def rank(self, request: InferenceRequest, now: float) -> SchedulingResult:
         """Schedule without side effects on the index or counters (used by Explain)."""
         candidates = self.candidates(request)
         if not request.has_body:
             # Header-only requests (GET /v1/models, ...) carry no prompt: least loaded healthy endpoint.
             ranked = sorted(candidates, key=lambda e: (e.in_flight, e.last_picked_at))
             return SchedulingResult(ranked=ranked, profile="header-only")
-        result = self.scheduler.schedule(request, candidates, self.clock())
+        result = self.scheduler.schedule(request, candidates, now)
         if not result.ranked:
             raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
         return result
+
+    def admit(self, request: InferenceRequest, now: float) -> bool:
+        """Resolve the request's priority and run admission without waiting: raises RequestError (429 shed,
+        503 no endpoint); returns whether the request should wait for capacity before it is placed."""
+        request.priority = self.priorities.of(request)
+        if self.admission is None or not request.has_body:
+            return False
+        return self.admission.check(request, self.candidates(request), now)
+
+    def decide(self, request: InferenceRequest, now: float) -> Decision:
+        """The whole decision, synchronously, at time `now`: admit (a request that would wait goes at once),
+        schedule, record the pick. Simulated time (the benchmark's fast mode) calls this directly."""
+        self.admit(request, now)
+        return self.place(request, now)
+
+    async def route(self, request: InferenceRequest) -> Decision:
+        """Route a parsed request in real time: a standard request in a saturated pool first waits (bounded)."""
+        if self.admit(request, self.clock()) and self.admission is not None:
+            await self.admission.wait_for_capacity(lambda: self.candidates(request), self.clock)
+        return self.place(request, self.clock())
+
+    def place(self, request: InferenceRequest, now: float) -> Decision:
+        """Schedule an admitted request and account for it: the scheduler learns the pick, the pod's in-flight
+        count moves at once (scraped metrics lag)."""
+        start = time.perf_counter()
+        result = self.rank(request, now)
+        ranked = result.ranked[: self.fallbacks]
+        chosen = ranked[0]
+        if result.context is not None:
+            self.scheduler.on_picked(result.context, chosen, now)
+        tokens = estimated_tokens(request, self.chars_per_token)
+        chosen.start_request(tokens, now)
+        if self.metrics is not None:
+            self.metrics.scheduler_duration.observe(time.perf_counter() - start)
+            self.metrics.requests.labels(request.model, request.target_model or request.model,
+                                         str(request.priority)).inc()
+            if result.prefix_blocks:
+                self.metrics.index_hit_ratio.observe(result.prefix_matched_blocks / result.prefix_blocks)
+        destination = ",".join(e.address for e in ranked)
+        return Decision(request, ranked, destination, result, tokens, now)
 
     async def route_http(self, headers: dict[str, str], body: bytes, *, request_id: str,
                          subset: tuple[str, ...] | None = None) -> Decision:
@@ -95,7 +161,7 @@ class Director:
         request: InferenceRequest | None = None
         try:
             request = build_request(headers, body, request_id=request_id, subset=subset)
-            decision = await self._route(request)
+            decision = await self.route(request)
         except RequestError as err:
             if request is None:  # refused while parsing: no model known
                 request = InferenceRequest(request_id=request_id, model="", path=headers.get(":path", ""))
@@ -121,31 +187,6 @@ class Director:
     def _span_attributes(request: InferenceRequest) -> dict[str, str | int | float]:
         return {"picker.request_id": request.request_id, "gen_ai.request.model": request.model,
                 "picker.priority": request.priority, "http.route": request.path.split("?", 1)[0]}
-
-    async def route(self, request: InferenceRequest) -> Decision:
-        """Route an already parsed request (benchmarks, tests)."""
-        return await self._route(request)
-
-    async def _route(self, request: InferenceRequest) -> Decision:
-        if self.admission is not None and request.has_body:
-            await self.admission.admit(request, lambda: self.candidates(request), self.clock)
-        start = time.perf_counter()
-        result = self.rank(request)
-        now = self.clock()
-        ranked = result.ranked[: self.fallbacks]
-        chosen = ranked[0]
-        if request.has_body:
-            self.scheduler.on_picked(request, chosen, now)
-        tokens = estimated_tokens(request)
-        chosen.start_request(tokens, now)
-        if self.metrics is not None:
-            self.metrics.scheduler_duration.observe(time.perf_counter() - start)
-            self.metrics.requests.labels(request.model, request.target_model or request.model,
-                                         str(request.priority)).inc()
-            if result.prefix_blocks:
-                self.metrics.index_hit_ratio.observe(result.prefix_matched_blocks / result.prefix_blocks)
-        destination = ",".join(e.address for e in ranked)
-        return Decision(request, ranked, destination, result, tokens, now)
 
     def release(self, decision: Decision, usage: Usage | None = None) -> None:
         """The request finished (response end or stream closed): undo its in-flight accounting once, and

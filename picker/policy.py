@@ -8,40 +8,49 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from dataclasses import dataclass
 
-from picker.admission import AdmissionConfig, AdmissionController
-from picker.config import ServeConfig
+from picker.admission import AdmissionController, Priorities
+from picker.config import ConfigError, ServeConfig
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.shared_scrape import SharedScrapes
-from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
-from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.shared import SharedPrefixIndex
-from picker.scheduling.config import build_strategy
+from picker.scheduling.config import INDEXED_STRATEGIES, build_prefix_index, build_strategy
 from picker.scheduling.types import Scheduler
 
 
-def build_scheduler(config: ServeConfig) -> Scheduler:
-    """The `--strategy` (default: the full prefix- and load-aware picker) with the `scheduling` config section."""
-    return build_strategy(config.strategy, config=config.scheduling or None, rng=random.Random(config.seed))
+@dataclass(frozen=True)
+class Policy:
+    """The decision-making objects of one picker, built from its config before anything is served."""
+
+    scheduler: Scheduler
+    admission: AdmissionController
+    priorities: Priorities
+    shared_index: SharedPrefixIndex | None  # with --index-backend redis: start() it, stop() it
 
 
-def share_index(config: ServeConfig, scheduler: Scheduler) -> SharedPrefixIndex | None:
-    """With `--index-backend redis`, put the scheduler's prefix index behind a Redis-shared one (call `start()`)."""
+def build_policy(config: ServeConfig) -> Policy:
+    """The `--strategy` (default: the full prefix- and load-aware picker) with the `scheduling` and `admission`
+    sections. With `--index-backend redis` the Redis-shared index is built first and handed to the scheduler,
+    and the scheduler then hears of the other replicas' picks through it."""
+    shared = shared_index(config)
+    scheduler = build_strategy(config.strategy, config=config.scheduling, rng=random.Random(config.seed),
+                               index=shared, saturation=config.admission.thresholds)
+    if shared is not None:
+        shared.peer_listener = scheduler.on_peer_picked
+    return Policy(scheduler, AdmissionController(config.admission), Priorities(config.admission), shared)
+
+
+def shared_index(config: ServeConfig) -> SharedPrefixIndex | None:
+    """With `--index-backend redis`, a Redis-shared index over a local one sized by the scheduling config."""
     if config.index_backend != "redis":
         return None
-    local = getattr(scheduler, "index", None)
-    if not isinstance(local, InMemoryPrefixIndex):
-        raise ValueError(f"--index-backend redis needs a strategy with a prefix index, not {config.strategy!r}")
-    shared = SharedPrefixIndex(local, config.redis_url, index_namespace(config))
-    shared.peer_listener = getattr(scheduler, "on_peer_picked", None)
-    scheduler.index = shared  # type: ignore[attr-defined]
-    return shared
-
-
-def build_admission(config: ServeConfig) -> AdmissionController:
-    return AdmissionController(AdmissionConfig.from_dict(config.admission))
+    if config.strategy not in INDEXED_STRATEGIES:
+        raise ConfigError(f"--index-backend redis needs a strategy with a prefix index "
+                          f"({', '.join(INDEXED_STRATEGIES)}), not {config.strategy!r}")
+    return SharedPrefixIndex(build_prefix_index(config.scheduling), config.redis_url, index_namespace(config))
 
 
 def scrape_cadence(config: ServeConfig) -> Cadence:
@@ -67,8 +76,8 @@ def shared_scrapes(config: ServeConfig) -> SharedScrapes | None:
 
 
 class PoolMonitor:
-    """Scrapes every endpoint's vLLM /metrics and turns health changes into pool changes: an endpoint that
-    fails `unhealthy_after_failures` polls leaves the ready set and its prefix-index entries are purged."""
+    """Scrapes every endpoint's vLLM /metrics; the pool turns failed and recovered scrapes into unready and
+    ready events (the director's listener purges an unready pod's prefix-index entries)."""
 
     def __init__(self, config: ServeConfig, pool: EndpointPool, scheduler: Scheduler, metrics: PickerMetrics) -> None:
         self.pool = pool
@@ -77,22 +86,14 @@ class PoolMonitor:
         cadence = scrape_cadence(config)
         self.shared = shared_scrapes(config)
         self.scraper = MetricsScraper(pool.all, cadence=cadence, failure_threshold=config.unhealthy_after_failures,
-                                      timeout=max(0.2, min(2.0, cadence.fast * 10)),
-                                      on_unhealthy=self._unhealthy, on_healthy=self._healthy,
+                                      timeout=max(0.2, min(2.0, cadence.fast * 10)), health=pool,
                                       on_scrape=metrics.observe_scrape, shared=self.shared)
-
-    def _unhealthy(self, endpoint: Endpoint) -> None:
-        self.pool.refresh()
-        self.scheduler.on_endpoint_removed(endpoint)
-
-    def _healthy(self, endpoint: Endpoint) -> None:
-        self.pool.refresh()
 
     async def run(self) -> None:
         await self.scraper.poll_once()  # warm start: metrics before the first request where possible
         await self.scraper.start()
         try:
-            index = getattr(self.scheduler, "index", None)  # strategies without a prefix index have none
+            index = self.scheduler.index  # strategies without a prefix index have none
             while True:
                 self.metrics.observe_pool(self.pool.all())
                 if index is not None:

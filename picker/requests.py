@@ -235,6 +235,16 @@ def build_request(
     return request
 
 
-def estimated_tokens(request: InferenceRequest) -> int:
-    """A cheap token estimate (≈4 characters per token) for in-flight accounting before metrics catch up."""
-    return len(request.prompt_text) // 4 + (request.max_tokens or 0)
+@dataclass(slots=True)
+class Usage:
+    """The token counts a model server reports for one request (OpenAI's `usage` object)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
+
+
+def estimated_tokens(request: InferenceRequest, chars_per_token: int) -> int:
+    """A cheap token estimate (the scheduling config's prefixCache.charsPerToken) for in-flight accounting
+    before metrics catch up."""
+    return len(request.prompt_text) // chars_per_token + (request.max_tokens or 0)

@@ -13,6 +13,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as extproc_grpc
@@ -27,7 +28,7 @@ from picker.endpoints.kubernetes import KubernetesDiscovery, discovery_from_conf
 from picker.endpoints.pool import EndpointPool
 from picker.extproc.servicer import ExtProcServicer
 from picker.observability import DecisionTracer, PickerMetrics
-from picker.policy import build_admission, build_scheduler, share_index, start_monitor
+from picker.policy import build_policy, start_monitor
 
 log = logging.getLogger("picker")
 
@@ -57,24 +58,40 @@ class PickerServer:
         c = self.config
         self.metrics = PickerMetrics(c.pool_label)
         self._tasks: list[asyncio.Task[None]] = []
+        self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view
+        self._http_server: WSGIServer | None = None
         await self._start_endpoint_sources(c)
-        self.scheduler = build_scheduler(c)
-        self.shared_index = share_index(c, self.scheduler)
+        policy = build_policy(c)
+        self.scheduler = policy.scheduler
+        self.shared_index = policy.shared_index
         if self.shared_index is not None:
             await self.shared_index.start()
             self.metrics.watch_index_sync(self.shared_index.stats)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
-        self.admission = build_admission(c)
-        self.director = Director(self.pool, self.scheduler, admission=self.admission, metrics=self.metrics,
-                                 fallbacks=c.fallback_endpoints, tracer=self.tracer)
-        self._tasks.append(start_monitor(c, self.pool, self.scheduler, self.metrics))
+        self.director = Director(self.pool, self.scheduler, admission=policy.admission,
+                                 priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
+                                 tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token)
+        self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics))
         if self.discovery is not None and self.discovery.pool_name:
-            self._tasks.append(asyncio.create_task(watch_objectives(
+            self.supervise(asyncio.create_task(watch_objectives(
                 self.discovery.api, self.discovery.namespace, self.discovery.pool_name,
-                self.admission.set_discovered_objectives), name="inference-objectives"))
+                policy.priorities.set_discovered), name="inference-objectives"))
         await self._start_servers(c)
         log.info("picker serving ext_proc on %s:%d, health on %d, metrics on %d, %d endpoints",
                  c.host, self.grpc_port, self.health_port, self.metrics_port, len(self.pool))
+
+    def supervise(self, task: asyncio.Task[None]) -> None:
+        """Keep `task` for stop(); should it end by an exception, `failed` is set (serve exits non-zero)."""
+        self._tasks.append(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("%s failed, stopping: %r", task.get_name(), exc, exc_info=exc)
+            self.failed.set()
 
     async def _start_endpoint_sources(self, c: cfg.ServeConfig) -> None:
         """Static flags, a watched file, or Kubernetes discovery (given a moment to list the pods first)."""
@@ -83,11 +100,11 @@ class PickerServer:
         if c.endpoints_file:
             watcher = EndpointsFileWatcher(Path(c.endpoints_file), self.pool)
             watcher.load_now()
-            self._tasks.append(asyncio.create_task(watcher.run()))
+            self.supervise(asyncio.create_task(watcher.run(), name="endpoints-file"))
         self.discovery: KubernetesDiscovery | None = None
         if c.discovery != "static":
             self.discovery = discovery_from_config(c, self.pool)
-            self._tasks.append(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
+            self.supervise(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
             with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
                 await asyncio.wait_for(self.discovery.synced.wait(), 3.0)
 
@@ -119,7 +136,7 @@ class PickerServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING if serving
                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         if waiting and discovery is not None:
-            self._tasks.append(asyncio.create_task(self._ready_when_synced(discovery)))
+            self.supervise(asyncio.create_task(self._ready_when_synced(discovery), name="readiness"))
 
     async def _ready_when_synced(self, discovery: KubernetesDiscovery) -> None:
         await discovery.synced.wait()
@@ -142,7 +159,7 @@ class PickerServer:
             await self.shared_index.stop()
         if self.discovery is not None:
             await self.discovery.api.close()
-        if getattr(self, "_http_server", None) is not None:
+        if self._http_server is not None:
             self._http_server.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()
@@ -159,8 +176,18 @@ async def serve(config: cfg.ServeConfig) -> None:
     metrics = f"metrics on :{server.metrics_port}" if config.metrics_port >= 0 else "metrics off"
     print(f"picker: ext_proc on {config.host}:{server.grpc_port}, health on :{server.health_port}, {metrics}",
           flush=True)
-    await stop.wait()
+    stopped = asyncio.create_task(stop.wait())
+    failed = asyncio.create_task(server.failed.wait())
+    await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    failed.cancel()
     await server.stop()
+    if server.failed.is_set():
+        raise BackgroundFailure("a background task failed (see the log above)")
+
+
+class BackgroundFailure(RuntimeError):
+    """Discovery, scraping or another background job ended by an error: the process exits 1."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"picker serve: {exc}", file=sys.stderr)
         return 2
+    except BackgroundFailure as exc:
+        print(f"picker serve: {exc}", file=sys.stderr)
+        return 1
     finally:
         if profiler is not None and profile_path:
             profiler.disable()

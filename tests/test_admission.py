@@ -7,10 +7,12 @@ import random
 
 import pytest
 
-from picker.admission import AdmissionConfig, AdmissionController, pod_saturation, pool_saturation
+from picker.admission import AdmissionConfig, AdmissionController, Priorities
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.requests import InferenceRequest, RequestError
+from picker.saturation import SaturationThresholds, pod_saturation, pool_saturation
 from picker.scheduling.config import build_scheduler
+from picker.schema import ConfigError
 
 CONFIG = AdmissionConfig.from_dict({"objectives": {"batch": -1, "interactive": 0, "critical": 5}})
 
@@ -25,22 +27,27 @@ def pods(n: int, waiting: float = 0.0, kv: float = 0.0, at: float = 0.0) -> list
 
 
 def req(objective: str | None = None) -> InferenceRequest:
-    return InferenceRequest("r", "m", prompt_text="hello", objective=objective)
+    """A request whose priority is resolved from its objective, as the director does before admission."""
+    r = InferenceRequest("r", "m", prompt_text="hello", objective=objective)
+    r.priority = Priorities(CONFIG).of(r)
+    return r
 
 
 def test_priority_comes_from_the_objective() -> None:
-    ctl = AdmissionController(CONFIG)
+    priorities = Priorities(CONFIG)
     for objective, priority in (("batch", -1), ("critical", 5), ("unknown", 0), (None, 0)):
-        r = req(objective)
-        assert ctl.priority_of(r) == priority and r.priority == priority
-    listed = AdmissionConfig.from_dict({"objectives": [{"name": "bg", "priority": -2}], "defaultPriority": 1})
-    r = req("other")
-    assert AdmissionController(listed).priority_of(r) == 1
-    assert AdmissionController(listed).priority_of(req("bg")) == -2
+        assert priorities.of(InferenceRequest("r", "m", objective=objective)) == priority
+    listed = Priorities(AdmissionConfig.from_dict({"objectives": [{"name": "bg", "priority": -2}],
+                                                   "defaultPriority": 1}))
+    assert listed.of(InferenceRequest("r", "m", objective="other")) == 1
+    assert listed.of(InferenceRequest("r", "m", objective="bg")) == -2
+    listed.set_discovered({"bg": 7, "chat": 3})  # the config's objectives win over the cluster's
+    assert listed.of(InferenceRequest("r", "m", objective="bg")) == -2
+    assert listed.of(InferenceRequest("r", "m", objective="chat")) == 3
 
 
 def test_saturation_is_gie_mean_of_max_with_stale_as_full() -> None:
-    cfg = AdmissionConfig()
+    cfg = SaturationThresholds()
     fresh = pods(1, waiting=2.5, kv=0.2, at=10.0)[0]
     assert pod_saturation(fresh, 10.1, cfg) == pytest.approx(0.5)
     fresh.metrics.kv_usage = 0.6
@@ -58,8 +65,12 @@ def test_saturation_is_gie_mean_of_max_with_stale_as_full() -> None:
 def test_does_not_shed_by_default_even_when_saturated() -> None:
     ctl = AdmissionController(CONFIG)
     full = pods(3, waiting=8, kv=0.95)
-    assert ctl.check(req(), full, 0.0) is True  # saturated, but standard traffic is routed
-    assert ctl.check(req("critical"), full, 0.0) is True
+    assert ctl.check(req(), full, 0.0) is False  # saturated, but standard traffic is routed (no maxWait)
+    assert ctl.check(req("critical"), full, 0.0) is False
+    assert ctl.saturated(full, 0.0)
+    waiting = AdmissionController(AdmissionConfig(max_wait=1.0))
+    assert waiting.check(req(), full, 0.0) is True  # with a maxWait, standard traffic waits first
+    assert waiting.check(req("critical"), full, 0.0) is False  # critical never waits
     result = build_scheduler(rng=random.Random(0)).schedule(req(), full, 0.0)
     assert len(result.ranked) == 3  # the saturation filter keeps everyone when all are saturated
 
@@ -104,7 +115,8 @@ async def test_standard_request_waits_until_capacity_frees() -> None:
                 e.metrics.updated_at = t.now
         return endpoints
 
-    await ctl.admit(req(), candidates, t.clock, t.sleep)
+    assert ctl.check(req(), candidates(), t.clock())
+    await ctl.wait_for_capacity(candidates, t.clock, t.sleep)
     assert t.now == pytest.approx(0.2)
     assert all(s == pytest.approx(0.05) for s in t.sleeps)
 
@@ -119,23 +131,23 @@ async def test_standard_request_goes_through_after_max_wait() -> None:
             e.metrics.updated_at = t.now
         return endpoints
 
-    await ctl.admit(req(), candidates, t.clock, t.sleep)  # never raises: the request is not lost
+    assert ctl.check(req(), candidates(), t.clock())
+    await ctl.wait_for_capacity(candidates, t.clock, t.sleep)  # never raises: the request is not lost
     assert t.now == pytest.approx(0.3)
     assert sum(t.sleeps) == pytest.approx(0.3) and t.sleeps[-1] == pytest.approx(0.06)
 
 
 async def test_critical_never_waits_and_sheddable_is_shed_at_once() -> None:
-    ctl = AdmissionController(AdmissionConfig.from_dict({"maxWait": 1, "objectives": {"bg": -1, "vip": 3}}))
+    ctl = AdmissionController(AdmissionConfig.from_dict({"maxWait": 1}))
     t = FakeTime()
     full = pods(2, waiting=9)
-    await ctl.admit(req("vip"), lambda: full, t.clock, t.sleep)
-    assert t.sleeps == []
+    assert ctl.check(req("critical"), full, t.clock()) is False
     with pytest.raises(RequestError) as err:
-        await ctl.admit(req("bg"), lambda: full, t.clock, t.sleep)
+        ctl.check(req("batch"), full, t.clock())
     assert err.value.status == 429 and t.sleeps == []
 
 
-async def test_admit_with_real_sleep_is_bounded() -> None:
+async def test_wait_with_real_sleep_is_bounded() -> None:
     ctl = AdmissionController(AdmissionConfig(max_wait=0.05, poll_interval=0.01))
     loop = asyncio.get_running_loop()
     endpoints = pods(1, waiting=9)
@@ -145,17 +157,24 @@ async def test_admit_with_real_sleep_is_bounded() -> None:
         return endpoints
 
     start = loop.time()
-    await ctl.admit(req(), candidates, loop.time)
+    assert ctl.check(req(), candidates(), start)
+    await ctl.wait_for_capacity(candidates, loop.time)
     assert 0.045 <= loop.time() - start < 0.5
 
 
 def test_config_parsing() -> None:
     cfg = AdmissionConfig.from_dict({"queueThreshold": 10, "kvCacheThreshold": 0.9, "staleThreshold": "200ms",
                                      "maxWait": "1.5s", "retryAfter": 2})
-    assert (cfg.queue_threshold, cfg.kv_threshold, cfg.stale_threshold, cfg.max_wait, cfg.retry_after) == (
+    assert (cfg.queue_threshold, cfg.kv_cache_threshold, cfg.stale_threshold, cfg.max_wait, cfg.retry_after) == (
         10.0, 0.9, 0.2, 1.5, "2")
+    assert cfg.thresholds == SaturationThresholds(10.0, 0.9, 0.2)
+    assert AdmissionConfig.from_dict({"kvThreshold": 0.7}).kv_cache_threshold == 0.7  # the older spelling
     assert AdmissionConfig.from_dict(None) == AdmissionConfig()
-    with pytest.raises(ValueError, match="unknown admission settings"):
+    with pytest.raises(ConfigError, match=r"^admission\.queue: unknown key"):
         AdmissionConfig.from_dict({"queue": 1})
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match=r"^admission\.queueThreshold: "):
         AdmissionConfig.from_dict({"queueThreshold": 0})
+    with pytest.raises(ConfigError, match=r"^admission\.maxWait: 'soon' is not a duration"):
+        AdmissionConfig.from_dict({"maxWait": "soon"})
+    with pytest.raises(ConfigError, match=r"^admission\.objectives\.chat: "):
+        AdmissionConfig.from_dict({"objectives": {"chat": "high"}})

@@ -67,7 +67,7 @@ def test_every_replica_routes_and_releases_its_in_flight_counts(trace: Trace) ->
         for endpoints in run.replica_endpoints:
             assert any(ep.last_picked_at >= 0 for ep in endpoints), "round-robin over replicas reaches each one"
             assert [(ep.in_flight, ep.in_flight_tokens) for ep in endpoints] == [(0, 0)] * PODS
-        assert len(run.schedulers) == 4 and len({id(s) for s in run.schedulers}) == 4
+        assert len(run.directors) == 4 and len({id(d.scheduler) for d in run.directors}) == 4
 
 
 def test_the_exact_cache_view_reads_what_each_pod_holds_now() -> None:

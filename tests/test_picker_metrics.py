@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import aiohttp
@@ -11,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
-from tests.conftest import Stack
+from tests.conftest import Stack, eventually_async
 
 
 async def test_gie_metric_names_after_traffic(stack: Stack) -> None:
@@ -42,9 +41,17 @@ async def test_usage_from_full_duplex_responses_feeds_token_metrics(stack: Stack
         async with session.post(envoy.url + "/v1/completions", data=body) as response:
             assert response.status == 200
             await response.read()
-        await asyncio.sleep(0.2)
-        async with session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
-            text = await response.text()
+        text = ""
+
+        async def usage_recorded() -> bool:
+            # The picker records usage when Envoy ends the stream; the cached-token counter is written last.
+            nonlocal text
+            async with session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+                text = await response.text()
+            return any(s.labels.get("model_name") == "usage-model" for f in text_string_to_metric_families(text)
+                       if f.name == "picker_response_cached_tokens" for s in f.samples)
+
+        await eventually_async(usage_recorded, "the picker recorded the token usage of the usage-model response")
     families = {f.name: f for f in text_string_to_metric_families(text)}
     prompt = [s.value for s in families["picker_response_prompt_tokens"].samples
               if s.labels.get("model_name") == "usage-model" and s.name.endswith("_total")]
@@ -62,14 +69,17 @@ async def test_pool_gauges_follow_the_pool(stack: Stack) -> None:
         async with session.post(envoy.url + "/v1/completions",
                                 json={"model": "gauge-model", "prompt": "index me " * 50}) as response:
             assert response.status == 200
-        for _ in range(30):  # pool gauges refresh once a second
+        samples: dict[tuple[str, str], float] = {}
+
+        async def gauges_refreshed() -> bool:  # pool gauges refresh once a second
+            nonlocal samples
             async with session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
                 samples = {(s.name, s.labels.get("name", "")): s.value
                            for f in text_string_to_metric_families(await response.text()) for s in f.samples}
-            if (samples.get(("inference_extension_prefix_indexer_size", ""), 0) > 0
-                    and samples.get(("inference_pool_ready_pods", "default")) == len(stack.backends.addresses)):
-                break
-            await asyncio.sleep(0.1)
+            return (samples.get(("inference_extension_prefix_indexer_size", ""), 0) > 0
+                    and samples.get(("inference_pool_ready_pods", "default")) == len(stack.backends.addresses))
+
+        await eventually_async(gauges_refreshed, "the pool gauges count every ready pod and a non-empty prefix index")
     assert samples[("inference_pool_ready_pods", "default")] == len(stack.backends.addresses)
     assert samples[("inference_pool_average_kv_cache_utilization", "default")] == 0.0
     assert samples[("inference_extension_prefix_indexer_size", "")] > 0

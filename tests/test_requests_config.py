@@ -10,8 +10,15 @@ import pytest
 
 from picker import config as cfg
 from picker.endpoints.discovery import EndpointsFileWatcher, load_endpoints_file, parse_endpoint_list
-from picker.endpoints.pool import EndpointPool
-from picker.requests import ApiKind, RequestError, api_kind_for_path, build_request, render_messages
+from picker.endpoints.pool import EndpointPool, PoolEvent
+from picker.requests import (
+    ApiKind,
+    InferenceRequest,
+    RequestError,
+    api_kind_for_path,
+    build_request,
+    render_messages,
+)
 
 
 @pytest.mark.parametrize("path,kind", [
@@ -73,8 +80,10 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="log-level 'verbose'"):
         cfg.resolve(argparse.Namespace(endpoints="10.0.0.1:8000", log_level="verbose"))
     path.write_text("grpc-prot: 1\n")
-    with pytest.raises(ValueError, match="unknown option"):
+    with pytest.raises(cfg.ConfigError, match="picker.yaml [+] command line: grpc-prot: unknown key"):
         cfg.resolve(args)
+    path.write_text("grpc-port: 7000\n")  # the flag wins over the file, however the file spells the key
+    assert cfg.resolve(argparse.Namespace(config_file=str(path), grpc_port=7001, endpoints="x:1")).grpc_port == 7001
 
 
 def test_endpoint_sources(tmp_path: Path) -> None:
@@ -91,7 +100,7 @@ def test_file_watcher_replaces_pool_and_keeps_last_good(tmp_path: Path) -> None:
     path.write_text(json.dumps(["10.0.0.1:8000", "10.0.0.2:8000"]))
     pool = EndpointPool()
     removed: list[str] = []
-    pool.add_removal_listener(lambda e: removed.append(e.address))
+    pool.subscribe(lambda event, e: removed.append(e.address) if event is PoolEvent.REMOVED else None)
     watcher = EndpointsFileWatcher(path, pool)
     assert watcher.load_now() and len(pool) == 2
     kept = pool.get("10.0.0.1:8000")
@@ -102,18 +111,18 @@ def test_file_watcher_replaces_pool_and_keeps_last_good(tmp_path: Path) -> None:
 
 
 def test_readme_config_example_builds_the_policy(tmp_path: Path) -> None:
-    from picker.policy import build_admission, build_scheduler
+    from picker.policy import build_policy
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     example = readme.split("# picker.yaml (picker serve --config-file picker.yaml)\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "picker.yaml"
     path.write_text(example)
     config = cfg.resolve(argparse.Namespace(config_file=str(path)))
-    assert config.admission["objectives"] == {"batch": -1, "interactive": 1}
+    assert config.admission.objectives == {"batch": -1, "interactive": 1}
     assert config.metrics_slow_interval == 1.0 and config.refresh_metrics_interval is None
-    admission = build_admission(config)
-    assert admission.config.max_wait == pytest.approx(0.5)
-    assert build_scheduler(config) is not None
+    policy = build_policy(config)
+    assert policy.admission.config.max_wait == pytest.approx(0.5)
+    assert policy.priorities.of(InferenceRequest("r", "m", objective="batch")) == -1
 
 
 def test_abbreviated_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,9 +7,11 @@ from collections import Counter
 
 import pytest
 
+from picker.director import Director
+from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.memory import InMemoryPrefixIndex
-from picker.requests import InferenceRequest, RequestError
+from picker.requests import ApiKind, InferenceRequest, RequestError
 from picker.scheduling.config import build_scheduler, build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.strategies import (
@@ -39,8 +41,10 @@ def req(prompt: str, model: str = "llama", **kw: object) -> InferenceRequest:
 
 def route(s: Scheduler, request: InferenceRequest, endpoints: list[Endpoint], now: float = 0.0) -> Endpoint:
     """What the director does: schedule, then on_picked and in-flight accounting on the chosen pod."""
-    chosen = s.schedule(request, endpoints, now).ranked[0]
-    s.on_picked(request, chosen, now)
+    result = s.schedule(request, endpoints, now)
+    chosen = result.ranked[0]
+    assert result.context is not None and result.context.request is request
+    s.on_picked(result.context, chosen, now)
     chosen.start_request(len(request.prompt_text) // 4, now)
     return chosen
 
@@ -73,17 +77,19 @@ def test_no_endpoints_is_503() -> None:
 
 
 def test_subset_hint_limits_candidates() -> None:
+    """The director applies Envoy's subset hint before the scheduler sees any candidate."""
     a, b, c = pods(3)
-    s = build_scheduler(rng=random.Random(0))
+    pool = EndpointPool()
+    pool.set_endpoints([a, b, c])
+    director = Director(pool, build_scheduler(rng=random.Random(0)))
     for _ in range(10):
-        chosen = s.schedule(req("x", subset=(c.address,)), [a, b, c], 0.0)
-        assert chosen.ranked == [c]
-        assert {x.endpoint.address for x in chosen.candidates if x.filtered_by == "subset-filter"} == {
-            a.address, b.address}
-    assert s.schedule(req("x", subset=(b.ip,)), [a, b, c], 0.0).ranked == [b]
-    with pytest.raises(RequestError) as err:
-        s.schedule(req("x", subset=("10.1.1.1:8000",)), [a, b, c], 0.0)
-    assert err.value.status == 503 and err.value.code == "no_endpoints"
+        chosen = director.rank(req("x", subset=(c.address,), api=ApiKind.COMPLETIONS), 0.0)
+        assert chosen.ranked == [c] and [x.endpoint for x in chosen.candidates] == [c]
+    assert director.rank(req("x", subset=(b.ip,), api=ApiKind.COMPLETIONS), 0.0).ranked == [b]
+    for subset in (("10.1.1.1:8000",), ()):
+        with pytest.raises(RequestError) as err:
+            director.rank(req("x", subset=subset, api=ApiKind.COMPLETIONS), 0.0)
+        assert err.value.status == 503 and err.value.code == "no_endpoints" and "subset hint" in err.value.message
 
 
 def test_shared_long_prefix_lands_on_one_pod() -> None:
@@ -305,6 +311,6 @@ def test_a_peer_replicas_pick_steers_the_next_cold_request_elsewhere() -> None:
     for busy in (0, 1):
         s = build_scheduler(None, rng=random.Random(3))
         endpoints = pods(2)
-        s.on_peer_picked(endpoints[busy].address, 4 * 4096, "", 0.0)  # type: ignore[attr-defined]
+        s.on_peer_picked(endpoints[busy].address, 4 * 4096, "", 0.0)
         chosen = s.schedule(req("a cold question nobody asked before " * 4), endpoints, 0.001).ranked[0]
         assert chosen is endpoints[1 - busy]

@@ -3,8 +3,9 @@ pods (echo backends) report chosen vLLM metrics; plus prefix affinity and the en
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from picker.supervisor import (
     start_envoy,
     start_picker,
 )
+from tests.conftest import eventually_async
 from tests.test_extproc_grpc import body_msg, destination, exchange, headers_msg
 
 CONFIG = """
@@ -43,25 +45,33 @@ class Scene:
     envoy: Envoy
 
     async def set(self, **per_pod: dict[str, Any]) -> None:
-        """Set each pod's reported metrics (keys: pod index as 'p0', 'p1', ...) and wait until the picker saw them."""
+        """Set each pod's reported metrics (keys: pod index as 'p0', 'p1', ...) and wait until the picker saw them.
+
+        "Saw" means: two scrapes of every pod that still answers ended after the change, so the second one was
+        sent after it (a pod is never scraped twice at once) and every field the picker holds is the new one.
+        """
+        wanted = {a: {**IDLE, **per_pod.get(f"p{i}", {})} for i, a in enumerate(self.pods.addresses)}
         async with aiohttp.ClientSession() as session:
-            for i, address in enumerate(self.pods.addresses):
-                values = {**IDLE, **per_pod.get(f"p{i}", {})}
+            for address, values in wanted.items():
                 async with session.post(f"http://{address}/test/metrics", json=values) as response:
                     assert response.status == 200
         async with grpc.aio.insecure_channel(f"127.0.0.1:{self.picker.grpc_port}") as channel:
             stub = picker_pb2_grpc.PickerStub(channel)
-            for _ in range(100):
+
+            async def scraped_since(moment: float) -> bool:
+                # Taken before the call: a metrics age below it means a scrape that ended after `moment` (the
+                # picker and the test share the machine's monotonic clock).
+                elapsed = time.monotonic() - moment
                 listing = await stub.ListEndpoints(picker_pb2.ListEndpointsRequest())
                 seen = {e.address: e for e in listing.endpoints}
-                if all(seen[a].waiting == {**IDLE, **per_pod.get(f"p{i}", {})}["waiting"]
-                       and abs(seen[a].kv_cache_usage - {**IDLE, **per_pod.get(f"p{i}", {})}["kv"]) < 1e-9
-                       and seen[a].metrics_age_seconds >= 0
-                       for i, a in enumerate(self.pods.addresses)):
-                    await asyncio.sleep(0.1)
-                    return
-                await asyncio.sleep(0.05)
-        raise AssertionError("picker never saw the pods' metrics")
+                return all(seen[a].waiting == v["waiting"] and abs(seen[a].kv_cache_usage - v["kv"]) < 1e-9
+                           and seen[a].metrics_age_seconds >= 0
+                           and (v["down"] or seen[a].metrics_age_seconds < elapsed)  # a down pod's scrapes fail
+                           for a, v in wanted.items())
+
+            for _ in range(2):  # the first scrape that ends after the change may have been sent before it
+                await eventually_async(functools.partial(scraped_since, time.monotonic()),
+                                       "the picker saw the pods' new metrics")
 
     async def route(self, body: dict[str, Any], **headers: str) -> tuple[str, int]:
         """Destination (or "") and HTTP status of one request through a raw ext_proc stream."""
@@ -145,7 +155,17 @@ async def test_shared_prefix_sticks_and_cold_prefixes_spread(scene: Scene) -> No
     for i in range(6):
         dest, _ = await scene.route({"model": "tiny", "prompt": shared + f" question {i + 1}"})
         assert dest == first, "a long shared prefix should keep landing on the pod that holds it"
-    await asyncio.sleep(0.6)  # the shared prompts' recent prefill work decays (50 ms half-life): idle pods again
+
+    async def idle_again() -> bool:
+        # The shared prompts' recent prefill work decays (50 ms half-life) until every pod's in-flight load score
+        # is level again; a cold prompt's explanation shows it without routing anything.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
+            explained = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
+                path="/v1/completions", body=json.dumps(prompt("probe")).encode()))
+        scores = [c.scores["in-flight-load-scorer"] for c in explained.candidates if not c.filtered_by]
+        return len(scores) == 3 and min(scores) >= 0.999
+
+    await eventually_async(idle_again, "the pods' recent prefill work decayed: idle pods again")
     cold = {(await scene.route(prompt(f"cold{i}q")))[0] for i in range(9)}
     assert len(cold) == 3, f"cold prefixes should spread over idle pods, got {cold}"
 
@@ -162,13 +182,12 @@ async def test_a_pod_that_stops_answering_is_dropped_and_forgotten(scene: Scene)
     await scene.set(**{f"p{index}": {"down": True}})  # its /metrics now fails
     async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
         stub = picker_pb2_grpc.PickerStub(channel)
-        for _ in range(40):
+
+        async def holder_dropped() -> bool:
             listing = await stub.ListEndpoints(picker_pb2.ListEndpointsRequest())
-            if not {e.address: e.healthy for e in listing.endpoints}[holder]:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the failing pod stayed ready")
+            return not {e.address: e.healthy for e in listing.endpoints}[holder]
+
+        await eventually_async(holder_dropped, "the failing pod left the ready set", within=2.0)
         for _ in range(5):
             dest, _ = await scene.route(dict(shared))
             assert dest != holder

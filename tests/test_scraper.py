@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
+from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from tests.fake_pod import FakePod, running_pods
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -44,8 +46,10 @@ async def test_pod_that_stops_answering_is_unhealthy_within_two_polls_and_restor
     endpoints = [p.endpoint for p in pods]
     down: list[str] = []
     up: list[str] = []
-    scraper = MetricsScraper(lambda: endpoints, on_unhealthy=lambda e: down.append(e.address),
-                             on_healthy=lambda e: up.append(e.address), timeout=1.0)
+    pool = EndpointPool()
+    pool.set_endpoints(endpoints)
+    pool.subscribe(lambda event, e: (down if event is PoolEvent.UNREADY else up).append(e.address))
+    scraper = MetricsScraper(pool.all, health=pool, timeout=1.0)
     victim = endpoints[0]
     try:
         await scraper.poll_once()
@@ -53,7 +57,7 @@ async def test_pod_that_stops_answering_is_unhealthy_within_two_polls_and_restor
         await scraper.poll_once()
         assert victim.healthy and victim.consecutive_failures == 1 and down == []
         await scraper.poll_once()
-        assert not victim.healthy and down == [victim.address]
+        assert not victim.healthy and down == [victim.address] and victim not in pool.ready()
         assert all(e.healthy for e in endpoints[1:])
         await scraper.poll_once()
         assert down == [victim.address]  # reported once, not on every failed poll
@@ -74,18 +78,22 @@ async def test_background_loop_hanging_pod_does_not_stall_the_others(pods: list[
     down: list[str] = []
     up: list[str] = []
     pods[2].mode = "hang"
-    scraper = MetricsScraper(lambda: endpoints, refresh_interval=0.02, timeout=0.15, clock=loop.time,
-                             on_unhealthy=lambda e: down.append(e.address), on_healthy=lambda e: up.append(e.address))
+    pool = EndpointPool()
+    pool.set_endpoints(endpoints)
+    pool.subscribe(lambda event, e: (down if event is PoolEvent.UNREADY else up).append(e.address))
+    scraper = MetricsScraper(pool.all, refresh_interval=0.02, timeout=0.15, clock=loop.time, health=pool)
     await scraper.start()
     try:
-        await asyncio.sleep(0.25)
+        # Three more rounds of the loop (20 ms apart) while pod 2's first scrape hangs (0.15 s timeout): three
+        # chances to start a second scrape of it.
+        await eventually(lambda: pods[0].hits >= 4)
         hits_before = pods[0].hits
         assert pods[2].hits <= 2  # never re-scraped while a scrape of it is still running
-        await _until(lambda: down == [endpoints[2].address], 2.0)
+        await eventually(lambda: down == [endpoints[2].address], 2.0)
         assert loop.time() - endpoints[0].metrics.updated_at < 0.1  # the healthy pods kept refreshing
         assert pods[0].hits > hits_before
         pods[2].mode = "ok"
-        await _until(lambda: up == [endpoints[2].address], 2.0)
+        await eventually(lambda: up == [endpoints[2].address], 2.0)
         assert endpoints[2].healthy
     finally:
         await scraper.stop()
@@ -97,23 +105,15 @@ async def test_endpoint_list_is_read_every_poll(pods: list[FakePod]) -> None:
     scraper = MetricsScraper(lambda: current, refresh_interval=0.02)
     await scraper.start()
     try:
-        await _until(lambda: pods[0].hits > 0, 2.0)
+        await eventually(lambda: pods[0].hits > 0, 2.0)
         current = [pods[1].endpoint]  # discovery replaced the pool
-        await _until(lambda: pods[1].hits > 0, 2.0)
-        frozen = pods[0].hits
-        await asyncio.sleep(0.1)
+        await eventually(lambda: pods[1].hits > 0, 2.0)
+        frozen, rounds = pods[0].hits, pods[1].hits
+        # Five more scrapes of the new pool: five chances to scrape the departed pod again.
+        await eventually(lambda: pods[1].hits >= rounds + 5, 2.0)
         assert pods[0].hits <= frozen + 1  # at most one scrape that was already in flight
     finally:
         await scraper.stop()
-
-
-async def _until(condition: Callable[[], bool], limit: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def test_rejects_bad_settings() -> None:
@@ -150,15 +150,15 @@ async def test_calm_pods_are_scraped_at_the_slow_cadence_busy_ones_at_the_fast(p
                              on_scrape=lambda e, ok: seen.append((e.address, ok)))
     await scraper.start()
     try:
-        await _until(lambda: pods[1].hits >= 15, 5.0)
+        await eventually(lambda: pods[1].hits >= 15, 5.0)
         assert pods[0].hits <= 2 and pods[2].hits <= 2  # 15 fast scrapes take ~0.3 s: one slow period
         assert endpoints[0].scrape_interval == 0.5 and endpoints[1].scrape_interval == 0.02
         assert (endpoints[1].address, True) in seen and all(ok for _, ok in seen)
         pods[1].waiting = 0  # the queue drained: back to the slow cadence
-        await _until(lambda: endpoints[1].scrape_interval == 0.5, 2.0)
+        await eventually(lambda: endpoints[1].scrape_interval == 0.5, 2.0)
         calm_hits = pods[1].hits
         pods[0].running = 5  # requests we never routed appear on pod 0: it is watched closely at once
-        await _until(lambda: pods[0].hits >= 10, 5.0)
+        await eventually(lambda: pods[0].hits >= 10, 5.0)
         assert pods[1].hits <= calm_hits + 2
     finally:
         await scraper.stop()

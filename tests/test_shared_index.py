@@ -18,10 +18,12 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.config import ServeConfig
-from picker.policy import build_scheduler, share_index
+from picker.policy import build_policy
 from picker.prefix.hashing import prefix_keys
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.shared import SharedPrefixIndex, decode_keys, encode_keys, stream_name
+from picker.scheduling.config import SchedulingConfig
+from picker.schema import ConfigError
 from picker.supervisor import (
     Backends,
     Envoy,
@@ -36,6 +38,7 @@ from picker.supervisor import (
     start_picker_fleet,
     start_valkey,
 )
+from tests.conftest import eventually_async
 from tests.waiting import eventually
 
 POD_A, POD_B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -67,6 +70,32 @@ async def replicas() -> AsyncIterator[Factory]:
 
 def chain(tag: str, blocks: int = 8) -> list[int]:
     return prefix_keys(f"{tag} " * (16 * blocks), 7, 64, 256)[:blocks]
+
+
+def _stream_id(entry_id: bytes | str) -> tuple[int, int]:
+    """A Redis stream ID ("<ms>-<seq>") in an order that compares like the server's."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def _newest_entry(url: str, stream: str) -> tuple[int, int]:
+    """The ID of the newest entry of `stream`, as (milliseconds, sequence)."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        entries = await client.xrevrange(stream, count=1)
+    finally:
+        await client.aclose()
+    assert entries, f"{stream} holds no entry"
+    entry_id = entries[0][0]
+    assert isinstance(entry_id, bytes | str), entry_id
+    return _stream_id(entry_id)
+
+
+async def _read_up_to_now(index: SharedPrefixIndex, url: str) -> None:
+    """Wait until `index` has read its stream up to the newest entry (its own entries included, which it skips)."""
+    newest = await _newest_entry(url, index.stream)
+    await eventually(lambda: _stream_id(index._last_id) >= newest)
 
 
 def test_keys_round_trip_as_uint64() -> None:
@@ -114,7 +143,7 @@ async def test_peers_hear_of_each_others_picks_with_prompt_size_and_session(valk
     assert (address, chars, session) == (POD_A, 5000, "user-7")
     assert second[:3] == (POD_B, 300, "")
     assert before - 1.0 < at <= time.monotonic()  # in the follower's clock, never in the future
-    await asyncio.sleep(0.05)
+    await _read_up_to_now(a, valkey.url)  # `a` has read its own entry back from the stream
     assert heard_by_a == []  # a replica does not hear its own picks back
 
 
@@ -149,7 +178,18 @@ async def test_replay_skips_entries_older_than_the_ttl(valkey: Valkey, namespace
     old, new = chain("old"), chain("new")
     a.record(old, POD_A, time.monotonic())
     await eventually(lambda: a.stats.sent == 1)
-    await asyncio.sleep(2.2)
+    # A replica starts reading one TTL back by the Redis server's clock (stream IDs are its milliseconds): wait
+    # until that clock is more than the TTL past the old entry's ID.
+    old_ms, _ = await _newest_entry(valkey.url, a.stream)
+    server = aioredis.Redis.from_url(valkey.url)
+    try:
+        async def old_entry_expired() -> bool:
+            seconds, micros = await server.time()
+            return seconds * 1000 + micros // 1000 > old_ms + 2000 + 100
+
+        await eventually_async(old_entry_expired, "the Redis clock passed the old entry by the 2 s TTL", within=10)
+    finally:
+        await server.aclose()
     a.record(new, POD_A, time.monotonic())
     await eventually(lambda: a.stats.sent == 2)
     late = replicas(valkey.url, namespace, ttl=2.0)
@@ -167,7 +207,11 @@ async def test_other_namespaces_are_not_shared(valkey: Valkey, namespace: str, r
     keys = chain("epsilon")
     a.record(keys, POD_A, time.monotonic())
     await eventually(lambda: a.stats.sent == 1)
-    await asyncio.sleep(0.1)
+    # Had `b` followed `a`'s stream, it would have applied `a`'s entry before one of its own published later:
+    # publish one and wait until `b` has read it back (a replica skips its own entries, they count as nothing).
+    b.record(chain("marker"), POD_B, time.monotonic())
+    await eventually(lambda: b.stats.sent == 1)
+    await _read_up_to_now(b, valkey.url)
     assert b.match(keys, None, time.monotonic()) == {}
     assert b.stats.received == 0
 
@@ -322,14 +366,17 @@ def test_serve_refuses_a_bad_shared_index_setup(flags: list[str], reason: str) -
 
 def test_serve_wires_the_shared_index_into_the_scheduler() -> None:
     config = ServeConfig(index_backend="redis", redis_url="redis://127.0.0.1:1/0", pool_name="llama",
-                         pool_namespace="prod")
-    scheduler = build_scheduler(config)
-    local = scheduler.index  # type: ignore[attr-defined]
-    shared = share_index(config, scheduler)
-    assert shared is not None and scheduler.index is shared and shared.local is local  # type: ignore[attr-defined]
+                         pool_namespace="prod",
+                         scheduling=SchedulingConfig.model_validate({"prefixCache": {"lruCapacityPerServer": 77}}))
+    policy = build_policy(config)
+    shared = policy.shared_index
+    assert shared is not None and policy.scheduler.index is shared  # built first, handed to the scheduler
+    assert shared.local.capacity("10.0.0.1:8000") == 77  # the local half sized by the scheduling config
     assert shared.stream == "picker:{prod/llama}:prefix-index"
-    assert shared.peer_listener == scheduler.on_peer_picked  # type: ignore[attr-defined]
-    assert share_index(ServeConfig(), build_scheduler(ServeConfig())) is None
+    assert shared.peer_listener == policy.scheduler.on_peer_picked
+    assert build_policy(ServeConfig()).shared_index is None
+    with pytest.raises(ConfigError, match="needs a strategy with a prefix index"):
+        build_policy(ServeConfig(index_backend="redis", redis_url="redis://127.0.0.1:1/0", strategy="round-robin"))
 
 
 async def test_one_envoy_balancing_two_replicas_keeps_prefix_affinity() -> None:
@@ -377,10 +424,10 @@ async def test_valkey_dying_under_load_fails_no_request() -> None:
                     body = {"model": "tiny", "messages": [{"role": "user", "content": f"client {n} turn {i} " * 40}]}
                     async with session.post(f"{envoy.url}/v1/chat/completions", json=body) as response:
                         statuses.append(response.status)
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.01)  # pacing, not waiting: spreads the load over the kill below
 
         load = asyncio.gather(*(client(n) for n in range(4)))
-        await asyncio.sleep(0.3)
+        await eventually(lambda: len(statuses) >= 40 or load.done())  # a quarter of the load is through
         valkey.kill()  # SIGKILL mid-load
         await load
         assert statuses == [200] * 160

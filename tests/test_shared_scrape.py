@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.shared_scrape import SharedSample, SharedScrapes, _decode, _encode
 from picker.endpoints.state import Endpoint, EndpointMetrics
@@ -44,11 +45,14 @@ class Replica:
 
     def __init__(self, pods: list[FakePod], url: str, namespace: str, cadence: Cadence) -> None:
         self.endpoints = [p.endpoint for p in pods]
+        self.pool = EndpointPool()
+        self.pool.set_endpoints(self.endpoints)
         self.shared = SharedScrapes(url, namespace)
         self.scrapes = 0
         self.down: list[str] = []
-        self.scraper = MetricsScraper(lambda: self.endpoints, cadence=cadence, shared=self.shared,
-                                      on_scrape=self._count, on_unhealthy=lambda e: self.down.append(e.address))
+        self.pool.subscribe(lambda event, e: self.down.append(e.address) if event is PoolEvent.UNREADY else None)
+        self.scraper = MetricsScraper(self.pool.all, cadence=cadence, shared=self.shared, health=self.pool,
+                                      on_scrape=self._count)
 
     def _count(self, endpoint: Endpoint, ok: bool) -> None:
         self.scrapes += 1

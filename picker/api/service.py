@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-import picker.api  # noqa: F401 - compiles the stubs when missing
+import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.director import Director
 from picker.requests import RequestError, build_request
@@ -19,10 +19,10 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
     response = picker_pb2.ExplainResponse()
     try:
         request = build_request(headers, message.body, request_id="explain", subset=subset)
-        if director.admission is not None and hasattr(director.admission, "check"):
-            director.admission.check(request, director.candidates(request), director.clock())
+        now = director.clock()
+        director.admit(request, now)  # a request admission would shed is explained as its 429
         response.priority = request.priority
-        result = director.rank(request)
+        result = director.rank(request, now)
     except RequestError as err:
         response.error_status, response.error_code, response.error_message = err.status, err.code, err.message
         return response

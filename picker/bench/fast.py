@@ -40,12 +40,15 @@ from picker.bench.oracle import InfiniteCacheOracle
 from picker.bench.prompts import PromptBuilder, prompt_text
 from picker.bench.results import OK, SHED, RunResult
 from picker.bench.trace import Message, Trace
+from picker.director import Director
+from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence
 from picker.endpoints.state import Endpoint
+from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
-from picker.requests import ApiKind, InferenceRequest, RequestError, estimated_tokens
-from picker.scheduling.config import build_strategy, merged_config
+from picker.requests import ApiKind, InferenceRequest, RequestError
+from picker.scheduling.config import build_hasher, build_prefix_index, build_strategy, scheduling_config
 from picker.scheduling.types import Scheduler
 from picker.sim.engine import Engine, SimRequest, StepResult
 from picker.sim.kvcache import block_hashes
@@ -87,8 +90,7 @@ def shared_prefix_index(strategy: str, scheduling: Mapping[str, Any] | None = No
     """One index for every replica, sized like the one `build_strategy` gives each scheduler. In-process and
     updated at the pick, so it is the Redis/Valkey-shared index (picker/prefix/shared.py) with zero replication
     lag; the real one converges within milliseconds."""
-    pc = merged_config(scheduling if strategy == "picker" else None)["prefixCache"]
-    return InMemoryPrefixIndex(int(pc["lruCapacityPerServer"]), pc["ttlSeconds"])
+    return build_prefix_index(scheduling if strategy == "picker" else None)
 
 
 class ExactCacheIndex:
@@ -139,6 +141,9 @@ class ExactCacheIndex:
     def set_capacity(self, address: str, blocks: int) -> None:
         return None
 
+    def expire(self, now: float) -> int:
+        return 0
+
 
 def run_fast(trace: Trace, strategy: str, cfg: FastConfig, *, scheduling: Mapping[str, Any] | None = None,
              progress: Progress | None = None) -> RunResult:
@@ -169,14 +174,19 @@ class _FastRun:
         self.exact = ExactCacheIndex(self.engines, [e.address for e in self.endpoints]) if cfg.exact_index else None
         if self.exact is not None:
             index = self.exact
-        self.schedulers = [make_scheduler(strategy, cfg.seed + r, scheduling, index=index)
-                           for r in range(cfg.replicas)]
+        schedulers = [make_scheduler(strategy, cfg.seed + r, scheduling, index=index) for r in range(cfg.replicas)]
         use_admission = cfg.admission and strategy != "round-robin"
-        self.admissions = [AdmissionController() if use_admission else None for _ in range(cfg.replicas)]
+        own_config = scheduling_config(scheduling if strategy == "picker" else None)
+        # The director `picker serve` runs, one per replica, called synchronously in simulated time.
+        self.directors = [Director(_pool_of(endpoints), scheduler,
+                                   admission=AdmissionController() if use_admission else None,
+                                   chars_per_token=own_config.prefix_cache.chars_per_token)
+                          for endpoints, scheduler in zip(self.replica_endpoints, schedulers, strict=True)]
+        self.hasher: PrefixHasher = build_hasher(own_config)
         self.arrivals = 0  # requests dealt to replicas so far
-        hooks = [getattr(s, "on_peer_picked", None) for s in self.schedulers]
-        use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks and all(hooks)
-        self.peers: list[Callable[[str, int, str, float], None]] = [h for h in hooks if h] if use_peers else []
+        use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks
+        self.peers: list[Callable[[str, int, str, float], None]] = (
+            [s.on_peer_picked for s in schedulers] if use_peers else [])
         self.builder = PromptBuilder(self.engines[0].tokenizer)
         self.oracle = InfiniteCacheOracle(profile.block_size)
         self.children = trace.children()
@@ -297,18 +307,13 @@ class _FastRun:
             path="/v1/chat/completions" if r.is_chat else "/v1/completions",
             prompt_text=prompt_text(messages, r.prompt), stream=True, max_tokens=r.max_tokens, session_id=r.session)
         if self.exact is not None:
-            self.exact.prepare(ids, len(request.prompt_text),
-                               self.schedulers[0].hasher.block_chars(self.cfg.profile.block_size))  # type: ignore[attr-defined]
+            self.exact.prepare(ids, len(request.prompt_text), self.hasher.block_chars(self.cfg.profile.block_size))
         replica = self.arrivals % self.cfg.replicas  # Envoy round-robins ext_proc streams over the replicas
         self.arrivals += 1
-        endpoints = self.replica_endpoints[replica]
-        scheduler = self.schedulers[replica]
-        admission = self.admissions[replica]
+        director = self.directors[replica]
         try:
-            if admission is not None:
-                admission.check(request, endpoints, now)
-            chosen = scheduler.schedule(request, endpoints, now).ranked[0]
-            scheduler.on_picked(request, chosen, now)
+            decision = director.decide(request, now)
+            chosen = decision.endpoint
             if self.peers:
                 self.tell_peers(replica, request, chosen.address, now)
         except RequestError as err:
@@ -320,9 +325,9 @@ class _FastRun:
         sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
         delayed = self.api_busy_until[k] > now  # scrapes hold the pod's API server: the engine gets it later
         if not delayed and not self.hand_over(k, sim_request, now):
+            director.release(decision)
             return
-        tokens = estimated_tokens(request)
-        chosen.start_request(tokens, now)
+        tokens = decision.tokens
         res.pod[i] = k
         self.served[k] += 1
         self.live[i] = (ids, hashes, tokens, replica)
@@ -430,3 +435,9 @@ class _FastRun:
         res.extra["scrapes_per_pod_per_s"] = max(self.scrapes) / res.duration_s if res.duration_s > 0 else 0.0
         res.wall_s = wall
         return res
+
+
+def _pool_of(endpoints: list[Endpoint]) -> EndpointPool:
+    pool = EndpointPool()
+    pool.set_endpoints(endpoints)
+    return pool

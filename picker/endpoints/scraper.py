@@ -9,8 +9,8 @@ than we routed to it (traffic that bypasses us), or after a failed scrape. A fix
 
 Each endpoint is scraped on its own task, so a pod that hangs until the timeout never delays the others'
 refresh; a pod is not scraped again while its previous scrape is still running. After
-`failure_threshold` consecutive failed polls the pod is marked unhealthy (and `on_unhealthy` runs, e.g. to
-drop it from the ready list); the first successful poll restores it.
+`failure_threshold` consecutive failed polls the scraper asks its `health` owner (the endpoint pool) to mark the
+pod unready; the first successful poll asks for it to be ready again. The scraper never flips health itself.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
@@ -31,7 +32,15 @@ from picker.endpoints.state import Endpoint, EndpointMetrics
 
 log = logging.getLogger(__name__)
 
-EndpointCallback = Callable[[Endpoint], None]
+
+
+class HealthTransitions(Protocol):
+    """Who owns endpoint health (EndpointPool): the scraper reports, the owner changes state and tells listeners."""
+
+    def mark_unready(self, endpoint: Endpoint) -> None: ...
+
+    def mark_ready(self, endpoint: Endpoint) -> None: ...
+
 ScrapeCallback = Callable[[Endpoint, bool], None]
 
 
@@ -78,8 +87,7 @@ class MetricsScraper:
         timeout: float = 0.5,
         failure_threshold: int = 2,
         clock: Callable[[], float] = time.monotonic,
-        on_unhealthy: EndpointCallback | None = None,
-        on_healthy: EndpointCallback | None = None,
+        health: HealthTransitions | None = None,
         on_scrape: ScrapeCallback | None = None,
         session: aiohttp.ClientSession | None = None,
         path: str = "/metrics",
@@ -96,8 +104,7 @@ class MetricsScraper:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.failure_threshold = failure_threshold
         self.clock = clock
-        self.on_unhealthy = on_unhealthy
-        self.on_healthy = on_healthy
+        self.health = health
         self.on_scrape = on_scrape
         self.path = path
         self.shared = shared
@@ -252,20 +259,16 @@ class MetricsScraper:
     def _succeeded(self, endpoint: Endpoint, metrics: EndpointMetrics) -> None:
         endpoint.metrics = metrics
         endpoint.consecutive_failures = 0
-        if not endpoint.healthy:
-            endpoint.healthy = True
+        if self.health is not None and not endpoint.healthy:
             log.info("endpoint %s healthy again", endpoint.address)
-            if self.on_healthy is not None:
-                self.on_healthy(endpoint)
+            self.health.mark_ready(endpoint)
 
     def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:
         self.failures += 1
         endpoint.consecutive_failures += 1
-        if endpoint.healthy and endpoint.consecutive_failures >= self.failure_threshold:
-            endpoint.healthy = False
+        if self.health is not None and endpoint.healthy and endpoint.consecutive_failures >= self.failure_threshold:
             log.warning(
                 "endpoint %s unhealthy after %d failed polls: %s",
                 endpoint.address, endpoint.consecutive_failures, exc.__class__.__name__,
             )
-            if self.on_unhealthy is not None:
-                self.on_unhealthy(endpoint)
+            self.health.mark_unready(endpoint)

@@ -1,9 +1,12 @@
 """The ext_proc state machine: one gRPC stream per HTTP request, in either supported body mode.
 
 BUFFERED (recommended): headers are answered at once, the routing mutation rides on the body response.
-FULL_DUPLEX_STREAMED (GIE's mode): headers are held until the body ends, then one HeadersResponse with the
-mutation is sent and the body is echoed back in chunks. The servicer knows nothing of policy: it builds an
-InferenceRequest and hands it to the Director.
+FULL_DUPLEX_STREAMED (GIE's mode): headers are held until the body ends (its last chunk, or the request
+trailers), then one HeadersResponse with the mutation is sent and the body is echoed back in chunks. Every
+message Envoy may send is answered: request headers, body and trailers, response headers, body and trailers.
+The response side is never changed (FULL_DUPLEX_STREAMED chunks are echoed as they come); it ends the
+request's in-flight accounting and, when Envoy sends response bodies, yields token usage. The servicer knows
+nothing of policy: it hands the headers and body to the Director.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class _Stream:
         self.body: list[bytes] = []
         self.body_len = 0
         self.decision: Decision | None = None
-        self.phase = "start"  # start → body → routed
+        # start → body → routed; or done, once a refusal (an immediate response) has ended the stream
+        self.phase = "start"
         self.request_id = ""
         self.generated_id = False
         self.usage: UsageReader | None = None  # only when Envoy sends response bodies

@@ -7,16 +7,10 @@ prefix-cache hits the model server really had (`prompt_tokens_details.cached_tok
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+
+from picker.requests import Usage
 
 _MAX_JSON_BYTES = 1 << 20  # a non-streamed body larger than this is not parsed for usage
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
 
 
 def _usage_of(obj: object) -> Usage | None:

@@ -11,6 +11,11 @@ from typing import Protocol
 
 
 class PrefixIndex(Protocol):
+    @property
+    def ttl(self) -> float | None:
+        """Seconds an entry lives without a refresh (None: until evicted by capacity)."""
+        ...
+
     def match(self, keys: Sequence[int], addresses: Collection[str] | None, now: float) -> dict[str, int]:
         """Longest run of consecutive blocks from keys[0] each endpoint holds (live entries only).
 
@@ -36,4 +41,8 @@ class PrefixIndex(Protocol):
 
     def set_capacity(self, address: str, blocks: int) -> None:
         """Bound `address`'s entries (its KV cache size in blocks); shrinking evicts the least recently used."""
+        ...
+
+    def expire(self, now: float) -> int:
+        """Free the entries older than the TTL (matches already ignore them); returns how many went."""
         ...

@@ -11,37 +11,30 @@
     plugins: [{type, name, parameters}]
     schedulingProfiles: [{name, plugins: [{pluginRef, weight}]}]
 
-Top-level keys left out take the defaults below. A `request-classifier` plugin chooses between profiles;
-without one the first profile serves every request.
+Top-level keys left out take the defaults below (`plugins` and `schedulingProfiles` as a whole, `prefixCache`
+and `models` key by key). A `request-classifier` plugin chooses between profiles; without one the first profile
+serves every request. Decoding is strict: an unknown key or a wrong type anywhere, down to each plugin's
+`parameters`, is a ConfigError naming the key's path (`scheduling.plugins[2].parameters.ratioWeight: ...`).
 """
 
 from __future__ import annotations
 
 import copy
 import random
-import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
 
-import yaml
+from pydantic import Field
 
 from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_MAX_PREFIX_BLOCKS, PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
-from picker.scheduling.filters import SaturationFilter, SubsetFilter
+from picker.saturation import SaturationThresholds
+from picker.scheduling import filters, picker, profiles, scorers
 from picker.scheduling.picker import MaxScorePicker, RandomPicker
-from picker.scheduling.plugins import Filter, Plugin, Scorer
+from picker.scheduling.plugins import Filter, Plugin, PluginDeps, PluginFactory, Scorer
 from picker.scheduling.profiles import Classifier, Profile, RequestClassifier, SingleProfile, WeightedScorer
 from picker.scheduling.scheduler import PrefixAwareScheduler
-from picker.scheduling.scorers import (
-    ColdPrefixSpreader,
-    InFlightLoadScorer,
-    KVCacheUtilizationScorer,
-    LoraAffinityScorer,
-    PrefixCacheScorer,
-    QueueScorer,
-    SessionAffinityScorer,
-)
 from picker.scheduling.strategies import (
     LeastLoadScheduler,
     PrefixHashScheduler,
@@ -50,8 +43,9 @@ from picker.scheduling.strategies import (
     RoundRobinScheduler,
 )
 from picker.scheduling.types import Scheduler
+from picker.schema import ConfigError, Section, decode
 
-_COMMON_HEAD = [{"pluginRef": "subset-filter"}, {"pluginRef": "saturation-filter"}]
+_COMMON_HEAD = [{"pluginRef": "saturation-filter"}]
 _COMMON_TAIL = [{"pluginRef": "max-score-picker"}]
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -65,9 +59,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "models": {"base": [], "adapters": []},
     "explain": True,
     "plugins": [
-        {"type": "subset-filter", "name": "subset-filter"},
-        {"type": "saturation-filter", "name": "saturation-filter",
-         "parameters": {"queueThreshold": 5, "kvCacheThreshold": 0.8}},
+        # thresholds: the admission section's queueThreshold / kvCacheThreshold unless set here
+        {"type": "saturation-filter", "name": "saturation-filter"},
         {"type": "prefix-cache-scorer", "name": "prefix-cache-scorer",
          "parameters": {"ratioWeight": 0.5, "fullCreditChars": 4096, "loadGuardInFlight": 8,
                         "loadGuardWaiting": 4, "guardPenalty": 0.0}},
@@ -111,141 +104,168 @@ DEFAULT_CONFIG: dict[str, Any] = {
     ],
 }
 
-# Parameter names that do not follow the camelCase -> snake_case rule (GIE spellings).
-_RENAMES = {"maxNumOfEndpoints": "max_endpoints"}
-
-
-def _snake(name: str) -> str:
-    return _RENAMES.get(name) or re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-PluginFactory = Callable[..., Plugin]
-
-PLUGIN_TYPES: dict[str, PluginFactory] = {
-    cls.type_name: cls
-    for cls in (
-        SubsetFilter,
-        SaturationFilter,
-        PrefixCacheScorer,
-        KVCacheUtilizationScorer,
-        QueueScorer,
-        InFlightLoadScorer,
-        LoraAffinityScorer,
-        SessionAffinityScorer,
-        ColdPrefixSpreader,
-        MaxScorePicker,
-        RandomPicker,
-        RequestClassifier,
-    )
+# Every plugin type a config may name, each with the factory that decodes its parameters.
+PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
+    f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *picker.FACTORIES, *profiles.FACTORIES)
 }
 
 
-def load_config(path: str) -> dict[str, Any]:
-    """Read a YAML scheduler config file (the `--config-file` flag)."""
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: scheduler config must be a mapping")
-    return data
+class PrefixCacheSection(Section):
+    block_chars: int | None = Field(DEFAULT_CONFIG["prefixCache"]["blockChars"], gt=0)
+    chars_per_token: int = Field(CHARS_PER_TOKEN, gt=0)
+    max_prefix_blocks_to_match: int = Field(DEFAULT_MAX_PREFIX_BLOCKS, gt=0)
+    lru_capacity_per_server: int = Field(DEFAULT_CAPACITY_BLOCKS, gt=0)
+    ttl_seconds: float | None = Field(DEFAULT_TTL_SECONDS, gt=0)
 
 
-def merged_config(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Defaults with the user's top-level keys laid over them (prefixCache/models merge key by key)."""
-    out = copy.deepcopy(DEFAULT_CONFIG)
-    for key, value in (config or {}).items():
-        if key in ("prefixCache", "models") and isinstance(value, Mapping):
-            out[key].update(value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
+class ModelsSection(Section):
+    base: list[str] = Field(default_factory=list)
+    adapters: list[str] = Field(default_factory=list)
 
 
-def _make_plugin(spec: Mapping[str, Any], cfg: Mapping[str, Any], rng: random.Random | None) -> Plugin:
-    kind = spec.get("type")
-    factory = PLUGIN_TYPES.get(str(kind))
+class PluginSpec(Section):
+    type: str
+    name: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class PluginRef(Section):
+    plugin_ref: str
+    weight: float = Field(1.0, ge=0)
+
+
+class ProfileSpec(Section):
+    name: str
+    plugins: list[PluginRef] = Field(default_factory=list)
+
+
+def _default(key: str) -> Any:
+    return copy.deepcopy(DEFAULT_CONFIG[key])
+
+
+class SchedulingConfig(Section):
+    """The `scheduling:` section, shaped like GIE's EndpointPickerConfig."""
+
+    api_version: Literal["inference.networking.x-k8s.io/v1alpha1"] | None = None
+    kind: Literal["EndpointPickerConfig"] | None = None
+    prefix_cache: PrefixCacheSection = Field(default_factory=PrefixCacheSection)
+    models: ModelsSection = Field(default_factory=ModelsSection)
+    explain: bool = True
+    plugins: list[PluginSpec] = Field(default_factory=lambda: _default("plugins"))
+    scheduling_profiles: list[ProfileSpec] = Field(default_factory=lambda: _default("schedulingProfiles"),
+                                                   min_length=1)
+
+
+SchedulingInput = SchedulingConfig | Mapping[str, Any] | None
+
+
+def scheduling_config(config: SchedulingInput) -> SchedulingConfig:
+    """The decoded section (None: every default); ConfigError names the bad key."""
+    if isinstance(config, SchedulingConfig):
+        return config
+    return decode(SchedulingConfig, config, "scheduling")
+
+
+def build_hasher(config: SchedulingInput = None) -> PrefixHasher:
+    pc = scheduling_config(config).prefix_cache
+    return PrefixHasher(pc.block_chars, pc.max_prefix_blocks_to_match, pc.chars_per_token)
+
+
+def build_prefix_index(config: SchedulingInput = None) -> InMemoryPrefixIndex:
+    """The in-memory index the config asks for (the local half of a shared one, too)."""
+    pc = scheduling_config(config).prefix_cache
+    return InMemoryPrefixIndex(pc.lru_capacity_per_server, pc.ttl_seconds)
+
+
+def _make_plugin(spec: PluginSpec, path: str, deps: PluginDeps) -> Plugin:
+    factory = PLUGIN_FACTORIES.get(spec.type)
     if factory is None:
-        raise ValueError(f"unknown plugin type {kind!r} (known: {', '.join(sorted(PLUGIN_TYPES))})")
-    params = {_snake(k): v for k, v in (spec.get("parameters") or {}).items()}
-    if factory in (MaxScorePicker, RandomPicker):
-        params.setdefault("rng", rng)
-    if factory is LoraAffinityScorer:
-        params.setdefault("base_models", tuple(cfg["models"].get("base") or ()))
-        params.setdefault("adapters", tuple(cfg["models"].get("adapters") or ()))
+        raise ConfigError(f"{path}.type: unknown plugin type {spec.type!r} "
+                          f"(known: {', '.join(sorted(PLUGIN_FACTORIES))})")
+    params = decode(factory.params, spec.parameters, f"{path}.parameters")
     try:
-        return factory(spec.get("name") or kind, **params)
-    except TypeError as exc:
-        raise ValueError(f"plugin {spec.get('name') or kind!r}: bad parameters: {exc}") from None
+        return factory.build(spec.name or spec.type, params, deps)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def build_scheduler(
-    config: Mapping[str, Any] | None = None,
+    config: SchedulingInput = None,
     *,
     rng: random.Random | None = None,
     index: PrefixIndex | None = None,
+    saturation: SaturationThresholds | None = None,
 ) -> PrefixAwareScheduler:
-    """The full scheduler from a config dict (None = defaults). `index` swaps in a shared backend."""
-    cfg = merged_config(config)
-    pc = cfg["prefixCache"]
+    """The full scheduler from its config (None = defaults). `index` swaps in a shared backend; `saturation`
+    is the admission section's definition of a full pod (the saturation filter's default)."""
+    cfg = scheduling_config(config)
+    pc = cfg.prefix_cache
+    deps = PluginDeps(rng=rng, base_models=tuple(cfg.models.base), adapters=tuple(cfg.models.adapters),
+                      chars_per_token=pc.chars_per_token,
+                      saturation=saturation if saturation is not None else SaturationThresholds())
     plugins: dict[str, Plugin] = {}
-    for spec in cfg["plugins"]:
-        plugin = _make_plugin(spec, cfg, rng)
+    for i, spec in enumerate(cfg.plugins):
+        plugin = _make_plugin(spec, f"scheduling.plugins[{i}]", deps)
         if plugin.name in plugins:
-            raise ValueError(f"duplicate plugin name {plugin.name!r}")
+            raise ConfigError(f"scheduling.plugins[{i}].name: duplicate plugin name {plugin.name!r}")
         plugins[plugin.name] = plugin
-    profiles: list[Profile] = []
-    for pspec in cfg["schedulingProfiles"]:
-        profile = Profile(str(pspec["name"]))
+    built: list[Profile] = []
+    for i, pspec in enumerate(cfg.scheduling_profiles):
+        profile = Profile(pspec.name)
         picker_set = False
-        for ref in pspec.get("plugins") or ():
-            name = ref.get("pluginRef")
-            used = plugins.get(name)
+        for j, ref in enumerate(pspec.plugins):
+            where = f"scheduling.schedulingProfiles[{i}].plugins[{j}].pluginRef"
+            used = plugins.get(ref.plugin_ref)
             if used is None:
-                raise ValueError(f"profile {profile.name!r}: unknown pluginRef {name!r}")
+                raise ConfigError(f"{where}: unknown plugin {ref.plugin_ref!r} (not in scheduling.plugins)")
             if isinstance(used, MaxScorePicker | RandomPicker):
                 profile.picker = used
                 picker_set = True
             elif isinstance(used, Scorer):
-                profile.scorers.append(WeightedScorer(used, float(ref.get("weight", 1.0))))
+                profile.scorers.append(WeightedScorer(used, ref.weight))
             elif isinstance(used, Filter):
                 profile.filters.append(used)
             else:
-                raise ValueError(f"profile {profile.name!r}: {name!r} is not a filter, scorer or picker")
+                raise ConfigError(f"{where}: {ref.plugin_ref!r} is not a filter, scorer or picker")
         if not picker_set:
             profile.picker = MaxScorePicker(rng=rng)
-        profiles.append(profile)
-    if not profiles:
-        raise ValueError("schedulingProfiles must name at least one profile")
+        built.append(profile)
+    if len({p.name for p in built}) != len(built):
+        raise ConfigError("scheduling.schedulingProfiles: profile names must be unique")
     classifier: Classifier
     classifiers = [p for p in plugins.values() if isinstance(p, RequestClassifier)]
-    names = {p.name for p in profiles}
-    if classifiers and len(profiles) > 1:
+    names = {p.name for p in built}
+    if classifiers and len(built) > 1:
         chosen = classifiers[0]
         for target in (chosen.context_heavy_profile, chosen.default_profile):
             if target not in names:
-                raise ValueError(f"request-classifier names unknown profile {target!r}")
+                raise ConfigError(f"scheduling.plugins: request-classifier names unknown profile {target!r}")
         classifier = chosen
     else:
-        classifier = SingleProfile(profiles[0].name)
+        classifier = SingleProfile(built[0].name)
     if index is None:
-        index = InMemoryPrefixIndex(int(pc["lruCapacityPerServer"]), pc["ttlSeconds"])
-    hasher = PrefixHasher(pc["blockChars"], int(pc["maxPrefixBlocksToMatch"]), int(pc["charsPerToken"]))
-    return PrefixAwareScheduler(profiles, classifier, index=index, hasher=hasher, explain=bool(cfg["explain"]))
+        index = build_prefix_index(cfg)
+    return PrefixAwareScheduler(built, classifier, index=index, hasher=build_hasher(cfg), explain=cfg.explain)
 
 
-STRATEGIES = ("picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash")
+StrategyName = Literal["picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash"]
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+# Strategies that keep a prefix index (and so can share one through Redis/Valkey)
+INDEXED_STRATEGIES = ("picker", "prefix-only")
 
 
 def build_strategy(
     name: str,
     *,
-    config: Mapping[str, Any] | None = None,
+    config: SchedulingInput = None,
     rng: random.Random | None = None,
     index: PrefixIndex | None = None,
+    saturation: SaturationThresholds | None = None,
 ) -> Scheduler:
     """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only,
-    prefix-hash."""
-    if name in ("picker", "prefix-aware"):
-        return build_scheduler(config, rng=rng, index=index)
+    prefix-hash. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache)."""
+    if name == "picker":
+        return build_scheduler(config, rng=rng, index=index, saturation=saturation)
     if name == "round-robin":
         return RoundRobinScheduler()
     if name == "random":
@@ -255,9 +275,6 @@ def build_strategy(
     if name == "prefix-hash":
         return PrefixHashScheduler()
     if name == "prefix-only":
-        cfg = merged_config(config)["prefixCache"]
-        hasher = PrefixHasher(cfg["blockChars"], int(cfg["maxPrefixBlocksToMatch"]), int(cfg["charsPerToken"]))
-        if index is None:
-            index = InMemoryPrefixIndex(int(cfg["lruCapacityPerServer"]), cfg["ttlSeconds"])
-        return PrefixOnlyScheduler(rng, index=index, hasher=hasher)
-    raise ValueError(f"unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")
+        return PrefixOnlyScheduler(rng, index=index if index is not None else build_prefix_index(config),
+                                   hasher=build_hasher(config))
+    raise ConfigError(f"strategy: unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")

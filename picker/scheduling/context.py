@@ -1,4 +1,7 @@
-"""Per-request facts every plugin reads, computed once: prefix keys, index matches, the adapter asked for."""
+"""Per-request facts every plugin reads, computed once: prefix keys, index matches, the adapter asked for.
+
+This is the request's cycle state (GIE's CycleState): built by `schedule`, returned in the result and handed
+back to `on_picked`, so nothing about one request is kept in the shared scheduler between the two calls."""
 
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ class SchedulingContext:
     block_chars: int = 64
     matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
     matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored
+
+    @classmethod
+    def of(cls, request: InferenceRequest, now: float) -> SchedulingContext:
+        """The bare context of a strategy that neither hashes nor looks anything up."""
+        return cls(request=request, now=now, model=effective_model(request))
 
     def align(self, candidates: Sequence[Endpoint]) -> None:
         """Refresh `matched` for this candidate list (after filtering)."""

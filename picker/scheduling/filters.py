@@ -1,58 +1,54 @@
-"""Filters: remove candidates that must not (subset hint) or should not (saturated) get the request."""
+"""Filters: remove candidates that should not get the request. (The subset hint Envoy sends is applied by
+the director before scheduling: a pod outside it is never a candidate.)"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field
 
 from picker.endpoints.state import Endpoint
-from picker.requests import RequestError
+from picker.saturation import FULL, SaturationThresholds, pod_saturation
 from picker.scheduling.context import SchedulingContext
-from picker.scheduling.plugins import Plugin
-
-
-def match_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...] | None) -> list[Endpoint]:
-    """Endpoints named by Envoy's subset hint, by "ip:port" or by "ip"; None means no hint (all of them)."""
-    if subset is None:
-        return list(candidates)
-    wanted = set(subset)
-    return [e for e in candidates if e.address in wanted or e.ip in wanted]
-
-
-class SubsetFilter(Plugin):
-    """Envoy's subset hint (request.subset): keep endpoints named by "ip:port" or by "ip"; none left -> 503."""
-
-    type_name = "subset-filter"
-
-    def filter(self, ctx: SchedulingContext, candidates: list[Endpoint]) -> list[Endpoint]:
-        subset = ctx.request.subset
-        if subset is None:
-            return candidates
-        kept = match_subset(candidates, subset)
-        if not kept:
-            raise RequestError(
-                503, "no_endpoints", f"no candidate endpoint matches the subset hint ({', '.join(subset) or 'empty'})"
-            )
-        return kept
+from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory
+from picker.schema import Section
 
 
 class SaturationFilter(Plugin):
-    """Drop pods whose queue or KV cache is past the threshold — unless that would drop every pod.
+    """Drop pods past full (picker.saturation: the level admission control reads too) — unless that would
+    drop every pod.
 
     Routing to a saturated pod only adds to its queue; when all are saturated, admission control (not this
-    filter) decides who waits or is shed.
+    filter) decides who waits or is shed. A pod whose metrics are stale is at "full", not past it: kept.
     """
 
     type_name = "saturation-filter"
 
-    def __init__(
-        self, name: str | None = None, *, queue_threshold: float = 5, kv_cache_threshold: float = 0.8
-    ) -> None:
+    def __init__(self, name: str | None = None, *, thresholds: SaturationThresholds | None = None) -> None:
         super().__init__(name)
-        self.queue_threshold = queue_threshold
-        self.kv_cache_threshold = kv_cache_threshold
+        self.thresholds = thresholds if thresholds is not None else SaturationThresholds()
 
     def filter(self, ctx: SchedulingContext, candidates: list[Endpoint]) -> list[Endpoint]:
-        q = self.queue_threshold
-        kv = self.kv_cache_threshold
-        kept = [e for e in candidates if e.metrics.waiting <= q and e.metrics.kv_usage <= kv]
+        t, now = self.thresholds, ctx.now
+        kept = [e for e in candidates if pod_saturation(e, now, t) <= FULL]
         return kept if kept else candidates
+
+
+class SaturationFilterParams(Section):
+    """Unset thresholds are the admission section's (one definition of a full pod)."""
+
+    queue_threshold: float | None = Field(None, gt=0)
+    kv_cache_threshold: float | None = Field(None, gt=0)
+
+
+def _saturation(name: str, p: SaturationFilterParams, deps: PluginDeps) -> Plugin:
+    base = deps.saturation
+    thresholds = SaturationThresholds(p.queue_threshold if p.queue_threshold is not None else base.queue,
+                                      p.kv_cache_threshold if p.kv_cache_threshold is not None else base.kv_cache,
+                                      base.stale)
+    return SaturationFilter(name, thresholds=thresholds)
+
+
+FACTORIES: tuple[PluginFactory[Any], ...] = (
+    PluginFactory(SaturationFilter.type_name, SaturationFilterParams, _saturation),
+)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
-from picker.scheduling.plugins import Plugin
+from pydantic import Field
+
+from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory
+from picker.schema import Section
 
 
 class MaxScorePicker(Plugin):
@@ -54,3 +58,21 @@ class RandomPicker(Plugin):
     def pick(self, totals: Sequence[float]) -> list[int]:
         n = len(totals)
         return self.rng.sample(range(n), min(self.max_endpoints, n))
+
+
+class PickerParams(Section):
+    max_endpoints: int = Field(3, gt=0, alias="maxNumOfEndpoints")  # GIE's spelling
+
+
+def _max_score(name: str, p: PickerParams, deps: PluginDeps) -> Plugin:
+    return MaxScorePicker(name, max_endpoints=p.max_endpoints, rng=deps.rng)
+
+
+def _random(name: str, p: PickerParams, deps: PluginDeps) -> Plugin:
+    return RandomPicker(name, max_endpoints=p.max_endpoints, rng=deps.rng)
+
+
+FACTORIES: tuple[PluginFactory[Any], ...] = (
+    PluginFactory(MaxScorePicker.type_name, PickerParams, _max_score),
+    PluginFactory(RandomPicker.type_name, PickerParams, _random),
+)

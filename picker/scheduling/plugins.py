@@ -7,13 +7,16 @@ picks of other replicas sharing the prefix index through `on_peer_picked`, and f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from picker.endpoints.state import Endpoint
-from picker.requests import InferenceRequest
+from picker.prefix.hashing import CHARS_PER_TOKEN
+from picker.saturation import SaturationThresholds
 from picker.scheduling.context import SchedulingContext
+from picker.schema import Section
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +37,8 @@ class Plugin:
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.type_name
 
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        """The request described by `ctx` went to `endpoint`."""
         return None
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
@@ -57,6 +61,7 @@ class Filter(Protocol):
 @runtime_checkable
 class Scorer(Protocol):
     name: str
+    needs_prefix: bool  # reads the prefix match (when no scorer does, hashing and the lookup are skipped)
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         """One score in [0,1] per candidate, same order; higher is better."""
@@ -71,3 +76,44 @@ def min_max_inverse(values: Sequence[float]) -> list[float]:
         return [1.0] * len(values)
     span = hi - lo
     return [(hi - v) / span for v in values]
+
+
+@dataclass(frozen=True, slots=True)
+class PluginDeps:
+    """What the scheduler's builder hands every plugin factory: shared settings, never another plugin."""
+
+    rng: random.Random | None = None  # tie-breaks (a seeded one makes runs reproducible)
+    base_models: tuple[str, ...] = ()  # `models.base`: request models that are no LoRA adapter
+    adapters: tuple[str, ...] = ()  # `models.adapters`
+    chars_per_token: int = CHARS_PER_TOKEN  # `prefixCache.charsPerToken`
+    saturation: SaturationThresholds = field(default_factory=SaturationThresholds)  # the admission section's
+
+
+class NoParams(Section):
+    """A plugin without parameters: any key given is an error."""
+
+
+P = TypeVar("P", bound=Section)
+
+
+@dataclass(frozen=True, slots=True)
+class PluginFactory(Generic[P]):
+    """How a plugin `type` is built from config: its own typed, strictly decoded parameters plus the deps."""
+
+    type_name: str
+    params: type[P]
+    build: Callable[[str, P, PluginDeps], Plugin]
+
+
+def no_params(cls: Callable[[str], Plugin]) -> Callable[[str, NoParams, PluginDeps], Plugin]:
+    def build(name: str, params: NoParams, deps: PluginDeps) -> Plugin:
+        return cls(name)
+    return build
+
+
+def with_params(cls: Callable[..., Plugin]) -> Callable[[str, Section, PluginDeps], Plugin]:
+    """Parameters whose names are the constructor's keyword arguments, nothing from the deps."""
+    def build(name: str, params: Section, deps: PluginDeps) -> Plugin:
+        kwargs: dict[str, Any] = params.model_dump()
+        return cls(name, **kwargs)
+    return build

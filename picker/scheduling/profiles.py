@@ -6,13 +6,15 @@ both, so the classifier sends each request to the profile whose weights fit it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from pydantic import Field
 
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.picker import MaxScorePicker, RandomPicker
-from picker.scheduling.plugins import Filter, Plugin, Scorer
+from picker.scheduling.plugins import Filter, Plugin, PluginFactory, Scorer, with_params
+from picker.schema import Section
 
 
 @dataclass(slots=True)
@@ -35,7 +37,7 @@ class Profile:
     @property
     def uses_prefix(self) -> bool:
         """Whether any plugin reads the prefix match (else hashing and the index lookup are skipped)."""
-        return any(getattr(w.scorer, "needs_prefix", True) for w in self.scorers)
+        return any(w.scorer.needs_prefix for w in self.scorers)
 
     def plugins(self) -> list[Plugin]:
         found: list[object] = [*self.filters, *(w.scorer for w in self.scorers), self.picker]
@@ -43,6 +45,8 @@ class Profile:
 
 
 class Classifier(Protocol):
+    needs_prefix: bool  # reads the prefix match to classify
+
     def classify(self, ctx: SchedulingContext) -> str:
         """Name of the profile for this request."""
         ...
@@ -50,6 +54,8 @@ class Classifier(Protocol):
 
 class SingleProfile:
     """Always the same profile (GIE's single-profile-handler)."""
+
+    needs_prefix = False
 
     def __init__(self, profile: str) -> None:
         self.profile = profile
@@ -87,5 +93,13 @@ class RequestClassifier(Plugin):
         return self.default_profile
 
 
-def profile_names(profiles: Sequence[Profile]) -> list[str]:
-    return [p.name for p in profiles]
+class RequestClassifierParams(Section):
+    long_prompt_chars: int = Field(8192, gt=0)
+    long_prefix_chars: int = Field(2048, gt=0)
+    context_heavy_profile: str = "context-heavy"
+    default_profile: str = "bursty-chat"
+
+
+FACTORIES: tuple[PluginFactory[Any], ...] = (
+    PluginFactory(RequestClassifier.type_name, RequestClassifierParams, with_params(RequestClassifier)),
+)

@@ -40,10 +40,10 @@ class PrefixAwareScheduler:
         if len(self.profiles) != len(profiles):
             raise ValueError("scheduling profile names must be unique")
         self.classifier: Classifier = classifier if classifier is not None else SingleProfile(profiles[0].name)
-        self.index: PrefixIndex = index if index is not None else InMemoryPrefixIndex()
+        self._index: PrefixIndex = index if index is not None else InMemoryPrefixIndex()
         self.hasher = hasher if hasher is not None else PrefixHasher()
         self.explain = explain  # per-candidate score breakdown in the result (the Explain API reads it)
-        self.uses_prefix = any(p.uses_prefix for p in profiles) or bool(getattr(self.classifier, "needs_prefix", False))
+        self.uses_prefix = any(p.uses_prefix for p in profiles) or self.classifier.needs_prefix
         seen: dict[int, Plugin] = {}
         for profile in profiles:
             for plugin in profile.plugins():
@@ -52,11 +52,11 @@ class PrefixAwareScheduler:
             seen.setdefault(id(self.classifier), self.classifier)
         self._plugins = list(seen.values())
         self._stateful = [p for p in self._plugins if _overrides_hooks(p)]
-        # Keys of the last scheduled request, so on_picked does not hash the prompt twice.
-        self._last_request: InferenceRequest | None = None
-        self._last_keys: list[int] = []
-        self._last_block_chars = 0
         self._next_sweep = -float("inf")
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self._index
 
     def _keys(self, request: InferenceRequest, block_chars: int) -> list[int]:
         seed = prefix_seed(effective_model(request), None, request.cache_salt)
@@ -75,10 +75,7 @@ class PrefixAwareScheduler:
         if self.uses_prefix and request.prompt_text:
             ctx.block_chars = self._block_chars(endpoints)
             ctx.keys = self._keys(request, ctx.block_chars)
-            ctx.matches = self.index.match(ctx.keys, None, now)
-        self._last_request = request
-        self._last_keys = ctx.keys
-        self._last_block_chars = ctx.block_chars
+            ctx.matches = self._index.match(ctx.keys, None, now)
         return ctx
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
@@ -106,28 +103,22 @@ class PrefixAwareScheduler:
         ranked = [candidates[i] for i in order]
         matched = ctx.matched[order[0]] if order else 0
         if not explain:
-            return SchedulingResult(ranked, profile.name, [], len(ctx.keys), matched)
-        return ExplainedResult(ranked, profile.name, len(ctx.keys), matched,
+            return SchedulingResult(ranked, profile.name, [], len(ctx.keys), matched, ctx)
+        return ExplainedResult(ranked, profile.name, len(ctx.keys), matched, ctx,
                                (candidates, names, columns, totals, steps))
 
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
-        if self.uses_prefix and request.prompt_text:
-            if self._last_request is request:
-                keys, block_chars = self._last_keys, self._last_block_chars
-            else:
-                block_chars = self._block_chars((endpoint,))
-                keys = self._keys(request, block_chars)
-            capacity = self._capacity_blocks(endpoint, block_chars)
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        request = ctx.request
+        if ctx.keys:  # hashed in `context` (only when some plugin reads the prefix and there is a prompt)
+            capacity = self._capacity_blocks(endpoint, ctx.block_chars)
             if capacity:
-                self.index.set_capacity(endpoint.address, capacity)
-            self.index.record(keys, endpoint.address, now, prompt_chars=len(request.prompt_text),
-                              session_id=request.session_id or "")
+                self._index.set_capacity(endpoint.address, capacity)
+            self._index.record(ctx.keys, endpoint.address, now, prompt_chars=len(request.prompt_text),
+                               session_id=request.session_id or "")
             if now >= self._next_sweep:
                 self._sweep(now)
-        self._last_request = None
-        self._last_keys = []
         for plugin in self._stateful:
-            plugin.on_picked(request, endpoint, now)
+            plugin.on_picked(ctx, endpoint, now)
 
     def on_peer_picked(self, address: str, prompt_chars: int, session_id: str, now: float) -> None:
         """Another replica sharing our prefix index routed a request (the shared index reports it)."""
@@ -137,12 +128,11 @@ class PrefixAwareScheduler:
 
     def _sweep(self, now: float) -> None:
         """Free expired entries now and then (matches already ignore them) for backends that can sweep."""
-        expire = getattr(self.index, "expire", None)
-        ttl = getattr(self.index, "ttl", None)
-        if expire is None or not ttl:
+        ttl = self._index.ttl
+        if not ttl:
             self._next_sweep = float("inf")
             return
-        expire(now)
+        self._index.expire(now)
         self._next_sweep = now + ttl / 4
 
     def _capacity_blocks(self, endpoint: Endpoint, block_chars: int) -> int | None:
@@ -155,7 +145,7 @@ class PrefixAwareScheduler:
         return max(1, m.num_gpu_blocks * m.block_size * self.hasher.chars_per_token // block_chars)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        self.index.remove_endpoint(endpoint.address)
+        self._index.remove_endpoint(endpoint.address)
         for plugin in self._stateful:
             plugin.on_endpoint_removed(endpoint)
 
@@ -202,10 +192,10 @@ class ExplainedResult(SchedulingResult):
 
     def __init__(
         self, ranked: list[Endpoint], profile: str, prefix_blocks: int, prefix_matched_blocks: int,
-        breakdown: _Breakdown,
+        context: SchedulingContext, breakdown: _Breakdown,
     ) -> None:
         self._breakdown: _Breakdown | None = breakdown
-        super().__init__(ranked, profile, [], prefix_blocks, prefix_matched_blocks)
+        super().__init__(ranked, profile, [], prefix_blocks, prefix_matched_blocks, context)
 
     @property  # type: ignore[override]
     def candidates(self) -> list[CandidateScore]:

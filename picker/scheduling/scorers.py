@@ -8,11 +8,24 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
+
+from pydantic import Field
 
 from picker.endpoints.state import Endpoint
-from picker.requests import InferenceRequest
+from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
-from picker.scheduling.plugins import PeerPick, Plugin, min_max_inverse
+from picker.scheduling.plugins import (
+    NoParams,
+    PeerPick,
+    Plugin,
+    PluginDeps,
+    PluginFactory,
+    min_max_inverse,
+    no_params,
+    with_params,
+)
+from picker.schema import Section
 
 
 class PrefixCacheScorer(Plugin):
@@ -110,10 +123,12 @@ class InFlightLoadScorer(Plugin):
     type_name = "in-flight-load-scorer"
 
     def __init__(self, name: str | None = None, *, tokens_per_request: float = 4096.0, slack: float = 1.0,
-                 prefill_half_life: float = 0.0, prefill_weight: float = 1.0) -> None:
+                 prefill_half_life: float = 0.0, prefill_weight: float = 1.0,
+                 chars_per_token: int = CHARS_PER_TOKEN) -> None:
         super().__init__(name)
         if tokens_per_request <= 0 or slack < 0 or prefill_half_life < 0 or prefill_weight < 0:
             raise ValueError("tokensPerRequest must be positive; slack, prefillHalfLife, prefillWeight >= 0")
+        self.chars_per_token = chars_per_token  # prefixCache.charsPerToken: the director's in-flight estimate too
         self.tokens_per_request = tokens_per_request
         self.slack = slack
         self.prefill_half_life = prefill_half_life
@@ -137,8 +152,8 @@ class InFlightLoadScorer(Plugin):
             return [1.0] * len(loads)
         return [1.0 - (x - lo) / span for x in loads]
 
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
-        self._add_prefill(endpoint.address, len(request.prompt_text), now)
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        self._add_prefill(endpoint.address, len(ctx.request.prompt_text), now)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         self._add_prefill(pick.address, pick.prompt_chars, now)
@@ -146,7 +161,7 @@ class InFlightLoadScorer(Plugin):
     def _add_prefill(self, address: str, prompt_chars: int, now: float) -> None:
         if self.prefill_half_life > 0:
             now = max(now, self._recent.get(address, (0.0, now))[1])  # a peer's pick may be a moment older
-            tokens = prompt_chars / 4  # same estimate as the in-flight token count
+            tokens = prompt_chars / self.chars_per_token
             self._recent[address] = (self._recent_prefill(address, now) + tokens, now)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
@@ -212,8 +227,8 @@ class SessionAffinityScorer(Plugin):
             return [0.0] * len(candidates)
         return [1.0 if e.address == address else 0.0 for e in candidates]
 
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
-        self._remember(request.session_id, endpoint.address)
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        self._remember(ctx.request.session_id, endpoint.address)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         self._remember(pick.session_id, pick.address)
@@ -266,7 +281,7 @@ class ColdPrefixSpreader(Plugin):
         w = self.recency_weight
         return [w * r + (1.0 - w) * (1.0 - (f - lo) / span) for r, f in zip(recency, flights, strict=True)]
 
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         self._note(endpoint.address)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
@@ -279,3 +294,47 @@ class ColdPrefixSpreader(Plugin):
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self._last_pick.pop(endpoint.address, None)
 
+
+
+# Config factories: each decodes its own parameters (camelCase in YAML) and takes what it needs from the deps.
+
+class PrefixCacheParams(Section):
+    ratio_weight: float = Field(0.5, ge=0, le=1)
+    full_credit_chars: int = Field(4096, gt=0)
+    load_guard_in_flight: float | None = 8
+    load_guard_waiting: float | None = 4
+    guard_penalty: float = Field(0.0, ge=0, le=1)
+
+
+class InFlightLoadParams(Section):
+    tokens_per_request: float = Field(4096.0, gt=0)
+    slack: float = Field(1.0, ge=0)
+    prefill_half_life: float = Field(0.0, ge=0)
+    prefill_weight: float = Field(1.0, ge=0)
+
+
+class SessionAffinityParams(Section):
+    max_sessions: int = Field(10_000, gt=0)
+
+
+class ColdPrefixSpreaderParams(Section):
+    recency_weight: float = Field(0.5, ge=0, le=1)
+
+
+def _in_flight(name: str, p: InFlightLoadParams, deps: PluginDeps) -> Plugin:
+    return InFlightLoadScorer(name, **p.model_dump(), chars_per_token=deps.chars_per_token)
+
+
+def _lora(name: str, p: NoParams, deps: PluginDeps) -> Plugin:
+    return LoraAffinityScorer(name, base_models=deps.base_models, adapters=deps.adapters)
+
+
+FACTORIES: tuple[PluginFactory[Any], ...] = (
+    PluginFactory(PrefixCacheScorer.type_name, PrefixCacheParams, with_params(PrefixCacheScorer)),
+    PluginFactory(KVCacheUtilizationScorer.type_name, NoParams, no_params(KVCacheUtilizationScorer)),
+    PluginFactory(QueueScorer.type_name, NoParams, no_params(QueueScorer)),
+    PluginFactory(InFlightLoadScorer.type_name, InFlightLoadParams, _in_flight),
+    PluginFactory(LoraAffinityScorer.type_name, NoParams, _lora),
+    PluginFactory(SessionAffinityScorer.type_name, SessionAffinityParams, with_params(SessionAffinityScorer)),
+    PluginFactory(ColdPrefixSpreader.type_name, ColdPrefixSpreaderParams, with_params(ColdPrefixSpreader)),
+)

@@ -12,6 +12,7 @@ from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.requests import InferenceRequest, RequestError
+from picker.scheduling.context import SchedulingContext
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.profiles import Profile, WeightedScorer
 from picker.scheduling.scheduler import PrefixAwareScheduler
@@ -19,7 +20,24 @@ from picker.scheduling.scorers import KVCacheUtilizationScorer, PrefixCacheScore
 from picker.scheduling.types import SchedulingResult
 
 
-class RoundRobinScheduler:
+class _Stateless:
+    """What a baseline without a prefix index does for the hooks it does not use."""
+
+    @property
+    def index(self) -> PrefixIndex | None:
+        return None
+
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        return None
+
+    def on_peer_picked(self, address: str, prompt_chars: int, session_id: str, now: float) -> None:
+        return None
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
+        return None
+
+
+class RoundRobinScheduler(_Stateless):
     """Each pick advances the start of the rotation (Envoy's default policy)."""
 
     def __init__(self, max_endpoints: int = 3) -> None:
@@ -32,16 +50,13 @@ class RoundRobinScheduler:
             raise RequestError(503, "no_endpoints", "no candidate endpoints")
         start = self._next % n
         ranked = [endpoints[(start + i) % n] for i in range(min(self.max_endpoints, n))]
-        return SchedulingResult(ranked=ranked, profile="round-robin")
+        return SchedulingResult(ranked=ranked, profile="round-robin", context=SchedulingContext.of(request, now))
 
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         self._next += 1
 
-    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        return None
 
-
-class RandomScheduler:
+class RandomScheduler(_Stateless):
     """Uniformly random endpoint."""
 
     def __init__(self, rng: random.Random | None = None, max_endpoints: int = 3) -> None:
@@ -52,16 +67,10 @@ class RandomScheduler:
         if not endpoints:
             raise RequestError(503, "no_endpoints", "no candidate endpoints")
         ranked = self.rng.sample(list(endpoints), min(self.max_endpoints, len(endpoints)))
-        return SchedulingResult(ranked=ranked, profile="random")
-
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
-        return None
-
-    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        return None
+        return SchedulingResult(ranked=ranked, profile="random", context=SchedulingContext.of(request, now))
 
 
-class PrefixHashScheduler:
+class PrefixHashScheduler(_Stateless):
     """Rendezvous hash of the prompt's first `prefix_chars` characters: no index, no metrics, no load.
 
     The trivial cache-aware baseline: identical prefixes always land on the same pod (while the pod set is
@@ -80,13 +89,8 @@ class PrefixHashScheduler:
             "utf-8", "surrogatepass")
         ranked = sorted(endpoints, key=lambda e: xxhash.xxh64_intdigest(key, seed=_address_seed(e.address)),
                         reverse=True)
-        return SchedulingResult(ranked=ranked[: self.max_endpoints], profile="prefix-hash")
-
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
-        return None
-
-    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        return None
+        return SchedulingResult(ranked=ranked[: self.max_endpoints], profile="prefix-hash",
+                                context=SchedulingContext.of(request, now))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from picker.endpoints.state import Endpoint
+from picker.prefix.index import PrefixIndex
 from picker.requests import InferenceRequest
+from picker.scheduling.context import SchedulingContext
 
 
 @dataclass(slots=True)
@@ -29,15 +31,30 @@ class SchedulingResult:
     candidates: list[CandidateScore] = field(default_factory=list)
     prefix_blocks: int = 0  # blocks in the request's prefix key chain
     prefix_matched_blocks: int = 0  # blocks the chosen endpoint already holds (index view)
+    # The request's cycle state, handed back to `Scheduler.on_picked` (None for header-only requests: no prompt)
+    context: SchedulingContext | None = None
 
 
 class Scheduler(Protocol):
-    """Pure policy: ranks `endpoints` for `request` at time `now`. Must not block or do I/O."""
+    """Pure policy: ranks `endpoints` for `request` at time `now`. Must not block or do I/O.
+
+    Per-request state never lives in the scheduler: `schedule` returns it in `SchedulingResult.context` and the
+    director hands that back to `on_picked`, so Explain (which never picks) and interleaved requests cannot mix
+    one request's prefix keys up with another's."""
+
+    @property
+    def index(self) -> PrefixIndex | None:
+        """The prefix index the scheduler reads and records into (None for strategies without one)."""
+        ...
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult: ...
 
-    def on_picked(self, request: InferenceRequest, endpoint: Endpoint, now: float) -> None:
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         """Called once the pick is final (e.g. to record the prompt's prefix on that endpoint)."""
+        ...
+
+    def on_peer_picked(self, address: str, prompt_chars: int, session_id: str, now: float) -> None:
+        """Another replica sharing our prefix index routed a request to `address` (its stream tells us)."""
         ...
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:

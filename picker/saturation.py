@@ -1,0 +1,44 @@
+"""When a pod counts as full: the one definition admission control and the saturation filter share.
+
+A pod's saturation level is max(waiting / queue threshold, KV-cache use / KV threshold), as in GIE's saturation
+detector. Metrics we cannot trust (never scraped, or later than the scraper's cadence promised by more than the
+stale threshold) put the pod at exactly 1.0: full as far as admission can tell, yet not *past* full, so the
+filter does not drop a pod on stale numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from picker.endpoints.state import Endpoint
+
+FULL = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationThresholds:
+    queue: float = 5.0  # waiting requests at which a pod counts as full
+    kv_cache: float = 0.8  # KV-cache utilisation (0..1) at which a pod counts as full
+    stale: float = 0.2  # seconds past the pod's scrape cadence after which its metrics are not trusted
+
+    def __post_init__(self) -> None:
+        if self.queue <= 0 or self.kv_cache <= 0:
+            raise ValueError("queueThreshold and kvCacheThreshold must be positive")
+        if self.stale < 0:
+            raise ValueError("staleThreshold must not be negative")
+
+
+def pod_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresholds) -> float:
+    """The pod's level: < 1 has room, 1 is full (or unknown), > 1 is past full."""
+    m = endpoint.metrics
+    if m.updated_at < 0 or endpoint.metrics_overdue(now) > thresholds.stale:
+        return FULL
+    return max(m.waiting / thresholds.queue, m.kv_usage / thresholds.kv_cache)
+
+
+def pool_saturation(candidates: Sequence[Endpoint], now: float, thresholds: SaturationThresholds) -> float:
+    """Mean pod level over the candidates (0.0 for none: an empty pool is a 503, not saturation)."""
+    if not candidates:
+        return 0.0
+    return sum(pod_saturation(e, now, thresholds) for e in candidates) / len(candidates)

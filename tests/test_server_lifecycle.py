@@ -1,0 +1,35 @@
+"""`picker serve` in-process: a background job that dies stops the server instead of leaving a frozen view."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from picker import server
+from picker.config import ServeConfig
+
+
+async def test_a_failed_background_task_stops_serve_with_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    config = ServeConfig(host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=-1,
+                         endpoints="127.0.0.1:1")
+    picker = server.PickerServer(config)
+    await picker.start()
+    try:
+        async def discovery_bug() -> None:
+            raise KeyError("spec")  # a programming error, not a network one: nothing to retry
+
+        picker.supervise(asyncio.create_task(discovery_bug(), name="kubernetes-discovery"))
+        await asyncio.wait_for(picker.failed.wait(), 5.0)
+        assert "kubernetes-discovery failed, stopping" in caplog.text
+    finally:
+        await picker.stop()
+
+
+async def test_a_cancelled_task_is_no_failure() -> None:
+    config = ServeConfig(host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=-1,
+                         endpoints="127.0.0.1:1")
+    picker = server.PickerServer(config)
+    await picker.start()
+    await picker.stop()  # cancels every background task
+    assert not picker.failed.is_set()

@@ -1,0 +1,67 @@
+"""`picker serve --config-file`: an unknown key or a wrong type anywhere stops start-up with the key's path."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from picker import config as cfg
+from picker.cli import main
+
+pytestmark = pytest.mark.timeout(30)  # a config that wrongly passes would start serving: fail fast
+
+BASE = "endpoints: 10.0.0.1:8000\n"
+
+CASES = [
+    ("top-level unknown key", "grpc-prot: 9002\n", "grpc-prot: unknown key"),
+    ("top-level wrong type", "grpc-port: abc\n", "grpc-port: Input should be a valid integer"),
+    ("top-level bad duration", "metrics-slow-interval: '5'\n", "metrics-slow-interval: '5' needs a unit"),
+    ("top-level bad choice", "strategy: fastest\n", "strategy: Input should be 'picker'"),
+    ("admission unknown key", "admission:\n  maxwait: 1s\n", "admission.maxwait: unknown key"),
+    ("admission wrong type", "admission:\n  queueThreshold: many\n", "admission.queueThreshold: Input should be"),
+    ("admission objective priority", "admission:\n  objectives: {chat: high}\n", "admission.objectives.chat: "),
+    ("scheduling unknown key", "scheduling:\n  schedulingprofiles: []\n",
+     "scheduling.schedulingprofiles: unknown key"),
+    ("scheduling nested unknown key", "scheduling:\n  prefixCache: {ttl: 60}\n",
+     "scheduling.prefixCache.ttl: unknown key"),
+    ("scheduling wrong type", "scheduling:\n  prefixCache: {lruCapacityPerServer: lots}\n",
+     "scheduling.prefixCache.lruCapacityPerServer: Input should be a valid integer"),
+    ("plugin parameter", "scheduling:\n  plugins:\n  - {type: queue-scorer, parameters: {weight: 2}}\n",
+     "scheduling.plugins[0].parameters.weight: unknown key"),
+    ("plugin type", "scheduling:\n  plugins:\n  - {type: subset-filter}\n",
+     "scheduling.plugins[0].type: unknown plugin type 'subset-filter'"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), [(t, m) for _, t, m in CASES], ids=[c[0] for c in CASES])
+def test_bad_config_exits_non_zero_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                                  message: str) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text(BASE + text)
+    assert main(["serve", "--config-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert err.startswith(f"picker serve: {path}: "), err
+
+
+def test_the_process_exits_non_zero(tmp_path: Path) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text(BASE + "scheduling:\n  prefixCache: {ttl: 60}\n")
+    done = subprocess.run([sys.executable, "-m", "picker", "serve", "--config-file", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "scheduling.prefixCache.ttl: unknown key" in done.stderr, done.stderr
+
+
+def test_a_good_config_decodes_every_section(tmp_path: Path) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text(BASE + "grpc_port: 7000\nadmission: {kvCacheThreshold: 0.9, maxWait: 250ms}\n"
+                    "scheduling:\n  apiVersion: inference.networking.x-k8s.io/v1alpha1\n"
+                    "  kind: EndpointPickerConfig\n  prefixCache: {charsPerToken: 3}\n")
+    config = cfg.resolve(argparse.Namespace(config_file=str(path)))
+    assert config.grpc_port == 7000 and config.admission.max_wait == 0.25
+    assert config.admission.thresholds.kv_cache == 0.9 and config.scheduling.prefix_cache.chars_per_token == 3
+
