@@ -3,9 +3,7 @@ real Valkey."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -21,19 +19,6 @@ from picker.supervisor import (
     start_picker,
     start_valkey,
 )
-
-
-async def eventually_async(check: Callable[[], Awaitable[bool]], what: str, within: float = 5.0) -> None:
-    """Await `check()` until it returns true; fail naming `what` (the awaited condition) after `within` seconds.
-
-    For conditions that need I/O to observe (a call to a running picker); `tests.waiting.eventually` polls a
-    plain callable.
-    """
-    deadline = time.monotonic() + within
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {within:g} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
-from tests.conftest import Stack, eventually_async
+from tests.conftest import Stack
+from tests.waiting import eventually_async
 
 
 async def test_gie_metric_names_after_traffic(stack: Stack) -> None:

@@ -25,8 +25,8 @@ from picker.supervisor import (
     start_envoy,
     start_picker,
 )
-from tests.conftest import eventually_async
 from tests.test_extproc_grpc import body_msg, destination, exchange, headers_msg
+from tests.waiting import eventually_async
 
 CONFIG = """
 refresh-metrics-interval: 50ms

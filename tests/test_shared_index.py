@@ -38,8 +38,7 @@ from picker.supervisor import (
     start_picker_fleet,
     start_valkey,
 )
-from tests.conftest import eventually_async
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_async
 
 POD_A, POD_B = "10.0.0.1:8000", "10.0.0.2:8000"
 
