@@ -42,3 +42,16 @@ def pool_saturation(candidates: Sequence[Endpoint], now: float, thresholds: Satu
     if not candidates:
         return 0.0
     return sum(pod_saturation(e, now, thresholds) for e in candidates) / len(candidates)
+
+
+def not_past_full(candidates: list[Endpoint], now: float, thresholds: SaturationThresholds) -> list[Endpoint]:
+    """The candidates whose level is at most FULL (`pod_saturation(e) <= 1`), in order. Spelled out for the hot
+    path (the saturation filter runs on every decision): no call per pod."""
+    queue, kv_cache, stale = thresholds.queue, thresholds.kv_cache, thresholds.stale
+    kept = []
+    for e in candidates:
+        m = e.metrics
+        if (m.updated_at < 0 or now - m.updated_at - e.scrape_interval > stale
+                or (m.waiting <= queue and m.kv_usage <= kv_cache)):
+            kept.append(e)
+    return kept

@@ -10,7 +10,7 @@ import pytest
 from picker.admission import AdmissionConfig, AdmissionController, Priorities
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.requests import InferenceRequest, RequestError
-from picker.saturation import SaturationThresholds, pod_saturation, pool_saturation
+from picker.saturation import SaturationThresholds, not_past_full, pod_saturation, pool_saturation
 from picker.scheduling.config import build_scheduler
 from picker.schema import ConfigError
 
@@ -178,3 +178,19 @@ def test_config_parsing() -> None:
         AdmissionConfig.from_dict({"maxWait": "soon"})
     with pytest.raises(ConfigError, match=r"^admission\.objectives\.chat: "):
         AdmissionConfig.from_dict({"objectives": {"chat": "high"}})
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_filters_fast_path_is_the_saturation_definition(seed: int) -> None:
+    """`not_past_full` (the saturation filter's loop) keeps exactly the pods `pod_saturation` puts at <= 1."""
+    rng = random.Random(seed)
+    thresholds = SaturationThresholds(queue=rng.choice((1.0, 3.0, 5.0)), kv_cache=rng.choice((0.5, 0.8)), stale=0.2)
+    endpoints = []
+    for i in range(200):
+        e = Endpoint.from_address(f"10.0.{i // 250}.{i % 250 + 1}:8000")
+        e.metrics = EndpointMetrics(waiting=float(rng.randint(0, 8)), kv_usage=rng.choice((0.0, 0.5, 0.8, 0.95)),
+                                    updated_at=rng.choice((-1.0, 9.0, 9.5, 10.0)))
+        e.scrape_interval = rng.choice((0.0, 0.1, 1.0))
+        endpoints.append(e)
+    expected = [e for e in endpoints if pod_saturation(e, 10.0, thresholds) <= 1.0]
+    assert not_past_full(endpoints, 10.0, thresholds) == expected

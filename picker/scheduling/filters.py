@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field
 
 from picker.endpoints.state import Endpoint
-from picker.saturation import FULL, SaturationThresholds, pod_saturation
+from picker.saturation import SaturationThresholds, not_past_full
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory
 from picker.schema import Section
@@ -29,8 +29,7 @@ class SaturationFilter(Plugin):
         self.thresholds = thresholds if thresholds is not None else SaturationThresholds()
 
     def filter(self, ctx: SchedulingContext, candidates: list[Endpoint]) -> list[Endpoint]:
-        t, now = self.thresholds, ctx.now
-        kept = [e for e in candidates if pod_saturation(e, now, t) <= FULL]
+        kept = not_past_full(candidates, ctx.now, self.thresholds)
         return kept if kept else candidates
 
 
