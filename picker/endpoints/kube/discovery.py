@@ -1,5 +1,5 @@
 """The discovery loops: keep the endpoint pool equal to the ready pods of an InferencePool (or of a label
-selector), and keep admission told of the pool's InferenceObjective priorities.
+selector), and keep the director's priorities told of the pool's InferenceObjectives.
 
 Each loop LISTs, then WATCHes from the list's resourceVersion; a closed stream re-watches from the last
 version seen, a 410 lists again. In InferencePool mode the pool object is watched too: a changed selector or
