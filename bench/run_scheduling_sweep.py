@@ -22,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from picker.bench.suite import Cell, FastSpec, calibrate, run_cell  # noqa: E402
-from picker.scheduling.config import DEFAULT_CONFIG  # noqa: E402
+from picker.scheduling.config import DEFAULT_CONFIG, PREDICTED_TTFT_CONFIG  # noqa: E402
 
 
 def _with_weights(profile: str, weights: Mapping[str, float]) -> dict[str, Any]:
@@ -96,6 +96,28 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 }
 
 
+def predicted_ttft(load_weight: float = 0.001, **params: Any) -> dict[str, Any]:
+    """PREDICTED_TTFT_CONFIG with the predicted-ttft-scorer's `params` and the in-flight tie-break's weight."""
+    cfg = copy.deepcopy(PREDICTED_TTFT_CONFIG)
+    cfg["plugins"][0]["parameters"] = params
+    for ref in cfg["schedulingProfiles"][0]["plugins"]:
+        if ref.get("pluginRef") == "in-flight-load-scorer":
+            ref["weight"] = load_weight
+    return cfg
+
+
+# Predicted TTFT (picker/scheduling/predicted.py): the minimum predicted time to first token; prefix and load
+# scorers with small weights only break its ties. Its decode and tie-break settings, varied:
+VARIANTS["predicted-ttft"] = predicted_ttft()
+VARIANTS["predicted-ttft decode 0"] = predicted_ttft(decodeTokens=0)
+VARIANTS["predicted-ttft decode 32"] = predicted_ttft(decodeTokens=32)
+VARIANTS["predicted-ttft decode 16"] = predicted_ttft(decodeTokens=16)
+VARIANTS["predicted-ttft decode 4"] = predicted_ttft(decodeTokens=4)
+VARIANTS["predicted-ttft load 0.05"] = predicted_ttft(0.05)
+VARIANTS["predicted-ttft load 0.2"] = predicted_ttft(0.2)
+BASELINES = ("round-robin", "prefix-hash")
+
+
 def _run(args: tuple[FastSpec, Cell]) -> dict[str, Any]:
     return run_cell(*args)["figures"]
 
@@ -117,8 +139,9 @@ def main() -> int:
     jobs: list[tuple[str, str, tuple[FastSpec, Cell]]] = []
     for w in workloads:
         c = cal[w]
-        jobs.append(("round-robin", w, (base, Cell("main", w, "round-robin", args.requests, c["rate_rps"],
-                                                    c["load"], args.pods))))
+        for baseline in BASELINES:
+            jobs.append((baseline, w, (base, Cell("main", w, baseline, args.requests, c["rate_rps"], c["load"],
+                                                  args.pods))))
         for name in args.variants.split(","):
             cfg = VARIANTS[name]
             spec = FastSpec(**{**base.__dict__, "scheduling": json.dumps(cfg) if cfg else ""})
@@ -128,13 +151,14 @@ def main() -> int:
         results = list(pool.map(_run, [j[2] for j in jobs]))
     rows: dict[tuple[str, str], dict[str, Any]] = {(j[0], j[1]): r for j, r in zip(jobs, results, strict=True)}
     lines = [f"Fast mode, {args.pods} pods, load {args.load}, {args.requests} requests, seed {args.seed}. "
-             "Cells: TTFT mean / p95 ms, hit rate.", "",
+             "Cells: TTFT mean / p90 / p95 ms, hit rate, share served cold (oracle's).", "",
              "| variant | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
-    for name in ["round-robin", *args.variants.split(",")]:
+    for name in [*BASELINES, *args.variants.split(",")]:
         cells = []
         for w in workloads:
             f = rows[(name, w)]
-            cells.append(f"{f['ttft_mean'] * 1e3:.1f} / {f['ttft_p95'] * 1e3:.1f}, {f['hit_rate'] * 100:.0f}%")
+            cells.append(f"{f['ttft_mean'] * 1e3:.1f} / {f['ttft_p90'] * 1e3:.1f} / {f['ttft_p95'] * 1e3:.1f}, "
+                         f"{f['hit_rate'] * 100:.0f}%, cold {f['cold_share'] * 100:.0f}% ({f['oracle_cold_share'] * 100:.0f}%)")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     print(text)

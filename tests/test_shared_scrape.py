@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -71,9 +72,13 @@ async def _replicas(n: int, pods: list[FakePod], url: str, cadence: Cadence) -> 
 
 
 def test_record_round_trip() -> None:
-    m = EndpointMetrics(2, 3, 0.5, 64, 160, 1000, 500, 2, frozenset({"a"}), frozenset())
+    m = EndpointMetrics(waiting=2, running=3, kv_usage=0.5, block_size=64, num_gpu_blocks=160, prefix_queries=1000,
+                        prefix_hits=500, prefill_tokens=7000, prefill_seconds=0.7, max_lora=2,
+                        running_loras=frozenset({"a"}), waiting_loras=frozenset())
     back = _decode(_encode(SharedSample("r1", 12.5, 0.1, m)))
     assert back.metrics == m and (back.replica, back.at, back.interval) == ("r1", 12.5, 0.1)
+    older = msgpack.packb(["r0", 1.0, 0.1, [1, 0, 0.1, 16, 8, 0, 0, 0, [], []]])  # the previous release's record
+    assert _decode(older).metrics == EndpointMetrics(waiting=1, kv_usage=0.1, block_size=16, num_gpu_blocks=8)
     assert _decode(_encode(SharedSample("r1", 1.0, 0.1, None))).metrics is None
     assert SharedSample("r", 10.0, 1.0, None).fresh(11.4) and not SharedSample("r", 10.0, 1.0, None).fresh(11.6)
 

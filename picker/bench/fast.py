@@ -200,6 +200,9 @@ class _FastRun:
         self.scrapers = 1 if cfg.shared_index else cfg.replicas
         self.scrapes = [0] * cfg.pods
         self.served = [0] * cfg.pods
+        # vllm:request_prefill_kv_computed_tokens_sum and _prefill_time_seconds_sum per pod (at request finish)
+        self.prefill_tokens = [0.0] * cfg.pods
+        self.prefill_seconds = [0.0] * cfg.pods
         self.history: dict[int, tuple[Message, ...]] = {}  # full messages (+ answer) of requests with follow-ups
         # index -> (prompt ids, oracle hashes, tokens, replica that routed it)
         self.live: dict[int, tuple[list[int], list[int], int, int]] = {}
@@ -369,6 +372,9 @@ class _FastRun:
         for fin in result.finished:
             i = int(fin.request_id)
             ids, hashes, tokens, replica = self.live.pop(i)
+            if fin.first_scheduled_time is not None and fin.first_token_time is not None:
+                self.prefill_tokens[k] += fin.prompt_tokens - fin.num_cached_tokens
+                self.prefill_seconds[k] += fin.first_token_time - fin.first_scheduled_time
             self.replica_endpoints[replica][k].finish_request(tokens)
             res.e2e[i] = now - res.sent[i]
             out = len(fin.output_token_ids)
@@ -398,6 +404,8 @@ class _FastRun:
             m.waiting = waiting
             m.running = running
             m.kv_usage = kv_usage
+            m.prefill_tokens = self.prefill_tokens[k]
+            m.prefill_seconds = self.prefill_seconds[k]
             m.updated_at = now
         interval = self.cadence.interval(self.endpoints[k], ok=True)
         for endpoints in self.replica_endpoints:

@@ -10,7 +10,8 @@ model; with the tiny validate-sim model a cache hit saves ~10 ms of ~28 and no r
   `system_tokens` tokens, `prompts_per_group` questions of `question_tokens` each, `output_tokens` out, Poisson
   arrivals at `rate` req/s in a seeded random order; the prefixes fit the fleet's caches, not one server's;
 - routers: `round-robin` (Envoy alone), `prefix-hash` (the picker with `--strategy prefix-hash`: a hash of the
-  first 1,000 prompt characters, scraping only for health), `picker` (`picker serve` defaults) and
+  first 1,000 prompt characters, scraping only for health), `picker` (`picker serve` defaults),
+  `picker-predicted-ttft` (PREDICTED_TTFT_CONFIG: the pod with the least predicted time to first token) and
   `picker-4-replicas` (four replicas behind one Envoy sharing a Valkey index: does the pods' scrape load grow?).
 
 Measured: hit rate from vLLM's own counters (prefix_cache_hits / prefix_cache_queries), TTFT from the client,
@@ -39,6 +40,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.bench import vllm_engine as engine
@@ -48,10 +50,11 @@ from picker.bench.live import parse_counters, start_direct_envoy
 from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, shared_prefix
 from picker.endpoints.scraper import Cadence
+from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 from picker.sim.profiles import TINY_CPU
 from picker.supervisor import HOST, Managed, process_scope, start_picker_fleet, start_valkey
 
-STRATEGIES = ("round-robin", "prefix-hash", "picker", "picker-4-replicas")
+STRATEGIES = ("round-robin", "prefix-hash", "picker", "picker-predicted-ttft", "picker-4-replicas")
 # What the prefix-hash baseline reads: nothing but liveness, so its scrapes are kept to a health check.
 HEALTH_ONLY_INTERVAL = "5s"
 # API-server CPU one /metrics scrape costs vLLM 0.32 on the CPU (bench/scrape_cost.py: 6.7-6.8 ms idle, 4.2-7.7 ms
@@ -162,6 +165,10 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -
         flags = ["--strategy", "prefix-hash", "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
     elif strategy in ("picker", "picker-4-replicas"):
         flags = list(spec.picker_args)
+    elif strategy == "picker-predicted-ttft":
+        config = logdir / "predicted-ttft.yaml"
+        config.write_text(yaml.safe_dump({"scheduling": PREDICTED_TTFT_CONFIG}))
+        flags = [*spec.picker_args, "--config-file", str(config)]
     else:
         raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     flags += ["--log-level", "WARNING"]
@@ -320,6 +327,8 @@ def sim_mirror(spec: RealSpec, seeds: int = 3) -> dict[str, dict[str, Any]]:
             "prefix-hash": ("prefix-hash", FastConfig(profile, spec.servers, seed=seed, cadence=health_only,
                                                       scrape_cost=cost)),
             "picker": ("picker", FastConfig(profile, spec.servers, seed=seed, cadence=Cadence(), scrape_cost=cost)),
+            "picker-predicted-ttft": ("picker", FastConfig(profile, spec.servers, seed=seed, cadence=Cadence(),
+                                                           scrape_cost=cost)),
             "picker-4-replicas": ("picker", FastConfig(profile, spec.servers, seed=seed, replicas=4,
                                                        shared_index=True, cadence=Cadence(compare_in_flight=False),
                                                        scrape_cost=cost)),
@@ -335,7 +344,8 @@ def sim_mirror(spec: RealSpec, seeds: int = 3) -> dict[str, dict[str, Any]]:
         for name, (strategy, cfg) in setups(seed).items():
             if name in STRATEGIES and name not in spec.strategies:
                 continue
-            res = run_fast(trace, strategy, cfg)
+            res = run_fast(trace, strategy, cfg,
+                           scheduling=PREDICTED_TTFT_CONFIG if name == "picker-predicted-ttft" else None)
             figures = summarize(res)
             served = res.pod_served
             ttft = np.array([t for t in res.ttft if not math.isnan(t)]) * 1000
@@ -461,6 +471,10 @@ def targets(m: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             f"{pk['ttft_mean_ms']:.1f} vs {ph['ttft_mean_ms']:.1f} ms")
     if pk:
         add("picker request share within 60/40", pk["max_share"] <= 0.60, f"busiest pod {pk['max_share']:.2f}")
+    pt = m.get("picker-predicted-ttft")
+    if pt and ph:
+        add("predicted-ttft picker TTFT mean < prefix-hash's", pt["ttft_mean_ms"] < ph["ttft_mean_ms"],
+            f"{pt['ttft_mean_ms']:.1f} vs {ph['ttft_mean_ms']:.1f} ms")
     p4 = m.get("picker-4-replicas")
     if pk and p4:
         # 5 %: a run's scrape count over its wall time jitters by a scrape or two

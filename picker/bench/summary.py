@@ -45,6 +45,13 @@ def _cold_share(res: RunResult) -> float:
     return sum(1 for o, p in pairs if o < p / 2) / len(pairs) if pairs else math.nan
 
 
+def _served_cold_share(res: RunResult) -> float:
+    """Share of completed requests that were served from cache for under half of their prompt."""
+    pairs = [(c, p) for c, p, s in zip(res.cached_tokens, res.prompt_tokens, res.status, strict=True)
+             if s == OK and p > 0]
+    return sum(1 for c, p in pairs if c < p / 2) / len(pairs) if pairs else math.nan
+
+
 def bootstrap_ci(values: np.ndarray, stat: str, resamples: int = 400, seed: int = 0) -> list[float]:
     """95 % bootstrap interval of the mean or the p95 (resampling requests): how much of a difference between two
     strategies a run of this size can resolve."""
@@ -81,8 +88,10 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "hit_rate_of_oracle": hit / oracle if oracle and oracle > 0 else math.nan,
         # requests no router can serve mostly from cache: their TTFT is a full prefill under any routing
         "oracle_cold_share": _cold_share(res),
+        "cold_share": _served_cold_share(res),
         "ttft_mean": _mean(ttft),
         "ttft_p50": _pct(ttft, 50),
+        "ttft_p90": _pct(ttft, 90),
         "ttft_p95": _pct(ttft, 95),
         "ttft_p99": _pct(ttft, 99),
         "ttft_mean_ci95": bootstrap_ci(ttft, "mean") if ttft.size <= 20_000 else [math.nan, math.nan],

@@ -20,6 +20,8 @@ _SUMMED = {
     "num_requests_running": "running",
     "prefix_cache_queries_total": "prefix_queries",
     "prefix_cache_hits_total": "prefix_hits",
+    "request_prefill_kv_computed_tokens_sum": "prefill_tokens",
+    "request_prefill_time_seconds_sum": "prefill_seconds",
 }
 _KV = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # the second is the pre-0.10 name
 _WANTED = (*_SUMMED, *_KV, "cache_config_info", "lora_requests_info")
@@ -104,6 +106,8 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
     m.running = sums["running"]
     m.prefix_queries = sums["prefix_queries"]
     m.prefix_hits = sums["prefix_hits"]
+    m.prefill_tokens = sums["prefill_tokens"]
+    m.prefill_seconds = sums["prefill_seconds"]
     if kv_count:
         m.kv_usage = kv_total / kv_count
     m.block_size = block_size

@@ -35,6 +35,8 @@ class EndpointMetrics:
     num_gpu_blocks: int | None = None  # vllm:cache_config_info{num_gpu_blocks}
     prefix_queries: float = 0.0  # vllm:prefix_cache_queries_total (tokens)
     prefix_hits: float = 0.0  # vllm:prefix_cache_hits_total (tokens)
+    prefill_tokens: float = 0.0  # vllm:request_prefill_kv_computed_tokens_sum (tokens prefilled, finished requests)
+    prefill_seconds: float = 0.0  # vllm:request_prefill_time_seconds_sum (their time in the prefill phase)
     max_lora: int = 0
     running_loras: frozenset[str] = frozenset()
     waiting_loras: frozenset[str] = frozenset()

@@ -30,7 +30,7 @@ from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_MAX_PREFIX_BLOCKS, Pr
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
 from picker.saturation import SaturationThresholds
-from picker.scheduling import filters, picker, profiles, scorers
+from picker.scheduling import filters, picker, predicted, profiles, scorers
 from picker.scheduling.picker import MaxScorePicker, RandomPicker
 from picker.scheduling.plugins import Filter, Plugin, PluginDeps, PluginFactory, Scorer
 from picker.scheduling.profiles import Classifier, Profile, RequestClassifier, SingleProfile, WeightedScorer
@@ -104,9 +104,30 @@ DEFAULT_CONFIG: dict[str, Any] = {
     ],
 }
 
+# Route on predicted time to first token (picker/scheduling/predicted.py): the pod predicted to start streaming
+# soonest wins; the prefix and load scorers, with small weights, only break its ties; LoRA affinity still counts.
+# Opt-in for now (`scheduling:` in --config-file); bench/README.md has it against the defaults.
+PREDICTED_TTFT_CONFIG: dict[str, Any] = {
+    "plugins": [
+        {"type": "predicted-ttft-scorer", "name": "predicted-ttft-scorer"},
+        {"type": "prefix-cache-scorer", "name": "prefix-cache-scorer"},
+        {"type": "in-flight-load-scorer", "name": "in-flight-load-scorer"},
+        {"type": "lora-affinity-scorer", "name": "lora-affinity-scorer"},
+        {"type": "max-score-picker", "name": "max-score-picker", "parameters": {"maxNumOfEndpoints": 3}},
+    ],
+    "schedulingProfiles": [{"name": "predicted-ttft", "plugins": [
+        {"pluginRef": "predicted-ttft-scorer", "weight": 1},
+        {"pluginRef": "prefix-cache-scorer", "weight": 0.01},
+        {"pluginRef": "in-flight-load-scorer", "weight": 0.001},
+        {"pluginRef": "lora-affinity-scorer", "weight": 0.5},
+        {"pluginRef": "max-score-picker"},
+    ]}],
+}
+
 # Every plugin type a config may name, each with the factory that decodes its parameters.
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
-    f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *picker.FACTORIES, *profiles.FACTORIES)
+    f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *picker.FACTORIES,
+                             *profiles.FACTORIES)
 }
 
 

@@ -1,0 +1,119 @@
+"""The predicted-TTFT scorer: cost in seconds of waiting, uncached prefill and decode interference; the rate it
+learns from vLLM's own prefill counters; the configuration that selects it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.requests import InferenceRequest
+from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler
+from picker.scheduling.context import SchedulingContext
+from picker.scheduling.predicted import PredictedTTFTScorer
+from picker.schema import ConfigError
+
+RATE = 10_000.0  # prefill tokens per second (the prior)
+
+
+def pod(i: int, waiting: float = 0.0, running: float = 0.0) -> Endpoint:
+    e = Endpoint.from_address(f"10.0.0.{i}:8000")
+    e.metrics = EndpointMetrics(waiting=waiting, running=running, updated_at=0.0)
+    return e
+
+
+def ctx(prompt_tokens: int, matched_blocks: list[int], now: float = 0.0, block_tokens: int = 16,
+        addresses: list[str] | None = None) -> SchedulingContext:
+    """A request of `prompt_tokens` tokens (4 characters each) whose prefix the index places as given."""
+    request = InferenceRequest("r", "m", prompt_text="x" * (prompt_tokens * 4))
+    c = SchedulingContext(request=request, now=now, model="m")
+    c.block_chars = block_tokens * 4
+    c.keys = list(range(prompt_tokens // block_tokens))
+    c.matched = matched_blocks
+    if addresses is not None:
+        c.matches = {a: b for a, b in zip(addresses, matched_blocks, strict=True) if b}
+    return c
+
+
+def scorer(decode_tokens: float = 0.0, queued_request_tokens: float = 1024.0, rate_smoothing: float = 0.2,
+           min_rate_sample_tokens: float = 256.0) -> PredictedTTFTScorer:
+    return PredictedTTFTScorer(prefill_tokens_per_second=RATE, decode_tokens=decode_tokens,
+                               queued_request_tokens=queued_request_tokens, rate_smoothing=rate_smoothing,
+                               min_rate_sample_tokens=min_rate_sample_tokens)
+
+
+def test_prediction_is_wait_plus_uncached_plus_decode_over_the_rate() -> None:
+    s = scorer(decode_tokens=8.0)
+    holder, idle = pod(1, running=2), pod(2)
+    predicted = s.predict(ctx(2048, [96, 0]), [holder, idle])  # holder has 96 x 16 = 1536 of 2048 tokens
+    assert predicted[0].uncached_tokens == pytest.approx(512) and predicted[0].decode_tokens == pytest.approx(16)
+    assert predicted[0].seconds == pytest.approx((512 + 16) / RATE)
+    assert predicted[1].seconds == pytest.approx(2048 / RATE)
+    scores = s.score(ctx(2048, [96, 0]), [holder, idle])
+    assert scores[0] == 1.0 and scores[1] == pytest.approx(528 / 2048)  # min / predicted, in [0, 1]
+
+
+def test_a_cached_prefix_behind_a_queue_loses_to_a_cold_idle_pod_when_the_wait_costs_more() -> None:
+    """Spilling is decided by cost: the holder's backlog against the idle pod's uncached prefill."""
+    s = scorer()
+    holder, idle = pod(1), pod(2)
+    addresses = [holder.address, idle.address]
+    request = ctx(2048, [120, 0], addresses=addresses)  # 1920 of 2048 tokens cached on the holder
+    assert s.score(request, [holder, idle])[0] == 1.0
+    s.on_picked(ctx(1000, [0, 0], addresses=addresses), holder, 0.0)  # 1,000 tokens of work queued on it
+    assert s.score(ctx(2048, [120, 0], addresses=addresses), [holder, idle])[0] == 1.0  # 1128 < 2048: wait
+    s.on_picked(ctx(1500, [0, 0], addresses=addresses), holder, 0.0)  # 2,500 queued: more than a cold prefill
+    late = s.score(ctx(2048, [120, 0], addresses=addresses), [holder, idle])
+    assert late[1] == 1.0 and late[0] < 1.0
+    drained = s.score(ctx(2048, [120, 0], now=0.2, addresses=addresses), [holder, idle])  # 2,000 tokens done
+    assert drained[0] == 1.0
+
+
+def test_a_reported_queue_longer_than_what_we_routed_counts() -> None:
+    """Traffic from elsewhere: the pod's waiting requests, each worth the mean uncached prompt we route."""
+    s = scorer(queued_request_tokens=500.0)
+    busy, idle = pod(1, waiting=4), pod(2)
+    predicted = s.predict(ctx(100, [0, 0]), [busy, idle])
+    assert predicted[0].wait_tokens == pytest.approx(2000) and predicted[1].wait_tokens == 0.0
+
+
+def test_the_rate_is_learned_from_the_pods_prefill_counters() -> None:
+    s = scorer(rate_smoothing=0.5, min_rate_sample_tokens=100.0)
+    e = pod(1)
+    s.predict(ctx(100, [0]), [e])  # first read: the baseline
+    e.metrics = EndpointMetrics(updated_at=1.0, prefill_tokens=20_000.0, prefill_seconds=1.0)
+    s.predict(ctx(100, [0]), [e])
+    assert s.pool_rate == pytest.approx(15_000.0)  # halfway from 10k to the 20k/s sample
+    e.metrics = EndpointMetrics(updated_at=2.0, prefill_tokens=20_050.0, prefill_seconds=1.01)
+    s.predict(ctx(100, [0]), [e])
+    assert s.pool_rate == pytest.approx(15_000.0)  # 50 tokens: too small a sample, kept for later
+    e.metrics = EndpointMetrics(updated_at=3.0, prefill_tokens=30.0, prefill_seconds=0.01)  # the pod restarted
+    s.predict(ctx(100, [0]), [e])
+    e.metrics = EndpointMetrics(updated_at=4.0, prefill_tokens=5_030.0, prefill_seconds=1.01)
+    s.predict(ctx(100, [0]), [e])
+    assert s.pool_rate == pytest.approx(10_000.0)  # 5,000 tokens in 1 s after the restart: halfway to 5k
+
+
+def test_peer_picks_queue_work_and_removal_forgets_the_pod() -> None:
+    from picker.scheduling.plugins import PeerPick
+
+    s = scorer()
+    a, b = pod(1), pod(2)
+    s.on_peer_picked(PeerPick(a.address, 4000 * 4), 0.0)
+    assert s.predict(ctx(100, [0, 0]), [a, b])[0].wait_tokens == pytest.approx(4000)
+    s.on_endpoint_removed(a)
+    assert s.predict(ctx(100, [0, 0]), [a, b])[0].wait_tokens == 0.0
+
+
+def test_the_documented_config_builds_and_routes_to_the_least_predicted() -> None:
+    scheduler = build_scheduler(PREDICTED_TTFT_CONFIG, rng=random.Random(0))
+    assert list(scheduler.profiles) == ["predicted-ttft"]
+    a, b = pod(1, waiting=3), pod(2)
+    result = scheduler.schedule(InferenceRequest("r", "m", prompt_text="hello " * 200), [a, b], 0.0)
+    assert result.ranked[0] is b
+    scores = {c.endpoint.address: c.scores["predicted-ttft-scorer"] for c in result.candidates}
+    assert scores[b.address] == 1.0 and 0.0 <= scores[a.address] < 1.0
+    with pytest.raises(ConfigError, match=r"parameters\.decodeTokenz: unknown key"):
+        build_scheduler({**PREDICTED_TTFT_CONFIG, "plugins": [
+            {"type": "predicted-ttft-scorer", "parameters": {"decodeTokenz": 1}}]})
