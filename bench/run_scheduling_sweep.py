@@ -111,10 +111,20 @@ def predicted_ttft(load_weight: float = 0.001, **params: Any) -> dict[str, Any]:
 VARIANTS["predicted-ttft"] = predicted_ttft()
 VARIANTS["predicted-ttft decode 0"] = predicted_ttft(decodeTokens=0)
 VARIANTS["predicted-ttft decode 32"] = predicted_ttft(decodeTokens=32)
-VARIANTS["predicted-ttft decode 16"] = predicted_ttft(decodeTokens=16)
-VARIANTS["predicted-ttft decode 4"] = predicted_ttft(decodeTokens=4)
-VARIANTS["predicted-ttft load 0.05"] = predicted_ttft(0.05)
-VARIANTS["predicted-ttft load 0.2"] = predicted_ttft(0.2)
+
+
+def hybrid() -> dict[str, Any]:
+    """The defaults with the context-heavy profile (long prompts, long cached prefixes) replaced by
+    PREDICTED_TTFT_CONFIG's: short prompts keep the weighted scorers."""
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    cfg["plugins"].insert(0, {"type": "predicted-ttft-scorer", "name": "predicted-ttft-scorer"})
+    for p in cfg["schedulingProfiles"]:
+        if p["name"] == "context-heavy":
+            p["plugins"] = copy.deepcopy(PREDICTED_TTFT_CONFIG["schedulingProfiles"][0]["plugins"])
+    return {"plugins": cfg["plugins"], "schedulingProfiles": cfg["schedulingProfiles"]}
+
+
+VARIANTS["hybrid: long prompts predicted"] = hybrid()
 BASELINES = ("round-robin", "prefix-hash")
 
 

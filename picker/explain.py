@@ -49,6 +49,8 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
                  *(f"{c.scores.get(n, float('nan')):>{w}.3f}" for n, w in zip(names, widths, strict=True)),
                  f"{c.total:>8.3f}", f"filtered by {c.filtered_by}" if c.filtered_by else ""]
         lines.append("  ".join(cells).rstrip())
+        if c.details:
+            lines.append(f"{'':<22}  " + "  ".join(f"{k}={v:.4g}" for k, v in sorted(c.details.items())))
     return "\n".join(lines)
 
 
@@ -70,7 +72,8 @@ async def _call(args: argparse.Namespace) -> str:
         if args.json:
             return json.dumps({"ranked": list(response.ranked), "profile": response.profile,
                                "error": response.error_code or None,
-                               "candidates": [{"address": c.address, "scores": dict(c.scores), "total": c.total,
+                               "candidates": [{"address": c.address, "scores": dict(c.scores),
+                                               "details": dict(c.details), "total": c.total,
                                                "filtered_by": c.filtered_by or None}
                                               for c in response.candidates]}, indent=2)
         return format_explain(response)

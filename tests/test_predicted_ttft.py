@@ -3,16 +3,26 @@ learns from vLLM's own prefill counters; the configuration that selects it."""
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Iterator
+from typing import Any
 
+import aiohttp
+import grpc
 import pytest
+import yaml
 
+import picker.api  # noqa: F401 - says how to build the stubs when they are missing
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.requests import InferenceRequest
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.predicted import PredictedTTFTScorer
 from picker.schema import ConfigError
+from picker.supervisor import process_scope, start_backends, start_envoy, start_picker
+from tests.test_scheduling_grpc import Scene
 
 RATE = 10_000.0  # prefill tokens per second (the prior)
 
@@ -114,6 +124,64 @@ def test_the_documented_config_builds_and_routes_to_the_least_predicted() -> Non
     assert result.ranked[0] is b
     scores = {c.endpoint.address: c.scores["predicted-ttft-scorer"] for c in result.candidates}
     assert scores[b.address] == 1.0 and 0.0 <= scores[a.address] < 1.0
+    details = {c.endpoint.address: c.details for c in result.candidates}
+    assert details[a.address]["predicted-ttft-scorer.wait_tokens"] == pytest.approx(3 * 1024)  # 3 queued x prior
+    assert details[b.address]["predicted-ttft-scorer.predicted_ms"] < details[a.address][
+        "predicted-ttft-scorer.predicted_ms"]
     with pytest.raises(ConfigError, match=r"parameters\.decodeTokenz: unknown key"):
         build_scheduler({**PREDICTED_TTFT_CONFIG, "plugins": [
             {"type": "predicted-ttft-scorer", "parameters": {"decodeTokenz": 1}}]})
+
+
+# --- through Envoy: `picker serve` with PREDICTED_TTFT_CONFIG in front of echo pods reporting chosen metrics ---
+
+@pytest.fixture(scope="module")
+def scene() -> Iterator[Scene]:
+    with process_scope("predicted-ttft") as (logdir, started):
+        pods = start_backends(3, logdir, name="pods")
+        started.append(pods.process)
+        config = logdir / "picker.yaml"
+        config.write_text(yaml.safe_dump({"refresh-metrics-interval": "50ms", "admission": {"staleThreshold": "2s"},
+                                          "scheduling": PREDICTED_TTFT_CONFIG}))
+        picker = start_picker(logdir, endpoints=pods.addresses, extra=["--config-file", str(config)])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, pods.addresses)
+        started.append(envoy.process)
+        yield Scene(pods, picker, envoy)
+
+
+async def _explain(scene: Scene, body: dict[str, Any]) -> picker_pb2.ExplainResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
+        return await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
+            path="/v1/completions", body=json.dumps(body).encode()))
+
+
+async def _via_envoy(scene: Scene, body: dict[str, Any]) -> str:
+    async with aiohttp.ClientSession() as session, session.post(scene.envoy.url + "/v1/completions",
+                                                                json=body) as response:
+        assert response.status == 200
+        return str((await response.json())["served_by"])
+
+
+async def test_through_envoy_a_prefix_stays_until_its_pods_queue_costs_more_than_a_cold_prefill(scene: Scene) -> None:
+    document = " ".join(f"clause{i} of the shared contract" for i in range(220))  # ~7,000 chars, ~1,750 tokens
+    await scene.set()
+    holder = await _via_envoy(scene, {"model": "tiny", "prompt": document + " question 0", "max_tokens": 4})
+    for i in range(1, 4):
+        assert await _via_envoy(scene, {"model": "tiny", "prompt": document + f" question {i}",
+                                        "max_tokens": 4}) == holder
+    index = scene.pods.addresses.index(holder)
+    asked = {"model": "tiny", "prompt": document + " question 9", "max_tokens": 4}
+    explained = await _explain(scene, asked)
+    parts = {c.address: c.details for c in explained.candidates}
+    assert explained.ranked[0] == holder
+    assert all(f"predicted-ttft-scorer.{k}" in parts[a] for a in parts
+               for k in ("predicted_ms", "wait_tokens", "uncached_tokens", "decode_tokens"))
+    assert parts[holder]["predicted-ttft-scorer.uncached_tokens"] < min(
+        d["predicted-ttft-scorer.uncached_tokens"] for a, d in parts.items() if a != holder)
+    await scene.set(**{f"p{index}": {"waiting": 1}})  # one request queued: still cheaper than a cold prefill
+    assert await _via_envoy(scene, {**asked, "prompt": document + " question 10"}) == holder
+    await scene.set(**{f"p{index}": {"waiting": 40}})  # a long queue from traffic elsewhere: spill
+    moved = await _via_envoy(scene, {**asked, "prompt": document + " question 11"})
+    assert moved != holder
+    await scene.set()

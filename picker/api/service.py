@@ -35,6 +35,8 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
                                        filtered_by=candidate.filtered_by or "")
         for name, score in candidate.scores.items():
             item.scores[name] = score
+        for name, value in candidate.details.items():
+            item.details[name] = value
     return response
 
 

@@ -7,9 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from picker.endpoints.state import Endpoint
 from picker.requests import InferenceRequest
+
+
+class Detail(Protocol):
+    """What a plugin computed for one candidate, for Explain: named figures (not scores: any range)."""
+
+    def explain(self) -> dict[str, float]: ...
 
 
 @dataclass(slots=True)
@@ -23,6 +30,13 @@ class SchedulingContext:
     block_chars: int = 64
     matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
     matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored
+    # plugin name -> one Detail per scored candidate (aligned with them), read only by Explain and traces
+    details: dict[str, Sequence[Detail]] | None = None
+
+    def note(self, plugin: str, per_candidate: Sequence[Detail]) -> None:
+        if self.details is None:
+            self.details = {}
+        self.details[plugin] = per_candidate
 
     @classmethod
     def of(cls, request: InferenceRequest, now: float) -> SchedulingContext:

@@ -62,6 +62,11 @@ class Prediction:
     decode_tokens: float
     rate: float
 
+    def explain(self) -> dict[str, float]:
+        return {"predicted_ms": self.seconds * 1e3, "wait_tokens": self.wait_tokens,
+                "uncached_tokens": self.uncached_tokens, "decode_tokens": self.decode_tokens,
+                "prefill_tokens_per_s": self.rate}
+
 
 class PredictedTTFTScorer(Plugin):
     """Scores each candidate by min(predicted TTFT) / its predicted TTFT (module docstring)."""
@@ -139,7 +144,9 @@ class PredictedTTFTScorer(Plugin):
         return out
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
-        seconds = [p.seconds for p in self.predict(ctx, candidates)]
+        predictions = self.predict(ctx, candidates)
+        ctx.note(self.name, predictions)
+        seconds = [p.seconds for p in predictions]
         best = min(seconds)
         if best <= 0.0:
             return [1.0 if s <= 0.0 else 0.0 for s in seconds]

@@ -208,6 +208,10 @@ class ExplainedResult(SchedulingResult):
                 CandidateScore(e, dict(zip(names, row, strict=True)), t)
                 for e, row, t in zip(endpoints, rows, totals, strict=True)
             ]
+            notes = self.context.details if self.context is not None else None
+            for plugin, per_candidate in (notes or {}).items():
+                for candidate, detail in zip(built, per_candidate, strict=True):
+                    candidate.details.update({f"{plugin}.{k}": v for k, v in detail.explain().items()})
             built.sort(key=_by_total, reverse=True)
             for name, before, kept in steps:
                 survivors = {id(e) for e in kept}

@@ -20,6 +20,7 @@ class CandidateScore:
     scores: dict[str, float] = field(default_factory=dict)
     total: float = 0.0
     filtered_by: str | None = None  # name of the filter that removed it, if any
+    details: dict[str, float] = field(default_factory=dict)  # "plugin.figure" -> value (e.g. predicted TTFT parts)
 
 
 @dataclass(slots=True)
