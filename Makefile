@@ -43,7 +43,7 @@ bench-smoke: install
 overhead: install
 	$(BIN)/python bench/overhead.py
 
-# Real vLLM CPU servers (installed into bench/.venvs/vllm on first use): routers compared, ~40 minutes.
+# Real vLLM CPU servers (installed into bench/.venvs/vllm on first use): routers compared, ~55 minutes.
 bench-real: install
 	$(BIN)/picker bench --engine vllm --out bench/out/real
 

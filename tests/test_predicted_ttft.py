@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -185,3 +186,9 @@ async def test_through_envoy_a_prefix_stays_until_its_pods_queue_costs_more_than
     moved = await _via_envoy(scene, {**asked, "prompt": document + " question 11"})
     assert moved != holder
     await scene.set()
+
+
+def test_the_readme_yaml_is_the_documented_config() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("  scheduling:          # PREDICTED_TTFT_CONFIG\n", 1)[1].split("  ```", 1)[0]
+    assert yaml.safe_load(block) == PREDICTED_TTFT_CONFIG
