@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30,
                     45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)
 _SCHEDULER_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072)
 
 
@@ -77,6 +78,17 @@ class PickerMetrics:
         self.scrapes = Counter("picker_model_server_scrapes",
                                "/metrics requests this picker made to each model server (what our signals cost "
                                "the pods), by result.", ["name", "model_server_pod", "result"], registry=r)
+        # Predicted TTFT (the predicted-ttft scorer) against the pods' own vllm:time_to_first_token_seconds
+        self.ttft_predicted = Gauge("picker_ttft_predicted_seconds",
+                                    "Mean predicted TTFT of the requests routed to the pod in its last scrape interval.",
+                                    ["name", "model_server_pod"], registry=r)
+        self.ttft_observed = Gauge("picker_ttft_observed_seconds",
+                                   "Mean TTFT the pod measured (vllm:time_to_first_token_seconds) in the same interval.",
+                                   ["name", "model_server_pod"], registry=r)
+        self.ttft_prediction_ratio = Histogram("picker_ttft_prediction_ratio",
+                                               "Predicted / measured mean TTFT per pod and scrape interval "
+                                               "(1 = exact; how far to trust the predicted-ttft scorer).",
+                                               ["name"], buckets=_RATIO_BUCKETS, registry=r)
         self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
@@ -86,6 +98,13 @@ class PickerMetrics:
         self.output_tokens.labels(model, target).observe(completion)
         self.prompt_tokens.labels(model).inc(prompt)
         self.cached_tokens.labels(model).inc(cached)
+
+    def observe_prediction(self, endpoint: Endpoint, predicted_s: float, observed_s: float) -> None:
+        """PredictionObserver: one pod's predicted and measured mean TTFT over a scrape interval."""
+        self.ttft_predicted.labels(self.pool_name, endpoint.name).set(predicted_s)
+        self.ttft_observed.labels(self.pool_name, endpoint.name).set(observed_s)
+        if observed_s > 0:
+            self.ttft_prediction_ratio.labels(self.pool_name).observe(predicted_s / observed_s)
 
     def observe_scrape(self, endpoint: Endpoint, ok: bool) -> None:
         self.scrapes.labels(self.pool_name, endpoint.name, "ok" if ok else "error").inc()
@@ -110,7 +129,7 @@ class PickerMetrics:
         self.registry.register(_IndexSyncCollector(stats))
 
     def forget_pod(self, endpoint: Endpoint) -> None:
-        for gauge in (self.pod_queue, self.in_flight):
+        for gauge in (self.pod_queue, self.in_flight, self.ttft_predicted, self.ttft_observed):
             with contextlib.suppress(KeyError):
                 gauge.remove(self.pool_name, endpoint.name)
         for result in ("ok", "error"):  # a departed pod's series go with it (pod churn must not grow /metrics)

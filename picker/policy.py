@@ -31,13 +31,14 @@ class Policy:
     shared_index: SharedPrefixIndex | None  # with --index-backend redis: start() it, stop() it
 
 
-def build_policy(config: ServeConfig) -> Policy:
+def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> Policy:
     """The `--strategy` (default: the full prefix- and load-aware picker) with the `scheduling` and `admission`
     sections. With `--index-backend redis` the Redis-shared index is built first and handed to the scheduler,
-    and the scheduler then hears of the other replicas' picks through it."""
+    and the scheduler then hears of the other replicas' picks through it. `metrics` receives how predictions
+    compare with the pods' measurements."""
     shared = shared_index(config)
     scheduler = build_strategy(config.strategy, config=config.scheduling, rng=random.Random(config.seed),
-                               index=shared, saturation=config.admission.thresholds)
+                               index=shared, saturation=config.admission.thresholds, observer=metrics)
     if shared is not None:
         shared.peer_listener = scheduler.on_peer_picked
     return Policy(scheduler, AdmissionController(config.admission), Priorities(config.admission), shared)

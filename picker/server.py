@@ -61,7 +61,7 @@ class PickerServer:
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view
         self._http_server: WSGIServer | None = None
         await self._start_endpoint_sources(c)
-        policy = build_policy(c)
+        policy = build_policy(c, self.metrics)
         self.scheduler = policy.scheduler
         self.shared_index = policy.shared_index
         if self.shared_index is not None:

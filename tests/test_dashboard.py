@@ -17,7 +17,8 @@ METRIC = re.compile(r"\b(?:inference|picker)_[a-z0-9_]+\b")
 
 
 def exported_series() -> set[str]:
-    """Every series name a picker exposes once it has routed, refused, scraped a pod and synced an index."""
+    """Every series name a picker exposes once it has routed, refused, scraped a pod, synced an index and compared
+    a predicted TTFT with a measured one."""
     metrics = PickerMetrics("pool")
     metrics.watch_index_sync(SyncStats())
     metrics.requests.labels("m", "m", "0").inc()
@@ -30,6 +31,7 @@ def exported_series() -> set[str]:
     pod = Endpoint.from_address("10.0.0.1:8000")
     metrics.observe_pool([pod])
     metrics.observe_scrape(pod, True)
+    metrics.observe_prediction(pod, 0.1, 0.12)
     text = generate_latest(metrics.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 

@@ -13,17 +13,20 @@ import aiohttp
 import grpc
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.observability import PickerMetrics
 from picker.requests import InferenceRequest
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.predicted import PredictedTTFTScorer
 from picker.schema import ConfigError
-from picker.supervisor import process_scope, start_backends, start_envoy, start_picker
+from picker.supervisor import process_scope, start_backends, start_envoy, start_picker, start_sim
 from tests.test_scheduling_grpc import Scene
+from tests.waiting import eventually_async
 
 RATE = 10_000.0  # prefill tokens per second (the prior)
 
@@ -192,3 +195,67 @@ def test_the_readme_yaml_is_the_documented_config() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("  scheduling:          # PREDICTED_TTFT_CONFIG\n", 1)[1].split("  ```", 1)[0]
     assert yaml.safe_load(block) == PREDICTED_TTFT_CONFIG
+
+
+class Recorder:
+    """A PredictionObserver that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float, float]] = []
+
+    def observe_prediction(self, endpoint: Endpoint, predicted_s: float, observed_s: float) -> None:
+        self.seen.append((endpoint.address, predicted_s, observed_s))
+
+
+def test_predictions_are_compared_with_the_ttft_the_pod_measured() -> None:
+    recorder = Recorder()
+    s = PredictedTTFTScorer(prefill_tokens_per_second=RATE, decode_tokens=0.0, observer=recorder)
+    e = pod(1)
+    s.predict(ctx(100, [0]), [e])  # the pod's first scrape: the baseline of its TTFT counters
+    s.on_picked(ctx(1000, [0], addresses=[e.address]), e, 0.0)  # predicted 0.1 s (1,000 cold tokens, idle pod)
+    s.on_picked(ctx(1000, [0], addresses=[e.address]), e, 0.0)  # 0.2 s: behind the first one
+    e.metrics = EndpointMetrics(updated_at=1.0, ttft_seconds=0.5, ttft_count=2)  # the pod measured 0.25 s each
+    s.predict(ctx(100, [0]), [e])
+    assert recorder.seen == [(e.address, pytest.approx(0.15), pytest.approx(0.25))]
+    e.metrics = EndpointMetrics(updated_at=2.0, ttft_seconds=0.5, ttft_count=2)  # nothing new: nothing said
+    s.predict(ctx(100, [0]), [e])
+    assert len(recorder.seen) == 1
+
+
+def test_the_metrics_show_prediction_against_measurement_and_forget_a_departed_pod() -> None:
+    metrics = PickerMetrics("pool")
+    e = pod(1)
+    metrics.observe_prediction(e, 0.15, 0.25)
+    text = generate_latest(metrics.registry).decode()
+    assert f'picker_ttft_predicted_seconds{{model_server_pod="{e.name}",name="pool"}} 0.15' in text
+    assert f'picker_ttft_observed_seconds{{model_server_pod="{e.name}",name="pool"}} 0.25' in text
+    assert 'picker_ttft_prediction_ratio_bucket{le="0.67",name="pool"} 1.0' in text
+    metrics.forget_pod(e)
+    assert "picker_ttft_predicted_seconds{" not in generate_latest(metrics.registry).decode()
+
+
+async def test_through_envoy_on_simulated_vllm_the_predictions_are_exported_next_to_the_measurements() -> None:
+    """picker sim pods export vLLM's TTFT and prefill histograms; `picker serve` with PREDICTED_TTFT_CONFIG
+    learns the prefill rate from them and exports prediction against measurement per pod."""
+    with process_scope("predicted-ttft-sim") as (logdir, started):
+        pods = start_sim(2, logdir, model="tiny", time_scale=10.0)
+        started.append(pods.process)
+        config = logdir / "picker.yaml"
+        config.write_text(yaml.safe_dump({"refresh-metrics-interval": "100ms", "scheduling": PREDICTED_TTFT_CONFIG}))
+        picker = start_picker(logdir, endpoints=pods.addresses, extra=["--config-file", str(config)])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, pods.addresses)
+        started.append(envoy.process)
+        shared = " ".join(f"policy{i} applies to every answer" for i in range(150))
+        async with aiohttp.ClientSession() as session:
+
+            async def exported() -> bool:
+                for i in range(4):
+                    body = {"model": "tiny", "prompt": f"{shared} question {i}", "max_tokens": 2}
+                    async with session.post(envoy.url + "/v1/completions", json=body) as response:
+                        assert response.status == 200, await response.text()
+                async with session.get(f"http://127.0.0.1:{picker.metrics_port}/metrics") as response:
+                    text = await response.text()
+                return "picker_ttft_observed_seconds{" in text and "picker_ttft_prediction_ratio_count" in text
+
+            await eventually_async(exported, "predicted and measured TTFT exported", within=30.0)

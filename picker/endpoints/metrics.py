@@ -22,6 +22,8 @@ _SUMMED = {
     "prefix_cache_hits_total": "prefix_hits",
     "request_prefill_kv_computed_tokens_sum": "prefill_tokens",
     "request_prefill_time_seconds_sum": "prefill_seconds",
+    "time_to_first_token_seconds_sum": "ttft_seconds",
+    "time_to_first_token_seconds_count": "ttft_count",
 }
 _KV = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # the second is the pre-0.10 name
 _WANTED = (*_SUMMED, *_KV, "cache_config_info", "lora_requests_info")
@@ -108,6 +110,8 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
     m.prefix_hits = sums["prefix_hits"]
     m.prefill_tokens = sums["prefill_tokens"]
     m.prefill_seconds = sums["prefill_seconds"]
+    m.ttft_seconds = sums["ttft_seconds"]
+    m.ttft_count = sums["ttft_count"]
     if kv_count:
         m.kv_usage = kv_total / kv_count
     m.block_size = block_size

@@ -32,7 +32,7 @@ from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, I
 from picker.saturation import SaturationThresholds
 from picker.scheduling import filters, picker, predicted, profiles, scorers
 from picker.scheduling.picker import MaxScorePicker, RandomPicker
-from picker.scheduling.plugins import Filter, Plugin, PluginDeps, PluginFactory, Scorer
+from picker.scheduling.plugins import Filter, Plugin, PluginDeps, PluginFactory, PredictionObserver, Scorer
 from picker.scheduling.profiles import Classifier, Profile, RequestClassifier, SingleProfile, WeightedScorer
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.strategies import (
@@ -216,14 +216,17 @@ def build_scheduler(
     rng: random.Random | None = None,
     index: PrefixIndex | None = None,
     saturation: SaturationThresholds | None = None,
+    observer: PredictionObserver | None = None,
 ) -> PrefixAwareScheduler:
     """The full scheduler from its config (None = defaults). `index` swaps in a shared backend; `saturation`
-    is the admission section's definition of a full pod (the saturation filter's default)."""
+    is the admission section's definition of a full pod (the saturation filter's default); `observer` hears how
+    predictions compare with the pods' measurements."""
     cfg = scheduling_config(config)
     pc = cfg.prefix_cache
     deps = PluginDeps(rng=rng, base_models=tuple(cfg.models.base), adapters=tuple(cfg.models.adapters),
                       chars_per_token=pc.chars_per_token,
-                      saturation=saturation if saturation is not None else SaturationThresholds())
+                      saturation=saturation if saturation is not None else SaturationThresholds(),
+                      observer=observer)
     plugins: dict[str, Plugin] = {}
     for i, spec in enumerate(cfg.plugins):
         plugin = _make_plugin(spec, f"scheduling.plugins[{i}]", deps)
@@ -282,11 +285,12 @@ def build_strategy(
     rng: random.Random | None = None,
     index: PrefixIndex | None = None,
     saturation: SaturationThresholds | None = None,
+    observer: PredictionObserver | None = None,
 ) -> Scheduler:
     """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only,
     prefix-hash. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache)."""
     if name == "picker":
-        return build_scheduler(config, rng=rng, index=index, saturation=saturation)
+        return build_scheduler(config, rng=rng, index=index, saturation=saturation, observer=observer)
     if name == "round-robin":
         return RoundRobinScheduler()
     if name == "random":

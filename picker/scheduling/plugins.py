@@ -78,6 +78,15 @@ def min_max_inverse(values: Sequence[float]) -> list[float]:
     return [(hi - v) / span for v in values]
 
 
+class PredictionObserver(Protocol):
+    """Where a predicting plugin reports how its predictions compare with what the pods measured (the picker's
+    Prometheus metrics), so users can see whether to trust them."""
+
+    def observe_prediction(self, endpoint: Endpoint, predicted_s: float, observed_s: float) -> None:
+        """Mean predicted and pod-measured TTFT of `endpoint`'s requests over one scrape interval."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PluginDeps:
     """What the scheduler's builder hands every plugin factory: shared settings, never another plugin."""
@@ -87,6 +96,7 @@ class PluginDeps:
     adapters: tuple[str, ...] = ()  # `models.adapters`
     chars_per_token: int = CHARS_PER_TOKEN  # `prefixCache.charsPerToken`
     saturation: SaturationThresholds = field(default_factory=SaturationThresholds)  # the admission section's
+    observer: PredictionObserver | None = None  # prediction vs measurement (None: not reported)
 
 
 class NoParams(Section):

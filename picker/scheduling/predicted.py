@@ -32,7 +32,7 @@ from pydantic import Field
 
 from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
-from picker.scheduling.plugins import PeerPick, Plugin, PluginDeps, PluginFactory
+from picker.scheduling.plugins import PeerPick, Plugin, PluginDeps, PluginFactory, PredictionObserver
 from picker.schema import Section
 
 
@@ -46,6 +46,10 @@ class _Pod:
     seen_tokens: float = -1.0  # vllm:request_prefill_kv_computed_tokens_sum at the last scrape read
     seen_seconds: float = 0.0  # vllm:request_prefill_time_seconds_sum at the last scrape read
     seen_at: float = -1.0  # the scrape's updated_at
+    seen_ttft_seconds: float = -1.0  # vllm:time_to_first_token_seconds sum and count at the last scrape read
+    seen_ttft_count: float = 0.0
+    predicted_sum: float = 0.0  # predictions of the requests picked for this pod since that scrape
+    predicted_n: int = 0
 
     def backlog_at(self, now: float, rate: float) -> float:
         left = self.backlog - rate * (now - self.at)
@@ -76,7 +80,8 @@ class PredictedTTFTScorer(Plugin):
 
     def __init__(self, name: str | None = None, *, prefill_tokens_per_second: float = 10_000.0,
                  decode_tokens: float = 8.0, queued_request_tokens: float = 1024.0, rate_smoothing: float = 0.2,
-                 min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False, chars_per_token: int = 4) -> None:
+                 min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False, chars_per_token: int = 4,
+                 observer: PredictionObserver | None = None) -> None:
         super().__init__(name)
         if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0 or chars_per_token <= 0:
             raise ValueError("prefillTokensPerSecond and queuedRequestTokens must be positive")
@@ -92,6 +97,7 @@ class PredictedTTFTScorer(Plugin):
         # one pod's noisy samples do not make it look faster than its twins (and draw their traffic).
         self.per_pod_rate = per_pod_rate
         self.pool_rate = prefill_tokens_per_second
+        self.observer = observer
         self._pods: dict[str, _Pod] = {}
 
     def _pod(self, endpoint: Endpoint) -> _Pod:
@@ -101,8 +107,20 @@ class PredictedTTFTScorer(Plugin):
         m = endpoint.metrics
         if m.updated_at != pod.seen_at:
             self._learn_rate(pod, m.prefill_tokens, m.prefill_seconds)
+            self._compare(endpoint, pod, m.ttft_seconds, m.ttft_count)
             pod.seen_at = m.updated_at
         return pod
+
+    def _compare(self, endpoint: Endpoint, pod: _Pod, ttft_seconds: float, ttft_count: float) -> None:
+        """Report the mean TTFT the pod measured since the last scrape against what we predicted for the requests
+        we sent it meanwhile (the two sets differ by the few requests still before their first token)."""
+        if self.observer is not None and pod.seen_ttft_seconds >= 0 and ttft_count > pod.seen_ttft_count \
+                and pod.predicted_n:
+            observed = (ttft_seconds - pod.seen_ttft_seconds) / (ttft_count - pod.seen_ttft_count)
+            self.observer.observe_prediction(endpoint, pod.predicted_sum / pod.predicted_n, observed)
+        if ttft_count != pod.seen_ttft_count or pod.seen_ttft_seconds < 0:
+            pod.seen_ttft_seconds, pod.seen_ttft_count = ttft_seconds, ttft_count
+            pod.predicted_sum, pod.predicted_n = 0.0, 0
 
     def _learn_rate(self, pod: _Pod, tokens: float, seconds: float) -> None:
         """Fold the prefill work finished since the last sample into the pod's rate. Increments smaller than
@@ -126,22 +144,26 @@ class PredictedTTFTScorer(Plugin):
         prompt = self._prompt_tokens(ctx)
         block_tokens = ctx.block_chars / self.chars_per_token
         matched = ctx.matched or [0] * len(candidates)
-        now = ctx.now
-        out = []
-        for e, blocks in zip(candidates, matched, strict=True):
-            pod = self._pod(e)
-            uncached = prompt - blocks * block_tokens
-            if uncached < 0.0:
-                uncached = 0.0
-            queued = e.metrics.waiting * self.mean_uncached
-            rate = pod.rate if self.per_pod_rate else self.pool_rate
-            wait = pod.backlog_at(now, rate)
-            if queued > wait:
-                wait = queued
-            running = e.metrics.running if e.metrics.running > e.in_flight else e.in_flight
-            decode = running * self.decode_tokens
-            out.append(Prediction((wait + uncached + decode) / rate, wait, uncached, decode, rate))
-        return out
+        return [self._predict_one(e, prompt - blocks * block_tokens, ctx.now)
+                for e, blocks in zip(candidates, matched, strict=True)]
+
+    def _predict_one(self, e: Endpoint, uncached: float, now: float) -> Prediction:
+        pod = self._pod(e)
+        if uncached < 0.0:
+            uncached = 0.0
+        queued = e.metrics.waiting * self.mean_uncached
+        rate = pod.rate if self.per_pod_rate else self.pool_rate
+        wait = pod.backlog_at(now, rate)
+        if queued > wait:
+            wait = queued
+        running = e.metrics.running if e.metrics.running > e.in_flight else e.in_flight
+        decode = running * self.decode_tokens
+        return Prediction((wait + uncached + decode) / rate, wait, uncached, decode, rate)
+
+    def _uncached(self, ctx: SchedulingContext, endpoint: Endpoint) -> float:
+        """This request's prompt tokens the index does not place on `endpoint`."""
+        uncached = self._prompt_tokens(ctx) - ctx.matches.get(endpoint.address, 0) * ctx.block_chars / self.chars_per_token
+        return uncached if uncached > 0.0 else 0.0
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         predictions = self.predict(ctx, candidates)
@@ -154,9 +176,11 @@ class PredictedTTFTScorer(Plugin):
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         pod = self._pod(endpoint)
-        blocks = ctx.matches.get(endpoint.address, 0)
-        uncached = self._prompt_tokens(ctx) - blocks * ctx.block_chars / self.chars_per_token
-        self._add(pod, uncached if uncached > 0.0 else 0.0, now)
+        uncached = self._uncached(ctx, endpoint)
+        if self.observer is not None:  # what we expected of this pick, before it joins the pod's queue
+            pod.predicted_sum += self._predict_one(endpoint, uncached, now).seconds
+            pod.predicted_n += 1
+        self._add(pod, uncached, now)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         """A peer's pick carries no match length: count its whole prompt (an overestimate the drain corrects)."""
@@ -187,7 +211,7 @@ class PredictedTTFTParams(Section):
 
 def _predicted(name: str, p: PredictedTTFTParams, deps: PluginDeps) -> Plugin:
     kwargs: dict[str, Any] = p.model_dump()
-    return PredictedTTFTScorer(name, **kwargs, chars_per_token=deps.chars_per_token)
+    return PredictedTTFTScorer(name, **kwargs, chars_per_token=deps.chars_per_token, observer=deps.observer)
 
 
 FACTORIES: tuple[PluginFactory[Any], ...] = (
