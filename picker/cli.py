@@ -40,22 +40,38 @@ def missing_extra(command: str | None) -> str | None:
             f"install it with: pip install 'picker[{extra}]'")
 
 
+DESCRIPTION = (
+    "An endpoint picker for LLM inference behind Envoy. Envoy streams each request to `picker serve` over "
+    "ext_proc; the picker routes it to the vLLM pod that already caches the prompt's prefix and has room, or "
+    "sheds it. The other commands write the Envoy config, explain a routing decision, and run a simulated "
+    "vLLM fleet, a demo and a routing benchmark."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     # No abbreviations: `--endpoints-fil` must be an error, not a silent `--endpoints-file`.
-    parser = argparse.ArgumentParser(prog="picker", description=__doc__, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="picker", description=DESCRIPTION, allow_abbrev=False,
+                                     epilog="`picker COMMAND --help` lists a command's options.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = args_list[0] if args_list else None
     reason = missing_extra(chosen)
     if reason:
         print(reason, file=sys.stderr)
         return 1
+    subparsers: dict[str, argparse.ArgumentParser] = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         sub_parser.set_defaults(_module=module_name)
+        subparsers[name] = sub_parser
         if name == chosen:
             importlib.import_module(module_name).add_arguments(sub_parser)
-    args = parser.parse_args(args_list)
+    # A subparser hands unknown arguments back to the top level, whose error would show `picker`'s usage:
+    # the user needs the usage of the command they got wrong.
+    args, unknown = parser.parse_known_args(args_list)
+    if unknown:
+        owner = subparsers[args.command] if chosen == args.command else parser
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
 

@@ -215,20 +215,29 @@ def validate_with_envoy(path: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--mode", choices=sorted(TEMPLATES), default="buffered", help="ext_proc body mode (default buffered)")
-    a("--listen-host", default="127.0.0.1")
-    a("--listen-port", type=int, default=8080)
-    a("--admin-port", type=int, default=9901)
+    a("--mode", choices=sorted(TEMPLATES), default="buffered",
+      help="ext_proc body mode: Envoy buffers the whole body, or streams it (default %(default)s)")
+    a("--listen-host", default="127.0.0.1", help="address Envoy's HTTP listener binds (default %(default)s)")
+    a("--listen-port", type=int, default=8080, help="port clients send inference requests to (default %(default)s)")
+    a("--admin-port", type=int, default=9901, help="Envoy's admin interface port (default %(default)s)")
     a("--picker-host", default="127.0.0.1",
-      help="picker address; comma-separated for several replicas; DNS names make a STRICT_DNS cluster")
-    a("--picker-port", type=int, default=9002)
-    a("--picker-health-port", type=int, default=9003)
+      help="picker address; comma-separated for several replicas; DNS names make a STRICT_DNS cluster "
+      "(default %(default)s)")
+    a("--picker-port", type=int, default=9002,
+      help="the picker's ext_proc gRPC port, its --grpc-port (default %(default)s)")
+    a("--picker-health-port", type=int, default=9003,
+      help="the picker's gRPC health port Envoy checks, its --grpc-health-port (default %(default)s)")
     a("--pool", default="", help="ip:port,... of the model servers (the fail-open round-robin route); "
-      "name:port (e.g. a headless Service) makes that cluster STRICT_DNS")
-    a("--fail-closed", action="store_true", help="a picker outage gives 500 instead of round-robin")
-    a("--message-timeout", default="5s")
-    a("--out", help="write here instead of stdout")
-    a("--validate", action="store_true", help="also run `envoy --mode validate` on the result")
+      "name:port (e.g. a headless Service) makes that cluster STRICT_DNS (default: none, the fail-open route "
+      "then has no endpoints)")
+    a("--fail-closed", action="store_true",
+      help="a picker outage gives 500 instead of round-robin (default: fail open)")
+    a("--message-timeout", default="5s",
+      help="how long Envoy waits for the picker's answer to one ext_proc message before the failure mode "
+      "applies (default %(default)s)")
+    a("--out", metavar="PATH", help="write the config to PATH (default: stdout)")
+    a("--validate", action="store_true",
+      help="also run `envoy --mode validate` on the result (needs --out; default: off)")
 
 
 def run(args: argparse.Namespace) -> int:

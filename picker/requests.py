@@ -149,6 +149,12 @@ def _prompt_text(prompt: Any) -> str:
     raise RequestError(400, "invalid_prompt", "'prompt' must be a string or a list")
 
 
+def _too_deep() -> RequestError:
+    # The C decoder and encoder recurse once per nesting level: a body like `[[[[...` must be the client's
+    # 400, not an exception that ends the ext_proc stream (Envoy would then fail open to a pod).
+    return RequestError(400, "invalid_json", "request body is nested too deeply")
+
+
 def parse_body(body: bytes, api: ApiKind) -> dict[str, Any]:
     """Decode and validate a JSON request body; errors carry the 400 the client should get."""
     if not body:
@@ -161,6 +167,8 @@ def parse_body(body: bytes, api: ApiKind) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise RequestError(400, "invalid_json", f"request body is not JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(data, dict):
         raise RequestError(400, "invalid_json", "request body must be a JSON object")
     model = data.get("model")
@@ -226,7 +234,10 @@ def build_request(
         return request
     data = parse_body(body, api)
     request.model = data["model"]
-    request.prompt_text = prompt_of(data, api)
+    try:
+        request.prompt_text = prompt_of(data, api)
+    except RecursionError:  # a prompt that parsed, close to the limit, but is too deep to re-encode
+        raise _too_deep() from None
     request.stream = bool(data.get("stream"))
     max_tokens = data.get("max_tokens", data.get("max_completion_tokens"))
     request.max_tokens = max_tokens if isinstance(max_tokens, int) else None

@@ -10,6 +10,7 @@ import cProfile
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser)
 
 
+class BindError(OSError):
+    """A port `picker serve` cannot listen on, named by its flag: the user's one-line error, exit code 2."""
+
+    def __init__(self, flag: str, value: object, reason: str) -> None:
+        super().__init__(f"{flag} {value}: {reason}")
+
+
+def _check_port_free(host: str, port: int, flag: str) -> None:
+    """Try the bind gRPC is about to make, so a taken port gets the OS's reason instead of grpc's log line.
+
+    SO_REUSEADDR as gRPC sets it: a port left in TIME_WAIT by the last run is free, a listening one is not.
+    Port 0 is probed too: it still tells an unknown --host.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise BindError("--host", host, str(exc.strerror or exc).lower()) from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise BindError(flag, port, _reason(exc)) from None
+
+
+def _reason(exc: OSError) -> str:
+    return os.strerror(exc.errno).lower() if exc.errno else str(exc)
+
+
+def _bind_grpc(server: grpc.aio.Server, host: str, port: int, flag: str) -> int:
+    """Bind `server` to host:port and return the port; BindError naming `flag` when it cannot be had."""
+    _check_port_free(host, port, flag)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # recent grpcio raises "Failed to bind"; older versions return 0
+        bound = 0
+    if bound == 0:
+        raise BindError(flag, port, f"cannot listen on {host}:{port}")
+    return bound
+
+
 @dataclass
 class PickerServer:
     """Everything `picker serve` runs, startable in-process (tests, demo) and stoppable cleanly."""
@@ -76,7 +119,11 @@ class PickerServer:
             self.supervise(asyncio.create_task(watch_objectives(
                 self.discovery.api, self.discovery.namespace, self.discovery.pool_name,
                 policy.priorities.set_discovered), name="inference-objectives"))
-        await self._start_servers(c)
+        try:
+            await self._start_servers(c)
+        except BaseException:  # a port taken: stop the scrapers, discovery and index already running
+            await self.stop(grace=0)
+            raise
         log.info("picker serving ext_proc on %s:%d, health on %d, metrics on %d, %d endpoints",
                  c.host, self.grpc_port, self.health_port, self.metrics_port, len(self.pool))
 
@@ -113,18 +160,22 @@ class PickerServer:
         limit = c.max_body_bytes + 2**20  # headroom for the protobuf envelope
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                    ("grpc.so_reuseport", 0)]
+        # Every server object exists before the first bind, so stop() can undo a start that failed half-way.
         self.server = grpc.aio.server(options=options)
         extproc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.director, c.max_body_bytes),
                                                              self.server)
         picker_pb2_grpc.add_PickerServicer_to_server(PickerService(self.director), self.server)
-        self.grpc_port = self.server.add_insecure_port(f"{c.host}:{c.grpc_port}")
-
         self.health = health.aio.HealthServicer()
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-        self.health_port = self.health_server.add_insecure_port(f"{c.host}:{c.grpc_health_port}")
+
+        self.grpc_port = _bind_grpc(self.server, c.host, c.grpc_port, "--grpc-port")
+        self.health_port = _bind_grpc(self.health_server, c.host, c.grpc_health_port, "--grpc-health-port")
         if c.metrics_port >= 0:
-            http_server, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
+            try:
+                http_server, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
+            except OSError as exc:
+                raise BindError("--metrics-port", c.metrics_port, _reason(exc)) from None
             self._http_server = http_server
             self.metrics_port = http_server.server_port
         await self.server.start()
@@ -203,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
         if profiler is not None:
             profiler.enable()
         asyncio.run(serve(config))
+    except BindError as exc:
+        print(f"picker serve: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"picker serve: {exc}", file=sys.stderr)
         return 2

@@ -40,6 +40,31 @@ async def test_bad_requests_get_json_errors(envoy: Envoy, stack: Stack, path: st
     stack.check_alive()
 
 
+async def pod_requests(stack: Stack) -> int:
+    """How many requests the echo pods have served so far (their /test/count)."""
+    total = 0
+    async with aiohttp.ClientSession() as session:
+        for address in stack.backends.addresses:
+            async with session.get(f"http://{address}/test/count") as response:
+                total += int((await response.json())["requests"])
+    return total
+
+
+@pytest.mark.parametrize("data", [
+    b"[" * 100_000,
+    b'{"model": "tiny", "messages": [{"role": "user", "content": ' + b"[" * 100_000 + b"}]}",
+])
+async def test_deeply_nested_json_is_400_and_reaches_no_pod(envoy: Envoy, stack: Stack, data: bytes) -> None:
+    # A RecursionError in the picker used to end the ext_proc stream, and Envoy failed open to a pod.
+    before = await pod_requests(stack)
+    got, body, _ = await send(envoy, CHAT, data)
+    assert got == 400, body
+    error = body["error"]
+    assert isinstance(error, dict) and error["code"] == "invalid_json", body
+    assert await pod_requests(stack) == before
+    stack.check_alive()
+
+
 async def test_body_over_the_limit_is_413(envoy: Envoy, stack: Stack) -> None:
     # The stack's picker runs with --max-body-bytes 10Mi (Envoy buffers up to 16 MiB).
     raw = json.dumps({"model": "tiny", "prompt": "y" * (11 * 2**20)}).encode()

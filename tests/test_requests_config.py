@@ -58,6 +58,21 @@ def test_bad_bodies(body: bytes, code: str) -> None:
     assert info.value.status == 400 and info.value.code == code
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", b"[" * 100_000),
+    ("/v1/completions", b'{"a": ' * 100_000),
+    ("/v1/completions", b'{"model": "m", "prompt": [1, ' + b"[" * 100_000 + b"]}"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": {"a": '
+     + b"[" * 5_000 + b"]" * 5_000 + b"}}]}"),
+])
+def test_deeply_nested_bodies_are_invalid_json(path: str, body: bytes) -> None:
+    # Python's JSON decoder recurses per level: the client gets a 400, not a RecursionError that ends the stream.
+    with pytest.raises(RequestError) as info:
+        build_request({":path": path}, body, request_id="r")
+    assert (info.value.status, info.value.code, info.value.message) == (
+        400, "invalid_json", "request body is nested too deeply")
+
+
 def test_durations_and_sizes() -> None:
     assert cfg.parse_duration("50ms") == pytest.approx(0.05)
     assert cfg.parse_duration("2m") == 120 and cfg.parse_duration(0.5) == 0.5  # YAML numbers are seconds

@@ -11,6 +11,7 @@ import sys
 from picker.config import parse_duration
 from picker.sim.fleet import SimFleet
 from picker.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+from picker.sim.server import PodBindError
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -22,34 +23,35 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker sim`."""
-    parser.add_argument("--pods", type=int, default=1, help="number of simulated vLLM instances")
-    parser.add_argument("--base-port", type=int, default=8000, help="pod i listens on base-port + i (0: free ports)")
-    parser.add_argument("--host", default="127.0.0.1", help="listen address")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES), help="hardware/model profile")
-    parser.add_argument("--model", default=None, help="served model name (default: the profile's model)")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="model time runs this many times faster")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated text")
-    parser.add_argument(
-        "--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH", help="LoRA adapters"
-    )
-    parser.add_argument(
-        "--kv-events-endpoint-base",
-        "--kv-events-endpoint",
-        dest="kv_events_endpoint_base",
-        default=None,
-        metavar="tcp://HOST:PORT",
-        help="publish KV events; pod i connects to PORT + i (the consumer binds)",
-    )
-    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profile's KV cache size")
-    parser.add_argument("--block-size", type=int, default=None, help="override the profile's block size")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's max_num_seqs")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="override the token budget")
-    parser.add_argument("--max-model-len", type=int, default=None, help="override the context window")
-    parser.add_argument("--max-loras", type=int, default=None, help="override the number of LoRA slots")
-    parser.add_argument("--scrape-cost", type=parse_duration, default=None,
-                        help="model time one GET /metrics holds a pod's API server (delays its request intake and "
-                        "tokens), e.g. 6ms as measured on a real vLLM; default 0 (free)")
-    parser.add_argument("--eos-mean-tokens", type=int, default=None, help="mean output length before a pseudo-EOS")
+    a = parser.add_argument
+    a("--pods", type=int, default=1, help="number of simulated vLLM instances (default %(default)s)")
+    a("--base-port", type=int, default=8000,
+      help="pod i listens on base-port + i; 0 picks free ports (default %(default)s)")
+    a("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    a("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+      help="hardware/model profile (default %(default)s)")
+    a("--model", default=None, help="served model name (default: the profile's model)")
+    a("--time-scale", type=float, default=1.0,
+      help="model time runs this many times faster than wall time (default %(default)s)")
+    a("--seed", type=int, default=0, help="seed of the generated text (default %(default)s)")
+    a("--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH",
+      help="LoRA adapters the pods serve (default: none)")
+    a("--kv-events-endpoint-base", "--kv-events-endpoint", dest="kv_events_endpoint_base", default=None,
+      metavar="tcp://HOST:PORT",
+      help="publish KV events; pod i connects to PORT + i, the consumer binds (default: no KV events)")
+    a("--num-gpu-blocks", type=int, default=None, help="override the KV cache size (default: the profile's)")
+    a("--block-size", type=int, default=None, help="override the KV block size (default: the profile's)")
+    a("--max-num-seqs", type=int, default=None,
+      help="override the most sequences a pod runs at once (default: the profile's)")
+    a("--max-num-batched-tokens", type=int, default=None,
+      help="override the token budget of one step (default: the profile's)")
+    a("--max-model-len", type=int, default=None, help="override the context window (default: the profile's)")
+    a("--max-loras", type=int, default=None, help="override the number of LoRA slots (default: the profile's)")
+    a("--scrape-cost", type=parse_duration, default=None,
+      help="model time one GET /metrics holds a pod's API server (delays its request intake and tokens), "
+      "e.g. 6ms as measured on a real vLLM (default: 0, free)")
+    a("--eos-mean-tokens", type=int, default=None,
+      help="mean output length before a pseudo-EOS (default: the profile's)")
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -95,4 +97,17 @@ def run(args: argparse.Namespace) -> int:
     if args.time_scale <= 0:
         print("--time-scale must be positive", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args))
+    try:
+        return asyncio.run(_serve(args))
+    except PodBindError as exc:  # the fleet has stopped the pods it started
+        print(f"picker sim: {_bind_message(args, exc)}", file=sys.stderr)
+        return 2
+
+
+def _bind_message(args: argparse.Namespace, exc: PodBindError) -> str:
+    """Name the flag the user can change: --base-port (pod i is base + i), or --host when ports were free."""
+    if exc.bad_host or not args.base_port:
+        return f"--host {args.host}: {exc.reason}"
+    if exc.port == args.base_port:
+        return f"--base-port {args.base_port}: {exc.reason}"
+    return f"--base-port {args.base_port}: port {exc.port} ({exc.pod}): {exc.reason}"

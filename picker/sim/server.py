@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,6 +47,18 @@ from picker.sim.profiles import Profile
 POD_HEADER = "x-sim-pod"
 VLLM_VERSION = "0.32.0"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class PodBindError(OSError):
+    """A pod's HTTP port cannot be bound (taken, no such host): `picker sim` says so in one line and exits 2."""
+
+    def __init__(self, pod: str, host: str, port: int, reason: str, *, bad_host: bool = False) -> None:
+        super().__init__(f"{pod}: {host}:{port}: {reason}")
+        self.pod = pod
+        self.host = host
+        self.port = port
+        self.reason = reason
+        self.bad_host = bad_host  # the host did not resolve: no port would have done
 
 
 @dataclass
@@ -122,7 +136,13 @@ class SimPod:
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # the caller's stop() releases the driver and runner started above
+            bad_host = isinstance(exc, socket.gaierror)
+            reason = exc.strerror if bad_host or not exc.errno else os.strerror(exc.errno)
+            raise PodBindError(self.name, self.config.host, self.config.port, str(reason).lower(),
+                               bad_host=bad_host) from None
         address = self._runner.addresses[0]
         self.port = int(address[1])
 
