@@ -24,8 +24,9 @@ protos: $(GENERATED)
 picker/api/v1/%_pb2.py: protos/picker/api/v1/%.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
 
+# Options go through ARGS, e.g. `make demo ARGS="--once --pods 5"` (`picker demo --help` lists them).
 demo: install
-	$(BIN)/picker demo
+	$(BIN)/picker demo $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider

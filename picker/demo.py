@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
+import shutil
 import signal
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +44,7 @@ class Sample:
     path: str
     body: dict[str, Any] | bytes | None
     method: str = "POST"
+    expect: int = 200  # any other status means the demo failed (its logs are kept)
 
 
 def samples(model: str) -> list[Sample]:
@@ -56,8 +60,8 @@ def samples(model: str) -> list[Sample]:
         Sample("completion, unrelated prompt", "/v1/completions",
                {"model": model, "prompt": "The three laws of thermodynamics are", "max_tokens": 16}),
         Sample("header-only request", "/v1/models", None, method="GET"),
-        Sample("bad request: not JSON", "/v1/chat/completions", b"{oops"),
-        Sample("bad request: unknown path", "/v1/fine_tuning/jobs", {"model": model}),
+        Sample("bad request: not JSON", "/v1/chat/completions", b"{oops", expect=400),
+        Sample("bad request: unknown path", "/v1/fine_tuning/jobs", {"model": model}, expect=404),
     ]
 
 
@@ -72,23 +76,72 @@ def _send(url: str, sample: Sample) -> tuple[int, str, str]:
         return err.code, "", err.read().decode(errors="replace")
 
 
-def _explain(channel: grpc.Channel, sample: Sample) -> tuple[str, list[str]]:
-    """Explain text, and the endpoints tied for the best score (any of them may be picked)."""
+@dataclass(slots=True)
+class Explained:
+    """What Explain said before the request was sent: its text, its first pick and the endpoints tied with it."""
+
+    text: str
+    first: str = ""
+    tied: tuple[str, ...] = ()
+
+
+def _explain(channel: grpc.Channel, sample: Sample) -> Explained:
+    """Explain runs the request's own ranking, but a tie for the best score is broken by a draw from the
+    picker's one (seeded) RNG: Explain takes a draw and the routed request the next one, so on a tie the two
+    may name different pods even with `--seed 7`. The headline therefore names every tied endpoint, not one."""
     if sample.body is None:
-        return "header-only: least-loaded ready endpoint", []
+        return Explained("header-only: least-loaded ready endpoint")
     body = sample.body if isinstance(sample.body, bytes) else json.dumps(sample.body).encode()
     stub = picker_pb2_grpc.PickerStub(channel)
     response = stub.Explain(picker_pb2.ExplainRequest(path=sample.path, body=body), timeout=5)
-    best = max((c.total for c in response.candidates), default=0.0)
-    return format_explain(response), [c.address for c in response.candidates if c.total >= best - 1e-9]
+    text = format_explain(response)
+    if not response.ranked:
+        return Explained(text)
+    first = response.ranked[0]
+    eligible = [c for c in response.candidates if not c.filtered_by]
+    best = max((c.total for c in eligible), default=0.0)
+    tied = tuple(sorted(c.address for c in eligible if c.total >= best - 1e-9))
+    if len(tied) > 1:
+        text = text.replace(f"pick: {first}", f"pick: tie of {len(tied)} at {best:.3f} ({', '.join(tied)})", 1)
+    return Explained(text, first, tied if len(tied) > 1 else (first,))
+
+
+def _echo_served_by(text: str) -> str:
+    """The echo backends name themselves in the body (JSON, or each event of a stream); "?" if nothing does."""
+    first = text.removeprefix("data: ").split("\n", 1)[0] if text.startswith("data: ") else text
+    with contextlib.suppress(ValueError):
+        data = json.loads(first)
+        if isinstance(data, dict) and isinstance(data.get("served_by"), str):
+            return str(data["served_by"])
+    return "?"
+
+
+def _served_note(explained: Explained, served: str) -> str:
+    """How the pod that served the request relates to Explain's pick, said plainly when they differ."""
+    if served == "?":
+        return " (the backend does not say which pod it is)"
+    if len(explained.tied) > 1 and served in explained.tied:
+        return f" (one of the {len(explained.tied)} tied: the request drew its own random tie-break)"
+    if explained.first and served != explained.first:
+        return (f" (not Explain's pick {explained.first}: the pool's metrics or load changed between the "
+                "Explain call and the request)")
+    return ""
+
+
+def picker_command() -> str:
+    """The `picker` script of the running interpreter, so the printed commands work from any shell."""
+    script = Path(sys.executable).parent / "picker"
+    return shlex.quote(str(script)) if script.exists() else f"{shlex.quote(sys.executable)} -m picker"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pods", type=int, default=3, help="simulated vLLM pods (default 3)")
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct",
+                        help="model name the simulated pods serve and the samples ask for (default %(default)s)")
     parser.add_argument("--backend", choices=["sim", "echo"], default="sim",
-                        help="sim: simulated vLLM (default); echo: tiny servers that echo what they got")
-    parser.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered")
+                        help="sim: simulated vLLM; echo: tiny servers that echo what they got (default %(default)s)")
+    parser.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered",
+                        help="Envoy's ext_proc body mode: buffer the whole body, or stream it (default %(default)s)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="picker replicas behind Envoy, sharing the prefix index through a local Valkey (default 1)")
     parser.add_argument("--once", action="store_true", help="exit after the sample requests")
@@ -116,47 +169,76 @@ def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[M
 
 
 def run(args: argparse.Namespace) -> int:
-    with process_scope("demo") as (logdir, started):
-        print(f"picker demo: logs in {logdir}")
-        if args.backend == "sim":
-            fleet = start_sim(args.pods, logdir, model=args.model, time_scale=10.0)
-            started.append(fleet.process)
-        else:
-            fleet = start_backends(args.pods, logdir)
-            started.append(fleet.process)
-        pickers = _start_pickers(args.replicas, fleet.addresses, logdir, started)
-        picker = pickers[0]
-        envoy = start_envoy(logdir, pickers, fleet.addresses, mode=args.mode)
-        started.append(envoy.process)
-        print(f"  fleet:  {', '.join(fleet.addresses)}")
-        for p in pickers:
-            print(f"  picker: {p.host}:{p.grpc_port} (metrics http://{p.host}:{p.metrics_port}/metrics)")
-        print(f"  envoy:  {envoy.url} ({args.mode} body mode)\n")
-        names = {f"sim-{i}": address for i, address in enumerate(fleet.addresses)}  # x-sim-pod → address
-        with grpc.insecure_channel(f"{picker.host}:{picker.grpc_port}") as channel:
-            for i, sample in enumerate(samples(args.model), 1):
-                why, best = _explain(channel, sample)
-                status, pod, text = _send(envoy.url, sample)
-                print(f"[{i}] {sample.method} {sample.path}  {sample.title}")
-                print("    " + why.replace("\n", "\n    "))
-                if status == 200:
-                    served = names.get(pod, pod) or (json.loads(text).get("served_by", "?")
-                                                     if text.startswith("{") else "?")
-                    tie = " (tied for best score: random tie-break)" if len(best) > 1 and served in best else ""
-                    print(f"    -> 200 served by {served}{tie}\n")
-                else:
-                    print(f"    -> {status} {text[:200]}\n")
-                time.sleep(0.2)
-        if args.once:
-            return 0
-        print(f"Envoy is up at {envoy.url}; try:\n  curl -s {envoy.url}/v1/chat/completions -H 'content-type: "
-              f"application/json' -d '{{\"model\": \"{args.model}\", \"messages\": [{{\"role\": \"user\", "
-              f"\"content\": \"hi\"}}]}}'\n  picker explain --target {picker.host}:{picker.grpc_port} --endpoints\n"
-              "Ctrl-C stops everything.")
-        # Ctrl-C and SIGTERM both stop everything (also when started in the background, where SIGINT is ignored).
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.default_int_handler)
-        with contextlib.suppress(KeyboardInterrupt):
-            while True:
-                time.sleep(3600)
+    """Run the demo in a temporary log folder, removed on exit; kept (and named) only when the demo failed."""
+    logdir: Path | None = None
+    failed = True
+    try:
+        with process_scope("demo") as (logdir, started):
+            code = _run(args, logdir, started)
+        failed = code != 0
+        return code
+    except KeyboardInterrupt:  # Ctrl-C while starting up: stopped, not failed
+        failed = False
+        return 130
+    finally:
+        if logdir is not None:
+            if failed:
+                print(f"picker demo failed: logs kept in {logdir}", file=sys.stderr)
+            else:
+                shutil.rmtree(logdir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
+    print(f"picker demo: logs in {logdir} (removed on exit unless the demo fails)")
+    if args.backend == "sim":
+        fleet = start_sim(args.pods, logdir, model=args.model, time_scale=10.0)
+        started.append(fleet.process)
+    else:
+        fleet = start_backends(args.pods, logdir)
+        started.append(fleet.process)
+    pickers = _start_pickers(args.replicas, fleet.addresses, logdir, started)
+    picker = pickers[0]
+    envoy = start_envoy(logdir, pickers, fleet.addresses, mode=args.mode)
+    started.append(envoy.process)
+    print(f"  fleet:  {', '.join(fleet.addresses)}")
+    for p in pickers:
+        print(f"  picker: {p.host}:{p.grpc_port} (metrics http://{p.host}:{p.metrics_port}/metrics)")
+    print(f"  envoy:  {envoy.url} ({args.mode} body mode)\n")
+    names = {f"sim-{i}": address for i, address in enumerate(fleet.addresses)}  # x-sim-pod → address
+    unexpected = 0
+    with grpc.insecure_channel(f"{picker.host}:{picker.grpc_port}") as channel:
+        for i, sample in enumerate(samples(args.model), 1):
+            explained = _explain(channel, sample)  # before the request: routing it changes the index
+            status, pod, text = _send(envoy.url, sample)
+            print(f"[{i}] {sample.method} {sample.path}  {sample.title}")
+            print("    " + explained.text.replace("\n", "\n    "))
+            if status == 200:
+                served = names.get(pod, pod) or _echo_served_by(text)
+                print(f"    -> 200 served by {served}{_served_note(explained, served)}\n")
+            else:
+                print(f"    -> {status} {text[:200]}\n")
+            if status != sample.expect:
+                unexpected += 1
+                print(f"    !! expected {sample.expect}\n")
+            time.sleep(0.2)
+    if unexpected:
+        print(f"picker demo: {unexpected} sample(s) did not get the status they expect", file=sys.stderr)
+        return 1
+    if args.once:
+        return 0
+    # Ctrl-C and SIGTERM both stop everything (also when started in the background, where SIGINT is ignored);
+    # installed before the commands below are printed, so whoever reads them may stop the demo at once.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
+    body = {"model": args.model, "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}
+    quoted = shlex.quote(json.dumps(body))
+    target = f"{picker.host}:{picker.grpc_port}"
+    print(f"Envoy is up at {envoy.url}; try:\n"
+          f"  curl -s {envoy.url}/v1/chat/completions -H 'content-type: application/json' -d {quoted}\n"
+          f"  {picker_command()} explain --target {target} --body {quoted}\n"
+          f"  {picker_command()} explain --target {target} --endpoints\n"
+          "Ctrl-C stops everything.", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)
     return 0

@@ -2,27 +2,88 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import queue
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from picker import demo
 
 
-def test_demo_runs_end_to_end() -> None:
-    result = subprocess.run([sys.executable, "-m", "picker", "demo", "--once", "--pods", "2"],
-                            capture_output=True, text=True, timeout=180)
+def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The demo as `make demo` runs it, with its temporary folders in tmp_path so leftovers can be seen."""
+    return subprocess.run([sys.executable, "-m", "picker", "demo", *args], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "TMPDIR": str(tmp_path)})
+
+
+def blocks(out: str) -> dict[int, str]:
+    """Sample number → what the demo printed for it."""
+    parts = out.split("\n[")[1:]
+    return {int(p.split("]", 1)[0]): p for p in parts}
+
+
+def check_pick_matches_served(block: str) -> str | None:
+    """The pod that served a request is Explain's pick, one of the endpoints it names as tied, or the difference
+    is said; None when consistent."""
+    lines = block.splitlines()
+    served_line = next((line for line in lines if "-> 200 served by " in line), None)
+    pick_line = next((line for line in lines if line.strip().startswith("pick: ")), None)
+    if served_line is None or pick_line is None:
+        return None
+    served = served_line.split("served by ", 1)[1].split()[0]
+    pick = pick_line.strip().removeprefix("pick: ").split("   ", 1)[0]
+    if pick.startswith("tie of "):
+        tied = pick.split("(", 1)[1].rstrip(")").split(", ")
+        if served in tied and "tie-break" in served_line:
+            return None
+    elif served == pick and "(" not in served_line:
+        return None
+    if f"not Explain's pick {pick}" in served_line:  # said in so many words: honest, if rare
+        return None
+    return f"pick {pick!r} vs {served_line.strip()!r}"
+
+
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    result = run_demo(tmp_path, "--once", "--pods", "2")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
     assert out.count("-> 200 served by 127.0.0.1:") == 5, out
     assert "-> 400" in out and "invalid_json" in out
     assert "-> 404" in out and "unknown_path" in out
     # The second request shares the first one's system prompt: the index must see the shared blocks.
-    second = out.split("[2] ", 1)[1].split("[3] ", 1)[0]
-    matched = second.split("prefix blocks matched: ", 1)[1].split("/", 1)[0]
-    assert int(matched) > 0, second
+    by_sample = blocks(out)
+    matched = by_sample[2].split("prefix blocks matched: ", 1)[1].split("/", 1)[0]
+    assert int(matched) > 0, by_sample[2]
+    # The first request is cold: every pod ties, and the demo says so rather than naming one of them.
+    assert "pick: tie of 2 at " in by_sample[1], by_sample[1]
+    assert [p for p in map(check_pick_matches_served, by_sample.values()) if p] == [], out
+    # A successful run leaves no log folder behind.
+    assert list(tmp_path.glob("picker-demo-*")) == [], "picker demo left its logs behind"
 
 
-def test_demo_with_two_replicas_sharing_the_index() -> None:
-    result = subprocess.run([sys.executable, "-m", "picker", "demo", "--once", "--pods", "3", "--replicas", "2"],
-                            capture_output=True, text=True, timeout=180)
+def test_pick_and_served_checker_catches_a_disagreement() -> None:
+    pick = "    pick: 127.0.0.1:1   profile: p   priority: 0   prefix blocks matched: 0/1\n"
+    assert check_pick_matches_served(pick + "    -> 200 served by 127.0.0.1:1\n") is None
+    assert check_pick_matches_served(pick + "    -> 200 served by 127.0.0.1:2\n")
+    tie = "    pick: tie of 2 at 8.000 (127.0.0.1:1, 127.0.0.1:2)   profile: p\n"
+    assert check_pick_matches_served(tie + "    -> 200 served by 127.0.0.1:2 (one of the 2 tied: ... tie-break)\n") \
+        is None
+    assert check_pick_matches_served(tie + "    -> 200 served by 127.0.0.1:3 (... tie-break)\n")
+
+
+def test_demo_with_two_replicas_sharing_the_index(tmp_path: Path) -> None:
+    result = run_demo(tmp_path, "--once", "--pods", "3", "--replicas", "2")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
     assert "prefix index shared by 2 picker replicas" in out and out.count("  picker: 127.0.0.1") == 2, out
@@ -30,3 +91,91 @@ def test_demo_with_two_replicas_sharing_the_index() -> None:
     assert len(served) == 5, out
     # Envoy alternates replicas: the same system prompt still lands on one pod, whichever replica routes it.
     assert served[0] == served[1] == served[2], out
+    assert [p for p in map(check_pick_matches_served, blocks(out).values()) if p] == [], out
+    assert list(tmp_path.glob("picker-demo-*")) == []
+
+
+def _read_until(lines: queue.Queue[str | None], marker: str, timeout: float) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not seen or marker not in seen[-1]:
+        line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        if line is None:
+            raise AssertionError("demo exited early:\n" + "".join(seen))
+        seen.append(line)
+    return seen
+
+
+def test_printed_commands_work_as_printed(tmp_path: Path) -> None:
+    """Interactive mode: the suggested curl answers briefly (max_tokens), both `picker explain` commands run as
+    printed from another directory, and SIGTERM stops everything and removes the log folder."""
+    proc = subprocess.Popen([sys.executable, "-m", "picker", "demo", "--pods", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        out = _read_until(lines, "Ctrl-C stops everything.", 120)
+        commands = [shlex.split(line) for line in out if line.startswith("  ") and
+                    (line.lstrip().startswith("curl ") or " explain --target " in line)]
+        curl = next(c for c in commands if c[0] == "curl")
+        body = curl[curl.index("-d") + 1]
+        assert json.loads(body)["max_tokens"] <= 64
+        if shutil.which("curl"):
+            answer = subprocess.run(curl, capture_output=True, text=True, timeout=60, check=True).stdout
+        else:
+            request = urllib.request.Request(curl[2], data=body.encode(), headers={"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                answer = response.read().decode()
+        assert json.loads(answer)["choices"] and len(answer) < 4000, answer[:500]
+        explains = [c for c in commands if c[0] != "curl"]
+        assert len(explains) == 2
+        for command in explains:
+            assert Path(command[0]).is_absolute(), command
+            result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            assert result.returncode == 0 and "127.0.0.1:" in result.stdout, result.stdout + result.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    assert list(tmp_path.glob("picker-demo-*")) == []
+
+
+def test_a_failed_demo_keeps_its_logs_and_says_where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    def broken_fleet(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("sim pod did not start")
+
+    monkeypatch.setattr(demo, "start_sim", broken_fleet)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    with pytest.raises(RuntimeError, match="did not start"):
+        demo.run(parser.parse_args(["--once"]))
+    (kept,) = tmp_path.glob("picker-demo-*")
+    assert f"logs kept in {kept}" in capsys.readouterr().err
+
+
+def test_help_shows_every_default() -> None:
+    parser = argparse.ArgumentParser(prog="picker demo")
+    demo.add_arguments(parser)
+    for action in parser._actions:
+        if action.default in (None, False, argparse.SUPPRESS):
+            continue
+        assert action.help and ("%(default)s" in action.help or f"default {action.default}" in action.help), \
+            action.option_strings
+    text = " ".join(parser.format_help().split())
+    assert "(default meta-llama/Llama-3.1-8B-Instruct)" in text and "(default buffered)" in text

