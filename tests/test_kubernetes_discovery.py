@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from picker.endpoints.kubernetes import (
     KubeError,
     KubernetesDiscovery,
     TokenFile,
+    WatchEvent,
     discovery_from_config,
     follow_collection,
     load_kube_config,
@@ -761,3 +762,38 @@ async def test_a_bug_ends_discovery_instead_of_being_retried(kube: FakeKube) -> 
     finally:
         await api.close()
     assert kube.lists["objectives"] == 1 and kube.lists["pods"] == 2
+
+
+class SilentApi(KubeApi):
+    """An API server whose every watch ends at once without an event."""
+
+    def __init__(self) -> None:
+        super().__init__(KubeConfig("http://127.0.0.1:1", NS, "token"))
+        self.watches = 0
+
+    async def list(self, path: str, params: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], str]:
+        return {}, "1"
+
+    async def watch(self, path: str, params: Mapping[str, str], version: str) -> AsyncGenerator[WatchEvent, None]:
+        self.watches += 1
+        events: tuple[WatchEvent, ...] = ()
+        for event in events:
+            yield event
+
+
+async def test_watches_that_end_at_once_are_spaced_by_the_backoff_not_spun() -> None:
+    api = SilentApi()
+    waits: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        waits.append(delay)
+        if len(waits) == 3:
+            raise asyncio.CancelledError  # enough: the loop would go on for ever
+
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await follow_collection(api, "/api/v1/pods", {}, lambda objects: None, "pods",
+                                    Backoff(0.05, 1.0, jitter="none", sleep=sleep))
+    finally:
+        await api.close()
+    assert api.watches == 3 and waits == [0.05, 0.1, 0.2]  # one backoff step per empty watch

@@ -24,8 +24,8 @@ from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.predicted import PredictedTTFTScorer
 from picker.schema import ConfigError
-from picker.supervisor import process_scope, start_backends, start_envoy, start_picker, start_sim
-from tests.test_scheduling_grpc import Scene
+from picker.supervisor import process_scope, start_envoy, start_picker, start_sim
+from tests.test_scheduling_grpc import Scene, running_scene
 from tests.waiting import eventually_async
 
 RATE = 10_000.0  # prefill tokens per second (the prior)
@@ -141,17 +141,10 @@ def test_the_documented_config_builds_and_routes_to_the_least_predicted() -> Non
 
 @pytest.fixture(scope="module")
 def scene() -> Iterator[Scene]:
-    with process_scope("predicted-ttft") as (logdir, started):
-        pods = start_backends(3, logdir, name="pods")
-        started.append(pods.process)
-        config = logdir / "picker.yaml"
-        config.write_text(yaml.safe_dump({"refresh-metrics-interval": "50ms", "admission": {"staleThreshold": "2s"},
-                                          "scheduling": PREDICTED_TTFT_CONFIG}))
-        picker = start_picker(logdir, endpoints=pods.addresses, extra=["--config-file", str(config)])
-        started.append(picker.process)
-        envoy = start_envoy(logdir, picker, pods.addresses)
-        started.append(envoy.process)
-        yield Scene(pods, picker, envoy)
+    config = yaml.safe_dump({"refresh-metrics-interval": "50ms", "admission": {"staleThreshold": "2s"},
+                             "scheduling": PREDICTED_TTFT_CONFIG})
+    with running_scene("predicted-ttft", config) as started:
+        yield started
 
 
 async def _explain(scene: Scene, body: dict[str, Any]) -> picker_pb2.ExplainResponse:

@@ -3,6 +3,7 @@ pods (echo backends) report chosen vLLM metrics; plus prefix affinity and the en
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -85,18 +86,25 @@ class Scene:
         return destination(last, "request_body"), 200
 
 
-@pytest.fixture(scope="module")
-def scene() -> Iterator[Scene]:
-    with process_scope("scheduling") as (logdir, started):
+@contextlib.contextmanager
+def running_scene(name: str, config: str) -> Iterator[Scene]:
+    """Three echo pods, `picker serve --config-file` (YAML text `config`) and Envoy, stopped on exit."""
+    with process_scope(name) as (logdir, started):
         pods = start_backends(3, logdir, name="pods")
         started.append(pods.process)
-        config = logdir / "picker.yaml"
-        config.write_text(CONFIG)
-        picker = start_picker(logdir, endpoints=pods.addresses, extra=["--config-file", str(config)])
+        path = logdir / "picker.yaml"
+        path.write_text(config)
+        picker = start_picker(logdir, endpoints=pods.addresses, extra=["--config-file", str(path)])
         started.append(picker.process)
         envoy = start_envoy(logdir, picker, pods.addresses)
         started.append(envoy.process)
         yield Scene(pods, picker, envoy)
+
+
+@pytest.fixture(scope="module")
+def scene() -> Iterator[Scene]:
+    with running_scene("scheduling", CONFIG) as started:
+        yield started
 
 
 def prompt(tag: str, words: int = 40) -> dict[str, Any]:

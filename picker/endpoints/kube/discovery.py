@@ -42,6 +42,7 @@ POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
 OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective is alpha in GIE
 OBJECTIVE_VERSION = "v1alpha2"
+RESTART_FLOOR_S = 1.0  # a pool that changes sooner than this after we started following it waits a backoff first
 
 
 def _retry_after(exc: BaseException) -> float:
@@ -49,15 +50,20 @@ def _retry_after(exc: BaseException) -> float:
 
 
 async def follow_collection(api: KubeApi, path: str, params: dict[str, str],
-                            apply: Callable[[dict[str, dict[str, Any]]], None], what: str) -> None:
+                            apply: Callable[[dict[str, dict[str, Any]]], None], what: str,
+                            idle: Backoff | None = None) -> None:
     """LIST a collection, then WATCH it from the list's version for ever, calling `apply(objects by name)`
-    after the list and after every change. An expired version (410) lists again; other errors propagate."""
+    after the list and after every change. An expired version (410) lists again; other errors propagate. A
+    watch the server ends without a single event waits `idle`'s next delay before the next one (no spinning)."""
+    idle = idle if idle is not None else Backoff(0.05, 10.0)
     objects, version = await api.list(path, params)
     apply(objects)
     while True:
+        seen = 0
         try:
             async with contextlib.aclosing(api.watch(path, params, version)) as events:
                 async for event in events:
+                    seen += 1
                     version = event.version or version
                     if event.type == "BOOKMARK":
                         continue
@@ -71,6 +77,11 @@ async def follow_collection(api: KubeApi, path: str, params: dict[str, str],
             log.info("%s: watch expired, listing again", what)
             objects, version = await api.list(path, params)
             apply(objects)
+            continue
+        if seen:
+            idle.reset()
+        else:
+            await idle.wait()
 
 
 class KubernetesDiscovery:
@@ -106,9 +117,14 @@ class KubernetesDiscovery:
 
     async def run(self) -> None:
         """Follow the cluster for ever; returns only by cancellation, raises only on a bug."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
-                await self._follow()  # returns when the pool object changed: start over at once
+                await self._follow()  # returns when the pool object changed: start over
+                if loop.time() - started < RESTART_FLOOR_S:
+                    # changed again at once: a pool flapping (or a server replaying its events) must not spin
+                    await self.backoff.wait()
             except TRANSIENT as exc:
                 delay = max(self.backoff.next_delay(), _retry_after(exc))
                 log.warning("discovery of %s: %s; retrying in %.1fs", self.describe(),
@@ -166,9 +182,11 @@ class KubernetesDiscovery:
         starts over)."""
         params = {"fieldSelector": f"metadata.name={self.pool_name}"}
         while True:
+            seen = 0
             try:
                 async with contextlib.aclosing(self.api.watch(self._pools_path, params, version)) as events:
                     async for event in events:
+                        seen += 1
                         version = event.version or version
                         if event.type == "DELETED":
                             log.warning("InferencePool %s/%s deleted", self.namespace, self.pool_name)
@@ -182,6 +200,8 @@ class KubernetesDiscovery:
                                 return
             except Gone:
                 return
+            if not seen:  # a watch that ends without a single event, again and again, must not spin either
+                await self.backoff.wait()
 
     async def _follow_pods(self, spec: PoolSpec) -> None:
         def update(pods: dict[str, dict[str, Any]]) -> None:
@@ -190,7 +210,7 @@ class KubernetesDiscovery:
             self.synced.set()
 
         await follow_collection(self.api, self._pods_path, {"labelSelector": spec.selector}, update,
-                                self.describe())
+                                self.describe(), Backoff(0.05, self.backoff.cap))
 
     def _replace_pods(self, pods: dict[str, dict[str, Any]], spec: PoolSpec | None) -> None:
         """The pool becomes the endpoints of `pods` (none without a spec: the InferencePool is gone)."""
@@ -225,7 +245,7 @@ async def watch_objectives(api: KubeApi, namespace: str, pool_name: str,
 
     while True:
         try:
-            await follow_collection(api, path, {}, apply, what)
+            await follow_collection(api, path, {}, apply, what, delays)
         except KubeError as exc:
             if exc.status != 404:
                 delay = max(delays.next_delay(), exc.retry_after)
