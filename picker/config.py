@@ -141,7 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only, "
       "prefix-hash (hash of the prompt's first 1,000 characters: a baseline that reads no metrics)")
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
-    a("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    a("--log-level", type=str.upper, choices=_LOG_LEVELS, metavar="LEVEL",
+      help=f"{', '.join(_LOG_LEVELS)} (default INFO; any case)")
     a("--otlp-endpoint", help="OTLP/HTTP collector for traces (e.g. http://127.0.0.1:4318); empty disables")
     a("--index-backend", choices=("memory", "redis"),
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")

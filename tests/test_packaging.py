@@ -258,3 +258,9 @@ def test_cli_extras_match_pyproject() -> None:
         for module in modules:
             dists = {d.lower().replace("_", "-") for d in owners.get(module, [])}
             assert dists & wanted, f"{command}: {module} is not installed by the {extra!r} extra ({wanted})"
+
+
+def test_the_license_is_an_spdx_string_not_a_deprecated_table() -> None:
+    """`project.license = {text = ...}` makes every `pip install` warn twice; an SPDX expression does not."""
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"

@@ -65,3 +65,28 @@ def test_a_good_config_decodes_every_section(tmp_path: Path) -> None:
     assert config.grpc_port == 7000 and config.admission.max_wait == 0.25
     assert config.admission.thresholds.kv_cache == 0.9 and config.scheduling.prefix_cache.chars_per_token == 3
 
+
+
+def test_log_level_is_a_choice_list(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--endpoints", "10.0.0.1:8000", "--log-level", "verbose"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --log-level: invalid choice: 'VERBOSE'" in err and "usage: picker serve" in err
+
+
+def test_the_start_up_line_says_metrics_off(tmp_path: Path) -> None:
+    """`--metrics-port -1`: no Prometheus server, and the start-up line says so (not "metrics on 0")."""
+    from picker.supervisor import free_port
+
+    args = [sys.executable, "-m", "picker", "serve", "--host", "127.0.0.1", "--endpoints", "127.0.0.1:1",
+            "--grpc-port", str(free_port()), "--grpc-health-port", str(free_port()), "--metrics-port", "-1",
+            "--log-level", "warning"]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # printed once every server listens
+            assert "metrics off" in line and "metrics on" not in line, line
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
