@@ -180,6 +180,9 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
     if config.discovery == "static" and not (config.endpoints or config.endpoints_file):
         raise ConfigError("no endpoint source: give --endpoints, --endpoints-file, --pool-name (an InferencePool, in "
                          "Kubernetes) or --endpoint-selector")
+    if config.endpoints_file and not Path(config.endpoints_file).is_file():
+        raise ConfigError(f"--endpoints-file {config.endpoints_file}: no such file (it is read at start-up, then "
+                          "watched for changes)")
     if config.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"log-level {config.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
     if config.endpoint_selector and (config.endpoints or config.endpoints_file):

@@ -124,8 +124,9 @@ class PickerServer:
         except BaseException:  # a port taken: stop the scrapers, discovery and index already running
             await self.stop(grace=0)
             raise
-        log.info("picker serving ext_proc on %s:%d, health on %d, metrics on %d, %d endpoints",
-                 c.host, self.grpc_port, self.health_port, self.metrics_port, len(self.pool))
+        log.info("picker serving ext_proc on %s:%d, health on %d, %s, %d endpoints", c.host, self.grpc_port,
+                 self.health_port, f"metrics on {self.metrics_port}" if c.metrics_port >= 0 else "metrics off",
+                 len(self.pool))
 
     def supervise(self, task: asyncio.Task[None]) -> None:
         """Keep `task` for stop(); should it end by an exception, `failed` is set (serve exits non-zero)."""

@@ -90,3 +90,10 @@ def test_the_start_up_line_says_metrics_off(tmp_path: Path) -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def test_a_missing_endpoints_file_is_a_start_up_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "pool.yaml"
+    assert main(["serve", "--endpoints-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"picker serve: --endpoints-file {missing}: no such file"), err
