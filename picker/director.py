@@ -112,6 +112,12 @@ class Director:
         result = self.scheduler.schedule(request, candidates, now)
         if not result.ranked:
             raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
+        slo = request.slo_ttft_s
+        if slo is not None and request.priority < 0 and result.context is not None \
+                and result.context.slo_attainable is False:  # priority resolved by admit() before
+            raise RequestError(429, "slo_unattainable", f"no pod is predicted to give the first token within "
+                               f"{slo * 1e3:g} ms (x-slo-ttft-ms); the request is sheddable",
+                               headers={"retry-after": "1"})
         return result
 
     def admit(self, request: InferenceRequest, now: float) -> bool:

@@ -72,6 +72,7 @@ class InferenceRequest:
     session_id: str | None = None
     cache_salt: str | None = None
     target_model: str | None = None  # after x-gateway-model-name-rewrite
+    slo_ttft_s: float | None = None  # x-slo-ttft-ms: the first token wanted within this many seconds
     subset: tuple[str, ...] | None = None  # Envoy subset hint: allowed "ip:port" (or "ip") values
     body_bytes: int = 0
     headers: dict[str, str] = field(default_factory=dict)
@@ -147,6 +148,23 @@ def _prompt_text(prompt: Any) -> str:
             return "".join(prompt)
         return json.dumps(prompt, separators=(",", ":"))
     raise RequestError(400, "invalid_prompt", "'prompt' must be a string or a list")
+
+
+SLO_TTFT_HEADER = "x-slo-ttft-ms"  # llm-d's name for a request's time-to-first-token objective
+
+
+def _slo_seconds(value: str | None) -> float | None:
+    """`x-slo-ttft-ms: 250` -> 0.25 s; a value that is no positive number is the client's 400."""
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0 or ms == float("inf"):
+        raise RequestError(400, "invalid_header", f"{SLO_TTFT_HEADER} must be a positive number of milliseconds, "
+                                                  f"not {value!r}")
+    return ms / 1000.0
 
 
 def _too_deep() -> RequestError:
@@ -226,6 +244,7 @@ def build_request(
         fairness_id=headers.get("x-gateway-inference-fairness-id"),
         session_id=headers.get("x-session-id"),
         target_model=headers.get("x-gateway-model-name-rewrite"),
+        slo_ttft_s=_slo_seconds(headers.get(SLO_TTFT_HEADER)),
         subset=subset,
         body_bytes=len(body),
         headers=headers,

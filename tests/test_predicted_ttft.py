@@ -141,7 +141,8 @@ def test_the_documented_config_builds_and_routes_to_the_least_predicted() -> Non
 
 @pytest.fixture(scope="module")
 def scene() -> Iterator[Scene]:
-    config = yaml.safe_dump({"refresh-metrics-interval": "50ms", "admission": {"staleThreshold": "2s"},
+    config = yaml.safe_dump({"refresh-metrics-interval": "50ms",
+                             "admission": {"staleThreshold": "2s", "objectives": {"batch": -1}},
                              "scheduling": PREDICTED_TTFT_CONFIG})
     with running_scene("predicted-ttft", config) as started:
         yield started
@@ -153,10 +154,10 @@ async def _explain(scene: Scene, body: dict[str, Any]) -> picker_pb2.ExplainResp
             path="/v1/completions", body=json.dumps(body).encode()))
 
 
-async def _via_envoy(scene: Scene, body: dict[str, Any]) -> str:
+async def _via_envoy(scene: Scene, body: dict[str, Any], headers: dict[str, str] | None = None) -> str:
     async with aiohttp.ClientSession() as session, session.post(scene.envoy.url + "/v1/completions",
-                                                                json=body) as response:
-        assert response.status == 200
+                                                                json=body, headers=headers or {}) as response:
+        assert response.status == 200, await response.text()
         return str((await response.json())["served_by"])
 
 
@@ -252,3 +253,52 @@ async def test_through_envoy_on_simulated_vllm_the_predictions_are_exported_next
                 return "picker_ttft_observed_seconds{" in text and "picker_ttft_prediction_ratio_count" in text
 
             await eventually_async(exported, "predicted and measured TTFT exported", within=30.0)
+
+
+def test_a_ttft_objective_makes_every_pod_that_meets_it_equal_and_says_when_none_does() -> None:
+    s = scorer()
+    holder, idle = pod(1), pod(2)
+    addresses = [holder.address, idle.address]
+    s.on_picked(ctx(3000, [0, 0], addresses=addresses), holder, 0.0)  # 0.3 s of work queued on the holder
+    request = ctx(2048, [120, 0], addresses=addresses)  # holder: 0.3 + 0.0128 s, idle: 0.2048 s
+    request.request.slo_ttft_s = 0.5
+    assert s.score(request, [holder, idle]) == [1.0, 1.0] and request.slo_attainable is True
+    request = ctx(2048, [120, 0], addresses=addresses)
+    request.request.slo_ttft_s = 0.25  # only the idle pod makes it
+    assert s.score(request, [holder, idle])[1] == 1.0 and s.score(request, [holder, idle])[0] < 0.5
+    request = ctx(2048, [120, 0], addresses=addresses)
+    request.request.slo_ttft_s = 0.01  # nobody: fastest first, and the director may shed it
+    scores = s.score(request, [holder, idle])
+    assert scores[1] == 0.5 and scores[0] < scores[1] and request.slo_attainable is False
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-5", "inf", "nan"])
+def test_a_bad_ttft_objective_is_the_clients_400(value: str) -> None:
+    from picker.requests import RequestError, build_request
+
+    headers = {":path": "/v1/completions", ":method": "POST", "x-slo-ttft-ms": value}
+    with pytest.raises(RequestError) as err:
+        build_request(headers, b'{"model": "m", "prompt": "x"}', request_id="r")
+    assert err.value.status == 400 and err.value.code == "invalid_header"
+    headers["x-slo-ttft-ms"] = "250"
+    assert build_request(headers, b'{"model": "m", "prompt": "x"}', request_id="r").slo_ttft_s == 0.25
+
+
+async def test_through_envoy_a_ttft_objective_keeps_the_cache_and_sheds_only_sheddable_requests(
+        scene: Scene) -> None:
+    document = " ".join(f"section{i} of the handbook" for i in range(250))
+    await scene.set()
+    holder = await _via_envoy(scene, {"model": "tiny", "prompt": document + " q0", "max_tokens": 4})
+    generous = {"x-slo-ttft-ms": "60000"}  # every pod meets it: the prefix tie-break keeps the cache
+    assert await _via_envoy(scene, {"model": "tiny", "prompt": document + " q1", "max_tokens": 4}, generous) == holder
+    impossible = {"x-slo-ttft-ms": "0.001"}
+    await _via_envoy(scene, {"model": "tiny", "prompt": document + " q2", "max_tokens": 4}, impossible)  # standard
+    async with aiohttp.ClientSession() as session, session.post(
+            scene.envoy.url + "/v1/completions", json={"model": "tiny", "prompt": document + " q3", "max_tokens": 4},
+            headers={**impossible, "x-gateway-inference-objective": "batch"}) as response:
+        assert response.status == 429 and (await response.json())["error"]["code"] == "slo_unattainable"
+        assert response.headers["retry-after"] == "1"
+    async with aiohttp.ClientSession() as session, session.post(
+            scene.envoy.url + "/v1/completions", json={"model": "tiny", "prompt": "x"},
+            headers={"x-slo-ttft-ms": "soon"}) as response:
+        assert response.status == 400 and (await response.json())["error"]["code"] == "invalid_header"

@@ -30,6 +30,9 @@ class SchedulingContext:
     block_chars: int = 64
     matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
     matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored
+    # With a TTFT objective (request.slo_ttft_s): whether some candidate is predicted to meet it (None: not
+    # predicted); the director sheds a sheddable request none can serve in time
+    slo_attainable: bool | None = None
     # plugin name -> one Detail per scored candidate (aligned with them), read only by Explain and traces
     details: dict[str, Sequence[Detail]] | None = None
 

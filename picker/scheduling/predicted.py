@@ -170,6 +170,13 @@ class PredictedTTFTScorer(Plugin):
         ctx.note(self.name, predictions)
         seconds = [p.seconds for p in predictions]
         best = min(seconds)
+        slo = ctx.request.slo_ttft_s
+        if slo is not None:
+            # A TTFT objective: every pod predicted to meet it is as good as the fastest (the prefix and load
+            # tie-breaks then choose among them: keep the cache, spread the load); the others rank below, fastest
+            # first. None meeting it: the director may shed the request (sheddable ones only).
+            ctx.slo_attainable = best <= slo
+            return [1.0 if s <= slo else 0.5 * (best / s if s > 0.0 else 1.0) for s in seconds]
         if best <= 0.0:
             return [1.0 if s <= 0.0 else 0.0 for s in seconds]
         return [best / s for s in seconds]
