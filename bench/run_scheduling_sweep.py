@@ -111,6 +111,7 @@ def predicted_ttft(load_weight: float = 0.001, **params: Any) -> dict[str, Any]:
 VARIANTS["predicted-ttft"] = predicted_ttft()
 VARIANTS["predicted-ttft decode 0"] = predicted_ttft(decodeTokens=0)
 VARIANTS["predicted-ttft decode 32"] = predicted_ttft(decodeTokens=32)
+VARIANTS["predicted-ttft per-pod rate"] = predicted_ttft(perPodRate=True)
 
 
 def hybrid() -> dict[str, Any]:

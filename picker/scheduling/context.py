@@ -55,10 +55,6 @@ class SchedulingContext:
             get = matches.get
             self.matched = [get(e.address, 0) for e in candidates]
 
-    @property
-    def total_blocks(self) -> int:
-        return len(self.keys)
-
 
 def effective_model(request: InferenceRequest) -> str:
     """The model name the pod will see: the rewrite target when there is one."""

@@ -31,6 +31,7 @@ from typing import Any
 from pydantic import Field
 
 from picker.endpoints.state import Endpoint
+from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.plugins import PeerPick, Plugin, PluginDeps, PluginFactory, PredictionObserver
 from picker.schema import Section
@@ -80,7 +81,7 @@ class PredictedTTFTScorer(Plugin):
 
     def __init__(self, name: str | None = None, *, prefill_tokens_per_second: float = 10_000.0,
                  decode_tokens: float = 8.0, queued_request_tokens: float = 1024.0, rate_smoothing: float = 0.2,
-                 min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False, chars_per_token: int = 4,
+                 min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False, chars_per_token: int = CHARS_PER_TOKEN,
                  observer: PredictionObserver | None = None) -> None:
         super().__init__(name)
         if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0 or chars_per_token <= 0:
@@ -144,11 +145,10 @@ class PredictedTTFTScorer(Plugin):
         prompt = self._prompt_tokens(ctx)
         block_tokens = ctx.block_chars / self.chars_per_token
         matched = ctx.matched or [0] * len(candidates)
-        return [self._predict_one(e, prompt - blocks * block_tokens, ctx.now)
+        return [self._predict_one(e, self._pod(e), prompt - blocks * block_tokens, ctx.now)
                 for e, blocks in zip(candidates, matched, strict=True)]
 
-    def _predict_one(self, e: Endpoint, uncached: float, now: float) -> Prediction:
-        pod = self._pod(e)
+    def _predict_one(self, e: Endpoint, pod: _Pod, uncached: float, now: float) -> Prediction:
         if uncached < 0.0:
             uncached = 0.0
         queued = e.metrics.waiting * self.mean_uncached
@@ -185,7 +185,7 @@ class PredictedTTFTScorer(Plugin):
         pod = self._pod(endpoint)
         uncached = self._uncached(ctx, endpoint)
         if self.observer is not None:  # what we expected of this pick, before it joins the pod's queue
-            pod.predicted_sum += self._predict_one(endpoint, uncached, now).seconds
+            pod.predicted_sum += self._predict_one(endpoint, pod, uncached, now).seconds
             pod.predicted_n += 1
         self._add(pod, uncached, now)
 
