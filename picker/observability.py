@@ -89,6 +89,10 @@ class PickerMetrics:
                                                "Predicted / measured mean TTFT per pod and scrape interval "
                                                "(1 = exact; how far to trust the predicted-ttft scorer).",
                                                ["name"], buckets=_RATIO_BUCKETS, registry=r)
+        self.stream_errors = Counter("picker_extproc_stream_errors",
+                                     "ext_proc streams ended by an error, by reason (malformed: a message that is no "
+                                     "protobuf; protocol: messages out of order; internal: a picker fault).",
+                                     ["reason"], registry=r)
         self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)

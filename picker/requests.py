@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import json
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,8 @@ def api_kind_for_path(path: str) -> ApiKind | None:
     return None
 
 
-_BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+# Every inference API is POST; OPTIONS (a CORS preflight) passes to the pod, which answers it.
+_PREFLIGHT = "OPTIONS"
 
 
 class RequestError(Exception):
@@ -85,13 +88,19 @@ class InferenceRequest:
 def route_kind(headers: dict[str, str], has_body: bool) -> ApiKind | None:
     """The API family a request is routed as; None for a header-only pass-through (GET /v1/models, ...).
 
-    Refuses what no inference server would accept: an inference call without a body (400), a body sent to a
-    path that is no inference API (404).
+    Refuses what no inference server would accept: an inference API called with another method than POST (405,
+    with `allow`), an inference call without a body (400), a body sent to a path that is no inference API (404).
     """
     path = headers.get(":path", "")
     api = api_kind_for_path(path)
+    method = headers.get(":method", "POST").upper()
+    if method == _PREFLIGHT:
+        return None
+    if api is not None and method != "POST":
+        raise RequestError(405, "method_not_allowed", f"{method} is not allowed on {path.split('?', 1)[0]!r}: "
+                           f"the {api.value} API takes POST", {"allow": "POST"})
     if not has_body:
-        if api is not None and headers.get(":method", "POST").upper() not in _BODYLESS_METHODS:
+        if api is not None:
             raise RequestError(400, "empty_body", f"a {api.value} request needs a JSON body")
         return None
     if api is None:
@@ -173,6 +182,36 @@ def _too_deep() -> RequestError:
     return RequestError(400, "invalid_json", "request body is nested too deeply")
 
 
+# Valid UTF-8 cannot hold a surrogate, so a lone one can only come from a JSON escape (\\ud800): a byte search
+# that allocates nothing spares almost every body the walk below.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(data: Any) -> None:
+    """400 for any string (key or value) holding a lone surrogate: it has no UTF-8 form, so it could reach
+    neither the prefix hash nor a metric label nor the model server intact. Iterative: the body may be deep."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(f"{where}.{key}" if where else key, key)
+                stack.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(where, value)
+
+
+def _check_text(where: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        field = where.encode("utf-8", "backslashreplace").decode("utf-8") or "body"  # the name may hold one too
+        raise RequestError(400, "invalid_text", f"{field}: text holds a lone surrogate "
+                           f"(\\u{ord(text[exc.start]):04x}) that no UTF-8 text can carry") from None
+
+
 def parse_body(body: bytes, api: ApiKind) -> dict[str, Any]:
     """Decode and validate a JSON request body; errors carry the 400 the client should get."""
     if not body:
@@ -187,8 +226,13 @@ def parse_body(body: bytes, api: ApiKind) -> dict[str, Any]:
         raise RequestError(400, "invalid_json", f"request body is not JSON: {exc.msg} at position {exc.pos}") from None
     except RecursionError:
         raise _too_deep() from None
+    except ValueError:  # the only other thing the decoder raises: an integer past the 4,300-digit limit
+        raise RequestError(400, "invalid_json", "request body holds an integer of more than "
+                           f"{sys.get_int_max_str_digits()} digits") from None
     if not isinstance(data, dict):
         raise RequestError(400, "invalid_json", "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body) is not None:
+        _refuse_lone_surrogates(data)
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, "missing_model", "request body has no 'model' string")

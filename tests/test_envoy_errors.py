@@ -65,6 +65,49 @@ async def test_deeply_nested_json_is_400_and_reaches_no_pod(envoy: Envoy, stack:
     stack.check_alive()
 
 
+@pytest.mark.parametrize("data,code", [
+    (b'{"model": "tiny", "max_tokens": ' + b"7" * 5000 + b', "prompt": "hi"}', "invalid_json"),
+    (b'{"model": "\\ud800", "prompt": "hi"}', "invalid_text"),
+    (b'{"model": "tiny", "prompt": "hi", "cache_salt": "\\udfff"}', "invalid_text"),
+    (b'{"model": "tiny", "prompt": ["a", "b\\ud800c"]}', "invalid_text"),
+    (b'{"model": "tiny", "prompt": "hi", "\\ud800": 1}', "invalid_text"),
+], ids=["huge-int", "surrogate-model", "surrogate-salt", "surrogate-prompt", "surrogate-key"])
+async def test_unencodable_json_is_400_and_metrics_keep_answering(envoy: Envoy, stack: Stack, data: bytes,
+                                                                  code: str) -> None:
+    # Each used to end the stream with an exception (Envoy failed open to a pod) or, as a metric label, to make
+    # every later /metrics scrape fail with 500.
+    before = await pod_requests(stack)
+    got, body, _ = await send(envoy, "/v1/completions", data)
+    assert got == 400, body
+    assert body["error"]["code"] == code, body  # type: ignore[index]
+    assert await pod_requests(stack) == before
+    async with aiohttp.ClientSession() as session, \
+            session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+        assert response.status == 200
+    good = json.dumps({"model": "tiny", "prompt": "\U0001F600 escaped pairs are fine"}).encode()  # \ud83d\ude00
+    assert (await send_raw(envoy, "/v1/completions", good)) == 200
+
+
+async def send_raw(envoy: Envoy, path: str, data: bytes, method: str = "POST") -> int:
+    async with aiohttp.ClientSession() as session, session.request(method, envoy.url + path, data=data) as response:
+        await response.read()
+        return response.status
+
+
+@pytest.mark.parametrize("method,path", [("DELETE", "/v1/completions"), ("GET", CHAT), ("PUT", "/v1/embeddings"),
+                                         ("GET", "/v1/completions?x=1")])
+async def test_wrong_method_on_an_inference_api_is_405_from_the_picker(envoy: Envoy, stack: Stack, method: str,
+                                                                       path: str) -> None:
+    before = await pod_requests(stack)
+    async with aiohttp.ClientSession() as session, session.request(method, envoy.url + path) as response:
+        body = await response.json()
+        assert response.status == 405, body
+        assert response.headers["allow"] == "POST"
+    assert body["error"]["code"] == "method_not_allowed"
+    assert await pod_requests(stack) == before
+    assert await send_raw(envoy, "/v1/models", b"", method="GET") == 200  # a GET elsewhere still reaches a pod
+
+
 async def test_body_over_the_limit_is_413(envoy: Envoy, stack: Stack) -> None:
     # The stack's picker runs with --max-body-bytes 10Mi (Envoy buffers up to 16 MiB).
     raw = json.dumps({"model": "tiny", "prompt": "y" * (11 * 2**20)}).encode()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Sequence
 
+import aiohttp
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -155,3 +156,34 @@ async def test_undecodable_bytes_do_not_crash_the_server(stack: Stack) -> None:
     stack.check_alive()
     responses = await exchange(stack.picker.grpc_port, [headers_msg(), body_msg(BODY)])
     assert destination(responses[1], "request_body") in stack.backends.addresses
+
+
+async def metric_value(port: int, name: str, labels: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as response:
+        text = await response.text()
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{labels}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_corrupt_streams_are_counted_and_barely_logged(stack: Stack) -> None:
+    # Anyone who reaches the port can send garbage: 50 streams must not write 50 tracebacks.
+    port, name, labels = stack.picker.metrics_port, "picker_extproc_stream_errors_total", 'reason="malformed"'
+    before, log_before = await metric_value(port, name, labels), len(stack.picker.process.log())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.picker.grpc_port}") as channel:
+        call = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=None)
+
+        async def garbage() -> AsyncIterator[bytes]:
+            yield b"\xff\xff\xff\xff\x0f not a protobuf"
+
+        for _ in range(50):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call(garbage(), timeout=5):
+                    pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await metric_value(port, name, labels) == before + 50
+    written = stack.picker.process.log()[log_before:]
+    assert "Traceback" not in written
+    assert written.count("\n") <= 10, written  # at most one window's burst (5), twice if a window turned
+    stack.check_alive()

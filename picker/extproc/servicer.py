@@ -18,10 +18,13 @@ from collections.abc import AsyncIterator
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
 
 from picker.director import Decision, Director
 from picker.extproc import protocol as p
 from picker.extproc.usage import UsageReader
+from picker.observability import PickerMetrics
+from picker.quietlog import QuietLog
 from picker.requests import RequestError, route_kind
 
 log = logging.getLogger(__name__)
@@ -192,11 +195,17 @@ class _Stream:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    """`envoy.service.ext_proc.v3.ExternalProcessor/Process`: one bidirectional stream per HTTP request."""
+    """`envoy.service.ext_proc.v3.ExternalProcessor/Process`: one bidirectional stream per HTTP request.
 
-    def __init__(self, director: Director, max_body_bytes: int) -> None:
+    A stream that ends in an error is counted by reason; its log line is capped (`QuietLog`), because anyone who
+    reaches the port can send garbage. Tracebacks of malformed input only at DEBUG.
+    """
+
+    def __init__(self, director: Director, max_body_bytes: int, metrics: PickerMetrics | None = None) -> None:
         self.director = director
         self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+        self.quiet = QuietLog(log)
 
     async def Process(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -212,12 +221,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     await context.write(response)
                 if stream.phase == "done":
                     return
+        except DecodeError as exc:
+            self._failed("malformed", "ext_proc stream sent a message that is no ProcessingRequest: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ext_proc message")
         except ProtocolViolation as exc:
-            log.warning("ext_proc protocol violation: %s", exc)
+            self._failed("protocol", "ext_proc protocol violation: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception:
+        except Exception as exc:
             # Never let one bad stream take the server down; Envoy applies its failure mode.
-            log.exception("ext_proc stream failed")
+            self._failed("internal", "ext_proc stream failed: %r", exc, level=logging.ERROR, traceback=True)
             await context.abort(grpc.StatusCode.INTERNAL, "picker internal error")
         finally:
             stream.release()
+
+    def _failed(self, reason: str, message: str, exc: Exception, *, level: int = logging.WARNING,
+                traceback: bool = False) -> None:
+        if self.metrics is not None:
+            self.metrics.stream_errors.labels(reason).inc()
+        self.quiet.log(level, message, exc, exc_info=traceback or log.isEnabledFor(logging.DEBUG))
