@@ -18,6 +18,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 from picker.admission import AdmissionConfig
 from picker.scheduling.config import SchedulingConfig, StrategyName, build_strategy
 from picker.schema import ConfigError, Duration, Section, describe, parse_duration
+from picker.tls import TLS_VERSIONS, TlsError, TlsOptions
 
 __all__ = ["ConfigError", "ServeConfig", "add_arguments", "parse_duration", "parse_ports", "parse_size", "resolve"]
 
@@ -82,6 +83,12 @@ class ServeConfig(Section):
     endpoint_selector: str = ""
     endpoint_target_ports: str = ""
     kubeconfig: str = ""
+    # TLS on the ext_proc port (picker.tls): on by default, as the reference picker serves it.
+    secure_serving: bool = True
+    cert_path: str = ""
+    enable_cert_reload: bool = False
+    client_ca: str = ""
+    tls_min_version: str = "VersionTLS12"
     # Policy sections (GIE-like camelCase keys inside).
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
@@ -90,6 +97,11 @@ class ServeConfig(Section):
     def pool_label(self) -> str:
         """The pool's name in metrics and in the shared index namespace."""
         return self.pool_name or "default"
+
+    @property
+    def tls(self) -> TlsOptions:
+        return TlsOptions(self.secure_serving, self.cert_path, self.enable_cert_reload, self.client_ca,
+                          self.tls_min_version)
 
     @property
     def discovery(self) -> str:
@@ -102,6 +114,17 @@ class ServeConfig(Section):
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def parse_bool(text: str) -> bool:
+    """A Go-style boolean flag value (`--secure-serving=false`), as the reference picker's flags take them."""
+    value = text.strip().lower()
+    if value in ("1", "t", "true", "yes", "on"):
+        return True
+    if value in ("0", "f", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true or false)")
+
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     try:
@@ -148,6 +171,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")
     a("--redis-url", help="Redis/Valkey for --index-backend redis, e.g. redis://127.0.0.1:6379/0")
     a("--index-namespace", help="replicas with the same namespace share one index (default: pool namespace/name)")
+    a("--secure-serving", type=parse_bool, nargs="?", const=True, metavar="BOOL",
+      help="serve ext_proc and picker.v1 over TLS (default true, as the reference picker; --secure-serving=false "
+      "for plaintext, e.g. a sidecar on loopback). The health port is always plaintext")
+    a("--cert-path", help="directory holding tls.crt and tls.key (a mounted kubernetes.io/tls Secret); default: a "
+      "self-signed pair made at start")
+    a("--enable-cert-reload", type=parse_bool, nargs="?", const=True, metavar="BOOL",
+      help="re-read --cert-path when its files change (default false)")
+    a("--client-ca", help="PEM CA file: require every client (Envoy) to present a certificate it signed (mTLS)")
+    a("--tls-min-version", help=f"{', '.join(TLS_VERSIONS)} (default VersionTLS12; TLS 1.2 is grpcio's floor "
+      "already, VersionTLS13 is refused as it cannot be enforced)")
 
 
 def decode_serve_config(data: Mapping[str, Any], source: str = "") -> ServeConfig:
@@ -193,6 +226,10 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
         parse_ports(config.endpoint_target_ports)
     if config.metrics_fast_interval > config.metrics_slow_interval:
         raise ConfigError("metrics-fast-interval must not exceed metrics-slow-interval")
+    try:
+        config.tls.check()
+    except TlsError as exc:
+        raise ConfigError(str(exc)) from None
     if config.index_backend == "redis" and not config.redis_url:
         raise ConfigError("--index-backend redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
     return config

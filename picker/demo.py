@@ -145,13 +145,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1,
                         help="picker replicas behind Envoy, sharing the prefix index through a local Valkey (default 1)")
     parser.add_argument("--once", action="store_true", help="exit after the sample requests")
+    parser.add_argument("--tls", action="store_true",
+                        help="Envoy -> picker over mTLS: a throwaway CA signs the picker's certificate and Envoy's "
+                        "client certificate, each side verifies the other (default: plaintext, as a sidecar)")
 
 
-def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[Managed]) -> list[Picker]:
+def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[Managed],
+                   tls: str = "plaintext") -> list[Picker]:
     """One picker, or several on their own loopback addresses (same ports, as pods behind a Service) sharing
     the prefix index through a Valkey started for the demo."""
     if replicas <= 1:
-        picker = start_picker(logdir, endpoints=pool)
+        picker = start_picker(logdir, endpoints=pool, tls=tls)
         started.append(picker.process)
         return [picker]
     valkey = start_valkey(logdir)
@@ -161,7 +165,7 @@ def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[M
     pickers = []
     for i in range(replicas):
         picker = start_picker(logdir, endpoints=pool, name=f"picker-{i}", host=f"127.0.0.{10 + i}",
-                              grpc_port=grpc_port, health_port=health_port,
+                              grpc_port=grpc_port, health_port=health_port, tls=tls,
                               extra=["--index-backend", "redis", "--redis-url", valkey.url])
         started.append(picker.process)
         pickers.append(picker)
@@ -196,17 +200,18 @@ def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
     else:
         fleet = start_backends(args.pods, logdir)
         started.append(fleet.process)
-    pickers = _start_pickers(args.replicas, fleet.addresses, logdir, started)
+    pickers = _start_pickers(args.replicas, fleet.addresses, logdir, started, "mtls" if args.tls else "plaintext")
     picker = pickers[0]
     envoy = start_envoy(logdir, pickers, fleet.addresses, mode=args.mode)
     started.append(envoy.process)
     print(f"  fleet:  {', '.join(fleet.addresses)}")
     for p in pickers:
-        print(f"  picker: {p.host}:{p.grpc_port} (metrics http://{p.host}:{p.metrics_port}/metrics)")
+        security = f"mTLS, certificates in {p.pki}" if p.pki else "plaintext"
+        print(f"  picker: {p.host}:{p.grpc_port} ({security}; metrics http://{p.host}:{p.metrics_port}/metrics)")
     print(f"  envoy:  {envoy.url} ({args.mode} body mode)\n")
     names = {f"sim-{i}": address for i, address in enumerate(fleet.addresses)}  # x-sim-pod → address
     unexpected = 0
-    with grpc.insecure_channel(f"{picker.host}:{picker.grpc_port}") as channel:
+    with picker.channel() as channel:
         for i, sample in enumerate(samples(args.model), 1):
             explained = _explain(channel, sample)  # before the request: routing it changes the index
             status, pod, text = _send(envoy.url, sample)
@@ -233,6 +238,10 @@ def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
     body = {"model": args.model, "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}
     quoted = shlex.quote(json.dumps(body))
     target = f"{picker.host}:{picker.grpc_port}"
+    if picker.pki is not None:
+        target += f" --ca {picker.pki / 'ca.crt'} --client-cert {picker.pki / 'client'} --server-name localhost"
+    else:
+        target += " --plaintext"
     print(f"Envoy is up at {envoy.url}; try:\n"
           f"  curl -s {envoy.url}/v1/chat/completions -H 'content-type: application/json' -d {quoted}\n"
           f"  {picker_command()} explain --target {target} --body {quoted}\n"

@@ -44,6 +44,10 @@ class EnvoySettings:
     # Several picker replicas (IPs or DNS names, e.g. compose services); empty: just `picker_host`.
     # Any DNS name makes the picker cluster STRICT_DNS (every address a name resolves to is one host).
     picker_hosts: tuple[str, ...] = ()
+    # TLS towards the picker's ext_proc port (its --secure-serving, on by default): "tls" or "plaintext".
+    picker_tls: str = "tls"
+    picker_ca: str = ""  # verify the picker's certificate against this CA file; empty: no verification (GIE's way)
+    picker_client_cert: str = ""  # directory with tls.crt + tls.key Envoy presents (mTLS, the picker's --client-ca)
 
     def picker_host_list(self) -> tuple[str, ...]:
         return self.picker_hosts or (self.picker_host,)
@@ -141,10 +145,54 @@ def _picker_lb_endpoints(settings: EnvoySettings) -> str:
     return "\n".join(lines)
 
 
+PICKER_TLS_MODES = ("tls", "plaintext")
+
+
+def _picker_transport(settings: EnvoySettings) -> tuple[str, str]:
+    """The picker cluster's transport socket block and the health check's match criteria.
+
+    The picker serves ext_proc over TLS but its health port in plaintext (Kubernetes probes cannot speak TLS), so
+    the health check picks the plaintext socket from `transport_socket_matches`; requests use the TLS one."""
+    if settings.picker_tls not in PICKER_TLS_MODES:
+        raise ValueError(f"picker TLS {settings.picker_tls!r}: choose from {', '.join(PICKER_TLS_MODES)}")
+    if settings.picker_tls == "plaintext":
+        if settings.picker_ca or settings.picker_client_cert:
+            raise ValueError("--picker-ca and --picker-client-cert need --picker-tls tls")
+        return "", ""
+    common = ["          alpn_protocols: [h2]  # gRPC over TLS negotiates HTTP/2"]
+    if settings.picker_ca:
+        common.append(f"          validation_context: {{trusted_ca: {{filename: '{settings.picker_ca}'}}}}")
+    if settings.picker_client_cert:
+        directory = settings.picker_client_cert.rstrip("/")
+        common.append(f"          tls_certificates: [{{certificate_chain: {{filename: '{directory}/tls.crt'}}, "
+                      f"private_key: {{filename: '{directory}/tls.key'}}}}]")
+    socket = "\n".join([
+        "    # ext_proc over TLS (the picker's --secure-serving, on by default); no validation_context: the picker's",
+        "    # self-signed certificate is accepted, as GIE's gateway integrations do. --picker-ca pins a CA.",
+        "    transport_socket:",
+        "      name: envoy.transport_sockets.tls",
+        "      typed_config:",
+        '        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext',
+        "        common_tls_context:",
+        *common,
+        "    transport_socket_matches:  # the health port is plaintext",
+        "    - name: plaintext-health",
+        "      match: {picker-health: plaintext}",
+        "      transport_socket:",
+        "        name: envoy.transport_sockets.raw_buffer",
+        "        typed_config:",
+        '          "@type": type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer',
+    ])
+    return socket + "\n", "      transport_socket_match_criteria: {picker-health: plaintext}\n"
+
+
 def render(settings: EnvoySettings) -> str:
     """Fill the template for `settings.mode`. The pool is only needed by the fail-open round-robin route."""
     template = string.Template(template_path(settings.mode).read_text())
+    transport, health_transport = _picker_transport(settings)
     return template.substitute(
+        PICKER_TRANSPORT_SOCKET=transport,
+        PICKER_HEALTH_TRANSPORT=health_transport,
         LISTEN_HOST=settings.listen_host,
         LISTEN_PORT=settings.listen_port,
         ADMIN_PORT=settings.admin_port,
@@ -235,6 +283,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--message-timeout", default="5s",
       help="how long Envoy waits for the picker's answer to one ext_proc message before the failure mode "
       "applies (default %(default)s)")
+    a("--picker-tls", choices=PICKER_TLS_MODES, default="tls",
+      help="ext_proc to the picker over TLS (its --secure-serving, default) or plaintext (a picker run with "
+      "--secure-serving=false, e.g. a sidecar on loopback) (default %(default)s)")
+    a("--picker-ca", default="", metavar="FILE",
+      help="verify the picker's certificate against this CA (default: accept it unverified, as GIE's gateway "
+      "integrations do with the picker's self-signed certificate)")
+    a("--picker-client-cert", default="", metavar="DIR",
+      help="directory with tls.crt and tls.key Envoy presents to the picker (mTLS: the picker's --client-ca; "
+      "default: none)")
     a("--out", metavar="PATH", help="write the config to PATH (default: stdout)")
     a("--validate", action="store_true",
       help="also run `envoy --mode validate` on the result (needs --out; default: off)")
@@ -249,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         picker_hosts=picker_hosts if len(picker_hosts) > 1 else (),
         pool=tuple(p.strip() for p in args.pool.split(",") if p.strip()), mode=args.mode,
         failure_mode_allow=not args.fail_closed, message_timeout=args.message_timeout,
+        picker_tls=args.picker_tls, picker_ca=args.picker_ca, picker_client_cert=args.picker_client_cert,
     )
     try:
         text = render(settings)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import grpc
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
+from picker.tls import TlsError, client_credentials, read_pair
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--header", action="append", default=[], metavar="NAME=VALUE", help="extra request header (repeatable)")
     a("--endpoints", action="store_true", help="list the pool instead of explaining a request")
     a("--json", action="store_true", help="machine-readable output")
+    a("--plaintext", action="store_true",
+      help="talk plaintext gRPC (a picker run with --secure-serving=false); default: TLS, as the picker serves")
+    a("--ca", metavar="FILE", help="verify the picker's certificate against this CA (default: accept the "
+      "certificate it presents, as gateways do with its self-signed one)")
+    a("--client-cert", metavar="DIR", help="tls.crt and tls.key to present (a picker run with --client-ca)")
+    a("--server-name", default="", help="name to check the certificate for (default: the --target host)")
+
+
+def _channel(args: argparse.Namespace) -> grpc.aio.Channel:
+    if args.plaintext:
+        return grpc.aio.insecure_channel(args.target)
+    ca = Path(args.ca).read_bytes() if args.ca else None
+    client = read_pair(Path(args.client_cert), "--client-cert") if args.client_cert else None
+    credentials, options = client_credentials(args.target, ca=ca, client=client, server_name=args.server_name)
+    return grpc.aio.secure_channel(args.target, credentials, options=options)
 
 
 def _read_body(spec: str) -> bytes:
@@ -55,7 +72,7 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
 
 
 async def _call(args: argparse.Namespace) -> str:
-    async with grpc.aio.insecure_channel(args.target) as channel:
+    async with _channel(args) as channel:
         stub = picker_pb2_grpc.PickerStub(channel)
         if args.endpoints:
             listing = await stub.ListEndpoints(picker_pb2.ListEndpointsRequest(), timeout=5)
@@ -87,5 +104,12 @@ def run(args: argparse.Namespace) -> int:
         print(asyncio.run(_call(args)))
     except grpc.aio.AioRpcError as err:
         print(f"picker explain: {args.target}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except ssl.SSLError as exc:
+        print(f"picker explain: {args.target} does not speak TLS ({exc.reason or exc}): a picker run with "
+              "--secure-serving=false needs --plaintext", file=sys.stderr)
+        return 1
+    except (OSError, TlsError) as exc:
+        print(f"picker explain: {args.target}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -30,6 +30,7 @@ from picker.endpoints.pool import EndpointPool
 from picker.extproc.servicer import ExtProcServicer
 from picker.observability import DecisionTracer, PickerMetrics
 from picker.policy import build_policy, start_monitor
+from picker.tls import certificate_hosts, server_credentials
 
 log = logging.getLogger("picker")
 
@@ -75,11 +76,14 @@ def _reason(exc: OSError) -> str:
     return os.strerror(exc.errno).lower() if exc.errno else str(exc)
 
 
-def _bind_grpc(server: grpc.aio.Server, host: str, port: int, flag: str) -> int:
-    """Bind `server` to host:port and return the port; BindError naming `flag` when it cannot be had."""
+def _bind_grpc(server: grpc.aio.Server, host: str, port: int, flag: str,
+               credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind `server` to host:port (TLS with `credentials`) and return the port; BindError naming `flag` when it
+    cannot be had."""
     _check_port_free(host, port, flag)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError:  # recent grpcio raises "Failed to bind"; older versions return 0
         bound = 0
     if bound == 0:
@@ -170,7 +174,8 @@ class PickerServer:
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
 
-        self.grpc_port = _bind_grpc(self.server, c.host, c.grpc_port, "--grpc-port")
+        credentials = server_credentials(c.tls, certificate_hosts(c.host))
+        self.grpc_port = _bind_grpc(self.server, c.host, c.grpc_port, "--grpc-port", credentials)
         self.health_port = _bind_grpc(self.health_server, c.host, c.grpc_health_port, "--grpc-health-port")
         if c.metrics_port >= 0:
             try:
@@ -226,8 +231,11 @@ async def serve(config: cfg.ServeConfig) -> None:
     server = PickerServer(config)
     await server.start()
     metrics = f"metrics on :{server.metrics_port}" if config.metrics_port >= 0 else "metrics off"
-    print(f"picker: ext_proc on {config.host}:{server.grpc_port}, health on :{server.health_port}, {metrics}",
-          flush=True)
+    tls = config.tls
+    security = "plaintext" if not tls.secure else \
+        f"{'mTLS' if tls.client_ca else 'TLS'}, {'certificate from ' + tls.cert_path if tls.cert_path else 'self-signed'}"
+    print(f"picker: ext_proc on {config.host}:{server.grpc_port} ({security}), health on :{server.health_port}, "
+          f"{metrics}", flush=True)
     stopped = asyncio.create_task(stop.wait())
     failed = asyncio.create_task(server.failed.wait())
     await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)

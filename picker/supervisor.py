@@ -21,7 +21,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from picker.envoyconfig import EnvoySettings, envoy_binary, render
+from picker.tls import client_credentials, make_pki, read_pair
 
 HOST = "127.0.0.1"
 
@@ -178,17 +181,53 @@ class Picker:
     process: Managed
     endpoints_file: Path | None = None
     host: str = HOST
+    tls: str = "plaintext"  # "plaintext", "tls" (its self-signed pair) or "mtls" (certificates from `pki`)
+    pki: Path | None = None  # with mtls: ca.crt, server/ and client/ (picker.tls.Pki.write)
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def _credentials(self) -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
+        if self.pki is None:
+            return client_credentials(self.target)
+        return client_credentials(self.target, ca=(self.pki / "ca.crt").read_bytes(),
+                                  client=read_pair(self.pki / "client"), server_name="localhost")
+
+    def channel(self) -> grpc.Channel:
+        """A channel to its ext_proc / picker.v1 port that speaks what it serves (plaintext, TLS or mTLS)."""
+        if self.tls == "plaintext":
+            return grpc.insecure_channel(self.target)
+        return grpc.secure_channel(self.target, *self._credentials())
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        if self.tls == "plaintext":
+            return grpc.aio.insecure_channel(self.target)
+        return grpc.aio.secure_channel(self.target, *self._credentials())
 
 
 def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_file: Path | None = None,
                  extra: list[str] | None = None, name: str = "picker", grpc_port: int | None = None,
-                 health_port: int | None = None, host: str = HOST) -> Picker:
-    """`host` may be another loopback address (127.0.0.x): replicas then share their ports, as pods do."""
+                 health_port: int | None = None, host: str = HOST, tls: str = "plaintext") -> Picker:
+    """`host` may be another loopback address (127.0.0.x): replicas then share their ports, as pods do.
+
+    Plaintext unless asked (a same-host sidecar, what the tests and benchmarks measure); `tls="tls"` is the
+    product's default (a self-signed certificate), `tls="mtls"` a throwaway CA that signs both ends."""
     grpc_port = grpc_port or free_port()
     health_port = health_port or free_port()
     metrics_port = free_port()
     args = [sys.executable, "-m", "picker", "serve", "--host", host, "--grpc-port", str(grpc_port),
             "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--seed", "7"]
+    pki: Path | None = None
+    if tls == "plaintext":
+        args.append("--secure-serving=false")
+    elif tls == "mtls":
+        pki = logdir / "pki"  # one CA per log folder: replicas behind one Envoy share it
+        if not (pki / "ca.crt").exists():
+            make_pki().write(pki)
+        args += ["--cert-path", str(pki / "server"), "--client-ca", str(pki / "ca.crt")]
+    elif tls != "tls":
+        raise ValueError(f"tls {tls!r}: plaintext, tls or mtls")
     if endpoints is not None:
         args += ["--endpoints", ",".join(endpoints)]
     if endpoints_file is not None:
@@ -196,7 +235,7 @@ def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_
     args += extra or []
     process = spawn(name, args, logdir)
     wait_until(lambda: port_open(health_port, host) and port_open(grpc_port, host), 30, "picker", process.proc)
-    return Picker(grpc_port, health_port, metrics_port, process, endpoints_file, host)
+    return Picker(grpc_port, health_port, metrics_port, process, endpoints_file, host, tls, pki)
 
 
 @dataclass
@@ -223,8 +262,12 @@ _base_id = iter(range(1000 + os.getpid() % 1000 * 100, 10**7))
 
 
 def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str], *, mode: str = "buffered",
-                fail_open: bool = True, name: str = "envoy", wait_for_picker: bool = True) -> Envoy:
-    """Envoy in front of one picker, or of several replicas (same ports, different hosts) it balances over."""
+                fail_open: bool = True, name: str = "envoy", wait_for_picker: bool = True,
+                client_cert: bool = True) -> Envoy:
+    """Envoy in front of one picker, or of several replicas (same ports, different hosts) it balances over.
+
+    It speaks what the picker serves; to an mTLS picker it presents the client certificate of the picker's CA
+    (`client_cert=False`: none, which the picker must refuse)."""
     pickers = [picker] if isinstance(picker, Picker) else list(picker)
     first = pickers[0]
     if any((p.grpc_port, p.health_port) != (first.grpc_port, first.health_port) for p in pickers):
@@ -232,7 +275,10 @@ def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str]
     settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=first.grpc_port,
                              picker_health_port=first.health_port, pool=tuple(pool), mode=mode,
                              failure_mode_allow=fail_open, picker_host=first.host,
-                             picker_hosts=tuple(p.host for p in pickers) if len(pickers) > 1 else ())
+                             picker_hosts=tuple(p.host for p in pickers) if len(pickers) > 1 else (),
+                             picker_tls="plaintext" if first.tls == "plaintext" else "tls",
+                             picker_ca=str(first.pki / "ca.crt") if first.pki else "",
+                             picker_client_cert=str(first.pki / "client") if first.pki and client_cert else "")
     config_path = logdir / f"{name}.yaml"
     config_path.write_text(render(settings))
     process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),

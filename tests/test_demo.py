@@ -83,10 +83,12 @@ def test_pick_and_served_checker_catches_a_disagreement() -> None:
 
 
 def test_demo_with_two_replicas_sharing_the_index(tmp_path: Path) -> None:
-    result = run_demo(tmp_path, "--once", "--pods", "3", "--replicas", "2")
+    # Over mTLS: both replicas serve certificates of one throwaway CA, Envoy presents its client certificate.
+    result = run_demo(tmp_path, "--once", "--pods", "3", "--replicas", "2", "--tls")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
     assert "prefix index shared by 2 picker replicas" in out and out.count("  picker: 127.0.0.1") == 2, out
+    assert out.count("(mTLS, certificates in ") == 2, out
     served = [line.split("served by ", 1)[1].split()[0] for line in out.splitlines() if "-> 200 served by" in line]
     assert len(served) == 5, out
     # Envoy alternates replicas: the same system prompt still lands on one pod, whichever replica routes it.
@@ -108,8 +110,9 @@ def _read_until(lines: queue.Queue[str | None], marker: str, timeout: float) -> 
 
 def test_printed_commands_work_as_printed(tmp_path: Path) -> None:
     """Interactive mode: the suggested curl answers briefly (max_tokens), both `picker explain` commands run as
-    printed from another directory, and SIGTERM stops everything and removes the log folder."""
-    proc = subprocess.Popen([sys.executable, "-m", "picker", "demo", "--pods", "2"], stdout=subprocess.PIPE,
+    printed from another directory (over mTLS: they carry the CA and client certificate), and SIGTERM stops
+    everything and removes the log folder."""
+    proc = subprocess.Popen([sys.executable, "-m", "picker", "demo", "--pods", "2", "--tls"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str | None] = queue.Queue()

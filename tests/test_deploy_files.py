@@ -552,7 +552,8 @@ def test_sidecar_envoy_talks_to_its_picker_and_pool(tmp_path: Path) -> None:
     # no drift from the templates, and Envoy accepts it
     assert text == render(EnvoySettings(listen_host="0.0.0.0", listen_port=listener_port, picker_host="127.0.0.1",
                                         picker_port=config.grpc_port, picker_health_port=config.grpc_health_port,
-                                        pool=(f"vllm-llama-pool:{headless['spec']['ports'][0]['port']}",)))
+                                        pool=(f"vllm-llama-pool:{headless['spec']['ports'][0]['port']}",),
+                                        picker_tls="tls" if config.secure_serving else "plaintext"))
     path = tmp_path / "sidecar-envoy.yaml"
     path.write_text(text)
     validate_with_envoy(path)
@@ -583,7 +584,8 @@ def test_compose_envoy_config_is_rendered_from_compose_and_valid() -> None:
     expected = render(EnvoySettings(
         listen_host="0.0.0.0", listen_port=int(listen_port), picker_hosts=tuple(pickers),
         picker_port=configs[0].grpc_port, picker_health_port=configs[0].grpc_health_port,
-        pool=tuple(configs[0].endpoints.split(","))))
+        pool=tuple(configs[0].endpoints.split(",")),
+        picker_tls="tls" if configs[0].secure_serving else "plaintext"))
     assert COMPOSE_ENVOY.read_text() == expected, (
         "envoy/compose.yaml drifted: re-render it with the command in docker-compose.yaml's header")
     clusters = {c["name"]: c for c in yaml.safe_load(expected)["static_resources"]["clusters"]}

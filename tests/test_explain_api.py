@@ -13,7 +13,7 @@ BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "wh
 
 def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "picker", "explain", "--target",
-                           f"127.0.0.1:{stack.picker.grpc_port}", *args], capture_output=True, text=True, timeout=30)
+                           f"127.0.0.1:{stack.picker.grpc_port}", "--plaintext", *args], capture_output=True, text=True, timeout=30)
 
 
 def test_explain_ranks_every_pool_endpoint(stack: Stack) -> None:
@@ -41,6 +41,16 @@ def test_list_endpoints(stack: Stack) -> None:
 
 
 def test_explain_against_a_dead_target_is_a_clear_error() -> None:
+    result = subprocess.run([sys.executable, "-m", "picker", "explain", "--target", "127.0.0.1:1", "--plaintext",
+                             "--body", BODY], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and "UNAVAILABLE" in result.stderr
     result = subprocess.run([sys.executable, "-m", "picker", "explain", "--target", "127.0.0.1:1", "--body", BODY],
                             capture_output=True, text=True, timeout=30)
-    assert result.returncode == 1 and "UNAVAILABLE" in result.stderr
+    assert result.returncode == 1 and result.stderr.startswith("picker explain: 127.0.0.1:1: "), result.stderr
+
+
+def test_explain_over_tls_to_a_plaintext_picker_says_so(stack: Stack) -> None:
+    result = subprocess.run([sys.executable, "-m", "picker", "explain", "--target",
+                             f"127.0.0.1:{stack.picker.grpc_port}", "--endpoints"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and "--secure-serving=false needs --plaintext" in result.stderr, result.stderr
