@@ -62,6 +62,12 @@ class RealtimeDriver:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="sim-engine-driver")
 
+    def on_exit(self, callback: Callable[[asyncio.Task[None]], None]) -> None:
+        """Call `callback` with the stepping task when it ends (stopped, or crashed: the server then fails what
+        waits on it instead of letting it hang)."""
+        if self._task is not None:
+            self._task.add_done_callback(callback)
+
     async def stop(self) -> None:
         """Stop stepping and release every waiting handler."""
         if self._task is not None:

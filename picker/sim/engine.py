@@ -34,11 +34,17 @@ does not fit blocks the queue (head-of-line). A waiting request whose LoRA
 adapter would exceed `max_loras` adapters in the batch is skipped for this step. On admission the longest cached
 prefix of full blocks is reused, never including the last prompt token. Full blocks enter the prefix cache when the
 step computing them is scheduled, so identical prompts admitted in the same step share the work.
+
+Failure isolation: `step` never raises because of one request. A request whose scheduling or update raises
+is finished with finish_reason "error" (vLLM's FinishReason.ERROR; the HTTP layer answers 500), the exception
+is logged once, and the other requests carry on: the caller's stepping loop must survive, since when it died
+the pod kept answering /health while every request to it hung.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -48,7 +54,11 @@ import xxhash
 from picker.sim.kv_events import KVEvent
 from picker.sim.kvcache import KVCache, extend_block_hashes
 from picker.sim.profiles import Profile
-from picker.sim.tokenizer import PseudoWords, Tokenizer
+from picker.sim.tokenizer import PseudoWords, Tokenizer, is_utf8
+
+log = logging.getLogger(__name__)
+
+ERROR = "error"  # finish_reason of a request that failed inside the engine (vLLM's FinishReason.ERROR)
 
 
 @dataclass(slots=True)
@@ -192,6 +202,7 @@ class Engine:
         self.requests: dict[str, _State] = {}
         self.stats = EngineStats()
         self.busy_until = -math.inf
+        self._culprit: _State | None = None  # the request being scheduled: failed alone if scheduling raises
 
     # --- inputs ----------------------------------------------------------------------------------------------
     def add_request(self, req: SimRequest, now: float) -> None:
@@ -209,6 +220,8 @@ class Engine:
             raise ValueError("request needs more KV-cache blocks than the engine has")
         if req.lora_name is not None and req.lora_name not in self.lora_ids:
             raise ValueError(f"unknown LoRA adapter {req.lora_name!r}")
+        if req.cache_salt is not None and not is_utf8(req.cache_salt):
+            raise ValueError("cache_salt must be valid UTF-8 text (it contains a lone surrogate)")
         state = _State(req, now, self._stream_key(req), self._stop_at(req), self.lora_ids.get(req.lora_name or ""))
         self.requests[req.request_id] = state
         self.waiting.append(state)
@@ -283,9 +296,61 @@ class Engine:
 
     # --- the step --------------------------------------------------------------------------------------------
     def step(self, now: float) -> StepResult:
-        """Schedule one batch at model time `now` (>= next_step_time()), run it, return what came out."""
+        """Schedule one batch at model time `now` (>= next_step_time()), run it, return what came out.
+
+        A request whose scheduling raises is finished with "error" (in `result.finished`) and the batch is
+        scheduled again without it: scheduling only moves requests between queues and gives them blocks, so a
+        retry is sound.
+        """
         if now < self.busy_until:
             raise ValueError(f"step at {now} before the previous step ends at {self.busy_until}")
+        failed: list[FinishedRequest] = []
+        while True:
+            self._culprit = None
+            try:
+                result = self._schedule_and_run(now)
+            except Exception as exc:
+                if not self._fail_culprit(exc, now, failed):
+                    raise  # no request to blame and none in flight: a bug that retrying cannot get past
+                continue
+            if failed:
+                result.finished[:0] = failed
+            return result
+
+    def _fail_culprit(self, exc: Exception, now: float, failed: list[FinishedRequest]) -> bool:
+        """Fail the request whose scheduling raised (every request in flight if it was in no request's code),
+        and any request the exception left outside both queues; log once. False if nothing changed."""
+        victims = [self._culprit] if self._culprit is not None else list(self.requests.values())
+        queued = {id(st) for st in self.running} | {id(st) for st in self.waiting}
+        victims += [st for st in self.requests.values() if id(st) not in queued and st not in victims]
+        changed = [st.req.request_id for st in victims if self._fail(st, now, failed)]
+        if changed:
+            log.error("engine step failed; finishing request(s) %s with an error, the engine keeps serving",
+                      ", ".join(changed), exc_info=exc)  # fmt: skip
+        return bool(changed)
+
+    def _fail(self, st: _State, now: float, into: list[FinishedRequest]) -> bool:
+        """Take `st` out of the engine and finish it with "error" (appended to `into`, blocks freed if the
+        cache allows); False if it was no longer in the engine."""
+        rid = st.req.request_id
+        queued = st in self.running
+        if queued:
+            self.running.remove(st)
+        elif st in self.waiting:
+            queued = True
+            self.waiting.remove(st)
+        if self.requests.get(rid) is not st:
+            return queued
+        del self.requests[rid]
+        with contextlib.suppress(Exception):  # the block bookkeeping may be what failed: leak, don't re-raise
+            self.kv.free(st.blocks)
+        st.blocks = []
+        self.stats.finished[ERROR] = self.stats.finished.get(ERROR, 0) + 1
+        into.append(self._record(st, ERROR, now))
+        return True
+
+    def _schedule_and_run(self, now: float) -> StepResult:
+        """One step: schedule running requests, admit waiting ones, run the batch."""
         budget = self.profile.max_num_batched_tokens
         scheduled: list[tuple[_State, int, int]] = []  # (state, new tokens, context before them)
         preempted: list[str] = []
@@ -294,6 +359,7 @@ class Engine:
         i = 0
         while i < len(self.running) and budget > 0:
             st = self.running[i]
+            self._culprit = st
             n = min(len(st.tokens) - st.num_computed, budget)
             if n <= 0:
                 i += 1
@@ -313,6 +379,7 @@ class Engine:
 
         if not preempted:
             budget = self._admit_waiting(now, budget, scheduled, loaded)
+        self._culprit = None
 
         duration = self._step_duration(scheduled, len(loaded))
         end = now + duration
@@ -334,6 +401,7 @@ class Engine:
         bs = self.block_size
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             st = self.waiting[0]
+            self._culprit = st
             if st.arrival > now:
                 break  # not arrived yet in model time (the real-time driver may run slightly behind the clock)
             lora = st.req.lora_name
@@ -452,49 +520,63 @@ class Engine:
         )
 
     def _execute(self, scheduled: list[tuple[_State, int, int]], end: float, result: StepResult) -> None:
-        """Apply the batch: advance computed tokens, sample tokens, finish requests."""
-        words = self.words
+        """Apply the batch: advance computed tokens, sample tokens, finish requests. A request whose update
+        raises is finished with "error" alone (logged once); the batch's other outputs still come out."""
+        for st, n, ctx in scheduled:
+            try:
+                self._execute_one(st, n, ctx, end, result)
+            except Exception:
+                log.exception("request %s failed in an engine step; finishing it with an error, the engine "
+                              "keeps serving", st.req.request_id)  # fmt: skip
+                self._fail(st, end, result.finished)
+
+    def _execute_one(self, st: _State, n: int, ctx: int, end: float, result: StepResult) -> None:
+        """Apply one scheduled request's share of the batch: computed tokens, sampled token, finish."""
+        result.num_scheduled_tokens += n
+        if n == 1 and ctx >= st.num_prompt:
+            result.num_decode_seqs += 1
+        else:
+            result.num_prefill_tokens += n
+        st.num_computed += n
+        if st.num_computed < len(st.tokens):
+            return  # chunked prefill not done yet
+        token = self.words.token(st.stream_key, len(st.output))
+        st.output.append(token)
+        st.tokens.append(token)
+        rid = st.req.request_id
+        result.new_tokens.append((rid, token))
         stats = self.stats
-        max_len = self.profile.max_model_len
-        for st, n, _ctx in scheduled:
-            result.num_scheduled_tokens += n
-            if n == 1 and _ctx >= st.num_prompt:
-                result.num_decode_seqs += 1
-            else:
-                result.num_prefill_tokens += n
-            st.num_computed += n
-            if st.num_computed < len(st.tokens):
-                continue  # chunked prefill not done yet
-            token = words.token(st.stream_key, len(st.output))
-            st.output.append(token)
-            st.tokens.append(token)
-            rid = st.req.request_id
-            result.new_tokens.append((rid, token))
-            stats.generation_tokens += 1
-            if st.first_token is None:
-                st.first_token = end
-                result.first_tokens.append(rid)
-                result.ttfts.append(end - st.arrival)
-                stats.prompt_tokens += st.num_prompt
-                stats.prompt_tokens_cached += max(st.num_cached_tokens, 0)
-            elif st.last_token is not None:
-                result.inter_token_latencies.append(end - st.last_token)
-            st.last_token = end
-            reason = None
-            n_out = len(st.output)
-            if n_out >= st.req.max_tokens or len(st.tokens) >= max_len:
-                reason = "length"
-            elif st.stop_at is not None and n_out >= st.stop_at:
-                reason = "stop"
-            if reason is not None:
-                self.running.remove(st)
-                result.finished.append(self._finish(st, reason, end))
+        stats.generation_tokens += 1
+        if st.first_token is None:
+            st.first_token = end
+            result.first_tokens.append(rid)
+            result.ttfts.append(end - st.arrival)
+            stats.prompt_tokens += st.num_prompt
+            stats.prompt_tokens_cached += max(st.num_cached_tokens, 0)
+        elif st.last_token is not None:
+            result.inter_token_latencies.append(end - st.last_token)
+        st.last_token = end
+        reason = None
+        n_out = len(st.output)
+        if n_out >= st.req.max_tokens or len(st.tokens) >= self.profile.max_model_len:
+            reason = "length"
+        elif st.stop_at is not None and n_out >= st.stop_at:
+            reason = "stop"
+        if reason is not None:
+            self.running.remove(st)
+            result.finished.append(self._finish(st, reason, end))
 
     def _finish(self, st: _State, reason: str, now: float) -> FinishedRequest:
+        """Free the request's blocks, forget it, count it."""
         self.kv.free(st.blocks)
         st.blocks = []
         del self.requests[st.req.request_id]
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        return self._record(st, reason, now)
+
+    @staticmethod
+    def _record(st: _State, reason: str, now: float) -> FinishedRequest:
+        """The FinishedRequest of `st` (no side effects, so failing a request cannot fail again here)."""
         return FinishedRequest(
             request_id=st.req.request_id,
             finish_reason=reason,

@@ -43,7 +43,10 @@ def extra_keys_for(block_index: int, lora_name: str | None, cache_salt: str | No
 
 
 def _extra_bytes(keys: list[str] | None) -> bytes:
-    extra = "\x00".join(keys).encode() if keys else b""
+    """Length-prefixed extra keys. "surrogatepass": any str hashes (valid text gives the same bytes as plain
+    UTF-8), so a lone surrogate in a cache_salt cannot raise inside an engine step (it used to kill the
+    engine loop)."""
+    extra = "\x00".join(keys).encode("utf-8", "surrogatepass") if keys else b""
     return len(extra).to_bytes(4, "little") + extra
 
 

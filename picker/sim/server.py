@@ -3,12 +3,19 @@
 A `SimPod` owns an Engine, its real-time driver, its metrics registry and (optionally) a KV-event publisher. Every
 response carries `x-sim-pod: <pod name>` and completions carry `system_fingerprint: "vllm-0.32.0-<pod name>"`, so
 tests can tell which pod served a request; nothing else distinguishes the pod from vLLM except timing.
+
+A pod never leaves a request hanging: bad bodies get vLLM's 400 (openai_api validates them), a request that
+fails inside the engine gets a 500 (a JSON error event when streaming), any other exception in a handler is
+logged once and answered with a 500 JSON error, and if the engine's stepping task ever died, waiting requests
+would get a 500 and /health a 503 (as vLLM's does for a dead engine) instead of the pod looking ready while
+nothing completes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import time
@@ -19,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from picker.sim.driver import RealtimeDriver, RequestHandle
-from picker.sim.engine import Engine, FinishedRequest, SimRequest, StepResult
+from picker.sim.engine import ERROR, Engine, FinishedRequest, SimRequest, StepResult
 from picker.sim.kv_events import DEFAULT_TOPIC, KVEventPublisher
 from picker.sim.metrics import SimMetrics
 from picker.sim.openai_api import (
@@ -31,9 +38,12 @@ from picker.sim.openai_api import (
     chat_chunk,
     chat_prompt,
     chat_response,
+    check_messages,
+    check_text,
     completion_chunk,
     completion_response,
-    dumps,
+    internal_error,
+    json_bytes,
     parse_chat,
     parse_completion,
     prompt_token_lists,
@@ -43,6 +53,8 @@ from picker.sim.openai_api import (
     usage_chunk,
 )
 from picker.sim.profiles import Profile
+
+log = logging.getLogger(__name__)
 
 POD_HEADER = "x-sim-pod"
 VLLM_VERSION = "0.32.0"
@@ -117,6 +129,9 @@ class SimPod:
         self.publisher: KVEventPublisher | None = None
         self._runner: web.AppRunner | None = None
         self._closing = False
+        self._engine_failure: BaseException | None = None  # why the driver's stepping task crashed, if it did
+        self._waiting: set[asyncio.Event] = set()  # `changed` events of requests in flight (woken on a crash)
+        self._logged: set[str] = set()  # keys of failures already logged (each is logged once)
         self._api_free_at = 0.0  # loop time until which /metrics rendering holds this pod's API server
 
     @property
@@ -131,6 +146,7 @@ class SimPod:
             self.publisher = KVEventPublisher(self.config.kv_events_endpoint, self.config.kv_events_topic)
         self.driver = RealtimeDriver(self.engine, self.config.time_scale, self._on_step)
         self.driver.start()
+        self._watch_driver(self.driver)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the engine request
         # (vLLM aborts requests of disconnected clients, streaming or not)
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True)
@@ -150,7 +166,13 @@ class SimPod:
         """Stop serving; pending requests get an error."""
         self._closing = True
         if self.driver is not None:
-            await self.driver.stop()
+            try:
+                await self.driver.stop()
+            except Exception:
+                if self._engine_failure is None:
+                    raise  # else the crash was logged when it happened (_driver_done)
+        for changed in self._waiting:
+            changed.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -158,10 +180,37 @@ class SimPod:
             self.publisher.close()
             self.publisher = None
 
+    def _watch_driver(self, driver: RealtimeDriver) -> None:
+        """Notice if the stepping task ever ends other than by stop(): log it and fail what waits on it."""
+        driver.on_exit(self._driver_done)
+
+    def _driver_done(self, task: asyncio.Task[None]) -> None:
+        """The engine loop ended: if it crashed, /health turns 503 and waiting requests get a 500."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._engine_failure = task.exception()
+        log.error("%s: the engine loop died; failing requests in flight", self.name,
+                  exc_info=self._engine_failure)  # fmt: skip
+        for changed in self._waiting:
+            changed.set()
+
+    def _log_once(self, key: str, message: str) -> None:
+        """Log the current exception with its traceback the first time `key` fails (hooks run every step)."""
+        if key not in self._logged:
+            self._logged.add(key)
+            log.exception("%s: %s (logged once)", self.name, message)
+
     def _on_step(self, result: StepResult) -> None:
-        self.metrics.observe_step(result)
+        """Metrics and KV events of one step; runs inside the driver's loop, so it must never raise."""
+        try:
+            self.metrics.observe_step(result)
+        except Exception:
+            self._log_once("metrics", "recording step metrics failed")
         if self.publisher is not None and result.kv_events:
-            self.publisher.publish(result.kv_events)
+            try:
+                self.publisher.publish(result.kv_events)
+            except Exception:
+                self._log_once("kv-events", "publishing KV events failed")
 
     # --- app -------------------------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -189,6 +238,7 @@ class SimPod:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM-shaped JSON for every error; an unexpected exception is a logged 500, never a dropped one."""
         try:
             response: web.StreamResponse = await handler(request)
             return response
@@ -198,17 +248,22 @@ class SimPod:
             return self._json({"detail": "Not Found"}, 404)
         except web.HTTPMethodNotAllowed:
             return self._json({"detail": "Method Not Allowed"}, 405)
+        except (web.HTTPException, ConnectionError):
+            raise  # aiohttp's own answers (413, ...) and clients that went away
+        except Exception:  # streams report their own failures (_stream): nothing has been sent here yet
+            log.exception("%s: %s %s failed", self.name, request.method, request.path)
+            return self._json(internal_error().body(), 500)
 
     @staticmethod
     def _json(obj: Any, status: int = 200) -> web.Response:
-        return web.Response(text=dumps(obj), status=status, content_type="application/json")
+        return web.Response(body=json_bytes(obj), status=status, content_type="application/json")
 
     @staticmethod
     async def _body(request: web.Request) -> Any:
         raw = await request.read()
         try:
             return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise ApiError("Invalid JSON in request body.", 400) from None
 
     # --- generation ------------------------------------------------------------------------------------------
@@ -228,14 +283,21 @@ class SimPod:
         if delay > 0:
             await asyncio.sleep(delay)
 
+    def _check_engine(self) -> None:
+        """500 rather than waiting forever on an engine whose loop has died."""
+        if self._engine_failure is not None:
+            raise internal_error()
+
     async def _generate(self, request: web.Request, plan: GenerationPlan, rid: str) -> web.StreamResponse:
         await self._api_turn()  # request intake runs on the API server's loop
         if self._closing or self.driver is None:
             raise ApiError("The server is shutting down.", 503)
+        self._check_engine()
         created = int(time.time())
         changed = asyncio.Event()
         handles: list[RequestHandle] = []
         prompt_of: list[int] = []
+        self._waiting.add(changed)
         try:
             for p_idx, prompt in enumerate(plan.prompts):
                 for _choice in range(plan.n):
@@ -258,15 +320,19 @@ class SimPod:
             while not all(h.finished is not None for h in handles):
                 if self._closing:
                     raise ApiError("The server is shutting down.", 503)
+                self._check_engine()
                 changed.clear()
                 await changed.wait()
             finished = [h.finished for h in handles if h.finished is not None]
+            if any(f.finish_reason == ERROR for f in finished):
+                raise internal_error()  # as vLLM's GenerationError; the engine logged the cause
             choices = [ChoiceResult(i, self.engine.decode(f.output_token_ids), f.finish_reason)
                        for i, f in enumerate(finished)]  # fmt: skip
             use = self._usage(plan, finished)
             build = completion_response if plan.kind == "completion" else chat_response
             return self._json(build(rid, created, plan.model, choices, use, self.fingerprint))
         finally:
+            self._waiting.discard(changed)
             self._abort_unfinished(handles)
 
     def _usage(self, plan: GenerationPlan, finished: list[FinishedRequest]) -> dict[str, Any]:
@@ -298,6 +364,26 @@ class SimPod:
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
+        try:
+            await self._stream_events(response, plan, rid, created, handles, prompt_of, changed)
+        except ConnectionError:
+            raise  # the client went away
+        except Exception:  # the 200 is out: the error can only go in the stream, as vLLM sends it
+            log.exception("%s: streaming %s failed", self.name, rid)
+            await self._end_stream_with_error(response, [])
+        return response
+
+    async def _stream_events(
+        self,
+        response: web.StreamResponse,
+        plan: GenerationPlan,
+        rid: str,
+        created: int,
+        handles: list[RequestHandle],
+        prompt_of: list[int],
+        changed: asyncio.Event,
+    ) -> None:
+        """Write the SSE chunks of every handle as tokens arrive, then usage and [DONE]."""
         chat = plan.kind == "chat"
         sent = [0] * len(handles)
         done = [False] * len(handles)
@@ -312,6 +398,8 @@ class SimPod:
                 fin = h.finished
                 if not new and fin is None:
                     continue
+                if fin is not None and fin.finish_reason == ERROR:
+                    return await self._end_stream_with_error(response, out)  # the engine logged the cause
                 if chat and sent[i] == 0 and new:
                     role_use = usage(len(plan.prompts[prompt_of[i]]), 0, None) if plan.continuous_usage else None
                     out.append(sse(chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None,
@@ -335,6 +423,8 @@ class SimPod:
             if not all(done):
                 if self._closing:
                     break
+                if self._engine_failure is not None:
+                    return await self._end_stream_with_error(response, [])
                 changed.clear()
                 await changed.wait()
         finished = [h.finished for h in handles if h.finished is not None]
@@ -343,7 +433,12 @@ class SimPod:
             await response.write(sse(usage_chunk(rid, created, model, plan.kind, use, self.fingerprint)))
         await response.write(SSE_DONE)
         await response.write_eof()
-        return response
+
+    @staticmethod
+    async def _end_stream_with_error(response: web.StreamResponse, pending: list[bytes]) -> None:
+        """What vLLM streams when generation fails after the 200 went out: an error event, then [DONE]."""
+        await response.write(b"".join(pending) + sse(internal_error().body()) + SSE_DONE)
+        await response.write_eof()
 
     # --- other endpoints -------------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -382,8 +477,8 @@ class SimPod:
         return self._json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
-        """GET /health: 200 with an empty body, like vLLM."""
-        return web.Response(status=200)
+        """GET /health: 200 with an empty body, like vLLM; 503 once the engine loop has died, as vLLM's."""
+        return web.Response(status=503 if self._engine_failure is not None else 200)
 
     async def version(self, request: web.Request) -> web.Response:
         """GET /version."""
@@ -401,6 +496,7 @@ class SimPod:
     def _tokens_of(self, body: Any) -> list[list[int]]:
         if not isinstance(body, dict):
             raise ApiError("Request body must be a JSON object.", 400)
+        check_text(body)
         resolve_model(body, self.served)
         if "messages" in body:
             return [chat_prompt(body, self.served.tokenizer)]
@@ -420,8 +516,9 @@ class SimPod:
     async def render_chat(self, request: web.Request) -> web.Response:
         """POST /v1/chat/completions/render -> [{"token_ids": [...]}]."""
         body = await self._body(request)
-        if not isinstance(body, dict) or "messages" not in body:
-            raise ApiError("messages must be a non-empty list.", 400, "messages")
+        if not isinstance(body, dict):
+            raise ApiError("Request body must be a JSON object.", 400)
+        check_messages(body.get("messages"))
         return self._json([{"token_ids": t} for t in self._tokens_of(body)])
 
     async def server_info(self, request: web.Request) -> web.Response:

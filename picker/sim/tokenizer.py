@@ -35,6 +35,17 @@ _PIECES = re.compile(
 )
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` can be encoded as UTF-8, i.e. holds no lone surrogate (json.loads accepts "\\ud800")."""
+    if text.isascii():  # O(1) in CPython: the common case costs nothing
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def split_pieces(text: str) -> list[str]:
     """Pieces of `text` (each maps to one token id)."""
     if "<|" not in text:
@@ -97,10 +108,15 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
-            elif isinstance(part, str):
+            if isinstance(part, str):
                 texts.append(part)
+            elif not isinstance(part, Mapping):
+                raise ValueError("each content part must be an object or a string")
+            elif part.get("type") == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ValueError("the text of a text content part must be a string")
+                texts.append(text)
         return "\n".join(texts)
     raise ValueError("message content must be a string or a list of content parts")
 
@@ -111,7 +127,9 @@ def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bo
     for message in messages:
         if not isinstance(message, Mapping) or "role" not in message:
             raise ValueError("each message must be an object with a 'role'")
-        role = str(message["role"])
+        role = message["role"]
+        if not isinstance(role, str):
+            raise ValueError("a message's role must be a string")
         text = _content_text(message.get("content")).strip()
         parts.append(f"{START_HEADER}{role}{END_HEADER}\n\n{text}{EOT}")
     if add_generation_prompt:
