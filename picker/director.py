@@ -152,11 +152,8 @@ class Director:
         tokens = estimated_tokens(request, self.chars_per_token)
         chosen.start_request(tokens, now)
         if self.metrics is not None:
-            self.metrics.scheduler_duration.observe(time.perf_counter() - start)
-            self.metrics.requests.labels(request.model, request.target_model or request.model,
-                                         str(request.priority)).inc()
-            if result.prefix_blocks:
-                self.metrics.index_hit_ratio.observe(result.prefix_matched_blocks / result.prefix_blocks)
+            self.metrics.observe_routed(request, time.perf_counter() - start, result.prefix_matched_blocks,
+                                        result.prefix_blocks)
         destination = ",".join(e.address for e in ranked)
         return Decision(request, ranked, destination, result, tokens, now)
 
@@ -172,9 +169,7 @@ class Director:
             if request is None:  # refused while parsing: no model known
                 request = InferenceRequest(request_id=request_id, model="", path=headers.get(":path", ""))
             if self.metrics is not None:
-                labels = (request.model, request.target_model or request.model, str(request.priority))
-                self.metrics.requests.labels(*labels).inc()
-                self.metrics.errors.labels(*labels, err.code).inc()
+                self.metrics.observe_refused(request, err.code)
             if self.tracer is not None:
                 self.tracer.record(start_ns, time.time_ns(), {**self._span_attributes(request),
                                                               "picker.error.status": err.status,
@@ -202,10 +197,4 @@ class Director:
         decision.released = True
         decision.endpoint.finish_request(decision.tokens)
         if self.metrics is not None:
-            request = decision.request
-            target = request.target_model or request.model
-            self.metrics.duration.labels(request.model, target, str(request.priority)).observe(
-                self.clock() - decision.started_at)
-            if usage is not None:
-                self.metrics.observe_usage(request.model, target, usage.prompt_tokens, usage.completion_tokens,
-                                           usage.cached_tokens)
+            self.metrics.observe_finished(decision.request, self.clock() - decision.started_at, usage)

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from picker.endpoints.state import Endpoint
+from picker.requests import InferenceRequest, Usage
 
 if TYPE_CHECKING:
     from picker.prefix.shared import SyncStats
@@ -34,12 +35,45 @@ _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072)
 
 
+OTHER_MODEL = "other"
+
+
+class ModelLabels:
+    """Which model names may become metric label values: those the pool's pods serve (their series'
+    `model_name`, their loaded LoRA adapters) and those configured (`scheduling.models`); any other name a client
+    sends counts as "other". A client must not be able to grow /metrics (and the picker's memory) with made-up
+    model names; `limit` caps the set even if pods report thousands of adapters."""
+
+    __slots__ = ("configured", "limit", "_allowed")
+
+    def __init__(self, configured: Iterable[str] = (), limit: int = 512) -> None:
+        self.configured = frozenset(configured)
+        self.limit = limit
+        self._allowed = self.configured | {""}  # "": refused before its model was read
+
+    def learn(self, endpoints: Iterable[Endpoint]) -> None:
+        """Refresh from the latest scrapes (called with every pool refresh)."""
+        allowed = set(self.configured) | {""}
+        for endpoint in endpoints:
+            m = endpoint.metrics
+            for name in (*m.models, *m.running_loras, *m.waiting_loras):
+                if len(allowed) >= self.limit:
+                    break
+                allowed.add(name)
+        self._allowed = frozenset(allowed)
+
+    def label(self, model: str) -> str:
+        return model if model in self._allowed else OTHER_MODEL
+
+
 class PickerMetrics:
     """The picker's own series. Label sets follow GIE so existing dashboards keep working."""
 
-    def __init__(self, pool_name: str = "default", registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, pool_name: str = "default", registry: CollectorRegistry | None = None,
+                 models: Iterable[str] = ()) -> None:
         self.registry = registry or CollectorRegistry()
         self.pool_name = pool_name
+        self.models = ModelLabels(models)
         r = self.registry
         labels = ["model_name", "target_model_name", "priority"]
         self.requests = Counter("inference_objective_request", "Requests routed or refused, by model and priority.",
@@ -97,11 +131,32 @@ class PickerMetrics:
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
 
-    def observe_usage(self, model: str, target: str, prompt: int, completion: int, cached: int) -> None:
-        self.input_tokens.labels(model, target).observe(prompt)
-        self.output_tokens.labels(model, target).observe(completion)
-        self.prompt_tokens.labels(model).inc(prompt)
-        self.cached_tokens.labels(model).inc(cached)
+    def _labels(self, request: InferenceRequest) -> tuple[str, str, str]:
+        """model_name, target_model_name, priority of a request, its model names bounded by `models`."""
+        model = self.models.label(request.model)
+        return model, self.models.label(request.target_model) if request.target_model else model, \
+            str(request.priority)
+
+    def observe_routed(self, request: InferenceRequest, seconds: float, matched_blocks: int, blocks: int) -> None:
+        self.scheduler_duration.observe(seconds)
+        self.requests.labels(*self._labels(request)).inc()
+        if blocks:
+            self.index_hit_ratio.observe(matched_blocks / blocks)
+
+    def observe_refused(self, request: InferenceRequest, code: str) -> None:
+        labels = self._labels(request)
+        self.requests.labels(*labels).inc()
+        self.errors.labels(*labels, code).inc()
+
+    def observe_finished(self, request: InferenceRequest, seconds: float, usage: Usage | None) -> None:
+        """A request's duration, and the token usage the model server reported when the body was visible."""
+        model, target, priority = self._labels(request)
+        self.duration.labels(model, target, priority).observe(seconds)
+        if usage is not None:
+            self.input_tokens.labels(model, target).observe(usage.prompt_tokens)
+            self.output_tokens.labels(model, target).observe(usage.completion_tokens)
+            self.prompt_tokens.labels(model).inc(usage.prompt_tokens)
+            self.cached_tokens.labels(model).inc(usage.cached_tokens)
 
     def observe_prediction(self, endpoint: Endpoint, predicted_s: float, observed_s: float) -> None:
         """PredictionObserver: one pod's predicted and measured mean TTFT over a scrape interval."""
@@ -115,6 +170,8 @@ class PickerMetrics:
 
     def observe_pool(self, endpoints: Iterable[Endpoint]) -> None:
         """Refresh pool gauges from the latest endpoint state (called after each scrape round)."""
+        endpoints = list(endpoints)
+        self.models.learn(endpoints)
         ready = [e for e in endpoints if e.healthy]
         name = self.pool_name
         self.ready_pods.labels(name).set(len(ready))

@@ -103,7 +103,7 @@ class PickerServer:
 
     async def start(self) -> None:
         c = self.config
-        self.metrics = PickerMetrics(c.pool_label)
+        self.metrics = PickerMetrics(c.pool_label, models=(*c.scheduling.models.base, *c.scheduling.models.adapters))
         self._tasks: list[asyncio.Task[None]] = []
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view
         self._http_server: WSGIServer | None = None

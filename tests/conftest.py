@@ -51,7 +51,12 @@ def stack() -> Iterator[Stack]:
         started.append(rogue.process)
         endpoints_file = logdir / "endpoints.yaml"
         endpoints_file.write_text("".join(f"- {a}\n" for a in backends.addresses))
-        picker = start_picker(logdir, endpoints_file=endpoints_file, extra=["--max-body-bytes", "10Mi"])
+        # Metric labels carry only models the pool serves (the echo pods report "tiny") or configured ones: the
+        # metrics tests give their requests models of their own, to tell their series apart.
+        config = logdir / "picker.yaml"
+        config.write_text("scheduling:\n  models:\n    base: [metrics-model, usage-model, gauge-model]\n")
+        picker = start_picker(logdir, endpoints_file=endpoints_file,
+                              extra=["--max-body-bytes", "10Mi", "--config-file", str(config)])
         started.append(picker.process)
         envoys = {}
         for mode in ("buffered", "full-duplex"):

@@ -11,6 +11,7 @@ from prometheus_client import generate_latest
 from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
 from picker.prefix.shared import SyncStats
+from picker.requests import InferenceRequest, Usage
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "manifests" / "grafana" / "picker-dashboard.json"
 METRIC = re.compile(r"\b(?:inference|picker)_[a-z0-9_]+\b")
@@ -21,13 +22,12 @@ def exported_series() -> set[str]:
     a predicted TTFT with a measured one."""
     metrics = PickerMetrics("pool")
     metrics.watch_index_sync(SyncStats())
-    metrics.requests.labels("m", "m", "0").inc()
-    metrics.errors.labels("m", "m", "0", "saturated").inc()
-    metrics.duration.labels("m", "m", "0").observe(1.0)
-    metrics.scheduler_duration.observe(0.001)
-    metrics.index_hit_ratio.observe(0.5)
+    request = InferenceRequest(request_id="r", model="m")
+    metrics.observe_routed(request, 0.001, 1, 2)
+    metrics.observe_refused(request, "saturated")
+    metrics.observe_finished(request, 1.0, Usage(100, 10, 50))
     metrics.index_size.set(1)
-    metrics.observe_usage("m", "m", 100, 10, 50)
+    metrics.stream_errors.labels("malformed").inc()
     pod = Endpoint.from_address("10.0.0.1:8000")
     metrics.observe_pool([pod])
     metrics.observe_scrape(pod, True)

@@ -8,8 +8,8 @@ import aiohttp
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.endpoints.state import Endpoint
-from picker.observability import PickerMetrics
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.observability import ModelLabels, PickerMetrics
 from tests.conftest import Stack
 from tests.waiting import eventually_async
 
@@ -97,3 +97,16 @@ def test_scrape_counts_per_pod_and_a_departed_pod_leaves_no_series() -> None:
     assert 'result="error"} 1.0' in text
     metrics.forget_pod(pod)
     assert "10.0.0.1:8000" not in generate_latest(metrics.registry).decode()
+
+
+def test_model_labels_are_what_the_pool_serves_or_configured() -> None:
+    labels = ModelLabels(["configured"], limit=5)
+    pod = Endpoint.from_address("10.0.0.1:8000")
+    pod.metrics = EndpointMetrics(models=frozenset({"llama"}), running_loras=frozenset({"sql-lora"}))
+    assert labels.label("llama") == "other"  # nothing scraped yet
+    labels.learn([pod])
+    assert [labels.label(m) for m in ("llama", "sql-lora", "configured", "", "guess")] == \
+        ["llama", "sql-lora", "configured", "", "other"]
+    pod.metrics = EndpointMetrics(waiting_loras=frozenset(f"a{i}" for i in range(100)))
+    labels.learn([pod])
+    assert sum(labels.label(f"a{i}") != "other" for i in range(100)) == 5 - 2  # the cap holds ("" and configured)

@@ -78,6 +78,7 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
     gpu_blocks = 0
     newest_lora = -math.inf
     lora_labels: str | None = None
+    models: set[str] = set()
     for match in _SAMPLE.finditer(text):
         start = match.start()
         if start and text[start - 1] != "\n":
@@ -91,6 +92,10 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
         if field is not None:
             if not math.isnan(value):
                 sums[field] += value
+            if field == "running":  # one series per engine: which model it serves
+                model = parse_labels(labels).get("model_name")
+                if model:
+                    models.add(model)
         elif name in _KV:
             if not math.isnan(value):
                 kv_total += value
@@ -116,6 +121,7 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
         m.kv_usage = kv_total / kv_count
     m.block_size = block_size
     m.num_gpu_blocks = gpu_blocks or None
+    m.models = frozenset(models)
     if lora_labels is not None:
         info = parse_labels(lora_labels)
         m.max_lora = _int(info.get("max_lora")) or 0

@@ -42,6 +42,7 @@ class EndpointMetrics:
     max_lora: int = 0
     running_loras: frozenset[str] = frozenset()
     waiting_loras: frozenset[str] = frozenset()
+    models: frozenset[str] = frozenset()  # the `model_name` label of its series: the base model(s) it serves
     updated_at: float = -1.0  # never scraped
 
 
