@@ -16,6 +16,7 @@ import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
 from picker.admission import AdmissionConfig
+from picker.extproc.limits import StreamLimits
 from picker.scheduling.config import SchedulingConfig, StrategyName, build_strategy
 from picker.schema import ConfigError, Duration, Section, describe, parse_duration
 from picker.tls import TLS_VERSIONS, TlsError, TlsOptions
@@ -69,6 +70,9 @@ class ServeConfig(Section):
     metrics_slow_interval: Duration = Field(1.0, gt=0)  # cadence of a calm pod
     unhealthy_after_failures: int = Field(2, ge=1)
     max_body_bytes: Size = Field(16 * 2**20, gt=0)
+    max_buffered_bytes: Size = Field(256 * 2**20, gt=0)  # request bodies held by all streams together
+    stream_idle_timeout: Duration = Field(30.0, gt=0)  # silence before a stream's decision that ends it
+    request_timeout: Duration = Field(600.0, gt=0)  # longest a routed request counts in flight (Envoy's route timeout)
     pool_name: str = ""  # empty: "default" as a label; set without static endpoints: discover the InferencePool
     pool_namespace: str = ""  # empty: the picker's own namespace in a cluster, else "default"
     fallback_endpoints: int = Field(1, ge=1)
@@ -97,6 +101,11 @@ class ServeConfig(Section):
     def pool_label(self) -> str:
         """The pool's name in metrics and in the shared index namespace."""
         return self.pool_name or "default"
+
+    @property
+    def stream_limits(self) -> StreamLimits:
+        return StreamLimits(self.max_body_bytes, self.max_buffered_bytes, self.stream_idle_timeout,
+                            self.request_timeout)
 
     @property
     def tls(self) -> TlsOptions:
@@ -153,6 +162,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--metrics-slow-interval", help="adaptive scraping: cadence of a calm pod (default 1s)")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before an endpoint stops being picked (2)")
     a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
+    a("--max-buffered-bytes", help="request-body bytes all streams together may hold while they arrive (default "
+      "256Mi); beyond it a body gets 503 buffers_full with retry-after")
+    a("--stream-idle-timeout", help="an ext_proc stream silent this long before its decision is ended (default 30s)")
+    a("--request-timeout", help="longest a routed request counts in flight on its pod, should its stream stay open "
+      "(default 600s: Envoy's route timeout in our templates)")
     a("--pool-name", help="InferencePool to discover pods from (Kubernetes; without --endpoints/--endpoints-file), "
       "also the metrics label")
     a("--pool-namespace", help="namespace of the InferencePool or of the selected pods (default: the picker's own)")
@@ -224,6 +238,8 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError("--endpoint-selector needs --endpoint-target-ports (e.g. 8000)")
     if config.endpoint_target_ports:
         parse_ports(config.endpoint_target_ports)
+    if config.max_buffered_bytes < config.max_body_bytes:
+        raise ConfigError("max-buffered-bytes must hold at least one body of max-body-bytes")
     if config.metrics_fast_interval > config.metrics_slow_interval:
         raise ConfigError("metrics-fast-interval must not exceed metrics-slow-interval")
     try:

@@ -166,14 +166,8 @@ class Director:
             request = build_request(headers, body, request_id=request_id, subset=subset)
             decision = await self.route(request)
         except RequestError as err:
-            if request is None:  # refused while parsing: no model known
-                request = InferenceRequest(request_id=request_id, model="", path=headers.get(":path", ""))
-            if self.metrics is not None:
-                self.metrics.observe_refused(request, err.code)
-            if self.tracer is not None:
-                self.tracer.record(start_ns, time.time_ns(), {**self._span_attributes(request),
-                                                              "picker.error.status": err.status,
-                                                              "picker.error.code": err.code})
+            self.refused(request or InferenceRequest(request_id=request_id, model="", path=headers.get(":path", "")),
+                         err, start_ns)
             raise
         if self.tracer is not None:
             result = decision.result
@@ -183,6 +177,15 @@ class Director:
                 "picker.prefix_blocks": result.prefix_blocks if result else 0,
                 "picker.prefix_matched_blocks": result.prefix_matched_blocks if result else 0})
         return decision
+
+    def refused(self, request: InferenceRequest, err: RequestError, start_ns: int = 0) -> None:
+        """Count (and trace) a refusal: the director's own, or the servicer's before any body was parsed (413,
+        buffers full, a wrong method or path), when no model is known yet."""
+        if self.metrics is not None:
+            self.metrics.observe_refused(request, err.code)
+        if self.tracer is not None:
+            self.tracer.record(start_ns or time.time_ns(), time.time_ns(), {
+                **self._span_attributes(request), "picker.error.status": err.status, "picker.error.code": err.code})
 
     @staticmethod
     def _span_attributes(request: InferenceRequest) -> dict[str, str | int | float]:

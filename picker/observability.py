@@ -123,6 +123,9 @@ class PickerMetrics:
                                                "Predicted / measured mean TTFT per pod and scrape interval "
                                                "(1 = exact; how far to trust the predicted-ttft scorer).",
                                                ["name"], buckets=_RATIO_BUCKETS, registry=r)
+        self.buffered_bytes = Gauge("picker_buffered_request_bytes",
+                                    "Request-body bytes the ext_proc streams hold while their bodies arrive "
+                                    "(capped by --max-buffered-bytes).", registry=r)
         self.stream_errors = Counter("picker_extproc_stream_errors",
                                      "ext_proc streams ended by an error, by reason (malformed: a message that is no "
                                      "protobuf; protocol: messages out of order; internal: a picker fault).",

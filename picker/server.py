@@ -167,7 +167,7 @@ class PickerServer:
                    ("grpc.so_reuseport", 0)]
         # Every server object exists before the first bind, so stop() can undo a start that failed half-way.
         self.server = grpc.aio.server(options=options)
-        extproc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.director, c.max_body_bytes,
+        extproc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.director, c.stream_limits,
                                                                              self.metrics), self.server)
         picker_pb2_grpc.add_PickerServicer_to_server(PickerService(self.director), self.server)
         self.health = health.aio.HealthServicer()

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from picker.director import Director
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.extproc.limits import BodyBudget
 from picker.extproc.servicer import ProtocolViolation, _Stream
 from picker.requests import RequestError, build_request
 from picker.scheduling.config import build_scheduler
@@ -145,7 +146,8 @@ def fleet() -> tuple[Director, list[Endpoint]]:
 @given(messages=sequences())
 async def test_any_message_sequence_is_answered_or_a_protocol_violation(messages: list[pb.ProcessingRequest]) -> None:
     director, endpoints = fleet()
-    stream = _Stream(director, max_body=4096)
+    budget = BodyBudget(8192)
+    stream = _Stream(director, 4096, budget)
     try:
         for message in messages:
             try:
@@ -163,6 +165,7 @@ async def test_any_message_sequence_is_answered_or_a_protocol_violation(messages
         stream.release()  # what Process does however the stream ended
     assert [e.in_flight for e in endpoints] == [0, 0]
     assert [e.in_flight_tokens for e in endpoints] == [0, 0]
+    assert budget.held == 0
 
 
 @pytest.mark.parametrize("digits", [4301, 100_000])

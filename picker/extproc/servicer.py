@@ -11,6 +11,7 @@ nothing of policy: it hands the headers and body to the Director.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -22,10 +23,11 @@ from google.protobuf.message import DecodeError
 
 from picker.director import Decision, Director
 from picker.extproc import protocol as p
+from picker.extproc.limits import BodyBudget, StreamLimits
 from picker.extproc.usage import UsageReader
 from picker.observability import PickerMetrics
 from picker.quietlog import QuietLog
-from picker.requests import RequestError, route_kind
+from picker.requests import InferenceRequest, RequestError, route_kind
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +61,21 @@ def _subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
 class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
-    __slots__ = ("director", "max_body", "request_mode", "response_mode", "headers", "subset", "body",
-                 "body_len", "decision", "phase", "request_id", "generated_id", "usage")
+    __slots__ = ("director", "max_body", "budget", "request_mode", "response_mode", "headers", "subset", "body",
+                 "body_len", "held", "decision", "phase", "request_id", "generated_id", "usage")
 
-    def __init__(self, director: Director, max_body: int) -> None:
+    def __init__(self, director: Director, max_body: int, budget: BodyBudget) -> None:
         self.director = director
         self.max_body = max_body
+        self.budget = budget
+        self.held = 0  # bytes of body taken from the shared budget
         self.request_mode = p.BUFFERED
         self.response_mode = p.NONE
         self.headers: dict[str, str] | None = None
         self.subset: tuple[str, ...] | None = None
-        self.body: list[bytes] = []
+        # The first chunk as it came (BUFFERED: the whole body, no copy); later ones appended to one growing
+        # buffer, a single allocation the allocator hands back whole (many small chunks would fragment the heap).
+        self.body: bytes | bytearray = b""
         self.body_len = 0
         self.decision: Decision | None = None
         # start → body → routed; or done, once a refusal (an immediate response) has ended the stream
@@ -140,11 +146,23 @@ class _Stream:
     async def _on_request_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.phase != "body":
             raise ProtocolViolation(f"request body arrived in phase {self.phase!r}")
-        if message.body:
-            self.body.append(message.body)
-            self.body_len += len(message.body)
+        chunk = message.body  # a copy out of the protobuf message: take it once
+        if chunk:
+            size = len(chunk)
+            self.body_len += size
             if self.body_len > self.max_body:
                 return [self._reject(self._too_large(self.body_len))]
+            if not self.budget.take(size):
+                return [self._reject(RequestError(
+                    503, "buffers_full", f"the picker holds {self.budget.limit} bytes of request bodies already "
+                    "(--max-buffered-bytes); retry shortly", {"retry-after": "1"}))]
+            self.held += size
+            if not self.body:
+                self.body = chunk
+            else:
+                if isinstance(self.body, bytes):
+                    self.body = bytearray(self.body)
+                self.body += chunk
         if not message.end_of_stream:
             if self.request_mode == p.FULL_DUPLEX_STREAMED:
                 return []
@@ -159,8 +177,9 @@ class _Stream:
         return [*responses, p.EMPTY_REQUEST_TRAILERS]
 
     async def _finish_body(self) -> list[pb.ProcessingResponse]:
-        body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
-        self.body = []
+        body = self.body if isinstance(self.body, bytes) else bytes(self.body)
+        self.body = b""
+        self._give_back()  # routing is quick and bounded; the budget is for bodies waiting on their sender
         if self.request_mode == p.FULL_DUPLEX_STREAMED:
             routed = await self._route(body, by_headers=True)
             if routed.HasField("immediate_response"):
@@ -174,7 +193,7 @@ class _Stream:
             self.decision = await self.director.route_http(self.headers, body, request_id=self.request_id,
                                                            subset=self.subset)
         except RequestError as err:
-            return self._reject(err)
+            return self._reject(err, counted=True)
         self.phase = "routed"
         extra = {p.REQUEST_ID_HEADER: self.request_id} if self.generated_id else None
         destination = self.decision.destination
@@ -184,12 +203,24 @@ class _Stream:
         return RequestError(413, "body_too_large", f"request body of {size} bytes exceeds the limit of "
                             f"{self.max_body} bytes (--max-body-bytes)")
 
-    def _reject(self, err: RequestError) -> pb.ProcessingResponse:
+    def _give_back(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
+
+    def _reject(self, err: RequestError, *, counted: bool = False) -> pb.ProcessingResponse:
         self.phase = "done"
+        self.body = b""
+        self._give_back()
+        if not counted:  # the director counts what it refuses itself
+            self.director.refused(InferenceRequest(request_id=self.request_id, model="",
+                                                   path=(self.headers or {}).get(":path", "")), err)
         log.info("request %s refused: %d %s: %s", self.request_id, err.status, err.code, err.message)
         return p.immediate(err.status, err.code, err.message, err.headers)
 
     def release(self) -> None:
+        """The stream ended, however: its body bytes go back to the budget, its request leaves the in-flight
+        count (once)."""
+        self._give_back()
         if self.decision is not None:
             self.director.release(self.decision, self.usage.usage if self.usage is not None else None)
 
@@ -201,26 +232,43 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     reaches the port can send garbage. Tracebacks of malformed input only at DEBUG.
     """
 
-    def __init__(self, director: Director, max_body_bytes: int, metrics: PickerMetrics | None = None) -> None:
+    def __init__(self, director: Director, limits: StreamLimits, metrics: PickerMetrics | None = None) -> None:
         self.director = director
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        self.budget = BodyBudget(limits.max_buffered)
         self.metrics = metrics
+        if metrics is not None:
+            metrics.buffered_bytes.set_function(lambda: self.budget.held)
         self.quiet = QuietLog(log)
 
     async def Process(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> None:
         # context.read()/write() instead of an async generator: fewer tasks and wake-ups per message.
-        stream = _Stream(self.director, self.max_body_bytes)
+        stream = _Stream(self.director, self.limits.max_body, self.budget)
+        loop = asyncio.get_running_loop()
+        idle, routed_at = self.limits.idle_timeout, 0.0
         try:
-            while True:
-                message = await context.read()
-                if message is grpc.aio.EOF:
-                    return
-                for response in await stream.handle(message):
-                    await context.write(response)
-                if stream.phase == "done":
-                    return
+            # One timer per stream, moved on as messages come: idle_timeout until the decision, then at most
+            # request_timeout from it (a held stream stops counting in flight).
+            async with asyncio.timeout_at(loop.time() + idle) as deadline:
+                while True:
+                    message = await context.read()
+                    if message is grpc.aio.EOF:
+                        return
+                    for response in await stream.handle(message):
+                        await context.write(response)
+                    if stream.phase == "done":
+                        return
+                    if stream.phase != "routed":
+                        deadline.reschedule(loop.time() + idle)
+                    elif not routed_at:
+                        routed_at = loop.time()
+                        deadline.reschedule(routed_at + self.limits.request_timeout)
+        except TimeoutError:
+            what = "routed request outlived --request-timeout" if routed_at else "stream idle past --stream-idle-timeout"
+            self._failed("timeout", "ext_proc %s", what)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, what)
         except DecodeError as exc:
             self._failed("malformed", "ext_proc stream sent a message that is no ProcessingRequest: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ext_proc message")
@@ -234,7 +282,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         finally:
             stream.release()
 
-    def _failed(self, reason: str, message: str, exc: Exception, *, level: int = logging.WARNING,
+    def _failed(self, reason: str, message: str, exc: object, *, level: int = logging.WARNING,
                 traceback: bool = False) -> None:
         if self.metrics is not None:
             self.metrics.stream_errors.labels(reason).inc()
