@@ -17,6 +17,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
 from picker.admission import AdmissionConfig
 from picker.extproc.limits import StreamLimits
+from picker.prefix.hashing import IndexKey
 from picker.scheduling.config import SchedulingConfig, StrategyName, build_strategy
 from picker.schema import ConfigError, Duration, Section, describe, parse_duration
 from picker.tls import TLS_VERSIONS, TlsError, TlsOptions
@@ -83,6 +84,7 @@ class ServeConfig(Section):
     index_backend: Literal["memory", "redis"] = "memory"
     redis_url: str = ""
     index_namespace: str = ""
+    index_hash_key_file: str = ""  # the replicas' shared secret keying what the prefix index stores
     # Kubernetes discovery: an InferencePool (--pool-name with no static endpoints) or a label selector.
     endpoint_selector: str = ""
     endpoint_target_ports: str = ""
@@ -101,6 +103,10 @@ class ServeConfig(Section):
     def pool_label(self) -> str:
         """The pool's name in metrics and in the shared index namespace."""
         return self.pool_name or "default"
+
+    @property
+    def index_key(self) -> IndexKey:
+        return IndexKey.from_file(self.index_hash_key_file) if self.index_hash_key_file else IndexKey()
 
     @property
     def stream_limits(self) -> StreamLimits:
@@ -185,6 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")
     a("--redis-url", help="Redis/Valkey for --index-backend redis, e.g. redis://127.0.0.1:6379/0")
     a("--index-namespace", help="replicas with the same namespace share one index (default: pool namespace/name)")
+    a("--index-hash-key-file", help="file holding a secret (16+ bytes) shared by the replicas: prefix hashes and "
+      "session ids in Redis are keyed with it, so reading Redis confirms no guessed prompt (default: unkeyed, "
+      "with a warning when the index is shared)")
     a("--secure-serving", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="serve ext_proc and picker.v1 over TLS (default true, as the reference picker; --secure-serving=false "
       "for plaintext, e.g. a sidecar on loopback). The health port is always plaintext")
@@ -246,6 +255,11 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
         config.tls.check()
     except TlsError as exc:
         raise ConfigError(str(exc)) from None
+    if config.index_hash_key_file:
+        try:
+            IndexKey.from_file(config.index_hash_key_file)
+        except ValueError as exc:
+            raise ConfigError(f"--index-hash-key-file {exc}") from None
     if config.index_backend == "redis" and not config.redis_url:
         raise ConfigError("--index-backend redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
     return config

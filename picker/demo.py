@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import secrets
 import shlex
 import shutil
 import signal
@@ -162,11 +163,14 @@ def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[M
     started.append(valkey.process)
     print(f"  valkey: {valkey.url} (the prefix index shared by {replicas} picker replicas)")
     grpc_port, health_port = free_port(), free_port()
+    key = logdir / "index-key"  # the replicas' shared secret: what they write to Valkey is keyed with it
+    key.write_text(secrets.token_hex(32))
     pickers = []
     for i in range(replicas):
         picker = start_picker(logdir, endpoints=pool, name=f"picker-{i}", host=f"127.0.0.{10 + i}",
                               grpc_port=grpc_port, health_port=health_port, tls=tls,
-                              extra=["--index-backend", "redis", "--redis-url", valkey.url])
+                              extra=["--index-backend", "redis", "--redis-url", valkey.url,
+                                     "--index-hash-key-file", str(key)])
         started.append(picker.process)
         pickers.append(picker)
     return pickers

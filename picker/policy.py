@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from picker.prefix.shared import SharedPrefixIndex
 from picker.scheduling.config import INDEXED_STRATEGIES, build_prefix_index, build_strategy
 from picker.scheduling.types import Scheduler
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Policy:
@@ -37,8 +39,13 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
     and the scheduler then hears of the other replicas' picks through it. `metrics` receives how predictions
     compare with the pods' measurements."""
     shared = shared_index(config)
+    key = config.index_key
+    if shared is not None and not key.keyed:
+        log.warning("the shared prefix index stores unkeyed prefix hashes: whoever reads Redis can confirm a "
+                    "guessed prompt; give every replica --index-hash-key-file")
     scheduler = build_strategy(config.strategy, config=config.scheduling, rng=random.Random(config.seed),
-                               index=shared, saturation=config.admission.thresholds, observer=metrics)
+                               index=shared, saturation=config.admission.thresholds, observer=metrics,
+                               index_key=key)
     if shared is not None:
         shared.peer_listener = scheduler.on_peer_picked
     return Policy(scheduler, AdmissionController(config.admission), Priorities(config.admission), shared)

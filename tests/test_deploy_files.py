@@ -7,16 +7,19 @@ show the checkers catch broken files."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import copy
 import fnmatch
 import importlib
 import io
 import ipaddress
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -202,10 +205,19 @@ def _parse(subcommand: str, argv: list[str]) -> argparse.Namespace:
         raise ValueError(f"picker {subcommand} {' '.join(argv)}: {err.getvalue().strip()}") from exc
 
 
+MOUNTED_KEY = tempfile.NamedTemporaryFile(prefix="picker-index-key-", delete=False)  # noqa: SIM115
+MOUNTED_KEY.write(b"a key as a mounted Secret holds it\n")
+MOUNTED_KEY.close()
+atexit.register(os.unlink, MOUNTED_KEY.name)
+
+
 def serve_config(args: list[str]) -> ServeConfig:
-    """A container's args (starting with `serve`) → the config `picker serve` would run with."""
+    """A container's args (starting with `serve`) → the config `picker serve` would run with (a mounted index key
+    stands in for the Secret's file, which `test_index_key_comes_from_a_mounted_secret` checks)."""
     assert args and args[0] == "serve", args
-    return resolve(_parse("serve", [str(a) for a in args[1:]]))
+    argv = [f"--index-hash-key-file={MOUNTED_KEY.name}" if str(a).startswith("--index-hash-key-file=") else str(a)
+            for a in args[1:]]
+    return resolve(_parse("serve", argv))
 
 
 def sim_args(args: list[str]) -> argparse.Namespace:
@@ -459,6 +471,19 @@ def test_main_picker_deployment_and_service() -> None:
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "picker"
     security = dep["spec"]["template"]["spec"]["securityContext"]
     assert security["runAsNonRoot"] is True and security["runAsUser"] == 10001
+    assert config.secure_serving  # the reference picker's default: gateways built for it speak TLS to it
+
+
+def test_index_key_comes_from_a_mounted_secret() -> None:
+    dep = one(variant_docs(MANIFESTS), "Deployment", "picker")
+    (c,) = containers(dep)
+    flag = next(str(a) for a in c["args"] if str(a).startswith("--index-hash-key-file="))
+    path = flag.split("=", 1)[1]
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "picker-index-key" and mount["readOnly"]
+    assert path.rsplit("/", 1)[1] == "key"  # the Secret's key, as manifests/README.md creates it
+    assert "kubectl create secret generic picker-index-key" in (MANIFESTS / "README.md").read_text()
 
 
 def test_inferencepool_points_at_the_picker_and_the_model_servers() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.prefix.hashing import DEFAULT_BLOCK_CHARS, PrefixHasher, prefix_keys, prefix_seed
+from picker.prefix.hashing import DEFAULT_BLOCK_CHARS, IndexKey, PrefixHasher, prefix_keys, prefix_seed
 
 texts = st.text(min_size=0, max_size=600)
 block_sizes = st.integers(min_value=1, max_value=80)
@@ -82,3 +84,17 @@ def test_hasher_block_geometry() -> None:
         PrefixHasher(block_chars=0)
     with pytest.raises(ValueError):
         prefix_keys("abc", 1, 0)
+
+
+def test_an_index_key_keys_the_chain_root_and_session_ids(tmp_path: Path) -> None:
+    plain, keyed = IndexKey(), IndexKey(b"0123456789abcdef-secret")
+    assert plain.seed("m", None, "salt") == prefix_seed("m", None, "salt")  # unkeyed: the figures stay as they were
+    assert keyed.seed("m", None, "salt") != plain.seed("m", None, "salt")
+    assert keyed.seed("m") == IndexKey(b"0123456789abcdef-secret").seed("m")  # replicas with one key agree
+    assert "sess-1" not in keyed.session("sess-1") and keyed.session("sess-1") != plain.session("sess-1")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        IndexKey(b"short")
+    (tmp_path / "key").write_text("  0123456789abcdef-secret\n")
+    assert IndexKey.from_file(str(tmp_path / "key")).seed("m") == keyed.seed("m")
+    with pytest.raises(ValueError, match="missing"):
+        IndexKey.from_file(str(tmp_path / "missing"))

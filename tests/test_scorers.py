@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.prefix.hashing import IndexKey
 from picker.requests import InferenceRequest
 from picker.saturation import SaturationThresholds
 from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler
@@ -40,6 +41,7 @@ def ctx_for(request: InferenceRequest | None = None, *, keys: int = 0, matched: 
             block_chars: int = 64) -> SchedulingContext:
     request = request or InferenceRequest("r", "m", prompt_text="x")
     ctx = SchedulingContext(request=request, now=0.0, model=request.target_model or request.model)
+    ctx.session = IndexKey().session(request.session_id) if request.session_id else ""  # as the scheduler does
     ctx.keys = list(range(keys))
     ctx.block_chars = block_chars
     ctx.matched = matched or []
@@ -239,7 +241,7 @@ def test_peer_picks_teach_the_stateful_scorers_like_own_picks() -> None:
     assert second[0] > second[1]
 
     sticky = SessionAffinityScorer()
-    sticky.on_peer_picked(PeerPick(b.address, 100, "s1"), 0.0)
+    sticky.on_peer_picked(PeerPick(b.address, 100, IndexKey().session("s1")), 0.0)  # ids travel as their MAC
     sticky.on_peer_picked(PeerPick(a.address, 100, ""), 0.0)  # no session: nothing to remember
     assert sticky.score(ctx_for(InferenceRequest("r", "m", prompt_text="x", session_id="s1")), [a, b]) == [0.0, 1.0]
     assert len(sticky) == 1

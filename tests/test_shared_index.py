@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import struct
 import subprocess
 import sys
 import time
@@ -19,9 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.config import ServeConfig
 from picker.policy import build_policy
-from picker.prefix.hashing import prefix_keys
+from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.shared import SharedPrefixIndex, decode_keys, encode_keys, stream_name
+from picker.requests import build_request
 from picker.scheduling.config import SchedulingConfig
 from picker.schema import ConfigError
 from picker.supervisor import (
@@ -432,3 +435,34 @@ async def test_valkey_dying_under_load_fails_no_request() -> None:
         assert statuses == [200] * 160
         await eventually(lambda: all(_metric(p, "picker_prefix_index_sync_connected") == 0.0 for p in pickers))
         assert all(p.process.alive() for p in pickers)
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["with-key-file", "without"])
+async def test_redis_holds_no_unkeyed_prefix_hash_and_no_session_id(keyed: bool, tmp_path: Path) -> None:
+    """Whoever reads Redis must not confirm a guessed prompt from its block hashes, nor read session ids; without
+    a key file (the control) the plain hashes are there."""
+    with process_scope("keyed-index") as (logdir, started):
+        backends, shared, _ = _pods_and_valkey(logdir, started, "keyed")
+        key_file = tmp_path / "index-key"
+        key_file.write_text("a shared secret of the picker replicas\n")
+        flags = [*shared, *(["--index-hash-key-file", str(key_file)] if keyed else [])]
+        pickers, envoy = _replicas_behind_one_envoy(logdir, started, backends, flags, first_host=7)
+        document, session = DOCUMENTS["doc1"], "session-in-clear-0042"
+        body = {"model": "tiny", "messages": [{"role": "system", "content": document},
+                                              {"role": "user", "content": "summarise it"}]}
+        async with aiohttp.ClientSession() as client, client.post(
+                f"{envoy.url}/v1/chat/completions", json=body, headers={"x-session-id": session}) as response:
+            assert response.status == 200
+        await eventually(lambda: max(_sync_entries(p, "sent") for p in pickers) >= 1)
+        url = shared[shared.index("--redis-url") + 1]
+        redis = aioredis.from_url(url)
+        try:
+            entries = await redis.xrange(stream_name("keyed")) or []
+            raw = b"".join(v for _, fields in entries for v in (fields or {}).values() if isinstance(v, bytes))
+        finally:
+            await redis.aclose()
+        assert raw and session.encode() not in raw
+        prompt = build_request({":path": "/v1/chat/completions"}, json.dumps(body).encode(), request_id="r").prompt_text
+        plain = {struct.pack("=Q", prefix_keys(prompt, prefix_seed("tiny"), width, 1)[0])
+                 for width in (64, 128, 256, 512, 1024)}
+        assert any(k in raw for k in plain) is not keyed

@@ -26,7 +26,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field
 
-from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_MAX_PREFIX_BLOCKS, PrefixHasher
+from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_MAX_PREFIX_BLOCKS, IndexKey, PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
 from picker.saturation import SaturationThresholds
@@ -187,9 +187,9 @@ def scheduling_config(config: SchedulingInput) -> SchedulingConfig:
     return decode(SchedulingConfig, config, "scheduling")
 
 
-def build_hasher(config: SchedulingInput = None) -> PrefixHasher:
+def build_hasher(config: SchedulingInput = None, key: IndexKey | None = None) -> PrefixHasher:
     pc = scheduling_config(config).prefix_cache
-    return PrefixHasher(pc.block_chars, pc.max_prefix_blocks_to_match, pc.chars_per_token)
+    return PrefixHasher(pc.block_chars, pc.max_prefix_blocks_to_match, pc.chars_per_token, key)
 
 
 def build_prefix_index(config: SchedulingInput = None) -> InMemoryPrefixIndex:
@@ -217,10 +217,11 @@ def build_scheduler(
     index: PrefixIndex | None = None,
     saturation: SaturationThresholds | None = None,
     observer: PredictionObserver | None = None,
+    index_key: IndexKey | None = None,
 ) -> PrefixAwareScheduler:
     """The full scheduler from its config (None = defaults). `index` swaps in a shared backend; `saturation`
     is the admission section's definition of a full pod (the saturation filter's default); `observer` hears how
-    predictions compare with the pods' measurements."""
+    predictions compare with the pods' measurements; `index_key` keys what the index stores."""
     cfg = scheduling_config(config)
     pc = cfg.prefix_cache
     deps = PluginDeps(rng=rng, base_models=tuple(cfg.models.base), adapters=tuple(cfg.models.adapters),
@@ -269,7 +270,8 @@ def build_scheduler(
         classifier = SingleProfile(built[0].name)
     if index is None:
         index = build_prefix_index(cfg)
-    return PrefixAwareScheduler(built, classifier, index=index, hasher=build_hasher(cfg), explain=cfg.explain)
+    return PrefixAwareScheduler(built, classifier, index=index, hasher=build_hasher(cfg, index_key),
+                                explain=cfg.explain)
 
 
 StrategyName = Literal["picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash"]
@@ -286,11 +288,14 @@ def build_strategy(
     index: PrefixIndex | None = None,
     saturation: SaturationThresholds | None = None,
     observer: PredictionObserver | None = None,
+    index_key: IndexKey | None = None,
 ) -> Scheduler:
     """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only,
-    prefix-hash. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache)."""
+    prefix-hash. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache);
+    `index_key` keys what their prefix index stores."""
     if name == "picker":
-        return build_scheduler(config, rng=rng, index=index, saturation=saturation, observer=observer)
+        return build_scheduler(config, rng=rng, index=index, saturation=saturation, observer=observer,
+                               index_key=index_key)
     if name == "round-robin":
         return RoundRobinScheduler()
     if name == "random":
@@ -301,5 +306,5 @@ def build_strategy(
         return PrefixHashScheduler()
     if name == "prefix-only":
         return PrefixOnlyScheduler(rng, index=index if index is not None else build_prefix_index(config),
-                                   hasher=build_hasher(config))
+                                   hasher=build_hasher(config, index_key))
     raise ConfigError(f"strategy: unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")

@@ -27,6 +27,7 @@ class SchedulingContext:
     now: float
     model: str  # the name the pod sees (after a rewrite): also the LoRA adapter name when it is one
     keys: list[int] = field(default_factory=list)
+    session: str = ""  # the request's x-session-id as remembered and shared (IndexKey.session); "" without one
     block_chars: int = 64
     matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
     matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored

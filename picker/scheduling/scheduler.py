@@ -12,7 +12,7 @@ from typing import cast
 import numpy as np
 
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import PrefixHasher, prefix_keys, prefix_seed
+from picker.prefix.hashing import PrefixHasher, prefix_keys
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.requests import InferenceRequest, RequestError
@@ -59,7 +59,7 @@ class PrefixAwareScheduler:
         return self._index
 
     def _keys(self, request: InferenceRequest, block_chars: int) -> list[int]:
-        seed = prefix_seed(effective_model(request), None, request.cache_salt)
+        seed = self.hasher.key.seed(effective_model(request), None, request.cache_salt)
         return prefix_keys(request.prompt_text, seed, block_chars, self.hasher.max_blocks)
 
     def _block_chars(self, endpoints: Sequence[Endpoint]) -> int:
@@ -72,6 +72,8 @@ class PrefixAwareScheduler:
 
     def context(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingContext:
         ctx = SchedulingContext(request=request, now=now, model=effective_model(request))
+        if request.session_id:
+            ctx.session = self.hasher.key.session(request.session_id)
         if self.uses_prefix and request.prompt_text:
             ctx.block_chars = self._block_chars(endpoints)
             ctx.keys = self._keys(request, ctx.block_chars)
@@ -114,7 +116,7 @@ class PrefixAwareScheduler:
             if capacity:
                 self._index.set_capacity(endpoint.address, capacity)
             self._index.record(ctx.keys, endpoint.address, now, prompt_chars=len(request.prompt_text),
-                               session_id=request.session_id or "")
+                               session_id=ctx.session)
             if now >= self._next_sweep:
                 self._sweep(now)
         for plugin in self._stateful:

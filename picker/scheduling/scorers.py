@@ -221,14 +221,14 @@ class SessionAffinityScorer(Plugin):
         self._last: OrderedDict[str, str] = OrderedDict()
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
-        session = ctx.request.session_id
+        session = ctx.session
         address = self._last.get(session) if session else None
         if address is None:
             return [0.0] * len(candidates)
         return [1.0 if e.address == address else 0.0 for e in candidates]
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
-        self._remember(ctx.request.session_id, endpoint.address)
+        self._remember(ctx.session, endpoint.address)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         self._remember(pick.session_id, pick.address)
