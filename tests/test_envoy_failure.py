@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from picker.supervisor import (
     Backends,
@@ -20,6 +23,7 @@ from picker.supervisor import (
     start_backends,
     start_envoy,
     start_picker,
+    start_picker_fleet,
 )
 from tests.waiting import eventually
 
@@ -123,3 +127,49 @@ def test_sigterm_stops_the_picker_gracefully() -> None:
         picker.process.proc.send_signal(signal.SIGTERM)
         assert picker.process.proc.wait(10) == 0, picker.process.log()
         assert time.monotonic() - began < 8
+
+
+async def test_a_frozen_replica_is_ejected_within_two_message_timeouts_while_the_other_serves() -> None:
+    """A hung picker (SIGSTOP: its sockets still accept) stalls the streams sent to it by Envoy's message_timeout
+    (5 s) each; the health check on its plaintext health port must take it out of rotation within two of those,
+    and from then on the other replica routes everything at once."""
+    with process_scope("frozen-replica") as (logdir, started):
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        fleet = start_picker_fleet(logdir, backends.addresses, replicas=2, name="frozen", first_host=40)
+        started += fleet.processes
+        frozen, other = fleet.pickers
+        envoy = fleet.envoy
+        timeout = float(envoy.settings.message_timeout.rstrip("s"))
+        frozen.process.proc.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            await eventually(lambda: not replica_healthy(envoy, frozen), 2 * timeout, "the frozen replica ejected")
+            ejected_after = time.monotonic() - stopped_at
+            before = routed_by(other)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+                for _ in range(10):
+                    began = time.monotonic()
+                    async with session.post(envoy.url + CHAT, data=PAYLOAD) as response:
+                        assert response.status == 200
+                    assert time.monotonic() - began < 1.0  # no stream waits on the frozen one any more
+            assert routed_by(other) - before == 10  # routed by the picker, not failed open
+            print(f"frozen replica ejected after {ejected_after:.1f} s (message timeout {timeout:g} s)")
+        finally:
+            frozen.process.proc.send_signal(signal.SIGCONT)
+        await eventually(lambda: replica_healthy(envoy, frozen), 15, "the thawed replica back in rotation")
+
+
+def replica_healthy(envoy: Envoy, picker: Picker) -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{envoy.admin_port}/clusters", timeout=1) as response:
+        lines = response.read().decode().splitlines()
+    prefix = f"picker::{picker.host}:{picker.grpc_port}::health_flags::"
+    return any(line == prefix + "healthy" for line in lines)
+
+
+def routed_by(picker: Picker) -> float:
+    """Requests this replica routed (inference_objective_request_total over every label)."""
+    url = f"http://{picker.host}:{picker.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return sum(s.value for f in text_string_to_metric_families(response.read().decode())
+                   if f.name == "inference_objective_request" for s in f.samples if s.name.endswith("_total"))
