@@ -41,6 +41,7 @@ from picker.supervisor import (
     start_picker_fleet,
     start_valkey,
 )
+from tests.fake_redis import EMPTY_XREAD, GOOD_TIME, FakeRedis
 from tests.waiting import eventually, eventually_async
 
 POD_A, POD_B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -466,3 +467,32 @@ async def test_redis_holds_no_unkeyed_prefix_hash_and_no_session_id(keyed: bool,
         plain = {struct.pack("=Q", prefix_keys(prompt, prefix_seed("tiny"), width, 1)[0])
                  for width in (64, 128, 256, 512, 1024)}
         assert any(k in raw for k in plain) is not keyed
+
+
+async def test_malformed_redis_replies_leave_the_picker_serving_and_the_follower_retrying() -> None:
+    """TIME and XREAD answered in shapes no Redis gives, at start-up and later: the picker starts, routes through
+    Envoy, the follower keeps retrying with a warning and a counter, and `connected` says so until Redis heals."""
+    fake = await FakeRedis().start()
+    try:
+        with process_scope("malformed-redis") as (logdir, started):
+            backends = start_backends(2, logdir)
+            started.append(backends.process)
+            picker = start_picker(logdir, endpoints=backends.addresses, extra=[
+                "--index-backend", "redis", "--redis-url", f"redis://127.0.0.1:{fake.port}/0"])
+            started.append(picker.process)
+            envoy = start_envoy(logdir, picker, backends.addresses)
+            started.append(envoy.process)
+            assert await _served_by(envoy, DOCUMENTS["doc2"], "still routed?") in backends.addresses
+            errors = _metric(picker, "picker_prefix_index_sync_errors_total")
+            await eventually(lambda: _metric(picker, "picker_prefix_index_sync_errors_total") > errors + 2, 10)
+            assert _metric(picker, "picker_prefix_index_sync_connected") == 0.0
+            log = picker.process.log()
+            assert "Redis not usable at start" in log and "follow failed" in log
+            assert log.count("follow failed") <= 2  # a warning when it breaks, not one per retry
+            fake.time, fake.xread = GOOD_TIME, EMPTY_XREAD  # Redis heals
+            await eventually(lambda: _metric(picker, "picker_prefix_index_sync_connected") == 1.0, 10,
+                             f"connected again: {picker.process.log()[-1500:]} {fake.commands[-20:]}")
+            assert await _served_by(envoy, DOCUMENTS["doc3"], "and now?") in backends.addresses
+            assert picker.process.alive()
+    finally:
+        await fake.stop()

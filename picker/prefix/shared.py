@@ -18,7 +18,7 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,46 @@ class SyncStats:
     dropped: int = 0
     errors: int = 0
     lag_seconds: float = 0.0  # age of the newest remote entry when it was applied
-    connected: bool = False
+    following: bool = False  # the last read of the stream worked (and gave an answer of the right shape)
+    publishing: bool = True  # no write failed since the last one that worked
+
+    @property
+    def connected(self) -> bool:
+        """Both directions work: a follower that stopped must show, even while writes still go through."""
+        return self.following and self.publishing
+
+
+class MalformedReply(ValueError):
+    """Redis (or something speaking its protocol) answered in a shape the command never has."""
+
+
+def _server_time(reply: Any) -> float:
+    """TIME's answer, (seconds, microseconds), as seconds."""
+    if not isinstance(reply, (tuple, list)) or len(reply) != 2:
+        raise MalformedReply(f"TIME answered {reply!r:.80}, not (seconds, microseconds)")
+    try:
+        return int(reply[0]) + int(reply[1]) / 1e6
+    except (TypeError, ValueError):
+        raise MalformedReply(f"TIME answered {reply!r:.80}, not two integers") from None
+
+
+def _stream_entries(response: Any) -> Iterator[tuple[bytes, Any]]:
+    """(entry id, fields) of XREAD's answer: a list of (stream, entries) in RESP2, a mapping in RESP3."""
+    if response is None:
+        return
+    if isinstance(response, dict):
+        streams: Any = response.items()
+    elif isinstance(response, list):
+        streams = response
+    else:
+        raise MalformedReply(f"XREAD answered a {type(response).__name__}")
+    for stream in streams:
+        if not isinstance(stream, (tuple, list)) or len(stream) != 2 or not isinstance(stream[1], list):
+            raise MalformedReply(f"XREAD answered {stream!r:.80} for a stream")
+        for entry in stream[1]:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[0], bytes):
+                raise MalformedReply(f"XREAD answered {entry!r:.80} for an entry")
+            yield entry[0], entry[1]
 
 
 def stream_name(namespace: str) -> str:
@@ -97,6 +136,7 @@ class SharedPrefixIndex:
         self.clock = clock
         self.wall_clock = wall_clock
         self.stats = SyncStats()
+        self._warned: set[str] = set()  # directions ("follow", "publish") whose failure was logged since it last worked
         # Told of every pick another replica made (address, prompt chars, session id, when), so the scheduler's
         # load and stickiness state covers the whole fleet's routing, not only this replica's.
         self.peer_listener: Callable[[str, int, str, float], None] | None = None
@@ -150,10 +190,10 @@ class SharedPrefixIndex:
             applied = await asyncio.wait_for(self._catch_up(), catch_up_timeout)
             log.info("shared prefix index %s: replayed %d entries, %d index entries", self.stream, applied,
                      self.local.size())
-        except (TimeoutError, RedisError, OSError) as exc:
-            self.stats.errors += 1
-            log.warning("shared prefix index %s: Redis not reachable at start (%s); routing on the local view "
-                        "and retrying", self.stream, exc or type(exc).__name__)
+        except Exception as exc:  # noqa: BLE001 - unreachable, or answers no Redis gives (the client library's own
+            self.stats.errors += 1  # parsing raises what it likes): start anyway, the follower retries
+            log.warning("shared prefix index %s: Redis not usable at start (%s: %s); routing on the local view "
+                        "and retrying", self.stream, type(exc).__name__, exc)
         self._tasks = [asyncio.create_task(self._read_loop(), name="prefix-index-read"),
                        asyncio.create_task(self._write_loop(), name="prefix-index-write")]
 
@@ -212,14 +252,13 @@ class SharedPrefixIndex:
                 self._pending.extendleft(reversed(picks))  # retried after the backoff, order kept
                 raise
             self.stats.sent += len(picks)
-            self.stats.connected = True
+            self._recovered("publish")
 
     # Following ----------------------------------------------------------------------------------------
 
     async def _position(self) -> None:
         """Start reading one TTL back, by the server's clock: stream IDs are the server's milliseconds."""
-        seconds, micros = await self._reader.time()
-        self._server_offset = seconds + micros / 1e6 - self.wall_clock()
+        self._server_offset = _server_time(await self._reader.time()) - self.wall_clock()
         ttl = self.local.ttl
         if ttl is not None:
             self._last_id = f"{max(0, int((self.wall_clock() + self._server_offset - ttl) * 1000))}-0".encode()
@@ -233,7 +272,7 @@ class SharedPrefixIndex:
             response = await self._reader.xread({self.stream: self._last_id}, count=_READ_BATCH)
             n = self._apply_response(response)
             applied += n
-            self.stats.connected = True
+            self._recovered("follow")
             if n < _READ_BATCH:
                 return applied
 
@@ -245,34 +284,38 @@ class SharedPrefixIndex:
                     await self._catch_up()
                 response = await self._reader.xread({self.stream: self._last_id}, count=_READ_BATCH, block=1000)
                 self._apply_response(response)
-                self.stats.connected = True
+                self._recovered("follow")
                 backoff.reset()
-            except (RedisError, OSError, ValueError, TypeError) as exc:  # the last two: an answer of odd shape
-                self._failed("follow", exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Redis down, an answer of odd shape, a client library bug:
+                self._failed("follow", exc)  # the follower must never end; it logs, counts and retries
                 await backoff.wait()
 
     def _apply_response(self, response: Any) -> int:
-        """XREAD's answer: a list of (stream, entries) in RESP2, a mapping in RESP3. Returns the entries read."""
+        """Apply XREAD's answer; returns the entries read. MalformedReply when its shape is wrong (nothing after
+        the bad part is applied, and the read is retried from the last good entry)."""
         count = 0
-        streams = response.items() if isinstance(response, dict) else (response or ())
-        for _stream, entries in streams:
-            for entry_id, entry in entries:
-                self._last_id = entry_id
-                count += 1
-                if not entry or entry.get(_REPLICA) == self.replica_id:
-                    continue
+        for entry_id, entry in _stream_entries(response):
+            self._last_id = entry_id
+            count += 1
+            if not isinstance(entry, dict):
+                self._malformed(entry_id, MalformedReply(f"fields of a {type(entry).__name__}"))
+                continue
+            if not entry or entry.get(_REPLICA) == self.replica_id:
+                continue
+            try:
+                picks = msgpack.unpackb(entry[_PICKS], raw=False)
+                if not isinstance(picks, list):
+                    raise ValueError("the picks are not a list")
+            except (KeyError, ValueError, TypeError, msgpack.UnpackException) as exc:
+                self._malformed(entry_id, exc)
+                continue
+            for pick in picks:
                 try:
-                    picks = msgpack.unpackb(entry[_PICKS], raw=False)
-                    if not isinstance(picks, list):
-                        raise ValueError("the picks are not a list")
-                except (KeyError, ValueError, TypeError, msgpack.UnpackException) as exc:
+                    self._apply(pick)
+                except (ValueError, TypeError, IndexError, KeyError, UnicodeDecodeError) as exc:
                     self._malformed(entry_id, exc)
-                    continue
-                for pick in picks:
-                    try:
-                        self._apply(pick)
-                    except (ValueError, TypeError, IndexError, UnicodeDecodeError) as exc:
-                        self._malformed(entry_id, exc)
         return count
 
     def _apply(self, pick: list[Any]) -> None:
@@ -300,8 +343,20 @@ class SharedPrefixIndex:
                     entry_id.decode(errors="replace"), exc)
 
     def _failed(self, what: str, exc: BaseException) -> None:
+        """Count every failure; log when a direction goes from working to failing (not on every retry)."""
         self.stats.errors += 1
-        if self.stats.connected:
-            log.warning("shared prefix index %s: %s failed (%s); routing on the local view, retrying", self.stream,
-                        what, exc or type(exc).__name__)
-        self.stats.connected = False
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("shared prefix index %s: %s failed (%s: %s); routing on the local view, retrying",
+                        self.stream, what, type(exc).__name__, exc)
+        if what == "follow":
+            self.stats.following = False
+        else:
+            self.stats.publishing = False
+
+    def _recovered(self, what: str) -> None:
+        self._warned.discard(what)
+        if what == "follow":
+            self.stats.following = True
+        else:
+            self.stats.publishing = True
