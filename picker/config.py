@@ -61,6 +61,7 @@ class ServeConfig(Section):
     model_config = ConfigDict(alias_generator=None)
 
     host: str = "0.0.0.0"
+    grpc_host: str = ""  # the ext_proc port's own bind address; empty: --host
     grpc_port: int = Field(9002, ge=0, le=65535)
     grpc_health_port: int = Field(9003, ge=0, le=65535)
     metrics_port: int = Field(9090, ge=-1, le=65535)
@@ -103,6 +104,10 @@ class ServeConfig(Section):
     def pool_label(self) -> str:
         """The pool's name in metrics and in the shared index namespace."""
         return self.pool_name or "default"
+
+    @property
+    def ext_proc_host(self) -> str:
+        return self.grpc_host or self.host
 
     @property
     def index_key(self) -> IndexKey:
@@ -157,6 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--config-file", help="YAML file with any of these options plus `scheduling` and `admission` sections")
     a("--host", help="address every server binds (default 0.0.0.0)")
     a("--grpc-port", type=int, help="ext_proc + picker.v1 API port (default 9002)")
+    a("--grpc-host", help="address the ext_proc port alone binds, e.g. 127.0.0.1 for a sidecar whose Envoy is in the "
+      "same Pod while probes and Prometheus still reach the others on --host (default: --host)")
     a("--grpc-health-port", type=int, help="gRPC health port (default 9003)")
     a("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free port, -1 disables)")
     a("--endpoints", help="static pool: ip:port,ip:port")

@@ -128,9 +128,9 @@ class PickerServer:
         except BaseException:  # a port taken: stop the scrapers, discovery and index already running
             await self.stop(grace=0)
             raise
-        log.info("picker serving ext_proc on %s:%d, health on %d, %s, %d endpoints", c.host, self.grpc_port,
-                 self.health_port, f"metrics on {self.metrics_port}" if c.metrics_port >= 0 else "metrics off",
-                 len(self.pool))
+        log.info("picker serving ext_proc on %s:%d, health on %d, %s, %d endpoints", c.ext_proc_host,
+                 self.grpc_port, self.health_port,
+                 f"metrics on {self.metrics_port}" if c.metrics_port >= 0 else "metrics off", len(self.pool))
 
     def supervise(self, task: asyncio.Task[None]) -> None:
         """Keep `task` for stop(); should it end by an exception, `failed` is set (serve exits non-zero)."""
@@ -174,8 +174,8 @@ class PickerServer:
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
 
-        credentials = server_credentials(c.tls, certificate_hosts(c.host))
-        self.grpc_port = _bind_grpc(self.server, c.host, c.grpc_port, "--grpc-port", credentials)
+        credentials = server_credentials(c.tls, certificate_hosts(c.ext_proc_host))
+        self.grpc_port = _bind_grpc(self.server, c.ext_proc_host, c.grpc_port, "--grpc-port", credentials)
         self.health_port = _bind_grpc(self.health_server, c.host, c.grpc_health_port, "--grpc-health-port")
         if c.metrics_port >= 0:
             try:
@@ -232,10 +232,10 @@ async def serve(config: cfg.ServeConfig) -> None:
     await server.start()
     metrics = f"metrics on :{server.metrics_port}" if config.metrics_port >= 0 else "metrics off"
     tls = config.tls
-    security = "plaintext" if not tls.secure else \
-        f"{'mTLS' if tls.client_ca else 'TLS'}, {'certificate from ' + tls.cert_path if tls.cert_path else 'self-signed'}"
-    print(f"picker: ext_proc on {config.host}:{server.grpc_port} ({security}), health on :{server.health_port}, "
-          f"{metrics}", flush=True)
+    certificate = f"certificate from {tls.cert_path}" if tls.cert_path else "self-signed"
+    security = f"{'mTLS' if tls.client_ca else 'TLS'}, {certificate}" if tls.secure else "plaintext"
+    print(f"picker: ext_proc on {config.ext_proc_host}:{server.grpc_port} ({security}), "
+          f"health on :{server.health_port}, {metrics}", flush=True)
     stopped = asyncio.create_task(stop.wait())
     failed = asyncio.create_task(server.failed.wait())
     await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)

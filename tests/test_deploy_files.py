@@ -547,6 +547,7 @@ def test_sidecar_envoy_talks_to_its_picker_and_pool(tmp_path: Path) -> None:
     dep = one(docs, "Deployment", "picker-gateway")
     by_name = {c["name"]: c for c in containers(dep)}
     config = serve_config(by_name["picker"]["args"])
+    assert config.ext_proc_host == "127.0.0.1" and not config.secure_serving  # only its own Envoy reaches it
     assert config.discovery == "selector"
     selector = dict(part.split("=", 1) for part in config.endpoint_selector.split(","))
     headless = one(docs, "Service", "vllm-llama-pool")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -33,3 +34,22 @@ async def test_a_cancelled_task_is_no_failure() -> None:
     await picker.start()
     await picker.stop()  # cancels every background task
     assert not picker.failed.is_set()
+
+
+def _listens(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex((host, port)) == 0
+
+
+async def test_grpc_host_binds_the_ext_proc_port_alone() -> None:
+    """A sidecar's ext_proc port on loopback only, its health port where the kubelet's probes reach it."""
+    config = ServeConfig(host="127.0.0.3", grpc_host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=-1,
+                         endpoints="127.0.0.1:1", secure_serving=False)
+    picker = server.PickerServer(config)
+    await picker.start()
+    try:
+        assert _listens("127.0.0.1", picker.grpc_port) and not _listens("127.0.0.3", picker.grpc_port)
+        assert _listens("127.0.0.3", picker.health_port) and not _listens("127.0.0.1", picker.health_port)
+    finally:
+        await picker.stop()
