@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
+from picker import reference_flags
 from picker.admission import AdmissionConfig
 from picker.extproc.limits import StreamLimits
 from picker.prefix.hashing import IndexKey
@@ -81,6 +82,8 @@ class ServeConfig(Section):
     strategy: StrategyName = "picker"
     seed: int | None = None
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = "text"
+    drain_timeout: Duration = Field(2.0, ge=0)  # how long a stopping picker lets open streams finish
     otlp_endpoint: str = ""
     index_backend: Literal["memory", "redis"] = "memory"
     redis_url: str = ""
@@ -148,11 +151,19 @@ def parse_bool(text: str) -> bool:
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        text = Path(path).read_text()
+    except OSError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    return load_config_text(text, str(path))
+
+
+def load_config_text(text: str, source: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the config file must be a YAML mapping")
+        raise ConfigError(f"{source}: the config must be a YAML mapping")
     return data
 
 
@@ -160,6 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags named as GIE's endpoint picker names them, so users can carry their manifests over."""
     a = parser.add_argument
     a("--config-file", help="YAML file with any of these options plus `scheduling` and `admission` sections")
+    a("--config-text", help="the same YAML given inline, instead of a file (default: none)")
     a("--host", help="address every server binds (default 0.0.0.0)")
     a("--grpc-port", type=int, help="ext_proc + picker.v1 API port (default 9002)")
     a("--grpc-host", help="address the ext_proc port alone binds, e.g. 127.0.0.1 for a sidecar whose Envoy is in the "
@@ -193,6 +205,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
     a("--log-level", type=str.upper, choices=_LOG_LEVELS, metavar="LEVEL",
       help=f"{', '.join(_LOG_LEVELS)} (default INFO; any case)")
+    a("--log-format", choices=("text", "json"), help="text lines, or one JSON object per line (default text)")
+    a("--drain-timeout", help="how long a stopping picker lets open streams finish (default 2s)")
     a("--otlp-endpoint", help="OTLP/HTTP collector for traces (e.g. http://127.0.0.1:4318); empty disables")
     a("--index-backend", choices=("memory", "redis"),
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")
@@ -211,6 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--client-ca", help="PEM CA file: require every client (Envoy) to present a certificate it signed (mTLS)")
     a("--tls-min-version", help=f"{', '.join(TLS_VERSIONS)} (default VersionTLS12; TLS 1.2 is grpcio's floor "
       "already, VersionTLS13 is refused as it cannot be enforced)")
+    reference_flags.add_arguments(parser)
 
 
 def decode_serve_config(data: Mapping[str, Any], source: str = "") -> ServeConfig:
@@ -227,14 +242,24 @@ def decode_serve_config(data: Mapping[str, Any], source: str = "") -> ServeConfi
 def resolve(args: argparse.Namespace) -> ServeConfig:
     """Merge defaults, the config file and explicit flags; ConfigError naming the offending option."""
     given = vars(args)
-    config_file = given.get("config_file")
+    config_file, config_text = given.get("config_file"), given.get("config_text")
+    if config_file and config_text:
+        raise ConfigError("give --config-file or --config-text, not both")
     data: dict[str, Any] = dict(load_config_file(config_file)) if config_file else {}
-    flags = {name.replace("_", "-"): value for name, value in given.items()
-             if value is not None and name in ServeConfig.model_fields and name not in ("scheduling", "admission")}
+    if config_text:
+        data = load_config_text(config_text, "--config-text")
+    try:  # the reference picker's flags (-v, --zap-*): ours, when both are given, win
+        flags: dict[str, Any] = reference_flags.options(reference_flags.given(args))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    flags.update({name.replace("_", "-"): value for name, value in given.items()
+                  if value is not None and name in ServeConfig.model_fields
+                  and name not in ("scheduling", "admission")})
     for key in [k for k in data if str(k).replace("-", "_") in {f.replace("-", "_") for f in flags}]:
         del data[key]  # a flag beats the file's value, however the file spelled the key
     data.update(flags)
-    source = " + ".join(filter(None, (config_file, "command line" if flags else "")))
+    source = " + ".join(filter(None, (config_file, "--config-text" if config_text else "",
+                                      "command line" if flags else "")))
     config = decode_serve_config(data, source)
     try:  # the plugin graph (types, parameters, references) is checked now, not when the first request comes
         build_strategy(config.strategy, config=config.scheduling, saturation=config.admission.thresholds)

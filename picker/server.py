@@ -22,12 +22,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from picker import config as cfg
+from picker import reference_flags
 from picker.api.service import PickerService, picker_pb2_grpc
 from picker.director import Director
 from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
 from picker.endpoints.kubernetes import KubernetesDiscovery, discovery_from_config, watch_objectives
 from picker.endpoints.pool import EndpointPool
 from picker.extproc.servicer import ExtProcServicer
+from picker.logformat import configure_logging
 from picker.observability import DecisionTracer, PickerMetrics
 from picker.policy import build_policy, start_monitor
 from picker.tls import certificate_hosts, server_credentials
@@ -241,7 +243,7 @@ async def serve(config: cfg.ServeConfig) -> None:
     await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     failed.cancel()
-    await server.stop()
+    await server.stop(config.drain_timeout)
     if server.failed.is_set():
         raise BackgroundFailure("a background task failed (see the log above)")
 
@@ -256,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"picker serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
+    for note in reference_flags.notes(reference_flags.given(args)):
+        log.warning("reference picker flag %s", note)
     profile_path = os.environ.get("PICKER_PROFILE")  # bench/overhead.py: where does the picker's time go?
     profiler = cProfile.Profile() if profile_path else None
     try:
