@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from picker import __version__
 from picker.endpoints.state import Endpoint
 from picker.requests import InferenceRequest, Usage
 
@@ -32,6 +33,7 @@ _LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5,
                     45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600)
 _SCHEDULER_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
+_SIZE_BUCKETS = tuple(float(2**k) for k in range(6, 25, 2))  # 64 B .. 16 MiB
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072)
 
 
@@ -52,15 +54,17 @@ class ModelLabels:
         self._allowed = self.configured | {""}  # "": refused before its model was read
 
     def learn(self, endpoints: Iterable[Endpoint]) -> None:
-        """Refresh from the latest scrapes (called with every pool refresh)."""
-        allowed = set(self.configured) | {""}
+        """Add what the latest scrapes report (called with every pool refresh). Never removes: a label a routed
+        request was counted under stays the one its end is counted under."""
+        allowed = set(self._allowed)
         for endpoint in endpoints:
             m = endpoint.metrics
             for name in (*m.models, *m.running_loras, *m.waiting_loras):
                 if len(allowed) >= self.limit:
                     break
                 allowed.add(name)
-        self._allowed = frozenset(allowed)
+        if len(allowed) != len(self._allowed):
+            self._allowed = frozenset(allowed)
 
     def label(self, model: str) -> str:
         return model if model in self._allowed else OTHER_MODEL
@@ -80,6 +84,13 @@ class PickerMetrics:
                                 labels, registry=r)
         self.errors = Counter("inference_objective_request_error", "Requests refused by the picker, by error code.",
                               [*labels, "error_code"], registry=r)
+        self.running = Gauge("inference_objective_running_requests", "Requests routed and not finished, by model.",
+                             ["model_name"], registry=r)
+        self.request_sizes = Histogram("inference_objective_request_sizes", "Request body sizes in bytes.",
+                                       ["model_name", "target_model_name"], buckets=_SIZE_BUCKETS, registry=r)
+        self.info = Gauge("inference_extension_info", "The picker's build: always 1.", ["commit", "build_ref"],
+                          registry=r)
+        self.info.labels("", f"picker-{__version__}").set(1)
         self.duration = Histogram("inference_objective_request_duration_seconds",
                                   "Request duration from headers to end of response, seen by the picker.",
                                   labels, buckets=_LATENCY_BUCKETS, registry=r)
@@ -142,7 +153,10 @@ class PickerMetrics:
 
     def observe_routed(self, request: InferenceRequest, seconds: float, matched_blocks: int, blocks: int) -> None:
         self.scheduler_duration.observe(seconds)
-        self.requests.labels(*self._labels(request)).inc()
+        model, target, priority = self._labels(request)
+        self.requests.labels(model, target, priority).inc()
+        self.request_sizes.labels(model, target).observe(request.body_bytes)
+        self.running.labels(model).inc()
         if blocks:
             self.index_hit_ratio.observe(matched_blocks / blocks)
 
@@ -155,6 +169,7 @@ class PickerMetrics:
         """A request's duration, and the token usage the model server reported when the body was visible."""
         model, target, priority = self._labels(request)
         self.duration.labels(model, target, priority).observe(seconds)
+        self.running.labels(model).dec()
         if usage is not None:
             self.input_tokens.labels(model, target).observe(usage.prompt_tokens)
             self.output_tokens.labels(model, target).observe(usage.completion_tokens)

@@ -109,4 +109,22 @@ def test_model_labels_are_what_the_pool_serves_or_configured() -> None:
         ["llama", "sql-lora", "configured", "", "other"]
     pod.metrics = EndpointMetrics(waiting_loras=frozenset(f"a{i}" for i in range(100)))
     labels.learn([pod])
-    assert sum(labels.label(f"a{i}") != "other" for i in range(100)) == 5 - 2  # the cap holds ("" and configured)
+    assert sum(labels.label(f"a{i}") != "other" for i in range(100)) == 5 - 4  # the cap holds
+    assert labels.label("llama") == "llama"  # learnt labels stay: a request ends under the label it started with
+
+
+async def test_reference_series_running_requests_sizes_and_info(stack: Stack) -> None:
+    envoy = stack.envoys["buffered"]
+    body = json.dumps({"model": "metrics-model", "prompt": "sized " * 100}).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(envoy.url + "/v1/completions", data=body) as response:
+            assert response.status == 200
+        async with session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+            families = {f.name: f for f in text_string_to_metric_families(await response.text())}
+    sizes = [s for s in families["inference_objective_request_sizes"].samples
+             if s.name.endswith("_sum") and s.labels.get("model_name") == "metrics-model"]
+    assert sizes and sizes[0].value >= len(body)
+    running = [s.value for s in families["inference_objective_running_requests"].samples
+               if s.labels.get("model_name") == "metrics-model"]
+    assert running and running[0] >= 0  # back down once the response ended
+    assert [s.value for s in families["inference_extension_info"].samples] == [1.0]
