@@ -42,8 +42,10 @@ MiB = b"x" * 2**20
 @dataclass
 class Limited:
     backends: Backends
-    picker: Picker
+    picker: Picker  # idle and request timeouts of seconds
     envoy: Envoy
+    capped: Picker  # the body cap, and timeouts that never fire during a test: refusals are the cap's alone
+    capped_envoy: Envoy
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +56,14 @@ def limited() -> Iterator[Limited]:
         picker = start_picker(logdir, endpoints=backends.addresses, extra=[
             "--max-buffered-bytes", "64Mi", "--stream-idle-timeout", "2s", "--request-timeout", "3s"])
         started.append(picker.process)
+        capped = start_picker(logdir, endpoints=backends.addresses, name="capped",
+                              extra=["--max-buffered-bytes", "64Mi", "--stream-idle-timeout", "300s"])
+        started.append(capped.process)
         envoy = start_envoy(logdir, picker, backends.addresses, mode="full-duplex")
         started.append(envoy.process)
-        yield Limited(backends, picker, envoy)
+        capped_envoy = start_envoy(logdir, capped, backends.addresses, mode="full-duplex", name="envoy-capped")
+        started.append(capped_envoy.process)
+        yield Limited(backends, picker, envoy, capped, capped_envoy)
 
 
 async def samples(picker: Picker) -> dict[tuple[str, str], float]:
@@ -73,10 +80,10 @@ async def samples(picker: Picker) -> dict[tuple[str, str], float]:
 
 
 async def test_unfinished_bodies_are_refused_past_the_total_cap(limited: Limited) -> None:
-    pid = limited.picker.process.proc.pid
+    pid = limited.capped.process.proc.pid
     before = rss_bytes(pid)
     refused_key = ("inference_objective_request_error_total", "buffers_full")
-    refused_before = (await samples(limited.picker)).get(refused_key, 0.0)
+    refused_before = (await samples(limited.capped)).get(refused_key, 0.0)
     hold = asyncio.Event()
     peak = before
 
@@ -86,7 +93,7 @@ async def test_unfinished_bodies_are_refused_past_the_total_cap(limited: Limited
         await hold.wait()
 
     async def upload(session: aiohttp.ClientSession) -> None:
-        async with session.post(limited.envoy.url + "/v1/completions", data=unfinished(),
+        async with session.post(limited.capped_envoy.url + "/v1/completions", data=unfinished(),
                                 headers={"content-type": "application/json"}) as response:
             await response.read()
 
@@ -95,14 +102,14 @@ async def test_unfinished_bodies_are_refused_past_the_total_cap(limited: Limited
     async def refused() -> bool:
         nonlocal peak
         peak = max(peak, rss_bytes(pid))
-        values = await samples(limited.picker)
+        values = await samples(limited.capped)
         held.append(values[("picker_buffered_request_bytes", "")])
         return values.get(refused_key, 0.0) - refused_before >= 40 - CAP // (15 * 2**20)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as session:
         uploads = [asyncio.create_task(upload(session)) for _ in range(40)]
         try:
-            await eventually_async(refused, "all uploads past the cap refused with buffers_full", within=60)
+            await eventually_async(refused, "all uploads past the cap refused with buffers_full", within=120)
         finally:
             hold.set()
             for task in uploads:
@@ -112,9 +119,10 @@ async def test_unfinished_bodies_are_refused_past_the_total_cap(limited: Limited
     # RSS is another matter: a FULL_DUPLEX chunk reaches the picker only once gRPC has received it whole, so what
     # 40 concurrent uploads have in flight is not ours to refuse (measured: the closing note).
     print(f"RSS before {before >> 20} MiB, peak {peak >> 20} MiB, after {rss_bytes(pid) >> 20} MiB")
-    assert limited.picker.process.alive()
-    async with aiohttp.ClientSession() as session, session.post(
-            limited.envoy.url + "/v1/completions", json={"model": "tiny", "prompt": "still serving"}) as response:
+    assert limited.capped.process.alive()
+    async with aiohttp.ClientSession() as session, session.post(limited.capped_envoy.url + "/v1/completions",
+                                                                json={"model": "tiny", "prompt": "still serving"}) \
+            as response:
         assert response.status == 200
 
 
