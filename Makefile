@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost validate-sim overhead clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost validate-sim overhead soak clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -54,6 +54,12 @@ scrape-cost: install
 
 validate-sim: install
 	$(BIN)/python bench/validate_sim.py
+
+# Memory soak of the picker (~33 min; bench/README.md "Soak"): mixed load (large bodies, idle and abandoned streams, distinct prefixes),
+# RSS every 30 s, bench/out/soak/soak.{json,png}; fails if RSS after the soak > 1.2 x after warm-up.
+# E.g. `make soak ARGS="--duration 5m"` or ARGS="--picker-env MALLOC_ARENA_MAX=2 --out bench/out/soak-arena2".
+soak: install
+	$(BIN)/python bench/soak.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info picker/api/v1/*_pb2*.py*
