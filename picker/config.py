@@ -17,6 +17,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
 from picker import reference_flags
 from picker.admission import AdmissionConfig
+from picker.endpoints.scraper import MetricsTarget
 from picker.extproc.limits import StreamLimits
 from picker.prefix.hashing import IndexKey
 from picker.scheduling.config import SchedulingConfig, StrategyName, build_strategy
@@ -72,6 +73,11 @@ class ServeConfig(Section):
     metrics_fast_interval: Duration = Field(0.1, gt=0)  # cadence of a pod near saturation or busier than we know
     metrics_slow_interval: Duration = Field(1.0, gt=0)  # cadence of a calm pod
     unhealthy_after_failures: int = Field(2, ge=1)
+    # Where pods' metrics are read (the reference picker's flags): scheme, one port for every pod (0: its own), path
+    model_server_metrics_scheme: Literal["http", "https"] = "http"
+    model_server_metrics_port: int = Field(0, ge=0, le=65535)
+    model_server_metrics_path: str = Field("/metrics", pattern=r"^/")
+    model_server_metrics_https_insecure_skip_verify: bool = True
     max_body_bytes: Size = Field(16 * 2**20, gt=0)
     max_buffered_bytes: Size = Field(256 * 2**20, gt=0)  # request bodies held by all streams together
     stream_idle_timeout: Duration = Field(30.0, gt=0)  # silence before a stream's decision that ends it
@@ -107,6 +113,11 @@ class ServeConfig(Section):
     def pool_label(self) -> str:
         """The pool's name in metrics and in the shared index namespace."""
         return self.pool_name or "default"
+
+    @property
+    def metrics_target(self) -> MetricsTarget:
+        return MetricsTarget(self.model_server_metrics_scheme, self.model_server_metrics_port,
+                             self.model_server_metrics_path, not self.model_server_metrics_https_insecure_skip_verify)
 
     @property
     def ext_proc_host(self) -> str:
@@ -185,6 +196,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--metrics-fast-interval", help="adaptive scraping: cadence of a pod near saturation, running requests we "
       "did not route, or failing (default 100ms)")
     a("--metrics-slow-interval", help="adaptive scraping: cadence of a calm pod (default 1s)")
+    a("--model-server-metrics-scheme", choices=("http", "https"), help="how pods' metrics are read (default http)")
+    a("--model-server-metrics-port", type=int,
+      help="the port every pod serves metrics on (default: each pod's own serving port)")
+    a("--model-server-metrics-path", help="where pods serve metrics (default /metrics)")
+    a("--model-server-metrics-https-insecure-skip-verify", type=parse_bool, nargs="?", const=True, metavar="BOOL",
+      help="with https, accept the pods' certificates unverified (default true, as the reference picker)")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before an endpoint stops being picked (2)")
     a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
     a("--max-buffered-bytes", help="request-body bytes all streams together may hold while they arrive (default "

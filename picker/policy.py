@@ -95,7 +95,8 @@ class PoolMonitor:
         self.shared = shared_scrapes(config)
         self.scraper = MetricsScraper(pool.all, cadence=cadence, failure_threshold=config.unhealthy_after_failures,
                                       timeout=max(0.2, min(2.0, cadence.fast * 10)), health=pool,
-                                      on_scrape=metrics.observe_scrape, shared=self.shared)
+                                      on_scrape=metrics.observe_scrape, shared=self.shared,
+                                      target=config.metrics_target)
 
     async def run(self) -> None:
         await self.scraper.poll_once()  # warm start: metrics before the first request where possible

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from picker.endpoints.pool import EndpointPool, PoolEvent
-from picker.endpoints.scraper import Cadence, MetricsScraper
+from picker.endpoints.scraper import Cadence, MetricsScraper, MetricsTarget
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from tests.fake_pod import FakePod, running_pods
 from tests.waiting import eventually
@@ -160,5 +160,22 @@ async def test_calm_pods_are_scraped_at_the_slow_cadence_busy_ones_at_the_fast(p
         pods[0].running = 5  # requests we never routed appear on pod 0: it is watched closely at once
         await eventually(lambda: pods[0].hits >= 10, 5.0)
         assert pods[1].hits <= calm_hits + 2
+    finally:
+        await scraper.stop()
+
+
+async def test_metrics_are_read_where_the_target_says(pods: list[FakePod]) -> None:
+    """--model-server-metrics-port/-path: one port for every pod (here the first pod's), another path."""
+    endpoint = pods[1].endpoint
+    scraper = MetricsScraper(lambda: [endpoint], target=MetricsTarget(port=pods[0].endpoint.port, path="/metrics"))
+    pods[0].waiting, pods[1].waiting = 3, 9
+    try:
+        assert await scraper.scrape(endpoint)
+        assert endpoint.metrics.waiting == 3.0  # read from the shared port, not the pod's serving port
+        wrong = MetricsScraper(lambda: [endpoint], target=MetricsTarget(path="/no-metrics-here"))
+        try:
+            assert not await wrong.scrape(endpoint)
+        finally:
+            await wrong.stop()
     finally:
         await scraper.stop()

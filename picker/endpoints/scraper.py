@@ -77,6 +77,24 @@ class Cadence:
         return self.slow
 
 
+@dataclass(frozen=True, slots=True)
+class MetricsTarget:
+    """Where a pod's metrics are read (the reference picker's --model-server-metrics-* flags): scheme, a port
+    shared by every pod (0: the pod's serving port) and path."""
+
+    scheme: str = "http"
+    port: int = 0
+    path: str = "/metrics"
+    verify_tls: bool = False  # https only: GIE's --model-server-metrics-https-insecure-skip-verify defaults true
+
+    def url(self, endpoint: Endpoint) -> str:
+        if not self.port:
+            host = endpoint.address
+        else:
+            host = f"[{endpoint.ip}]:{self.port}" if ":" in endpoint.ip else f"{endpoint.ip}:{self.port}"
+        return f"{self.scheme}://{host}{self.path}"
+
+
 class MetricsScraper:
     def __init__(
         self,
@@ -90,7 +108,7 @@ class MetricsScraper:
         health: HealthTransitions | None = None,
         on_scrape: ScrapeCallback | None = None,
         session: aiohttp.ClientSession | None = None,
-        path: str = "/metrics",
+        target: MetricsTarget | None = None,
         shared: SharedScrapes | None = None,
     ) -> None:
         """`refresh_interval` (a fixed cadence) and `cadence` exclude each other; neither: `Cadence()`.
@@ -106,7 +124,7 @@ class MetricsScraper:
         self.clock = clock
         self.health = health
         self.on_scrape = on_scrape
-        self.path = path
+        self.target = target if target is not None else MetricsTarget()
         self.shared = shared
         self._applied: dict[str, float] = {}  # address -> time of the last shared record applied
         self._session = session
@@ -121,7 +139,8 @@ class MetricsScraper:
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             # No connection cap: one keep-alive connection per pod, however many pods there are.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            verify = self.target.scheme == "https" and self.target.verify_tls
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=verify))  # True: the system trust store
         return self._session
 
     async def start(self) -> None:
@@ -239,7 +258,7 @@ class MetricsScraper:
         """Scrape one endpoint and update its metrics and health; True on success."""
         session = self._ensure_session()
         self.polls += 1
-        url = f"http://{endpoint.address}{self.path}"
+        url = self.target.url(endpoint)
         try:
             async with session.get(url, timeout=self.timeout) as resp:
                 if resp.status != 200:
