@@ -124,7 +124,15 @@ async def test_reference_series_running_requests_sizes_and_info(stack: Stack) ->
     sizes = [s for s in families["inference_objective_request_sizes"].samples
              if s.name.endswith("_sum") and s.labels.get("model_name") == "metrics-model"]
     assert sizes and sizes[0].value >= len(body)
-    running = [s.value for s in families["inference_objective_running_requests"].samples
-               if s.labels.get("model_name") == "metrics-model"]
-    assert running and running[0] >= 0  # back down once the response ended
     assert [s.value for s in families["inference_extension_info"].samples] == [1.0]
+
+    async def back_to_zero() -> bool:  # counted when routed, back down once Envoy ends the stream
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+            text = await response.text()
+        running = [s.value for f in text_string_to_metric_families(text)
+                   if f.name == "inference_objective_running_requests" for s in f.samples
+                   if s.labels.get("model_name") == "metrics-model"]
+        return running == [0.0]
+
+    await eventually_async(back_to_zero, "metrics-model's running requests back to 0")

@@ -268,19 +268,26 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         except TimeoutError:
             what = "routed request outlived --request-timeout" if routed_at else "stream idle past --stream-idle-timeout"
             self._failed("timeout", "ext_proc %s", what)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, what)
+            self._end(context, grpc.StatusCode.DEADLINE_EXCEEDED, what)
         except DecodeError as exc:
             self._failed("malformed", "ext_proc stream sent a message that is no ProcessingRequest: %s", exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ext_proc message")
+            self._end(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed ext_proc message")
         except ProtocolViolation as exc:
             self._failed("protocol", "ext_proc protocol violation: %s", exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self._end(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             # Never let one bad stream take the server down; Envoy applies its failure mode.
             self._failed("internal", "ext_proc stream failed: %r", exc, level=logging.ERROR, traceback=True)
-            await context.abort(grpc.StatusCode.INTERNAL, "picker internal error")
+            self._end(context, grpc.StatusCode.INTERNAL, "picker internal error")
         finally:
             stream.release()
+
+    @staticmethod
+    def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+        """End the stream with a status by returning: abort() raises from inside the except block, and the
+        exception's traceback keeps the stream's frames in a cycle only a full collection frees."""
+        context.set_code(code)
+        context.set_details(details)
 
     def _failed(self, reason: str, message: str, exc: object, *, level: int = logging.WARNING,
                 traceback: bool = False) -> None:
