@@ -27,7 +27,7 @@ from picker.api.service import PickerService, picker_pb2_grpc
 from picker.director import Director
 from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
 from picker.endpoints.kubernetes import KubernetesDiscovery, discovery_from_config, watch_objectives
-from picker.endpoints.pool import EndpointPool
+from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.extproc.servicer import ExtProcServicer
 from picker.logformat import configure_logging
 from picker.observability import DecisionTracer, PickerMetrics
@@ -38,9 +38,9 @@ log = logging.getLogger("picker")
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXTPROC_SERVICE)
-# Until Kubernetes discovery has listed the pods once, the picker is alive but not ready: Kubernetes keeps it out
-# of its Service and Envoy's health check sends requests down the fail-open route instead of to a picker with
-# no endpoints.
+# Until Kubernetes discovery has listed the pods once, and whenever the pool is empty, the picker is alive but not
+# ready: Kubernetes keeps it out of its Service and Envoy's health check sends requests to another replica or down
+# the fail-open route instead of to a picker with no endpoints.
 READY_SERVICES = ("readiness", EXTPROC_SERVICE)
 
 
@@ -107,6 +107,7 @@ class PickerServer:
         c = self.config
         self.metrics = PickerMetrics(c.pool_label, models=(*c.scheduling.models.base, *c.scheduling.models.adapters))
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view
         self._http_server: WSGIServer | None = None
         await self._start_endpoint_sources(c)
@@ -188,23 +189,48 @@ class PickerServer:
             self.metrics_port = http_server.server_port
         await self.server.start()
         await self.health_server.start()
-        discovery = self.discovery
-        waiting = discovery is not None and not discovery.synced.is_set()
+        changed = asyncio.Event()  # subscribed before the first look, so no change falls in between
+        self.pool.subscribe(lambda event, _: changed.set() if event in (PoolEvent.ADDED, PoolEvent.REMOVED) else None)
+        ready = self._ready()
         for name in HEALTH_SERVICES:
-            serving = not (waiting and name in READY_SERVICES)
+            serving = ready or name not in READY_SERVICES
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING if serving
                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        if waiting and discovery is not None:
-            self.supervise(asyncio.create_task(self._ready_when_synced(discovery), name="readiness"))
+        if not ready:
+            log.info("no endpoints yet: not ready (readiness NOT_SERVING until the pool has one)")
+        self.supervise(asyncio.create_task(self._track_readiness(ready, changed), name="readiness"))
 
-    async def _ready_when_synced(self, discovery: KubernetesDiscovery) -> None:
-        await discovery.synced.wait()
-        for name in READY_SERVICES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("endpoints discovered: ready")
+    def _ready(self) -> bool:
+        """Ready once discovery (if any) has listed the pods and the pool holds an endpoint to route to."""
+        synced = self.discovery is None or self.discovery.synced.is_set()
+        return synced and len(self.pool) > 0
+
+    async def _track_readiness(self, ready: bool, changed: asyncio.Event) -> None:
+        """Readiness follows the pool: an empty pool (a selector matching nothing, an emptied endpoints file) is
+        NOT_SERVING, so Kubernetes and Envoy's health check move to a replica or the fail-open route instead of
+        sending requests to a picker that can only answer 503. `changed` is set on every pool change."""
+        if self.discovery is not None and not self.discovery.synced.is_set():
+            synced = self.discovery.synced
+
+            async def wake_when_synced() -> None:
+                await synced.wait()
+                changed.set()
+            self.supervise(asyncio.create_task(wake_when_synced(), name="discovery-synced"))
+        while True:
+            await changed.wait()
+            changed.clear()
+            now = self._ready()
+            if now != ready and not self._stopping:
+                status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in READY_SERVICES:
+                    await self.health.set(name, status)
+                log.info("%s", "endpoints discovered: ready" if now else
+                         "no endpoints: not ready (readiness NOT_SERVING until the pool has one)")
+                ready = now
 
     async def stop(self, grace: float = 2.0) -> None:
         """Report NOT_SERVING first so Envoy's health check moves away, then drain streams."""
+        self._stopping = True
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for task in self._tasks:

@@ -12,13 +12,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import aiohttp
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.supervisor import (
     Backends,
     Envoy,
     Picker,
+    free_port,
     process_scope,
     start_backends,
     start_envoy,
@@ -173,3 +176,45 @@ def routed_by(picker: Picker) -> float:
     with urllib.request.urlopen(url, timeout=2) as response:
         return sum(s.value for f in text_string_to_metric_families(response.read().decode())
                    if f.name == "inference_objective_request" for s in f.samples if s.name.endswith("_total"))
+
+
+def health_status(picker: Picker, service: str) -> int:
+    with grpc.insecure_channel(f"{picker.host}:{picker.health_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
+
+
+async def test_a_replica_with_an_empty_pool_is_not_ready_and_envoy_routes_through_the_other() -> None:
+    """A replica whose pool is empty can only answer 503: its readiness (and the ext_proc health service Envoy
+    checks) is NOT_SERVING while it stays alive, so Envoy sends every stream to the replica that has endpoints,
+    and the empty one comes back once its pool has an endpoint again."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    with process_scope("empty-pool") as (logdir, started):
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        empty_file = logdir / "empty.yaml"
+        empty_file.write_text("[]\n")
+        ports = {"grpc_port": free_port(), "health_port": free_port()}
+        empty = start_picker(logdir, endpoints_file=empty_file, name="empty", host="127.0.0.60", **ports)
+        started.append(empty.process)
+        full = start_picker(logdir, endpoints=backends.addresses, name="full", host="127.0.0.61", **ports)
+        started.append(full.process)
+        assert health_status(empty, "liveness") == serving
+        for service in ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            assert health_status(empty, service) == not_serving
+            assert health_status(full, service) == serving
+        envoy = start_envoy(logdir, [empty, full], backends.addresses, name="envoy-empty-pool", wait_for_picker=False)
+        started.append(envoy.process)
+        await eventually(lambda: replica_healthy(envoy, full), 15, "the replica with endpoints healthy")
+        assert not replica_healthy(envoy, empty)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            for _ in range(10):
+                async with session.post(envoy.url + CHAT, data=PAYLOAD) as response:
+                    assert response.status == 200
+        assert routed_by(full) == 10 and routed_by(empty) == 0
+        empty_file.write_text("".join(f"- {a}\n" for a in backends.addresses))
+        await eventually(lambda: health_status(empty, "readiness") == serving, 10, "readiness once it has endpoints")
+        await eventually(lambda: replica_healthy(envoy, empty), 15, "the replica back in Envoy's rotation")
+        empty_file.write_text("[]\n")
+        await eventually(lambda: health_status(empty, "readiness") == not_serving, 10, "not ready when emptied again")
+        assert health_status(empty, "liveness") == serving

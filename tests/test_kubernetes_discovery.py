@@ -397,7 +397,7 @@ def _health(port: int, service: str) -> int:
         return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
 
 
-def test_the_picker_is_not_ready_until_its_pool_is_discovered(tmp_path: Path) -> None:
+def test_the_picker_is_not_ready_until_its_pool_is_discovered_and_has_a_pod(tmp_path: Path) -> None:
     thread = FakeKubeThread()
     with thread as kube, process_scope("kube-ready") as (logdir, started):
         kubeconfig = tmp_path / "kubeconfig"
@@ -409,9 +409,17 @@ def test_the_picker_is_not_ready_until_its_pool_is_discovered(tmp_path: Path) ->
         for service in ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             assert _health(picker.health_port, service) == not_serving  # no InferencePool yet
         thread.run(kube.put_pool(NS, "llama", LABELS, [8000]))
+        wait_until(lambda: "not ready (readiness NOT_SERVING until the pool has one)" in picker.process.log(), 15,
+                   "the picker says its discovered pool is empty", picker.process.proc)
+        assert _health(picker.health_port, "readiness") == not_serving  # discovered, but no pod yet
+        thread.run(kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS))
         wait_until(lambda: _health(picker.health_port, "readiness") == serving, 15, "readiness",
                    picker.process.proc)
         assert _health(picker.health_port, "envoy.service.ext_proc.v3.ExternalProcessor") == serving
+        thread.run(kube.delete("pods", NS, "vllm-0"))
+        wait_until(lambda: _health(picker.health_port, "readiness") == not_serving, 15, "not ready once empty",
+                   picker.process.proc)
+        assert _health(picker.health_port, "liveness") == serving
 
 
 # InferenceObjectives → priorities ------------------------------------------------------------------------------
