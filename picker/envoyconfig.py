@@ -48,6 +48,9 @@ class EnvoySettings:
     picker_tls: str = "tls"
     picker_ca: str = ""  # verify the picker's certificate against this CA file; empty: no verification (GIE's way)
     picker_client_cert: str = ""  # directory with tls.crt + tls.key Envoy presents (mTLS, the picker's --client-ca)
+    # The buffered template's response bodies: "none" passes them straight by, "streamed" shows them to the picker
+    # (token usage metrics). The full-duplex template always streams them.
+    response_body: str = "none"
 
     def picker_host_list(self) -> tuple[str, ...]:
         return self.picker_hosts or (self.picker_host,)
@@ -186,6 +189,23 @@ def _picker_transport(settings: EnvoySettings) -> tuple[str, str]:
     return socket + "\n", "      transport_socket_match_criteria: {picker-health: plaintext}\n"
 
 
+RESPONSE_BODY_MODES = ("none", "streamed")
+
+
+def _response_body_modes(settings: EnvoySettings) -> str:
+    """The buffered template's response body and trailer modes."""
+    if settings.response_body not in RESPONSE_BODY_MODES:
+        raise ValueError(f"response body {settings.response_body!r}: choose from {', '.join(RESPONSE_BODY_MODES)}")
+    indent = " " * 16
+    if settings.response_body == "none":
+        return (f"{indent}# NONE: response bodies (SSE streams) pass straight through, unbuffered; no token usage\n"
+                f"{indent}# metrics (picker envoy-config --response-body streamed shows them to the picker).\n"
+                f"{indent}response_body_mode: NONE\n{indent}response_trailer_mode: SKIP\n")
+    return (f"{indent}# Response chunks are streamed to the picker and echoed back at once (SSE still streams): it\n"
+            f"{indent}# reads the usage the model server reports (the inference_objective_*_tokens metrics).\n"
+            f"{indent}response_body_mode: FULL_DUPLEX_STREAMED\n{indent}response_trailer_mode: SEND\n")
+
+
 def render(settings: EnvoySettings) -> str:
     """Fill the template for `settings.mode`. The pool is only needed by the fail-open round-robin route."""
     template = string.Template(template_path(settings.mode).read_text())
@@ -193,6 +213,7 @@ def render(settings: EnvoySettings) -> str:
     return template.substitute(
         PICKER_TRANSPORT_SOCKET=transport,
         PICKER_HEALTH_TRANSPORT=health_transport,
+        RESPONSE_BODY_MODES=_response_body_modes(settings),
         LISTEN_HOST=settings.listen_host,
         LISTEN_PORT=settings.listen_port,
         ADMIN_PORT=settings.admin_port,
@@ -292,6 +313,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--picker-client-cert", default="", metavar="DIR",
       help="directory with tls.crt and tls.key Envoy presents to the picker (mTLS: the picker's --client-ca; "
       "default: none)")
+    a("--response-body", choices=RESPONSE_BODY_MODES, default="none",
+      help="with --mode buffered: response bodies pass Envoy straight by (none) or are streamed to the picker, "
+      "which reads their token usage for the inference_objective_input/output_tokens metrics at some CPU per "
+      "chunk (streamed); --mode full-duplex always streams them (default %(default)s)")
     a("--out", metavar="PATH", help="write the config to PATH (default: stdout)")
     a("--validate", action="store_true",
       help="also run `envoy --mode validate` on the result (needs --out; default: off)")
@@ -307,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         pool=tuple(p.strip() for p in args.pool.split(",") if p.strip()), mode=args.mode,
         failure_mode_allow=not args.fail_closed, message_timeout=args.message_timeout,
         picker_tls=args.picker_tls, picker_ca=args.picker_ca, picker_client_cert=args.picker_client_cert,
+        response_body=args.response_body,
     )
     try:
         text = render(settings)

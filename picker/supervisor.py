@@ -263,11 +263,12 @@ _base_id = iter(range(1000 + os.getpid() % 1000 * 100, 10**7))
 
 def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str], *, mode: str = "buffered",
                 fail_open: bool = True, name: str = "envoy", wait_for_picker: bool = True,
-                client_cert: bool = True) -> Envoy:
+                client_cert: bool = True, response_body: str = "none") -> Envoy:
     """Envoy in front of one picker, or of several replicas (same ports, different hosts) it balances over.
 
     It speaks what the picker serves; to an mTLS picker it presents the client certificate of the picker's CA
-    (`client_cert=False`: none, which the picker must refuse)."""
+    (`client_cert=False`: none, which the picker must refuse). `response_body="streamed"` shows the buffered
+    template's response bodies to the picker (token usage)."""
     pickers = [picker] if isinstance(picker, Picker) else list(picker)
     first = pickers[0]
     if any((p.grpc_port, p.health_port) != (first.grpc_port, first.health_port) for p in pickers):
@@ -278,7 +279,8 @@ def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str]
                              picker_hosts=tuple(p.host for p in pickers) if len(pickers) > 1 else (),
                              picker_tls="plaintext" if first.tls == "plaintext" else "tls",
                              picker_ca=str(first.pki / "ca.crt") if first.pki else "",
-                             picker_client_cert=str(first.pki / "client") if first.pki and client_cert else "")
+                             picker_client_cert=str(first.pki / "client") if first.pki and client_cert else "",
+                             response_body=response_body)
     config_path = logdir / f"{name}.yaml"
     config_path.write_text(render(settings))
     process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),
