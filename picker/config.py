@@ -20,6 +20,7 @@ from picker.admission import AdmissionConfig
 from picker.endpoints.scraper import MetricsTarget
 from picker.extproc.limits import StreamLimits
 from picker.prefix.hashing import IndexKey
+from picker.scheduling import reference
 from picker.scheduling.config import SchedulingConfig, StrategyName, build_strategy
 from picker.schema import ConfigError, Duration, Section, describe, parse_duration
 from picker.tls import TLS_VERSIONS, TlsError, TlsOptions
@@ -256,8 +257,32 @@ def decode_serve_config(data: Mapping[str, Any], source: str = "") -> ServeConfi
         raise ConfigError(f"{source}: {problems}" if source else problems) from None
 
 
-def resolve(args: argparse.Namespace) -> ServeConfig:
-    """Merge defaults, the config file and explicit flags; ConfigError naming the offending option."""
+def adapt_reference_config(data: dict[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
+    """The reference picker's EndpointPickerConfig (the whole file), or its plugin vocabulary inside our
+    `scheduling:` section, in our layout (picker.scheduling.reference); plus warnings for what changes nothing."""
+    try:
+        if reference.is_endpoint_picker_config(data):
+            adapted = reference.adapt_document(data)
+            return adapted.config, adapted.warnings
+        if not isinstance(data.get("scheduling"), Mapping):
+            return data, []
+        adapted = reference.adapt_section(data["scheduling"])
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    merged = {**data, "scheduling": adapted.config.pop("scheduling")}
+    implied_admission = adapted.config.pop("admission", {})
+    if implied_admission:
+        given = merged.get("admission") or {}
+        merged["admission"] = {**implied_admission, **given} if isinstance(given, Mapping) else given
+    for key, value in adapted.config.items():  # serve options a plugin implies: the file's own keys win
+        if key not in merged and key.replace("-", "_") not in merged:
+            merged[key] = value
+    return merged, adapted.warnings
+
+
+def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeConfig:
+    """Merge defaults, the config file and explicit flags; ConfigError naming the offending option. Warnings
+    about settings that change nothing here (from a reference picker's config) are appended to `notes`."""
     given = vars(args)
     config_file, config_text = given.get("config_file"), given.get("config_text")
     if config_file and config_text:
@@ -265,6 +290,9 @@ def resolve(args: argparse.Namespace) -> ServeConfig:
     data: dict[str, Any] = dict(load_config_file(config_file)) if config_file else {}
     if config_text:
         data = load_config_text(config_text, "--config-text")
+    data, warnings = adapt_reference_config(data, config_file or "--config-text")
+    if notes is not None:
+        notes.extend(warnings)
     try:  # the reference picker's flags (-v, --zap-*): ours, when both are given, win
         flags: dict[str, Any] = reference_flags.options(reference_flags.given(args))
     except ValueError as exc:

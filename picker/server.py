@@ -279,14 +279,17 @@ class BackgroundFailure(RuntimeError):
 
 
 def run(args: argparse.Namespace) -> int:
+    config_notes: list[str] = []
     try:
-        config = cfg.resolve(args)
+        config = cfg.resolve(args, config_notes)
     except (ValueError, OSError) as exc:
         print(f"picker serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
     for note in reference_flags.notes(reference_flags.given(args)):
         log.warning("reference picker flag %s", note)
+    for note in config_notes:
+        log.warning("reference picker config %s", note)
     profile_path = os.environ.get("PICKER_PROFILE")  # bench/overhead.py: where does the picker's time go?
     profiler = cProfile.Profile() if profile_path else None
     try:

@@ -22,7 +22,7 @@ def parse_endpoint_list(text: str) -> list[Endpoint]:
 
 
 def load_endpoints_file(path: Path) -> list[Endpoint]:
-    """A YAML or JSON list of "ip:port" strings or {address, name} objects (also {endpoints: [...]})."""
+    """A YAML or JSON list of "ip:port" strings or {address, name, labels} objects (also {endpoints: [...]})."""
     text = path.read_text()
     data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     if isinstance(data, dict):
@@ -36,7 +36,11 @@ def load_endpoints_file(path: Path) -> list[Endpoint]:
         if isinstance(item, str):
             endpoints.append(Endpoint.from_address(item))
         elif isinstance(item, dict) and isinstance(item.get("address"), str):
-            endpoints.append(Endpoint.from_address(item["address"], str(item.get("name") or "")))
+            labels = item.get("labels") or {}
+            if not isinstance(labels, dict):
+                raise ValueError(f"{path}: labels of {item['address']} must be a mapping")
+            endpoints.append(Endpoint.from_address(item["address"], str(item.get("name") or ""),
+                                                   {str(k): str(v) for k, v in labels.items()}))
         else:
             raise ValueError(f"{path}: bad endpoint entry {item!r}")
     return endpoints

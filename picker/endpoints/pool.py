@@ -49,6 +49,7 @@ class EndpointPool:
                 merged[addr] = endpoint
             else:
                 known.name = endpoint.name or known.name
+                known.labels = endpoint.labels
                 merged[addr] = known
         self._endpoints = merged
         self._refresh()

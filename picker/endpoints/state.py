@@ -54,6 +54,7 @@ class Endpoint:
     ip: str
     port: int
     name: str = ""  # pod name when known (Kubernetes discovery), else the address
+    labels: dict[str, str] = field(default_factory=dict)  # the pod's labels (Kubernetes, endpoints file)
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     healthy: bool = True
     # Our own view, updated from the ext_proc stream lifecycle because scraped metrics lag.
@@ -64,10 +65,10 @@ class Endpoint:
     scrape_interval: float = 0.0  # seconds until the scraper refreshes `metrics` again (its current cadence)
 
     @classmethod
-    def from_address(cls, address: str, name: str = "") -> Endpoint:
+    def from_address(cls, address: str, name: str = "", labels: dict[str, str] | None = None) -> Endpoint:
         ip, port = parse_address(address)
         canonical = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-        return cls(address=canonical, ip=ip, port=port, name=name or canonical)
+        return cls(address=canonical, ip=ip, port=port, name=name or canonical, labels=labels or {})
 
     def metrics_age(self, now: float) -> float:
         """Seconds since the last successful scrape (infinite when never scraped)."""

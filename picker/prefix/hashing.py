@@ -96,7 +96,7 @@ class IndexKey:
 class PrefixHasher:
     """Prefix keys with fixed block geometry; `block_chars=None` derives it from the pods' block size."""
 
-    __slots__ = ("_block_chars", "max_blocks", "chars_per_token", "key")
+    __slots__ = ("_block_chars", "max_blocks", "chars_per_token", "key", "default_block_chars")
 
     def __init__(
         self,
@@ -104,8 +104,12 @@ class PrefixHasher:
         max_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS,
         chars_per_token: int = CHARS_PER_TOKEN,
         key: IndexKey | None = None,
+        default_block_chars: int = DEFAULT_BLOCK_CHARS,
     ) -> None:
         self.key = key if key is not None else IndexKey()
+        if default_block_chars <= 0:
+            raise ValueError("default_block_chars must be positive")
+        self.default_block_chars = default_block_chars
         if block_chars is not None and block_chars <= 0:
             raise ValueError("block_chars must be positive")
         if max_blocks <= 0:
@@ -115,12 +119,12 @@ class PrefixHasher:
         self.chars_per_token = chars_per_token
 
     def block_chars(self, block_size_tokens: int | None) -> int:
-        """Configured block width, else the pods' block size in tokens x chars/token, else 64."""
+        """Configured block width, else the pods' block size in tokens x chars/token, else the default (64)."""
         if self._block_chars is not None:
             return self._block_chars
         if block_size_tokens:
             return block_size_tokens * self.chars_per_token
-        return DEFAULT_BLOCK_CHARS
+        return self.default_block_chars
 
     def keys(
         self,

@@ -1,7 +1,8 @@
 """Scheduler configuration: a YAML/dict shaped like GIE's EndpointPickerConfig, with documented defaults.
 
     prefixCache:            # hashing + in-memory index (shared by every profile)
-      blockChars: null      # characters per block; null = pods' vllm block_size x charsPerToken (64 until known)
+      blockChars: null      # characters per block; null = pods' vllm block_size x charsPerToken
+      defaultBlockChars: 64 # with blockChars null: the width until the pods report their block size
       charsPerToken: 4
       maxPrefixBlocksToMatch: 256
       lruCapacityPerServer: 31250   # per-pod entries until the pod reports num_gpu_blocks
@@ -26,14 +27,30 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field
 
-from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_MAX_PREFIX_BLOCKS, IndexKey, PrefixHasher
+from picker.prefix.hashing import (
+    CHARS_PER_TOKEN,
+    DEFAULT_BLOCK_CHARS,
+    DEFAULT_MAX_PREFIX_BLOCKS,
+    IndexKey,
+    PrefixHasher,
+)
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
 from picker.saturation import SaturationThresholds
-from picker.scheduling import filters, picker, predicted, profiles, scorers
-from picker.scheduling.picker import MaxScorePicker, RandomPicker
-from picker.scheduling.plugins import Filter, Plugin, PluginDeps, PluginFactory, PredictionObserver, Scorer
+from picker.scheduling import filters, picker, predicted, profiles, reference_plugins, scorers
+from picker.scheduling.picker import MaxScorePicker
+from picker.scheduling.plugins import (
+    Filter,
+    Picker,
+    Plugin,
+    PluginDeps,
+    PluginFactory,
+    PredictionObserver,
+    Scorer,
+)
 from picker.scheduling.profiles import Classifier, Profile, RequestClassifier, SingleProfile, WeightedScorer
+from picker.scheduling.reference import API_VERSIONS, CONFIGURED_ELSEWHERE
+from picker.scheduling.reference_plugins import SingleProfileHandler
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.strategies import (
     LeastLoadScheduler,
@@ -51,6 +68,7 @@ _COMMON_TAIL = [{"pluginRef": "max-score-picker"}]
 DEFAULT_CONFIG: dict[str, Any] = {
     "prefixCache": {
         "blockChars": None,
+        "defaultBlockChars": DEFAULT_BLOCK_CHARS,
         "charsPerToken": CHARS_PER_TOKEN,
         "maxPrefixBlocksToMatch": DEFAULT_MAX_PREFIX_BLOCKS,
         "lruCapacityPerServer": DEFAULT_CAPACITY_BLOCKS,
@@ -127,12 +145,13 @@ PREDICTED_TTFT_CONFIG: dict[str, Any] = {
 # Every plugin type a config may name, each with the factory that decodes its parameters.
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
     f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *picker.FACTORIES,
-                             *profiles.FACTORIES)
+                             *profiles.FACTORIES, *reference_plugins.FACTORIES)
 }
 
 
 class PrefixCacheSection(Section):
     block_chars: int | None = Field(DEFAULT_CONFIG["prefixCache"]["blockChars"], gt=0)
+    default_block_chars: int = Field(DEFAULT_BLOCK_CHARS, gt=0)
     chars_per_token: int = Field(CHARS_PER_TOKEN, gt=0)
     max_prefix_blocks_to_match: int = Field(DEFAULT_MAX_PREFIX_BLOCKS, gt=0)
     lru_capacity_per_server: int = Field(DEFAULT_CAPACITY_BLOCKS, gt=0)
@@ -167,7 +186,7 @@ def _default(key: str) -> Any:
 class SchedulingConfig(Section):
     """The `scheduling:` section, shaped like GIE's EndpointPickerConfig."""
 
-    api_version: Literal["inference.networking.x-k8s.io/v1alpha1"] | None = None
+    api_version: Literal[API_VERSIONS] | None = None  # type: ignore[valid-type]  # the reference's two
     kind: Literal["EndpointPickerConfig"] | None = None
     prefix_cache: PrefixCacheSection = Field(default_factory=PrefixCacheSection)
     models: ModelsSection = Field(default_factory=ModelsSection)
@@ -189,7 +208,8 @@ def scheduling_config(config: SchedulingInput) -> SchedulingConfig:
 
 def build_hasher(config: SchedulingInput = None, key: IndexKey | None = None) -> PrefixHasher:
     pc = scheduling_config(config).prefix_cache
-    return PrefixHasher(pc.block_chars, pc.max_prefix_blocks_to_match, pc.chars_per_token, key)
+    return PrefixHasher(pc.block_chars, pc.max_prefix_blocks_to_match, pc.chars_per_token, key,
+                        pc.default_block_chars)
 
 
 def build_prefix_index(config: SchedulingInput = None) -> InMemoryPrefixIndex:
@@ -229,9 +249,16 @@ def build_scheduler(
                       saturation=saturation if saturation is not None else SaturationThresholds(),
                       observer=observer)
     plugins: dict[str, Plugin] = {}
+    elsewhere: set[str] = set()  # names of plugins whose settings live in other sections (reference configs)
     for i, spec in enumerate(cfg.plugins):
+        if spec.type in CONFIGURED_ELSEWHERE:
+            if spec.parameters:
+                raise ConfigError(f"scheduling.plugins[{i}].parameters: {spec.type} is configured outside the "
+                                  "scheduler (load the config through `picker serve`, which moves them)")
+            elsewhere.add(spec.name or spec.type)
+            continue
         plugin = _make_plugin(spec, f"scheduling.plugins[{i}]", deps)
-        if plugin.name in plugins:
+        if plugin.name in plugins or plugin.name in elsewhere:
             raise ConfigError(f"scheduling.plugins[{i}].name: duplicate plugin name {plugin.name!r}")
         plugins[plugin.name] = plugin
     built: list[Profile] = []
@@ -241,9 +268,15 @@ def build_scheduler(
         for j, ref in enumerate(pspec.plugins):
             where = f"scheduling.schedulingProfiles[{i}].plugins[{j}].pluginRef"
             used = plugins.get(ref.plugin_ref)
+            if used is None and ref.plugin_ref in elsewhere:
+                continue  # a producer or data source named in a profile: the reference allows it, it does nothing
             if used is None:
                 raise ConfigError(f"{where}: unknown plugin {ref.plugin_ref!r} (not in scheduling.plugins)")
-            if isinstance(used, MaxScorePicker | RandomPicker):
+            if isinstance(used, RequestClassifier | SingleProfileHandler):
+                raise ConfigError(f"{where}: {ref.plugin_ref!r} is a profile handler: list it in plugins only")
+            if isinstance(used, Picker):
+                if picker_set:
+                    raise ConfigError(f"{where}: a second picker in profile {pspec.name!r}")
                 profile.picker = used
                 picker_set = True
             elif isinstance(used, Scorer):
@@ -258,14 +291,19 @@ def build_scheduler(
     if len({p.name for p in built}) != len(built):
         raise ConfigError("scheduling.schedulingProfiles: profile names must be unique")
     classifier: Classifier
-    classifiers = [p for p in plugins.values() if isinstance(p, RequestClassifier)]
+    handlers = [p for p in plugins.values() if isinstance(p, RequestClassifier | SingleProfileHandler)]
+    if len(handlers) > 1:
+        raise ConfigError(f"scheduling.plugins: one profile handler at most, not {len(handlers)} "
+                          f"({', '.join(h.name for h in handlers)})")
     names = {p.name for p in built}
-    if classifiers and len(built) > 1:
-        chosen = classifiers[0]
-        for target in (chosen.context_heavy_profile, chosen.default_profile):
+    handler = handlers[0] if handlers else None
+    if isinstance(handler, SingleProfileHandler) and len(built) > 1:
+        raise ConfigError(f"scheduling.plugins: {handler.name} runs one profile, not {len(built)}")
+    if isinstance(handler, RequestClassifier) and len(built) > 1:
+        for target in (handler.context_heavy_profile, handler.default_profile):
             if target not in names:
                 raise ConfigError(f"scheduling.plugins: request-classifier names unknown profile {target!r}")
-        classifier = chosen
+        classifier = handler
     else:
         classifier = SingleProfile(built[0].name)
     if index is None:

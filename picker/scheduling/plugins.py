@@ -68,6 +68,15 @@ class Scorer(Protocol):
         ...
 
 
+@runtime_checkable
+class Picker(Protocol):
+    name: str
+
+    def pick(self, totals: Sequence[float]) -> list[int]:
+        """Candidate indices ranked best first (at most the picker's count), from their weighted totals."""
+        ...
+
+
 def min_max_inverse(values: Sequence[float]) -> list[float]:
     """GIE-style normalisation: the lowest value scores 1, the highest 0, all equal -> 1."""
     lo = min(values)

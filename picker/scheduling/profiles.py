@@ -12,8 +12,8 @@ from typing import Any, Protocol
 from pydantic import Field
 
 from picker.scheduling.context import SchedulingContext
-from picker.scheduling.picker import MaxScorePicker, RandomPicker
-from picker.scheduling.plugins import Filter, Plugin, PluginFactory, Scorer, with_params
+from picker.scheduling.picker import MaxScorePicker
+from picker.scheduling.plugins import Filter, Picker, Plugin, PluginFactory, Scorer, with_params
 from picker.schema import Section
 
 
@@ -28,7 +28,7 @@ class Profile:
     name: str
     filters: list[Filter] = field(default_factory=list)
     scorers: list[WeightedScorer] = field(default_factory=list)
-    picker: MaxScorePicker | RandomPicker = field(default_factory=MaxScorePicker)
+    picker: Picker = field(default_factory=MaxScorePicker)
 
     @property
     def weights(self) -> list[float]:

@@ -111,10 +111,13 @@ def pod_endpoints(pod: Mapping[str, Any], ports: tuple[int, ...]) -> list[Endpoi
         log.warning("pod %s: podIP %r is not an IP address; it serves nothing", meta.get("name"), ip)
         return []
     name = str(meta.get("name") or ip)
+    raw_labels = meta.get("labels")
+    labels = {str(k): str(v) for k, v in raw_labels.items()} if isinstance(raw_labels, dict) else {}
     host = f"[{ip}]" if ":" in ip else ip
     if len(ports) == 1:
-        return [Endpoint.from_address(f"{host}:{ports[0]}", name)]
-    return [Endpoint.from_address(f"{host}:{port}", f"{name}-rank-{rank}") for rank, port in enumerate(ports)]
+        return [Endpoint.from_address(f"{host}:{ports[0]}", name, labels)]
+    return [Endpoint.from_address(f"{host}:{port}", f"{name}-rank-{rank}", labels)
+            for rank, port in enumerate(ports)]
 
 
 def objective_priorities(objectives: Mapping[str, Mapping[str, Any]], pool_name: str) -> dict[str, int]:

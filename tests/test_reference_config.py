@@ -1,0 +1,122 @@
+"""The reference picker's EndpointPickerConfig files load unchanged (tests/data/reference_configs, written from its
+documentation, chart and samples): each gives the profile it describes, the settings its non-scheduling plugins
+carry land where ours live, and a plugin we do not implement is a clear error naming it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from picker.config import ConfigError, ServeConfig, add_arguments, resolve
+from picker.scheduling.config import build_strategy
+from picker.scheduling.scheduler import PrefixAwareScheduler
+
+CONFIGS = Path(__file__).resolve().parent / "data" / "reference_configs"
+
+
+def load(name: str, *argv: str, notes: list[str] | None = None) -> ServeConfig:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_arguments(parser)
+    args = parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-file", str(CONFIGS / name), *argv])
+    return resolve(args, notes)
+
+
+def profiles_of(config: ServeConfig) -> dict[str, Any]:
+    """profile -> (filters, {scorer type: weight}, picker type), as the scheduler built from it runs them."""
+    scheduler = build_strategy(config.strategy, config=config.scheduling, saturation=config.admission.thresholds)
+    assert isinstance(scheduler, PrefixAwareScheduler)
+    return {name: ([f.name for f in p.filters], {w.scorer.name: w.weight for w in p.scorers},
+                   type(p.picker).__name__) for name, p in scheduler.profiles.items()}
+
+
+@pytest.mark.parametrize("name,profiles", [
+    ("chart-default.yaml", {"default": ([], {"queue-scorer": 2, "kv-cache-utilization-scorer": 2,
+                                             "prefix-cache-scorer": 3}, "MaxScorePicker")}),
+    ("chart-default-older.yaml", {"default": ([], {"queue-scorer": 2, "kv-cache-utilization-scorer": 2,
+                                                   "prefix-cache-scorer": 3}, "MaxScorePicker")}),
+    ("prefix-guide-older.yaml", {"default": ([], {"prefix-cache-scorer": 50}, "MaxScorePicker")}),
+    ("without-disaggregation.yaml", {"default": (["decode-filter"], {"prefix-cache-scorer": 2}, "MaxScorePicker")}),
+    ("estimated-prefix-load-aware.yaml", {"default": (["decode-filter"], {"prefix-cache-scorer": 1,
+                                                                          "load-aware-scorer": 1}, "MaxScorePicker")}),
+    ("approximate-producer.yaml", {"default": (["decode-filter"], {"prefix-cache-scorer": 2}, "MaxScorePicker")}),
+    ("optimized-baseline.yaml", {"default": ([], {"queue-scorer": 2, "kv-cache-utilization-scorer": 2,
+                                                  "prefix-cache-scorer": 3, "no-hit-lru-scorer": 2},
+                                             "MaxScorePicker")}),
+    ("openai-parser-lora.yaml", {"default": ([], {"queue-scorer": 1, "kv-cache-utilization-scorer": 1,
+                                                  "prefix-cache-scorer": 1, "lora-affinity-scorer": 1},
+                                             "MaxScorePicker")}),
+])
+def test_each_reference_config_gives_the_profile_it_describes(name: str, profiles: dict[str, Any]) -> None:
+    assert profiles_of(load(name)) == profiles
+
+
+def test_settings_of_non_scheduling_plugins_land_where_ours_live() -> None:
+    notes: list[str] = []
+    older = load("prefix-guide-older.yaml", notes=notes)
+    pc = older.scheduling.prefix_cache
+    assert (pc.block_chars, pc.default_block_chars, pc.max_prefix_blocks_to_match, pc.lru_capacity_per_server) \
+        == (None, 5, 256, 31250)  # autoTune (its default): the pods' block size wins once reported, 5 until then
+    thresholds = older.admission.thresholds
+    assert (thresholds.queue, thresholds.kv_cache, thresholds.stale) == (8, 0.75, 0.15)
+    assert notes == ["featureGates: dataLayer changes nothing here (picker's data layer is always on)"]
+    producer = load("approximate-producer.yaml").scheduling.prefix_cache
+    assert producer.max_prefix_blocks_to_match == 16384 * 4 // 64 and producer.lru_capacity_per_server == 31250
+    chart = load("chart-default.yaml")
+    assert (chart.model_server_metrics_scheme, chart.model_server_metrics_path,
+            chart.model_server_metrics_https_insecure_skip_verify) == ("http", "/metrics", True)
+    flagged = load("chart-default.yaml", "--model-server-metrics-path", "/stats")
+    assert flagged.model_server_metrics_path == "/stats"  # a flag beats what the file's plugins imply
+
+
+@pytest.mark.parametrize("name,message", [
+    ("refused-disaggregated.yaml", r"plugins\[0\]\.type: 'prefill-filter' .* prefill/decode disaggregation"),
+    ("refused-payload-agnostic.yaml", r"plugins\[0\]\.type: 'passthrough-parser' .* OpenAI-style body"),
+])
+def test_plugins_we_do_not_implement_are_named(name: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(name)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("apiVersion: example.com/v1\nkind: EndpointPickerConfig\n", r"apiVersion: 'example.com/v1' is not one"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: Other\n", "kind: 'Other', expected EndpointPickerConfig"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nscheduler: {}\n", "scheduler: not a field"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [warpDrive]\n",
+     r"featureGates\[0\]: feature gate 'warpDrive' is unknown"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: prefix-cache-scorer\n"
+     "  parameters: {blockSize: many}\n", r"plugins\[0\]\.parameters\.blockSize"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: metrics-data-source\n"
+     "  parameters: {caCertPath: /ca.pem}\n", r"plugins\[0\]\.parameters\.caCertPath"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: core-metrics-extractor\n"
+     "  parameters: {defaultEngine: sglang}\n", r"plugins\[0\]\.parameters\.defaultEngine"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: teleport-scorer\n",
+     "unknown plugin type 'teleport-scorer'"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: single-profile-handler\n"
+     "- type: queue-scorer\nschedulingProfiles:\n- {name: a, plugins: [{pluginRef: queue-scorer}]}\n"
+     "- {name: b, plugins: [{pluginRef: queue-scorer}]}\n", "single-profile-handler runs one profile, not 2"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\ndataLayer: {discovery: {pluginRef: x}}\n",
+     "dataLayer.discovery: not supported"),
+])
+def test_bad_reference_configs_name_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "epp.yaml"
+    path.write_text(text)
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match=message):
+        resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-file", str(path)]))
+
+
+def test_the_reference_vocabulary_also_works_inside_our_scheduling_section(tmp_path: Path) -> None:
+    """What the issue found refused: single-profile-handler unknown, prefix-cache-scorer's blockSize a TypeError."""
+    path = tmp_path / "ours.yaml"
+    path.write_text("scheduling:\n  plugins:\n  - type: single-profile-handler\n  - type: prefix-cache-scorer\n"
+                    "    parameters: {blockSize: 64, ratioWeight: 0.3}\n  schedulingProfiles:\n"
+                    "  - name: only\n    plugins: [{pluginRef: prefix-cache-scorer, weight: 4}]\n")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_arguments(parser)
+    config = resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-file", str(path)]))
+    assert profiles_of(config) == {"only": ([], {"prefix-cache-scorer": 4}, "MaxScorePicker")}
+    assert config.scheduling.prefix_cache.default_block_chars == 64
