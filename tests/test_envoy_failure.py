@@ -194,10 +194,12 @@ async def test_a_replica_with_an_empty_pool_is_not_ready_and_envoy_routes_throug
         started.append(backends.process)
         empty_file = logdir / "empty.yaml"
         empty_file.write_text("[]\n")
-        ports = {"grpc_port": free_port(), "health_port": free_port()}
-        empty = start_picker(logdir, endpoints_file=empty_file, name="empty", host="127.0.0.60", **ports)
+        grpc_port, health_port = free_port(), free_port()  # replicas behind one Envoy cluster share their ports
+        empty = start_picker(logdir, endpoints_file=empty_file, name="empty", host="127.0.0.60",
+                             grpc_port=grpc_port, health_port=health_port)
         started.append(empty.process)
-        full = start_picker(logdir, endpoints=backends.addresses, name="full", host="127.0.0.61", **ports)
+        full = start_picker(logdir, endpoints=backends.addresses, name="full", host="127.0.0.61",
+                            grpc_port=grpc_port, health_port=health_port)
         started.append(full.process)
         assert health_status(empty, "liveness") == serving
         for service in ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
