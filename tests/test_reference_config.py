@@ -5,6 +5,9 @@ carry land where ours live, and a plugin we do not implement is a clear error na
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,9 @@ import pytest
 from picker.config import ConfigError, ServeConfig, add_arguments, resolve
 from picker.scheduling.config import build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
+from picker.supervisor import free_port, process_scope, spawn, start_envoy, start_picker, wait_until
+from tests.kubefake import FakeKubeThread
+from tests.test_kubernetes_discovery import LABELS, NS, _bound, _served_by
 
 CONFIGS = Path(__file__).resolve().parent / "data" / "reference_configs"
 
@@ -120,3 +126,46 @@ def test_the_reference_vocabulary_also_works_inside_our_scheduling_section(tmp_p
     config = resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-file", str(path)]))
     assert profiles_of(config) == {"only": ([], {"prefix-cache-scorer": 4}, "MaxScorePicker")}
     assert config.scheduling.prefix_cache.default_block_chars == 64
+
+
+def test_the_charts_args_and_default_config_route_through_envoy(tmp_path: Path) -> None:
+    """The reference chart's container args (its --grpc-health-port aside: the test picks free ports) and its
+    default config, unchanged, against an InferencePool: requests route, Explain shows the profile the config
+    describes with its weights, and each ignored flag is one JSON warning."""
+    port = free_port()
+    pods = {"vllm-0": "127.0.0.2", "vllm-1": "127.0.0.3"}
+    addresses = [f"{ip}:{port}" for ip in pods.values()]
+    thread = FakeKubeThread()
+    with thread as kube, process_scope("reference-chart") as (logdir, started):
+        backends = spawn("pods", [sys.executable, "-m", "picker.echo", *addresses], logdir)
+        started.append(backends)
+        for address in addresses:
+            wait_until(lambda a=address: _bound(a), 20, f"pod {address}", backends.proc)  # type: ignore[misc]
+        thread.run(kube.put_pool(NS, "vllm-llama3", LABELS, [port]))
+        for name, ip in pods.items():
+            thread.run(kube.put_pod(NS, name, ip, LABELS))
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(kube.kubeconfig(namespace=NS))
+        chart_args = ["--pool-name", "vllm-llama3", "--pool-namespace", NS, "--pool-group",
+                      "inference.networking.k8s.io", "--zap-encoder", "json", "--config-file",
+                      str(CONFIGS / "chart-default.yaml"), "--tracing=false"]
+        picker = start_picker(logdir, extra=[*chart_args, "--kubeconfig", str(kubeconfig)])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, addresses)
+        started.append(envoy.process)
+        served = {_served_by(envoy, f"question {i} " * 40) for i in range(6)}
+        assert served <= set(addresses) and served
+        body = json.dumps({"model": "llama", "prompt": "question 1 " * 40})
+        explained = subprocess.run([sys.executable, "-m", "picker", "explain", "--target", picker.target,
+                                    "--plaintext", "--path", "/v1/completions", "--body", body, "--json"],
+                                   capture_output=True, text=True, timeout=30, check=True)
+        result = json.loads(explained.stdout)
+        assert result["profile"] == "default" and result["error"] is None
+        weights = {"queue-scorer": 2, "kv-cache-utilization-scorer": 2, "prefix-cache-scorer": 3}
+        for candidate in result["candidates"]:
+            assert set(candidate["scores"]) == set(weights)
+            expected = sum(weights[name] * score for name, score in candidate["scores"].items())
+            assert candidate["total"] == pytest.approx(expected, abs=1e-3)
+        entries = [json.loads(line) for line in picker.process.log().splitlines() if line.startswith("{")]
+        warned = sorted(e["msg"].split("=", 1)[0] for e in entries if e["level"] == "warning")
+        assert warned == ["reference picker flag --pool-group", "reference picker flag --tracing"], warned
