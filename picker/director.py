@@ -15,7 +15,7 @@ from typing import Protocol
 from picker.admission import Priorities
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
-from picker.observability import DecisionTracer, PickerMetrics
+from picker.observability import DecisionTracer, PickerMetrics, ResponseTrace
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
 from picker.scheduling.types import Scheduler, SchedulingResult
@@ -153,7 +153,8 @@ class Director:
         chosen.start_request(tokens, now)
         if self.metrics is not None:
             self.metrics.observe_routed(request, time.perf_counter() - start, result.prefix_matched_blocks,
-                                        result.prefix_blocks)
+                                        result.prefix_blocks, chosen,
+                                        result.context.block_chars if result.context is not None else 0)
         destination = ",".join(e.address for e in ranked)
         return Decision(request, ranked, destination, result, tokens, now)
 
@@ -161,6 +162,7 @@ class Director:
                          subset: tuple[str, ...] | None = None) -> Decision:
         """Parse, admit, schedule and account for one HTTP request; RequestError with the client's status."""
         start_ns = time.time_ns() if self.tracer is not None else 0
+        began = time.perf_counter()
         request: InferenceRequest | None = None
         try:
             request = build_request(headers, body, request_id=request_id, subset=subset)
@@ -169,6 +171,8 @@ class Director:
             self.refused(request or InferenceRequest(request_id=request_id, model="", path=headers.get(":path", "")),
                          err, start_ns)
             raise
+        if self.metrics is not None:
+            self.metrics.observe_processing(time.perf_counter() - began)
         if self.tracer is not None:
             result = decision.result
             self.tracer.record(start_ns, time.time_ns(), {
@@ -182,7 +186,7 @@ class Director:
         """Count (and trace) a refusal: the director's own, or the servicer's before any body was parsed (413,
         buffers full, a wrong method or path), when no model is known yet."""
         if self.metrics is not None:
-            self.metrics.observe_refused(request, err.code)
+            self.metrics.observe_refused(request, err.code, scheduling=err.code == "no_endpoints")
         if self.tracer is not None:
             self.tracer.record(start_ns or time.time_ns(), time.time_ns(), {
                 **self._span_attributes(request), "picker.error.status": err.status, "picker.error.code": err.code})
@@ -192,12 +196,12 @@ class Director:
         return {"picker.request_id": request.request_id, "gen_ai.request.model": request.model,
                 "picker.priority": request.priority, "http.route": request.path.split("?", 1)[0]}
 
-    def release(self, decision: Decision, usage: Usage | None = None) -> None:
+    def release(self, decision: Decision, usage: Usage | None = None, response: ResponseTrace | None = None) -> None:
         """The request finished (response end or stream closed): undo its in-flight accounting once, and
-        record the token usage the model server reported, when the response body was visible."""
+        record the token usage the model server reported and how the response came, when its body was visible."""
         if decision.released:
             return
         decision.released = True
         decision.endpoint.finish_request(decision.tokens)
         if self.metrics is not None:
-            self.metrics.observe_finished(decision.request, self.clock() - decision.started_at, usage)
+            self.metrics.observe_finished(decision.request, self.clock() - decision.started_at, usage, response)

@@ -1,4 +1,5 @@
-"""Prometheus metrics (GIE-compatible names) and OpenTelemetry tracing for decisions.
+"""Prometheus metrics (the reference picker's names, current and deprecated) and OpenTelemetry tracing for
+decisions.
 
 One `PickerMetrics` per server, on its own registry, so several pickers can live in one process (tests,
 benchmarks) without clashing.
@@ -9,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import statistics
 import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -22,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from picker import __version__
 from picker.endpoints.state import Endpoint
+from picker.metric_twins import Twin, TwinCollector
 from picker.requests import InferenceRequest, Usage
 
 if TYPE_CHECKING:
@@ -34,6 +38,8 @@ _LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5,
 _SCHEDULER_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
 _SIZE_BUCKETS = tuple(float(2**k) for k in range(6, 25, 2))  # 64 B .. 16 MiB
+_TOKEN_TIME_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+PLUGIN_TIMING_EVERY = 16  # plugins are timed on one request in this many: timing each would tax the hot path
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072)
 
 
@@ -70,51 +76,175 @@ class ModelLabels:
         return model if model in self._allowed else OTHER_MODEL
 
 
+# The reference picker's labels of request series. fairness_id is the flow-control tenant: empty here until
+# requests carry one (no flow control yet).
+REQUEST_LABELS = ("model_name", "target_model_name", "fairness_id", "priority")
+NO_FAIRNESS_ID = ""
+
+
+@dataclass(slots=True)
+class ResponseTrace:
+    """What the stream saw of a response whose body Envoy showed the picker: when its chunks came, how big it was,
+    and the picker's own time handling them (the reference's response-side series)."""
+
+    started_at: float  # the request's start, on the director's clock
+    first_chunk_at: float = -1.0
+    last_chunk_at: float = -1.0
+    bytes: int = 0
+    chunks: int = 0
+    handling_s: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # between body chunks: the inter-token latency of a stream
+
+    def on_chunk(self, now: float, size: int, handling_s: float) -> None:
+        if self.chunks == 0:
+            self.first_chunk_at = now
+        elif size:
+            self.gaps.append(now - self.last_chunk_at)
+        if size:
+            self.last_chunk_at = now
+            self.chunks += 1
+            self.bytes += size
+        self.handling_s += handling_s
+
+
+class _RequestSeries:
+    """The children of the request series for one label set, looked up once per event instead of per series.
+    The response-side ones are made on first use: a series never observed (no response bodies in buffered mode)
+    must not put empty histograms on /metrics."""
+
+    __slots__ = ("labels", "metrics", "stream", "model", "requests", "duration", "sizes", "running", "_lazy")
+
+    def __init__(self, m: PickerMetrics, labels: tuple[str, str, str, str], stream: bool) -> None:
+        self.labels = labels
+        self.metrics = m
+        self.stream = stream
+        self.model = labels[0]
+        self.requests = m.requests.labels(*labels)
+        self.duration = m.duration.labels(*labels)
+        self.sizes = m.request_sizes.labels(*labels)
+        self.running = m.running.labels(*labels)
+        self._lazy: dict[str, Any] = {}
+
+    def child(self, family: str) -> Any:
+        """The child of a response-side family (PickerMetrics.response_families), made when first needed."""
+        found = self._lazy.get(family)
+        if found is None:
+            extra = ("true" if self.stream else "false",) if family == "ttft" else ()
+            found = self._lazy[family] = self.metrics.response_families[family].labels(*self.labels, *extra)
+        return found
+
+
 class PickerMetrics:
-    """The picker's own series. Label sets follow GIE so existing dashboards keep working."""
+    """The picker's own series, under the reference picker's current `llm_d_epp_*` names and labels, each also
+    emitted under its deprecated GIE name (picker.metric_twins) so existing dashboards keep working."""
 
     def __init__(self, pool_name: str = "default", registry: CollectorRegistry | None = None,
-                 models: Iterable[str] = ()) -> None:
+                 models: Iterable[str] = (), namespace: str = "") -> None:
         self.registry = registry or CollectorRegistry()
         self.pool_name = pool_name
+        self.namespace = namespace
         self.models = ModelLabels(models)
+        self._series: dict[tuple[str, str, str, str, bool], _RequestSeries] = {}
+        self._attempts: dict[tuple[str, str], Any] = {}  # (target model, address) -> its success counter
+        self._attempt_labels: dict[str, list[tuple[str, ...]]] = {}  # address -> label sets of its attempts
+        self.endpoints: list[Endpoint] = []  # the pool as of the last refresh (the in-flight series read it)
+        self._plugin_sample = 0
         r = self.registry
-        labels = ["model_name", "target_model_name", "priority"]
-        self.requests = Counter("inference_objective_request", "Requests routed or refused, by model and priority.",
-                                labels, registry=r)
-        self.errors = Counter("inference_objective_request_error", "Requests refused by the picker, by error code.",
-                              [*labels, "error_code"], registry=r)
-        self.running = Gauge("inference_objective_running_requests", "Requests routed and not finished, by model.",
-                             ["model_name"], registry=r)
-        self.request_sizes = Histogram("inference_objective_request_sizes", "Request body sizes in bytes.",
-                                       ["model_name", "target_model_name"], buckets=_SIZE_BUCKETS, registry=r)
-        self.info = Gauge("inference_extension_info", "The picker's build: always 1.", ["commit", "build_ref"],
-                          registry=r)
-        self.info.labels("", f"picker-{__version__}").set(1)
-        self.duration = Histogram("inference_objective_request_duration_seconds",
+        L = REQUEST_LABELS
+        self.requests = Counter("llm_d_epp_request", "Requests routed or refused, by model and priority.", L,
+                                registry=r)
+        self.errors = Counter("llm_d_epp_request_error", "Requests refused by the picker, by error code.",
+                              [*L, "error_code"], registry=r)
+        self.duration = Histogram("llm_d_epp_request_duration_seconds",
                                   "Request duration from headers to end of response, seen by the picker.",
-                                  labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.input_tokens = Histogram("inference_objective_input_tokens", "Prompt tokens reported in usage.",
-                                      ["model_name", "target_model_name"], buckets=_TOKEN_BUCKETS, registry=r)
-        self.output_tokens = Histogram("inference_objective_output_tokens", "Completion tokens reported in usage.",
-                                       ["model_name", "target_model_name"], buckets=_TOKEN_BUCKETS, registry=r)
-        self.scheduler_duration = Histogram("inference_extension_scheduler_e2e_duration_seconds",
+                                  L, buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_sizes = Histogram("llm_d_epp_request_size_bytes", "Request body sizes in bytes.",
+                                       L, buckets=_SIZE_BUCKETS, registry=r)
+        self.response_sizes = Histogram("llm_d_epp_response_size_bytes",
+                                        "Response body sizes in bytes (when Envoy shows the picker response bodies).",
+                                        L, buckets=_SIZE_BUCKETS, registry=r)
+        self.input_tokens = Histogram("llm_d_epp_request_input_tokens", "Prompt tokens reported in usage.",
+                                      L, buckets=_TOKEN_BUCKETS, registry=r)
+        self.output_tokens = Histogram("llm_d_epp_request_output_tokens", "Completion tokens reported in usage.",
+                                       L, buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_cached_tokens = Histogram("llm_d_epp_request_cached_tokens",
+                                               "Prompt tokens served from the pod's prefix cache "
+                                               "(usage.prompt_tokens_details.cached_tokens).",
+                                               L, buckets=_TOKEN_BUCKETS, registry=r)
+        self.running = Gauge("llm_d_epp_request_running", "Requests routed and not finished.", L, registry=r)
+        self.ntpot = Histogram("llm_d_epp_request_ntpot_seconds",
+                               "Request duration per output token (usage.completion_tokens).",
+                               L, buckets=_TOKEN_TIME_BUCKETS, registry=r)
+        self.ttft = Histogram("llm_d_epp_request_ttft_seconds",
+                              "Time from the request to the first response body chunk (when Envoy shows the picker "
+                              "response bodies).", [*L, "streaming"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.streaming_tpot = Histogram("llm_d_epp_request_streaming_tpot_seconds",
+                                        "Streamed responses: time from the first to the last chunk per further "
+                                        "output token.", L, buckets=_TOKEN_TIME_BUCKETS, registry=r)
+        self.streaming_itl = Histogram("llm_d_epp_request_streaming_itl_seconds",
+                                       "Streamed responses: time between response body chunks.",
+                                       L, buckets=_TOKEN_TIME_BUCKETS, registry=r)
+        self.scheduler_duration = Histogram("llm_d_epp_scheduler_e2e_duration_seconds",
                                             "Time to schedule one request (filters, scorers, pick).",
                                             buckets=_SCHEDULER_BUCKETS, registry=r)
-        self.avg_kv = Gauge("inference_pool_average_kv_cache_utilization", "Mean KV-cache utilisation of ready pods.",
-                            ["name"], registry=r)
-        self.avg_queue = Gauge("inference_pool_average_queue_size", "Mean waiting requests of ready pods.",
-                               ["name"], registry=r)
-        self.pod_queue = Gauge("inference_pool_per_pod_queue_size", "Waiting requests per pod.",
-                               ["name", "model_server_pod"], registry=r)
-        self.ready_pods = Gauge("inference_pool_ready_pods", "Pods the picker may route to.", ["name"], registry=r)
+        self.scheduler_attempts = Counter("llm_d_epp_scheduler_attempts",
+                                          "Scheduling attempts by outcome and the endpoint chosen.",
+                                          ["status", "target_model_name", "endpoint_name", "namespace", "port"],
+                                          registry=r)
+        self.plugin_duration = Histogram("llm_d_epp_plugin_duration_seconds",
+                                         "Time one plugin took for one request (one request in "
+                                         f"{PLUGIN_TIMING_EVERY} is timed).",
+                                         ["extension_point", "plugin_type", "plugin_name"],
+                                         buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.request_processing = Histogram("llm_d_epp_request_processing_duration_seconds",
+                                            "Picker time from a complete request to its decision: parsing, admission "
+                                            "(including a wait for capacity) and scheduling.",
+                                            buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.response_processing = Histogram("llm_d_epp_response_processing_duration_seconds",
+                                             "Picker time handling one response's body chunks.",
+                                             buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.info = Gauge("llm_d_epp_info", "The picker's build: always 1.", ["commit", "build_ref"], registry=r)
+        self.info.labels("", f"picker-{__version__}").set(1)
+        self.rewrites = Counter("llm_d_epp_model_rewrite_decisions",
+                                "Requests whose model was rewritten (x-gateway-model-name-rewrite).",
+                                ["model_rewrite_name", "model_name", "target_model"], registry=r)
+        self.poll_errors = Counter("llm_d_epp_datalayer_poll_errors", "Failed scrapes of the pods' metrics.",
+                                   ["source_type"], registry=r)
+        self.extract_errors = Counter("llm_d_epp_datalayer_extract_errors",
+                                      "Pod metrics pages that could not be read.", ["source_type", "extractor_type"],
+                                      registry=r)
+        self.poll_errors.labels("metrics-data-source")  # both at 0 from the start: failures show as a rate
+        self.extract_errors.labels("metrics-data-source", "core-metrics-extractor")
+        pool = ["name"]
+        self.avg_kv = Gauge("llm_d_epp_average_kv_cache_utilization", "Mean KV-cache utilisation of ready pods.",
+                            pool, registry=r)
+        self.avg_queue = Gauge("llm_d_epp_average_queue_size", "Mean waiting requests of ready pods.", pool,
+                               registry=r)
+        self.avg_running = Gauge("llm_d_epp_average_running_requests", "Mean running requests of ready pods.", pool,
+                                 registry=r)
+        self.std_kv = Gauge("llm_d_epp_std_dev_kv_cache_utilization", "Spread of the ready pods' KV-cache use.", pool,
+                            registry=r)
+        self.std_queue = Gauge("llm_d_epp_std_dev_queue_size", "Spread of the ready pods' waiting requests.", pool,
+                               registry=r)
+        self.std_running = Gauge("llm_d_epp_std_dev_running_requests", "Spread of the ready pods' running requests.",
+                                 pool, registry=r)
+        self.ready_pods = Gauge("llm_d_epp_ready_endpoints", "Pods the picker may route to.", pool, registry=r)
+        self.pod_queue = Gauge("llm_d_epp_per_endpoint_queue_size", "Waiting requests per pod.",
+                               ["name", "model_server_endpoint"], registry=r)
         self.in_flight = Gauge("picker_endpoint_in_flight_requests", "Requests the picker routed that have not finished.",
                                ["name", "model_server_pod"], registry=r)
-        self.index_size = Gauge("inference_extension_prefix_indexer_size", "Entries in the prefix index.",
-                                registry=r)
-        self.index_hit_ratio = Histogram("inference_extension_prefix_indexer_hit_ratio",
+        indexer = ["plugin_name", "plugin_type"]
+        self.index_size = Gauge("llm_d_epp_prefix_indexer_size", "Entries in the prefix index.", indexer, registry=r)
+        self.index_size_value = self.index_size.labels("prefix-cache-scorer", "prefix-cache-scorer")
+        self.index_hit_ratio = Histogram("llm_d_epp_prefix_indexer_hit_ratio",
                                          "Share of a request's prefix blocks the chosen pod already holds (index view).",
-                                         buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
+                                         indexer, buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+                                         registry=r)
+        self.index_hit_bytes = Histogram("llm_d_epp_prefix_indexer_hit_bytes",
+                                         "Prompt characters of the prefix the chosen pod already holds (index view).",
+                                         indexer, buckets=_SIZE_BUCKETS, registry=r)
+        self._hit_ratio = self.index_hit_ratio.labels("prefix-cache-scorer", "prefix-cache-scorer")
+        self._hit_bytes = self.index_hit_bytes.labels("prefix-cache-scorer", "prefix-cache-scorer")
         self.prompt_tokens = Counter("picker_response_prompt_tokens", "Prompt tokens in responses' usage.",
                                      ["model_name"], registry=r)
         self.cached_tokens = Counter("picker_response_cached_tokens",
@@ -144,37 +274,139 @@ class PickerMetrics:
         self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
+        # the request series observed only when the response shows them: made per label set on first use
+        self.response_families: dict[str, Histogram] = {
+            "response_sizes": self.response_sizes, "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens, "request_cached_tokens": self.request_cached_tokens,
+            "ntpot": self.ntpot, "ttft": self.ttft, "streaming_tpot": self.streaming_tpot,
+            "streaming_itl": self.streaming_itl}
+        r.register(_InFlightCollector(self))
+        r.register(TwinCollector(self._twins()))
 
-    def _labels(self, request: InferenceRequest) -> tuple[str, str, str]:
-        """model_name, target_model_name, priority of a request, its model names bounded by `models`."""
+    def _twins(self) -> list[Twin]:
+        """The deprecated names the reference still emits for these series, with the labels they had."""
+        models, with_priority = ("model_name", "target_model_name"), ("model_name", "target_model_name", "priority")
+        pod = {"model_server_endpoint": "model_server_pod", "endpoint_name": "pod_name"}
+        return [
+            Twin("inference_objective_request", self.requests, with_priority),
+            Twin("inference_objective_request_error", self.errors, (*models, "error_code")),
+            Twin("inference_objective_request_duration_seconds", self.duration, models),
+            Twin("inference_objective_request_sizes", self.request_sizes, models),
+            Twin("inference_objective_response_sizes", self.response_sizes, models),
+            Twin("inference_objective_input_tokens", self.input_tokens, models),
+            Twin("inference_objective_output_tokens", self.output_tokens, models),
+            Twin("inference_objective_prompt_cached_tokens", self.request_cached_tokens, models),
+            Twin("inference_objective_running_requests", self.running, ("model_name",)),
+            Twin("inference_objective_normalized_time_per_output_token_seconds", self.ntpot, models),
+            Twin("inference_objective_request_ttft_seconds", self.ttft, models),
+            Twin("inference_objective_request_tpot_seconds", self.streaming_tpot, models),
+            Twin("inference_pool_average_kv_cache_utilization", self.avg_kv, ("name",)),
+            Twin("inference_pool_average_queue_size", self.avg_queue, ("name",)),
+            Twin("inference_pool_average_running_requests", self.avg_running, ("name",)),
+            Twin("inference_pool_ready_pods", self.ready_pods, ("name",)),
+            Twin("inference_pool_per_pod_queue_size", self.pod_queue, ("name", "model_server_endpoint"), pod),
+            Twin("inference_extension_scheduler_e2e_duration_seconds", self.scheduler_duration, ()),
+            Twin("inference_extension_scheduler_attempts", self.scheduler_attempts,
+                 ("status", "target_model_name", "endpoint_name", "namespace", "port"), pod),
+            Twin("inference_extension_plugin_duration_seconds", self.plugin_duration,
+                 ("extension_point", "plugin_type", "plugin_name")),
+            Twin("inference_extension_info", self.info, ("commit", "build_ref")),
+            Twin("inference_extension_model_rewrite_decisions", self.rewrites,
+                 ("model_rewrite_name", "model_name", "target_model")),
+            Twin("inference_extension_prefix_indexer_size", self.index_size, ()),
+            Twin("inference_extension_prefix_indexer_hit_ratio", self.index_hit_ratio, ()),
+            Twin("inference_extension_prefix_indexer_hit_bytes", self.index_hit_bytes, ()),
+            Twin("llm_d_inference_scheduler_datalayer_poll_errors", self.poll_errors, ("source_type",)),
+            Twin("llm_d_inference_scheduler_datalayer_extract_errors", self.extract_errors,
+                 ("source_type", "extractor_type")),
+        ]
+
+    def _request_series(self, request: InferenceRequest) -> _RequestSeries:
+        """The request's series: model names bounded by `models`, no fairness id yet, its priority."""
         model = self.models.label(request.model)
-        return model, self.models.label(request.target_model) if request.target_model else model, \
-            str(request.priority)
+        target = self.models.label(request.target_model) if request.target_model else model
+        key = (model, target, NO_FAIRNESS_ID, str(request.priority), request.stream)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _RequestSeries(self, key[:4], request.stream)  # type: ignore[arg-type]
+        return series
 
-    def observe_routed(self, request: InferenceRequest, seconds: float, matched_blocks: int, blocks: int) -> None:
+    def observe_routed(self, request: InferenceRequest, seconds: float, matched_blocks: int, blocks: int,
+                       endpoint: Endpoint | None = None, block_chars: int = 0) -> None:
         self.scheduler_duration.observe(seconds)
-        model, target, priority = self._labels(request)
-        self.requests.labels(model, target, priority).inc()
-        self.request_sizes.labels(model, target).observe(request.body_bytes)
-        self.running.labels(model).inc()
+        series = self._request_series(request)
+        series.requests.inc()
+        series.sizes.observe(request.body_bytes)
+        series.running.inc()
         if blocks:
-            self.index_hit_ratio.observe(matched_blocks / blocks)
+            self._hit_ratio.observe(matched_blocks / blocks)
+            self._hit_bytes.observe(matched_blocks * block_chars)
+        if endpoint is not None:
+            self._attempt(self.models.label(request.target_model or request.model), endpoint).inc()
+        if request.target_model:
+            self.rewrites.labels("header", self.models.label(request.model),
+                                 self.models.label(request.target_model)).inc()
 
-    def observe_refused(self, request: InferenceRequest, code: str) -> None:
-        labels = self._labels(request)
-        self.requests.labels(*labels).inc()
-        self.errors.labels(*labels, code).inc()
+    def observe_refused(self, request: InferenceRequest, code: str, scheduling: bool = False) -> None:
+        """A refusal; `scheduling`: the scheduler found no endpoint for it (a failed scheduling attempt)."""
+        series = self._request_series(request)
+        series.requests.inc()
+        model = series.model
+        target = self.models.label(request.target_model) if request.target_model else model
+        self.errors.labels(model, target, NO_FAIRNESS_ID, str(request.priority), code).inc()
+        if scheduling:
+            self.scheduler_attempts.labels("failure", target, "", self.namespace, "").inc()
 
-    def observe_finished(self, request: InferenceRequest, seconds: float, usage: Usage | None) -> None:
-        """A request's duration, and the token usage the model server reported when the body was visible."""
-        model, target, priority = self._labels(request)
-        self.duration.labels(model, target, priority).observe(seconds)
-        self.running.labels(model).dec()
+    def _attempt(self, target: str, endpoint: Endpoint) -> Any:
+        """The successful-attempt counter of (target model, endpoint), remembered so forget_pod can drop it."""
+        key = (target, endpoint.address)
+        child = self._attempts.get(key)
+        if child is None:
+            child = self._attempts[key] = self.scheduler_attempts.labels(
+                "success", target, endpoint.name, self.namespace, str(endpoint.port))
+            self._attempt_labels.setdefault(endpoint.address, []).append(
+                ("success", target, endpoint.name, self.namespace, str(endpoint.port)))
+        return child
+
+    def observe_processing(self, seconds: float) -> None:
+        self.request_processing.observe(seconds)
+
+    def observe_finished(self, request: InferenceRequest, seconds: float, usage: Usage | None,
+                         response: ResponseTrace | None = None) -> None:
+        """A request's duration, and what the response showed when Envoy sent its body: usage, timing, size."""
+        series = self._request_series(request)
+        series.duration.observe(seconds)
+        series.running.dec()
+        child = series.child
         if usage is not None:
-            self.input_tokens.labels(model, target).observe(usage.prompt_tokens)
-            self.output_tokens.labels(model, target).observe(usage.completion_tokens)
-            self.prompt_tokens.labels(model).inc(usage.prompt_tokens)
-            self.cached_tokens.labels(model).inc(usage.cached_tokens)
+            child("input_tokens").observe(usage.prompt_tokens)
+            child("output_tokens").observe(usage.completion_tokens)
+            child("request_cached_tokens").observe(usage.cached_tokens)
+            self.prompt_tokens.labels(series.model).inc(usage.prompt_tokens)
+            self.cached_tokens.labels(series.model).inc(usage.cached_tokens)
+            if usage.completion_tokens > 0:
+                child("ntpot").observe(seconds / usage.completion_tokens)
+        if response is None or response.chunks == 0:
+            return
+        child("response_sizes").observe(response.bytes)
+        child("ttft").observe(response.first_chunk_at - response.started_at)
+        self.response_processing.observe(response.handling_s)
+        if request.stream:
+            itl = child("streaming_itl")
+            for gap in response.gaps:
+                itl.observe(gap)
+            if usage is not None and usage.completion_tokens > 1:
+                child("streaming_tpot").observe(
+                    (response.last_chunk_at - response.first_chunk_at) / (usage.completion_tokens - 1))
+
+    def plugin_timing_due(self) -> bool:
+        """PluginTimer: time this request's plugins? One request in PLUGIN_TIMING_EVERY is."""
+        self._plugin_sample = (self._plugin_sample + 1) % PLUGIN_TIMING_EVERY
+        return self._plugin_sample == 0
+
+    def observe_plugin(self, extension_point: str, plugin_type: str, plugin_name: str, seconds: float) -> None:
+        """PluginTimer: one plugin's time for one (sampled) request."""
+        self.plugin_duration.labels(extension_point, plugin_type, plugin_name).observe(seconds)
 
     def observe_prediction(self, endpoint: Endpoint, predicted_s: float, observed_s: float) -> None:
         """PredictionObserver: one pod's predicted and measured mean TTFT over a scrape interval."""
@@ -183,19 +415,29 @@ class PickerMetrics:
         if observed_s > 0:
             self.ttft_prediction_ratio.labels(self.pool_name).observe(predicted_s / observed_s)
 
-    def observe_scrape(self, endpoint: Endpoint, ok: bool) -> None:
+    def observe_scrape(self, endpoint: Endpoint, ok: bool, unreadable: bool = False) -> None:
+        """One scrape of a pod's metrics: failed to fetch (`ok` False), or fetched but not readable."""
         self.scrapes.labels(self.pool_name, endpoint.name, "ok" if ok else "error").inc()
+        if not ok:
+            self.poll_errors.labels("metrics-data-source").inc()
+            if unreadable:
+                self.extract_errors.labels("metrics-data-source", "core-metrics-extractor").inc()
 
     def observe_pool(self, endpoints: Iterable[Endpoint]) -> None:
         """Refresh pool gauges from the latest endpoint state (called after each scrape round)."""
         endpoints = list(endpoints)
+        self.endpoints = endpoints
         self.models.learn(endpoints)
         ready = [e for e in endpoints if e.healthy]
         name = self.pool_name
         self.ready_pods.labels(name).set(len(ready))
         if ready:
-            self.avg_kv.labels(name).set(sum(e.metrics.kv_usage for e in ready) / len(ready))
-            self.avg_queue.labels(name).set(sum(e.metrics.waiting for e in ready) / len(ready))
+            for mean, spread, values in (
+                    (self.avg_kv, self.std_kv, [e.metrics.kv_usage for e in ready]),
+                    (self.avg_queue, self.std_queue, [e.metrics.waiting for e in ready]),
+                    (self.avg_running, self.std_running, [e.metrics.running for e in ready])):
+                mean.labels(name).set(statistics.fmean(values))
+                spread.labels(name).set(statistics.pstdev(values))
         queries = sum(e.metrics.prefix_queries for e in ready)
         hits = sum(e.metrics.prefix_hits for e in ready)
         self.pool_prefix_hit_ratio.labels(name).set(hits / queries if queries else 0.0)
@@ -214,6 +456,30 @@ class PickerMetrics:
         for result in ("ok", "error"):  # a departed pod's series go with it (pod churn must not grow /metrics)
             with contextlib.suppress(KeyError):
                 self.scrapes.remove(self.pool_name, endpoint.name, result)
+        for labels in self._attempt_labels.pop(endpoint.address, []):
+            self.scheduler_attempts.remove(*labels)
+            self._attempts.pop((labels[1], endpoint.address), None)
+
+
+class _InFlightCollector(Collector):
+    """The reference's in-flight load series, read from the pool at scrape time: requests and estimated prompt
+    tokens this picker has in flight on each pod (priority and fairness id empty: counts are kept per pod)."""
+
+    def __init__(self, metrics: PickerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["endpoint_name", "namespace", "producer_name", "fairness_id", "priority"]
+        requests = GaugeMetricFamily("llm_d_epp_inflight_requests", "Requests this picker has in flight per pod.",
+                                     labels=labels)
+        tokens = GaugeMetricFamily("llm_d_epp_inflight_tokens",
+                                   "Estimated prompt tokens this picker has in flight per pod.", labels=labels)
+        for e in self.metrics.endpoints:
+            values = [e.name, self.metrics.namespace, "inflight-load-producer", NO_FAIRNESS_ID, ""]
+            requests.add_metric(values, e.in_flight)
+            tokens.add_metric(values, e.in_flight_tokens)
+        yield requests
+        yield tokens
 
 
 class _IndexSyncCollector(Collector):

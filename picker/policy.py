@@ -45,7 +45,7 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
                     "guessed prompt; give every replica --index-hash-key-file")
     scheduler = build_strategy(config.strategy, config=config.scheduling, rng=random.Random(config.seed),
                                index=shared, saturation=config.admission.thresholds, observer=metrics,
-                               index_key=key)
+                               index_key=key, timer=metrics)
     if shared is not None:
         shared.peer_listener = scheduler.on_peer_picked
     return Policy(scheduler, AdmissionController(config.admission), Priorities(config.admission), shared)
@@ -106,7 +106,7 @@ class PoolMonitor:
             while True:
                 self.metrics.observe_pool(self.pool.all())
                 if index is not None:
-                    self.metrics.index_size.set(index.size())
+                    self.metrics.index_size_value.set(index.size())
                 await asyncio.sleep(1.0)
         finally:
             with contextlib.suppress(Exception):

@@ -105,7 +105,8 @@ class PickerServer:
 
     async def start(self) -> None:
         c = self.config
-        self.metrics = PickerMetrics(c.pool_label, models=(*c.scheduling.models.base, *c.scheduling.models.adapters))
+        self.metrics = PickerMetrics(c.pool_label, models=(*c.scheduling.models.base, *c.scheduling.models.adapters),
+                                     namespace=c.pool_namespace)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view

@@ -147,7 +147,7 @@ async def test_calm_pods_are_scraped_at_the_slow_cadence_busy_ones_at_the_fast(p
     pods[1].waiting = 3
     seen: list[tuple[str, bool]] = []
     scraper = MetricsScraper(lambda: endpoints, cadence=Cadence(fast=0.02, slow=0.5),
-                             on_scrape=lambda e, ok: seen.append((e.address, ok)))
+                             on_scrape=lambda e, ok, _unreadable: seen.append((e.address, ok)))
     await scraper.start()
     try:
         await eventually(lambda: pods[1].hits >= 15, 5.0)

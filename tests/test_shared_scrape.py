@@ -55,7 +55,7 @@ class Replica:
         self.scraper = MetricsScraper(self.pool.all, cadence=cadence, shared=self.shared, health=self.pool,
                                       on_scrape=self._count)
 
-    def _count(self, endpoint: Endpoint, ok: bool) -> None:
+    def _count(self, endpoint: Endpoint, ok: bool, unreadable: bool) -> None:
         self.scrapes += 1
 
     async def stop(self) -> None:

@@ -41,7 +41,7 @@ class HealthTransitions(Protocol):
 
     def mark_ready(self, endpoint: Endpoint) -> None: ...
 
-ScrapeCallback = Callable[[Endpoint, bool], None]
+ScrapeCallback = Callable[[Endpoint, bool, bool], None]  # endpoint, fetched and read, fetched but unreadable
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,10 +268,10 @@ class MetricsScraper:
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             self._failed(endpoint, exc)
             if self.on_scrape is not None:
-                self.on_scrape(endpoint, False)
+                self.on_scrape(endpoint, False, isinstance(exc, ValueError))
             return False
         if self.on_scrape is not None:
-            self.on_scrape(endpoint, True)
+            self.on_scrape(endpoint, True, False)
         self._succeeded(endpoint, metrics)
         return True
 

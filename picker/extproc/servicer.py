@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -25,7 +26,7 @@ from picker.director import Decision, Director
 from picker.extproc import protocol as p
 from picker.extproc.limits import BodyBudget, StreamLimits
 from picker.extproc.usage import UsageReader
-from picker.observability import PickerMetrics
+from picker.observability import PickerMetrics, ResponseTrace
 from picker.quietlog import QuietLog
 from picker.requests import InferenceRequest, RequestError, route_kind
 
@@ -62,7 +63,8 @@ class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
     __slots__ = ("director", "max_body", "budget", "request_mode", "response_mode", "headers", "subset", "body",
-                 "body_len", "held", "decision", "phase", "request_id", "generated_id", "usage")
+                 "body_len", "held", "decision", "phase", "request_id", "generated_id", "usage",
+                 "response")
 
     def __init__(self, director: Director, max_body: int, budget: BodyBudget) -> None:
         self.director = director
@@ -83,6 +85,7 @@ class _Stream:
         self.request_id = ""
         self.generated_id = False
         self.usage: UsageReader | None = None  # only when Envoy sends response bodies
+        self.response: ResponseTrace | None = None  # likewise: how the response body came
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if message.HasField("protocol_config"):
@@ -104,16 +107,21 @@ class _Stream:
             elif self.response_mode != p.NONE and self.decision is not None:
                 content_type = _headers_of(message.response_headers).get("content-type", "")
                 self.usage = UsageReader(content_type)
+                self.response = ResponseTrace(self.decision.started_at)
             return [p.EMPTY_RESPONSE_HEADERS]
         if kind == "response_body":
+            began = time.perf_counter()
             chunk = message.response_body
+            body = chunk.body
             if self.usage is not None:
-                self.usage.feed(chunk.body, chunk.end_of_stream)
+                self.usage.feed(body, chunk.end_of_stream)
+            reply = (p.passthrough_response_chunk(body, chunk.end_of_stream)
+                     if self.response_mode == p.FULL_DUPLEX_STREAMED else p.EMPTY_RESPONSE_BODY)
+            if self.response is not None:
+                self.response.on_chunk(self.director.clock(), len(body), time.perf_counter() - began)
             if chunk.end_of_stream:
                 self.release()
-            if self.response_mode == p.FULL_DUPLEX_STREAMED:
-                return [p.passthrough_response_chunk(chunk.body, chunk.end_of_stream)]
-            return [p.EMPTY_RESPONSE_BODY]
+            return [reply]
         if kind == "response_trailers":
             self.release()
             return [p.EMPTY_RESPONSE_TRAILERS]
@@ -222,7 +230,8 @@ class _Stream:
         count (once)."""
         self._give_back()
         if self.decision is not None:
-            self.director.release(self.decision, self.usage.usage if self.usage is not None else None)
+            self.director.release(self.decision, self.usage.usage if self.usage is not None else None,
+                                  self.response)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):

@@ -45,6 +45,7 @@ from picker.scheduling.plugins import (
     Plugin,
     PluginDeps,
     PluginFactory,
+    PluginTimer,
     PredictionObserver,
     Scorer,
 )
@@ -238,10 +239,12 @@ def build_scheduler(
     saturation: SaturationThresholds | None = None,
     observer: PredictionObserver | None = None,
     index_key: IndexKey | None = None,
+    timer: PluginTimer | None = None,
 ) -> PrefixAwareScheduler:
     """The full scheduler from its config (None = defaults). `index` swaps in a shared backend; `saturation`
     is the admission section's definition of a full pod (the saturation filter's default); `observer` hears how
-    predictions compare with the pods' measurements; `index_key` keys what the index stores."""
+    predictions compare with the pods' measurements; `index_key` keys what the index stores; `timer` hears how
+    long plugins take."""
     cfg = scheduling_config(config)
     pc = cfg.prefix_cache
     deps = PluginDeps(rng=rng, base_models=tuple(cfg.models.base), adapters=tuple(cfg.models.adapters),
@@ -309,7 +312,7 @@ def build_scheduler(
     if index is None:
         index = build_prefix_index(cfg)
     return PrefixAwareScheduler(built, classifier, index=index, hasher=build_hasher(cfg, index_key),
-                                explain=cfg.explain)
+                                explain=cfg.explain, timer=timer)
 
 
 StrategyName = Literal["picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash"]
@@ -327,13 +330,14 @@ def build_strategy(
     saturation: SaturationThresholds | None = None,
     observer: PredictionObserver | None = None,
     index_key: IndexKey | None = None,
+    timer: PluginTimer | None = None,
 ) -> Scheduler:
     """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only,
     prefix-hash. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache);
     `index_key` keys what their prefix index stores."""
     if name == "picker":
         return build_scheduler(config, rng=rng, index=index, saturation=saturation, observer=observer,
-                               index_key=index_key)
+                               index_key=index_key, timer=timer)
     if name == "round-robin":
         return RoundRobinScheduler()
     if name == "random":

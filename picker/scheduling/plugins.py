@@ -52,6 +52,7 @@ class Plugin:
 @runtime_checkable
 class Filter(Protocol):
     name: str
+    type_name: str
 
     def filter(self, ctx: SchedulingContext, candidates: list[Endpoint]) -> list[Endpoint]:
         """Survivors of `candidates` (may raise RequestError when the request cannot be served at all)."""
@@ -61,6 +62,7 @@ class Filter(Protocol):
 @runtime_checkable
 class Scorer(Protocol):
     name: str
+    type_name: str
     needs_prefix: bool  # reads the prefix match (when no scorer does, hashing and the lookup are skipped)
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
@@ -71,6 +73,7 @@ class Scorer(Protocol):
 @runtime_checkable
 class Picker(Protocol):
     name: str
+    type_name: str
 
     def pick(self, totals: Sequence[float]) -> list[int]:
         """Candidate indices ranked best first (at most the picker's count), from their weighted totals."""
@@ -93,6 +96,18 @@ class PredictionObserver(Protocol):
 
     def observe_prediction(self, endpoint: Endpoint, predicted_s: float, observed_s: float) -> None:
         """Mean predicted and pod-measured TTFT of `endpoint`'s requests over one scrape interval."""
+        ...
+
+
+class PluginTimer(Protocol):
+    """Where the scheduler reports how long each plugin took (the picker's Prometheus metrics). Timing every
+    request would tax the hot path, so the timer says which requests to time."""
+
+    def plugin_timing_due(self) -> bool:
+        """Whether to time the plugins of the request being scheduled."""
+        ...
+
+    def observe_plugin(self, extension_point: str, plugin_type: str, plugin_name: str, seconds: float) -> None:
         ...
 
 

@@ -6,6 +6,7 @@ Pure: reads the request, the endpoint snapshot, the index and `now`; mutates onl
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import cast
 
@@ -17,7 +18,7 @@ from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.requests import InferenceRequest, RequestError
 from picker.scheduling.context import SchedulingContext, effective_model
-from picker.scheduling.plugins import PeerPick, Plugin
+from picker.scheduling.plugins import PeerPick, Plugin, PluginTimer, Scorer
 from picker.scheduling.profiles import Classifier, Profile, SingleProfile
 from picker.scheduling.types import CandidateScore, SchedulingResult
 
@@ -33,6 +34,7 @@ class PrefixAwareScheduler:
         index: PrefixIndex | None = None,
         hasher: PrefixHasher | None = None,
         explain: bool = True,
+        timer: PluginTimer | None = None,
     ) -> None:
         if not profiles:
             raise ValueError("at least one scheduling profile is needed")
@@ -43,6 +45,7 @@ class PrefixAwareScheduler:
         self._index: PrefixIndex = index if index is not None else InMemoryPrefixIndex()
         self.hasher = hasher if hasher is not None else PrefixHasher()
         self.explain = explain  # per-candidate score breakdown in the result (the Explain API reads it)
+        self.timer = timer  # times the plugins of some requests (llm_d_epp_plugin_duration_seconds)
         self.uses_prefix = any(p.uses_prefix for p in profiles) or self.classifier.needs_prefix
         seen: dict[int, Plugin] = {}
         for profile in profiles:
@@ -88,10 +91,14 @@ class PrefixAwareScheduler:
         if profile is None:
             raise RequestError(500, "bad_profile", "classifier chose an unknown scheduling profile")
         explain = self.explain
+        timer = self.timer if self.timer is not None and self.timer.plugin_timing_due() else None
         candidates = list(endpoints)
         steps: list[tuple[str, list[Endpoint], list[Endpoint]]] = []  # filters that removed someone
         for f in profile.filters:
+            began = time.perf_counter() if timer is not None else 0.0
             kept = f.filter(ctx, candidates)
+            if timer is not None:
+                timer.observe_plugin("Filter", f.type_name, f.name, time.perf_counter() - began)
             if len(kept) != len(candidates):
                 steps.append((f.name, candidates, kept))
             candidates = kept
@@ -99,9 +106,15 @@ class PrefixAwareScheduler:
             raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
         ctx.align(candidates)
         names = [w.scorer.name for w in profile.scorers]
-        columns = [w.scorer.score(ctx, candidates) for w in profile.scorers]
+        if timer is None:
+            columns = [w.scorer.score(ctx, candidates) for w in profile.scorers]
+        else:
+            columns = [_timed_score(timer, w.scorer, ctx, candidates) for w in profile.scorers]
         totals = _weighted_totals(columns, profile.weights, len(candidates))
+        began = time.perf_counter() if timer is not None else 0.0
         order = profile.picker.pick(totals)
+        if timer is not None:
+            timer.observe_plugin("Picker", profile.picker.type_name, profile.picker.name, time.perf_counter() - began)
         ranked = [candidates[i] for i in order]
         matched = ctx.matched[order[0]] if order else 0
         if not explain:
@@ -150,6 +163,13 @@ class PrefixAwareScheduler:
         self._index.remove_endpoint(endpoint.address)
         for plugin in self._stateful:
             plugin.on_endpoint_removed(endpoint)
+
+
+def _timed_score(timer: PluginTimer, scorer: Scorer, ctx: SchedulingContext, candidates: list[Endpoint]) -> list[float]:
+    began = time.perf_counter()
+    scores = scorer.score(ctx, candidates)
+    timer.observe_plugin("Scorer", scorer.type_name, scorer.name, time.perf_counter() - began)
+    return scores
 
 
 # From this many candidates on, summing the weighted columns in numpy beats the list loop (bench: ~2x at 512).
