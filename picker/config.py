@@ -92,6 +92,7 @@ class ServeConfig(Section):
     log_format: Literal["text", "json"] = "text"
     drain_timeout: Duration = Field(2.0, ge=0)  # how long a stopping picker lets open streams finish
     otlp_endpoint: str = ""
+    enable_grpc_stream_metrics: bool = False  # llm_d_epp_extproc_* series: streams open, their durations and ends
     index_backend: Literal["memory", "redis"] = "memory"
     redis_url: str = ""
     index_namespace: str = ""
@@ -225,6 +226,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"{', '.join(_LOG_LEVELS)} (default INFO; any case)")
     a("--log-format", choices=("text", "json"), help="text lines, or one JSON object per line (default text)")
     a("--drain-timeout", help="how long a stopping picker lets open streams finish (default 2s)")
+    a("--enable-grpc-stream-metrics", type=parse_bool, nargs="?", const=True, metavar="BOOL",
+      help="export the ext_proc streams open, their durations and how they ended (llm_d_epp_extproc_*, as the "
+      "reference picker's flag; default false)")
     a("--otlp-endpoint", help="OTLP/HTTP collector for traces (e.g. http://127.0.0.1:4318); empty disables")
     a("--index-backend", choices=("memory", "redis"),
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")

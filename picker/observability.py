@@ -139,7 +139,7 @@ class PickerMetrics:
     emitted under its deprecated GIE name (picker.metric_twins) so existing dashboards keep working."""
 
     def __init__(self, pool_name: str = "default", registry: CollectorRegistry | None = None,
-                 models: Iterable[str] = (), namespace: str = "") -> None:
+                 models: Iterable[str] = (), namespace: str = "", stream_metrics: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
         self.pool_name = pool_name
         self.namespace = namespace
@@ -274,6 +274,7 @@ class PickerMetrics:
         self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
+        self.streams: StreamSeries | None = StreamSeries(r) if stream_metrics else None
         # the request series observed only when the response shows them: made per label set on first use
         self.response_families: dict[str, Histogram] = {
             "response_sizes": self.response_sizes, "input_tokens": self.input_tokens,
@@ -459,6 +460,18 @@ class PickerMetrics:
         for labels in self._attempt_labels.pop(endpoint.address, []):
             self.scheduler_attempts.remove(*labels)
             self._attempts.pop((labels[1], endpoint.address), None)
+
+
+class StreamSeries:
+    """ext_proc streams (`--enable-grpc-stream-metrics`, as the reference picker's flag): open now, how long each
+    lasted, and the gRPC status each ended with."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.open = Gauge("llm_d_epp_extproc_streams_inflight", "ext_proc streams open now.", registry=r)
+        self.duration = Histogram("llm_d_epp_extproc_stream_duration_seconds", "How long each ext_proc stream lasted.",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.ended = Counter("llm_d_epp_extproc_streams", "ext_proc streams ended, by gRPC status.", ["code"],
+                             registry=r)
 
 
 class _InFlightCollector(Collector):

@@ -58,8 +58,6 @@ FLAGS: tuple[ReferenceFlag, ...] = (
     _ignored("tracing", "traces go to --otlp-endpoint when it is set", boolean=True),
     _ignored("health-checking", "the gRPC health service always runs", boolean=True),
     _ignored("enable-pprof", "a Go profiler; PICKER_PROFILE=FILE writes a Python profile", boolean=True),
-    _ignored("enable-grpc-stream-metrics", "stream errors are counted in picker_extproc_stream_errors_total",
-             boolean=True),
     _ignored("tls-cipher-suites", "grpcio chooses the cipher suites"),
     _ignored("metrics-endpoint-auth", "/metrics is not authenticated (README: why)", boolean=True),
     _ignored("metrics-client-ca-file", "/metrics is served plainly (README: why)"),

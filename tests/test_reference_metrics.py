@@ -14,7 +14,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker import __version__
 from picker.observability import PickerMetrics
-from picker.supervisor import Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
+from picker.supervisor import (
+    Envoy,
+    Picker,
+    process_scope,
+    start_backends,
+    start_envoy,
+    start_picker,
+    wait_until,
+)
 
 L = ("model_name", "target_model_name", "fairness_id", "priority")
 POOL = ("name",)
@@ -43,6 +51,9 @@ CURRENT: dict[str, tuple[str, ...]] = {
     "llm_d_epp_prefix_indexer_hit_bytes": INDEXER,
     "llm_d_epp_inflight_requests": ("endpoint_name", "namespace", "producer_name", "fairness_id", "priority"),
     "llm_d_epp_inflight_tokens": ("endpoint_name", "namespace", "producer_name", "fairness_id", "priority"),
+    # with --enable-grpc-stream-metrics, as there
+    "llm_d_epp_extproc_streams_inflight": (), "llm_d_epp_extproc_stream_duration_seconds": (),
+    "llm_d_epp_extproc_streams_total": ("code",),
 }
 MODELS = ("model_name", "target_model_name")
 DEPRECATED: dict[str, tuple[str, ...]] = {
@@ -76,7 +87,6 @@ NOT_HERE = {
     "llm_d_epp_disagg": "prefill/decode disaggregation is not implemented",
     "llm_d_epp_pd_decision": "prefill/decode disaggregation is not implemented",
     "llm_d_epp_kv_cache_": "the KV-event (precise) prefix index is not implemented",
-    "llm_d_epp_extproc_": "opt-in there (--enable-grpc-stream-metrics); failed streams: picker_extproc_stream_errors",
 }
 
 
@@ -90,7 +100,7 @@ def scraped() -> Iterator[dict[str, set[str]]]:
     with process_scope("reference-metrics") as (logdir, started):
         backends = start_backends(2, logdir)
         started.append(backends.process)
-        picker = start_picker(logdir, endpoints=backends.addresses)
+        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--enable-grpc-stream-metrics"])
         started.append(picker.process)
         envoy = start_envoy(logdir, picker, backends.addresses, mode="full-duplex")
         started.append(envoy.process)
@@ -113,8 +123,14 @@ async def _send(envoy: Envoy) -> None:
 def _families(picker: Picker, envoy: Envoy) -> dict[str, set[str]]:
     asyncio.run(_send(envoy))
     url = f"http://{picker.host}:{picker.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return str(response.read().decode())
+
+    wait_until(lambda: "llm_d_epp_extproc_streams_inflight 0.0" in scrape(), 10, "every ext_proc stream ended",
+               picker.process.proc)
+    text = scrape()
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -159,3 +175,4 @@ def test_the_series_count_what_happened(scraped: dict[str, set[str]]) -> None:
     assert t["llm_d_epp_model_rewrite_decisions_total"] == 1
     assert t["llm_d_epp_plugin_duration_seconds_count"] >= 1  # one request in 16, each of its plugins
     assert t["llm_d_epp_request_running"] == 0 and t["llm_d_epp_request_processing_duration_seconds_count"] == 20
+    assert t["llm_d_epp_extproc_streams_total"] == 21  # one stream per request, each ended

@@ -256,7 +256,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         # context.read()/write() instead of an async generator: fewer tasks and wake-ups per message.
         stream = _Stream(self.director, self.limits.max_body, self.budget)
         loop = asyncio.get_running_loop()
-        idle, routed_at = self.limits.idle_timeout, 0.0
+        idle, routed_at, opened_at = self.limits.idle_timeout, 0.0, loop.time()
+        series = self.metrics.streams if self.metrics is not None else None
+        if series is not None:
+            series.open.inc()
+        code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: Envoy (or its client) went away
         try:
             # One timer per stream, moved on as messages come: idle_timeout until the decision, then at most
             # request_timeout from it (a held stream stops counting in flight).
@@ -264,10 +268,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 while True:
                     message = await context.read()
                     if message is grpc.aio.EOF:
+                        code = grpc.StatusCode.OK
                         return
                     for response in await stream.handle(message):
                         await context.write(response)
                     if stream.phase == "done":
+                        code = grpc.StatusCode.OK
                         return
                     if stream.phase != "routed":
                         deadline.reschedule(loop.time() + idle)
@@ -277,26 +283,31 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         except TimeoutError:
             what = "routed request outlived --request-timeout" if routed_at else "stream idle past --stream-idle-timeout"
             self._failed("timeout", "ext_proc %s", what)
-            self._end(context, grpc.StatusCode.DEADLINE_EXCEEDED, what)
+            code = self._end(context, grpc.StatusCode.DEADLINE_EXCEEDED, what)
         except DecodeError as exc:
             self._failed("malformed", "ext_proc stream sent a message that is no ProcessingRequest: %s", exc)
-            self._end(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed ext_proc message")
+            code = self._end(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed ext_proc message")
         except ProtocolViolation as exc:
             self._failed("protocol", "ext_proc protocol violation: %s", exc)
-            self._end(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            code = self._end(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             # Never let one bad stream take the server down; Envoy applies its failure mode.
             self._failed("internal", "ext_proc stream failed: %r", exc, level=logging.ERROR, traceback=True)
-            self._end(context, grpc.StatusCode.INTERNAL, "picker internal error")
+            code = self._end(context, grpc.StatusCode.INTERNAL, "picker internal error")
         finally:
             stream.release()
+            if series is not None:
+                series.open.dec()
+                series.duration.observe(loop.time() - opened_at)
+                series.ended.labels(code.name).inc()
 
     @staticmethod
-    def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> grpc.StatusCode:
         """End the stream with a status by returning: abort() raises from inside the except block, and the
         exception's traceback keeps the stream's frames in a cycle only a full collection frees."""
         context.set_code(code)
         context.set_details(details)
+        return code
 
     def _failed(self, reason: str, message: str, exc: object, *, level: int = logging.WARNING,
                 traceback: bool = False) -> None:
