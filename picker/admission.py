@@ -22,6 +22,16 @@ from picker.schema import Duration, Section, decode
 _DEFAULTS = SaturationThresholds()
 
 
+class FlowControlSection(Section):
+    """`admission.flowControl`: queue what the pool has no room for (picker.flowcontrol) instead of the bounded
+    wait (`maxWait`); off unless `enabled`."""
+
+    enabled: bool = False
+    queue_ttl: Duration = Field(4.0, gt=0)  # below Envoy's ext_proc message_timeout (5 s in our templates)
+    max_requests_per_band: int = Field(1000, gt=0)
+    max_tokens_per_band: int = Field(4_000_000, gt=0)  # estimated prompt tokens waiting per priority
+
+
 class AdmissionConfig(Section):
     """The `admission:` config section (camelCase keys, as GIE's saturation detector names them)."""
 
@@ -36,6 +46,7 @@ class AdmissionConfig(Section):
     max_wait: Duration = Field(0.0, ge=0)  # seconds a standard request may wait for capacity (0: route at once)
     poll_interval: Duration = Field(0.02, gt=0)  # how often a waiting request re-checks saturation
     retry_after: str = "1"  # Retry-After header value on a 429
+    flow_control: FlowControlSection = Field(default_factory=FlowControlSection)
     _thresholds: SaturationThresholds = PrivateAttr(default=_DEFAULTS)
 
     def model_post_init(self, context: Any, /) -> None:

@@ -15,6 +15,7 @@ from typing import Protocol
 from picker.admission import Priorities
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
+from picker.flowcontrol.controller import FlowController
 from picker.observability import DecisionTracer, PickerMetrics, ResponseTrace
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
@@ -71,6 +72,7 @@ class Director:
         fallbacks: int = 1,
         tracer: DecisionTracer | None = None,
         chars_per_token: int = CHARS_PER_TOKEN,
+        flow: FlowController | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -81,6 +83,7 @@ class Director:
         self.fallbacks = max(1, fallbacks)
         self.tracer = tracer
         self.chars_per_token = chars_per_token  # the scheduling config's prefixCache.charsPerToken
+        self.flow = flow  # flow control: queues what the pool has no room for (replaces the bounded wait)
         pool.subscribe(self._pool_changed)
 
     def _pool_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
@@ -90,6 +93,8 @@ class Director:
             self.scheduler.on_endpoint_removed(endpoint)
         if event is PoolEvent.REMOVED and self.metrics is not None:
             self.metrics.forget_pod(endpoint)
+        if self.flow is not None and (event is PoolEvent.ADDED or event is PoolEvent.READY):
+            self.flow.kick()  # a pod joined or recovered: room
 
     def candidates(self, request: InferenceRequest) -> Sequence[Endpoint]:
         """Ready endpoints the request may go to (Envoy's subset hint applied); RequestError 503 when none."""
@@ -135,7 +140,16 @@ class Director:
         return self.place(request, now)
 
     async def route(self, request: InferenceRequest) -> Decision:
-        """Route a parsed request in real time: a standard request in a saturated pool first waits (bounded)."""
+        """Route a parsed request in real time: with flow control it waits its turn while the pool has no room;
+        without, a standard request in a saturated pool first waits (bounded)."""
+        if self.flow is not None:
+            request.priority = self.priorities.of(request)
+            self.candidates(request)  # no endpoint at all: 503 now, not after a wait
+            await self.flow.admit(request)
+            try:
+                return self.place(request, self.clock())
+            finally:
+                self.flow.placed()
         if self.admit(request, self.clock()) and self.admission is not None:
             await self.admission.wait_for_capacity(lambda: self.candidates(request), self.clock)
         return self.place(request, self.clock())
@@ -203,5 +217,7 @@ class Director:
             return
         decision.released = True
         decision.endpoint.finish_request(decision.tokens)
+        if self.flow is not None:
+            self.flow.kick()  # room freed
         if self.metrics is not None:
             self.metrics.observe_finished(decision.request, self.clock() - decision.started_at, usage, response)

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.core import Metric
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
@@ -21,9 +20,10 @@ from prometheus_client.samples import Sample
 @dataclass(frozen=True, slots=True)
 class Twin:
     name: str  # the deprecated family name (a counter's without `_total`)
-    source: MetricWrapperBase  # the series recorded under the current name
+    source: Collector  # the series recorded under the current name (a metric, or a collector of several)
     labels: tuple[str, ...]  # the source's labels the twin keeps, in the twin's order
     renames: Mapping[str, str] = field(default_factory=dict)  # source label -> the twin's name for it
+    family: str = ""  # of a collector of several families: the one this twin copies
 
 
 class TwinCollector(Collector):
@@ -35,7 +35,8 @@ class TwinCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         for twin in self.twins:
             for family in twin.source.collect():
-                yield _rename(family, twin)
+                if not twin.family or family.name == twin.family:
+                    yield _rename(family, twin)
 
 
 def _rename(family: Metric, twin: Twin) -> Metric:

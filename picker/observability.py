@@ -29,6 +29,7 @@ from picker.metric_twins import Twin, TwinCollector
 from picker.requests import InferenceRequest, Usage
 
 if TYPE_CHECKING:
+    from picker.flowcontrol.controller import FlowController
     from picker.prefix.shared import SyncStats
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,30 @@ class ModelLabels:
         return model if model in self._allowed else OTHER_MODEL
 
 
-# The reference picker's labels of request series. fairness_id is the flow-control tenant: empty here until
-# requests carry one (no flow control yet).
+# The reference picker's labels of request series; fairness_id is the flow-control tenant the request names
+# (x-llm-d-inference-fairness-id), empty when it names none.
 REQUEST_LABELS = ("model_name", "target_model_name", "fairness_id", "priority")
+FLOW_LABELS = ("fairness_id", "priority", "inference_pool", "model_name", "target_model_name")
 NO_FAIRNESS_ID = ""
+
+
+class FirstSeenLabels:
+    """Label values a client chooses (fairness ids), bounded as the reference bounds them: the first `limit`
+    distinct values are kept, any later one counts as "other"."""
+
+    __slots__ = ("limit", "_seen")
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self._seen: set[str] = {""}
+
+    def label(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        if len(self._seen) < self.limit:
+            self._seen.add(value)
+            return value
+        return OTHER_MODEL
 
 
 @dataclass(slots=True)
@@ -144,6 +165,7 @@ class PickerMetrics:
         self.pool_name = pool_name
         self.namespace = namespace
         self.models = ModelLabels(models)
+        self.fairness = FirstSeenLabels()
         self._series: dict[tuple[str, str, str, str, bool], _RequestSeries] = {}
         self._attempts: dict[tuple[str, str], Any] = {}  # (target model, address) -> its success counter
         self._attempt_labels: dict[str, list[tuple[str, ...]]] = {}  # address -> label sets of its attempts
@@ -275,6 +297,7 @@ class PickerMetrics:
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
         self.streams: StreamSeries | None = StreamSeries(r) if stream_metrics else None
+        self.flow: FlowSeries | None = None  # with flow control (watch_flow)
         # the request series observed only when the response shows them: made per label set on first use
         self.response_families: dict[str, Histogram] = {
             "response_sizes": self.response_sizes, "input_tokens": self.input_tokens,
@@ -323,10 +346,10 @@ class PickerMetrics:
         ]
 
     def _request_series(self, request: InferenceRequest) -> _RequestSeries:
-        """The request's series: model names bounded by `models`, no fairness id yet, its priority."""
+        """The request's series: model names bounded by `models`, its fairness id bounded too, its priority."""
         model = self.models.label(request.model)
         target = self.models.label(request.target_model) if request.target_model else model
-        key = (model, target, NO_FAIRNESS_ID, str(request.priority), request.stream)
+        key = (model, target, self.fairness.label(request.fairness_id or ""), str(request.priority), request.stream)
         series = self._series.get(key)
         if series is None:
             series = self._series[key] = _RequestSeries(self, key[:4], request.stream)  # type: ignore[arg-type]
@@ -354,7 +377,7 @@ class PickerMetrics:
         series.requests.inc()
         model = series.model
         target = self.models.label(request.target_model) if request.target_model else model
-        self.errors.labels(model, target, NO_FAIRNESS_ID, str(request.priority), code).inc()
+        self.errors.labels(model, target, series.labels[2], str(request.priority), code).inc()
         if scheduling:
             self.scheduler_attempts.labels("failure", target, "", self.namespace, "").inc()
 
@@ -446,6 +469,26 @@ class PickerMetrics:
             self.pod_queue.labels(name, e.name).set(e.metrics.waiting)
             self.in_flight.labels(name, e.name).set(e.in_flight)
 
+    def watch_flow(self, controller: FlowController) -> None:
+        """Export flow control's series (as the reference does once its flow control is on): outcomes and waits
+        per request, and, read at scrape time, the queues, the pool's level and the bands' use."""
+        self.flow = FlowSeries(self.registry, controller, self)
+
+    def observe_flow(self, request: InferenceRequest, outcome: str, waited_s: float) -> None:
+        """FlowObserver: what happened to a request in flow control and how long it waited."""
+        if self.flow is not None:
+            self.flow.observe(request, outcome, waited_s)
+
+    def observe_dispatch_cycle(self, seconds: float) -> None:
+        if self.flow is not None:
+            self.flow.cycle.observe(seconds)
+
+    def labels_of(self, request: InferenceRequest) -> tuple[str, str, str]:
+        """model_name, target_model_name, fairness_id of a request, every one bounded."""
+        model = self.models.label(request.model)
+        return model, self.models.label(request.target_model) if request.target_model else model, \
+            self.fairness.label(request.fairness_id or "")
+
     def watch_index_sync(self, stats: SyncStats) -> None:
         """Export a shared index's replication counters, read at scrape time."""
         self.registry.register(_IndexSyncCollector(stats))
@@ -474,6 +517,85 @@ class StreamSeries:
                              registry=r)
 
 
+class FlowSeries(Collector):
+    """Flow control under the reference's names: each request's outcome and wait, each dispatch cycle's time, and
+    at scrape time the queue per flow, the pool's level and each band's use of its bounds."""
+
+    def __init__(self, r: CollectorRegistry, controller: FlowController, metrics: PickerMetrics) -> None:
+        self.controller = controller
+        self.metrics = metrics
+        pool = metrics.pool_name
+        self.pool = pool
+        self.requests = Counter("llm_d_epp_flow_control_requests", "Requests through flow control, by outcome.",
+                                ["outcome", "priority", "inference_pool"], registry=r)
+        self.queue_duration = Histogram("llm_d_epp_flow_control_request_queue_duration_seconds",
+                                        "Time a request spent in flow control, by outcome.",
+                                        ["fairness_id", "priority", "outcome", "inference_pool", "model_name",
+                                         "target_model_name"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.cycle = Histogram("llm_d_epp_flow_control_dispatch_cycle_duration_seconds",
+                               "Time of one dispatch cycle (letting waiters through as room frees).",
+                               buckets=_SCHEDULER_BUCKETS, registry=r)
+        r.register(self)
+        metrics.registry.register(TwinCollector([
+            Twin("inference_extension_flow_control_request_queue_duration_seconds", self.queue_duration,
+                 ("fairness_id", "priority", "outcome", "inference_pool", "model_name", "target_model_name")),
+            Twin("inference_extension_flow_control_dispatch_cycle_duration_seconds", self.cycle, ()),
+            *(Twin(f"inference_extension_flow_control_{name}", self, FLOW_LABELS, family=f"llm_d_epp_flow_control_{name}")
+              for name in ("queue_size", "queue_bytes")),
+            Twin("inference_extension_flow_control_pool_saturation", self, ("inference_pool", "stage"),
+                 family="llm_d_epp_flow_control_pool_saturation"),
+        ]))
+
+    def observe(self, request: InferenceRequest, outcome: str, waited_s: float) -> None:
+        model, target, fairness = self.metrics.labels_of(request)
+        priority = str(request.priority)
+        self.requests.labels(outcome, priority, self.pool).inc()
+        self.queue_duration.labels(fairness, priority, outcome, self.pool, model, target).observe(waited_s)
+
+    def collect(self) -> Iterator[Metric]:
+        sizes = GaugeMetricFamily("llm_d_epp_flow_control_queue_size", "Requests waiting in flow control.",
+                                  labels=list(FLOW_LABELS))
+        volume = GaugeMetricFamily("llm_d_epp_flow_control_queue_bytes", "Body bytes of the requests waiting.",
+                                   labels=list(FLOW_LABELS))
+        counts: dict[tuple[str, str, str, str, str], list[int]] = {}
+        for request in self.controller.waiting():
+            model, target, fairness = self.metrics.labels_of(request)
+            key = (fairness, str(request.priority), self.pool, model, target)
+            entry = counts.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += request.body_bytes
+        for key, (n, size) in counts.items():
+            sizes.add_metric(list(key), n)
+            volume.add_metric(list(key), size)
+        yield sizes
+        yield volume
+        now = self.controller.clock()
+        level = self.controller.level(now)
+        saturation = GaugeMetricFamily("llm_d_epp_flow_control_pool_saturation",
+                                       "The pool's level flow control gates on (1 = full; no roles here: decode is "
+                                       "the whole pool).", labels=["inference_pool", "stage"])
+        for stage in ("decode", "effective"):
+            saturation.add_metric([self.pool, stage], level)
+        yield saturation
+        settings = self.controller.settings
+        requests = GaugeMetricFamily("llm_d_epp_flow_control_capacity_utilization_requests",
+                                     "Share of a band's request bound in use.", labels=["priority", "inference_pool"])
+        tokens = GaugeMetricFamily("llm_d_epp_flow_control_capacity_utilization_bytes",
+                                   "Share of a band's bound in use (prompt tokens, the bound flow control keeps).",
+                                   labels=["priority", "inference_pool"])
+        for priority, (n, prompt_tokens, _) in sorted(self.controller.queues.band_usage().items()):
+            requests.add_metric([str(priority), self.pool], n / settings.max_requests_per_band)
+            tokens.add_metric([str(priority), self.pool], prompt_tokens / settings.max_tokens_per_band)
+        yield requests
+        yield tokens
+        stale = GaugeMetricFamily("llm_d_epp_flow_control_stale_endpoints",
+                                  "Pods whose metrics are missing or stale (counted as full).", labels=["detector"])
+        stale.add_metric(["utilization-detector"], sum(
+            1 for e in self.controller.pool()
+            if e.metrics.updated_at < 0 or e.metrics_overdue(now) > self.controller.thresholds.stale))
+        yield stale
+
+
 class _InFlightCollector(Collector):
     """The reference's in-flight load series, read from the pool at scrape time: requests and estimated prompt
     tokens this picker has in flight on each pod (priority and fairness id empty: counts are kept per pod)."""
@@ -488,7 +610,7 @@ class _InFlightCollector(Collector):
         tokens = GaugeMetricFamily("llm_d_epp_inflight_tokens",
                                    "Estimated prompt tokens this picker has in flight per pod.", labels=labels)
         for e in self.metrics.endpoints:
-            values = [e.name, self.metrics.namespace, "inflight-load-producer", NO_FAIRNESS_ID, ""]
+            values = [e.name, self.metrics.namespace, "inflight-load-producer", NO_FAIRNESS_ID, ""]  # kept per pod
             requests.add_metric(values, e.in_flight)
             tokens.add_metric(values, e.in_flight_tokens)
         yield requests

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from picker.admission import AdmissionController, Priorities
@@ -16,6 +17,8 @@ from picker.config import ConfigError, ServeConfig
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.shared_scrape import SharedScrapes
+from picker.endpoints.state import Endpoint
+from picker.flowcontrol.controller import FlowController, FlowSettings
 from picker.observability import PickerMetrics
 from picker.prefix.shared import SharedPrefixIndex
 from picker.scheduling.config import INDEXED_STRATEGIES, build_prefix_index, build_strategy
@@ -61,6 +64,19 @@ def shared_index(config: ServeConfig) -> SharedPrefixIndex | None:
     return SharedPrefixIndex(build_prefix_index(config.scheduling), config.redis_url, index_namespace(config))
 
 
+def build_flow_control(config: ServeConfig, pool: EndpointPool, metrics: PickerMetrics) -> FlowController | None:
+    """The flow controller `admission.flowControl` asks for (None: off, the bounded wait applies)."""
+    a = config.admission
+    fc = a.flow_control
+    if not fc.enabled:
+        return None
+    settings = FlowSettings(fc.queue_ttl, fc.max_requests_per_band, fc.max_tokens_per_band, a.saturation_limit,
+                            a.retry_after, config.scheduling.prefix_cache.chars_per_token)
+    controller = FlowController(settings, a.thresholds, pool.ready, observer=metrics)
+    metrics.watch_flow(controller)
+    return controller
+
+
 def scrape_cadence(config: ServeConfig) -> Cadence:
     """A fixed cadence when --refresh-metrics-interval is given (GIE's flag), else the adaptive one. Replicas that
     share scrapes each route only part of a pod's traffic, so they cannot compare it with their own in-flight."""
@@ -87,7 +103,8 @@ class PoolMonitor:
     """Scrapes every endpoint's vLLM /metrics; the pool turns failed and recovered scrapes into unready and
     ready events (the director's listener purges an unready pod's prefix-index entries)."""
 
-    def __init__(self, config: ServeConfig, pool: EndpointPool, scheduler: Scheduler, metrics: PickerMetrics) -> None:
+    def __init__(self, config: ServeConfig, pool: EndpointPool, scheduler: Scheduler, metrics: PickerMetrics,
+                 on_metrics: Callable[[Endpoint], None] | None = None) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.metrics = metrics
@@ -96,7 +113,7 @@ class PoolMonitor:
         self.scraper = MetricsScraper(pool.all, cadence=cadence, failure_threshold=config.unhealthy_after_failures,
                                       timeout=max(0.2, min(2.0, cadence.fast * 10)), health=pool,
                                       on_scrape=metrics.observe_scrape, shared=self.shared,
-                                      target=config.metrics_target)
+                                      target=config.metrics_target, on_metrics=on_metrics)
 
     async def run(self) -> None:
         await self.scraper.poll_once()  # warm start: metrics before the first request where possible
@@ -116,6 +133,7 @@ class PoolMonitor:
                     await self.shared.close()
 
 
-def start_monitor(config: ServeConfig, pool: EndpointPool, scheduler: Scheduler,
-                  metrics: PickerMetrics) -> asyncio.Task[None]:
-    return asyncio.create_task(PoolMonitor(config, pool, scheduler, metrics).run(), name="pool-monitor")
+def start_monitor(config: ServeConfig, pool: EndpointPool, scheduler: Scheduler, metrics: PickerMetrics,
+                  on_metrics: Callable[[Endpoint], None] | None = None) -> asyncio.Task[None]:
+    """Scrape the pool; `on_metrics` hears of each pod whose metrics were refreshed (flow control's wake-up)."""
+    return asyncio.create_task(PoolMonitor(config, pool, scheduler, metrics, on_metrics).run(), name="pool-monitor")

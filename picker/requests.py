@@ -159,6 +159,7 @@ def _prompt_text(prompt: Any) -> str:
     raise RequestError(400, "invalid_prompt", "'prompt' must be a string or a list")
 
 
+FAIRNESS_ID_HEADER = "x-llm-d-inference-fairness-id"  # the reference's flow-control tenant (GIE's x-gateway-... too)
 SLO_TTFT_HEADER = "x-slo-ttft-ms"  # llm-d's name for a request's time-to-first-token objective
 
 
@@ -285,7 +286,7 @@ def build_request(
         api=api,
         path=path,
         objective=headers.get("x-gateway-inference-objective"),
-        fairness_id=headers.get("x-gateway-inference-fairness-id"),
+        fairness_id=headers.get(FAIRNESS_ID_HEADER) or headers.get("x-gateway-inference-fairness-id"),
         session_id=headers.get("x-session-id"),
         target_model=headers.get("x-gateway-model-name-rewrite"),
         slo_ttft_s=_slo_seconds(headers.get(SLO_TTFT_HEADER)),

@@ -55,3 +55,22 @@ def not_past_full(candidates: list[Endpoint], now: float, thresholds: Saturation
                 or (m.waiting <= queue and m.kv_usage <= kv_cache)):
             kept.append(e)
     return kept
+
+
+def dispatch_level(candidates: Sequence[Endpoint], now: float, thresholds: SaturationThresholds,
+                   pending: int = 0) -> float:
+    """The pool's level as flow control gates on it: `pool_saturation`, where a pod's waiting requests are at least
+    the ones we sent it that it is not running yet (in flight minus running: our own sends show before a scrape
+    can), plus `pending` requests let through and not yet placed, spread over the pool. An empty pool is full."""
+    if not candidates:
+        return FULL
+    queue, kv_cache, stale = thresholds.queue, thresholds.kv_cache, thresholds.stale
+    total = 0.0
+    for e in candidates:
+        m = e.metrics
+        if m.updated_at < 0 or e.metrics_overdue(now) > stale:
+            total += FULL
+            continue
+        waiting = max(m.waiting, e.in_flight - m.running)
+        total += max(waiting / queue, m.kv_usage / kv_cache)
+    return (total + pending / queue) / len(candidates)

@@ -31,7 +31,7 @@ from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.extproc.servicer import ExtProcServicer
 from picker.logformat import configure_logging
 from picker.observability import DecisionTracer, PickerMetrics
-from picker.policy import build_policy, start_monitor
+from picker.policy import build_flow_control, build_policy, start_monitor
 from picker.tls import certificate_hosts, server_credentials
 
 log = logging.getLogger("picker")
@@ -119,10 +119,14 @@ class PickerServer:
             await self.shared_index.start()
             self.metrics.watch_index_sync(self.shared_index.stats)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
+        self.flow = build_flow_control(c, self.pool, self.metrics)
         self.director = Director(self.pool, self.scheduler, admission=policy.admission,
                                  priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
-                                 tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token)
-        self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics))
+                                 tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,
+                                 flow=self.flow)
+        flow = self.flow
+        wake = (lambda _endpoint: flow.kick()) if flow is not None else None
+        self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics, on_metrics=wake))
         if self.discovery is not None and self.discovery.pool_name:
             self.supervise(asyncio.create_task(watch_objectives(
                 self.discovery.api, self.discovery.namespace, self.discovery.pool_name,

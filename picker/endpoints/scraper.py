@@ -110,9 +110,11 @@ class MetricsScraper:
         session: aiohttp.ClientSession | None = None,
         target: MetricsTarget | None = None,
         shared: SharedScrapes | None = None,
+        on_metrics: Callable[[Endpoint], None] | None = None,
     ) -> None:
         """`refresh_interval` (a fixed cadence) and `cadence` exclude each other; neither: `Cadence()`.
-        With `shared`, replicas take turns scraping each pod and the others read the result."""
+        With `shared`, replicas take turns scraping each pod and the others read the result. `on_metrics` hears
+        of every pod whose metrics were refreshed (our scrape or a shared record): room may have freed."""
         if refresh_interval is not None and cadence is not None:
             raise ValueError("give refresh_interval or cadence, not both")
         if (refresh_interval is not None and refresh_interval <= 0) or timeout <= 0 or failure_threshold <= 0:
@@ -126,6 +128,7 @@ class MetricsScraper:
         self.on_scrape = on_scrape
         self.target = target if target is not None else MetricsTarget()
         self.shared = shared
+        self.on_metrics = on_metrics
         self._applied: dict[str, float] = {}  # address -> time of the last shared record applied
         self._session = session
         self._owns_session = session is None
@@ -281,6 +284,8 @@ class MetricsScraper:
         if self.health is not None and not endpoint.healthy:
             log.info("endpoint %s healthy again", endpoint.address)
             self.health.mark_ready(endpoint)
+        if self.on_metrics is not None:
+            self.on_metrics(endpoint)
 
     def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:
         self.failures += 1

@@ -1,0 +1,166 @@
+"""The flow controller on the event loop: a request goes at once while the pool has room and nobody of its
+priority or higher waits; otherwise it waits in its band and flow (`queues`) and is dispatched when room frees, or
+refused.
+
+- Room: the pool's dispatch level (picker.saturation: waiting and KV-cache use against the admission thresholds,
+  where a pod's waiting counts the requests we sent it that it has not started yet, and requests dispatched but not
+  yet placed count too) below `saturationLimit`. Requests go one at a time: each placement updates the level before
+  the next is let through, so room that frees does not release a burst.
+- Events, never a polling loop: a request placed or finished, new metrics from a pod, a pod joining. Each runs
+  `kick`, which dispatches as many waiters as there is room for, best first.
+- Refusals carry the reference picker's reason header: a sheddable request (priority < 0) finds no room -> 429
+  `rejected-saturated` at once; its band is full -> 429 `queue_full`; it waited `queueTtl` -> 503
+  `rejected-ttl-expired`, both with retry-after. The TTL must stay below Envoy's ext_proc `message_timeout`, or Envoy
+  gives up on the stream first (`picker envoy-config` checks the two agree).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from picker.endpoints.state import Endpoint
+from picker.flowcontrol.queues import FlowQueues, QueueFull, Waiter
+from picker.requests import InferenceRequest, RequestError, estimated_tokens
+from picker.saturation import SaturationThresholds, dispatch_level
+
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"  # the reference picker's header
+DEFAULT_FLOW = "default"  # the flow of requests that name no fairness id
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSettings:
+    queue_ttl: float = 4.0
+    max_requests_per_band: int = 1000
+    max_tokens_per_band: int = 4_000_000
+    saturation_limit: float = 1.0
+    retry_after: str = "1"
+    chars_per_token: int = 4
+
+
+class FlowObserver(Protocol):
+    """Where the controller reports what happened to each request (the picker's Prometheus metrics)."""
+
+    def observe_flow(self, request: InferenceRequest, outcome: str, waited_s: float) -> None:
+        """`outcome`: Dispatched, RejectedCapacity, EvictedTTL or EvictedContextCancelled."""
+        ...
+
+    def observe_dispatch_cycle(self, seconds: float) -> None:
+        ...
+
+
+class _Ticket:
+    """What a waiter holds: the future its request awaits, whether it was dispatched."""
+
+    __slots__ = ("request", "future", "dispatched")
+
+    def __init__(self, request: InferenceRequest, future: asyncio.Future[None]) -> None:
+        self.request = request
+        self.future = future
+        self.dispatched = False
+
+
+class FlowController:
+    """Admits, queues and dispatches requests; `kick` whenever room may have freed."""
+
+    def __init__(self, settings: FlowSettings, thresholds: SaturationThresholds,
+                 pool: Callable[[], Sequence[Endpoint]], clock: Callable[[], float] = time.monotonic,
+                 observer: FlowObserver | None = None) -> None:
+        self.settings = settings
+        self.thresholds = thresholds
+        self.pool = pool  # the ready endpoints (the gate looks at the pool, not a request's subset hint)
+        self.clock = clock
+        self.observer = observer
+        self.queues: FlowQueues[_Ticket] = FlowQueues(settings.max_requests_per_band, settings.max_tokens_per_band)
+        self.unplaced = 0  # dispatched, not yet placed on a pod: load the pool's metrics cannot show yet
+
+    def level(self, now: float) -> float:
+        return dispatch_level(self.pool(), now, self.thresholds, self.unplaced)
+
+    def has_room(self, now: float) -> bool:
+        return self.level(now) < self.settings.saturation_limit
+
+    async def admit(self, request: InferenceRequest) -> None:
+        """Return when the request may be placed (the caller then calls `placed`); RequestError when refused.
+        Its priority is resolved already."""
+        now = self.clock()
+        priority = request.priority
+        if not self.queues.has_waiting_at_or_above(priority) and self.has_room(now):
+            self.unplaced += 1
+            self._observe(request, "Dispatched", 0.0)
+            return
+        if priority < 0:
+            self._observe(request, "RejectedCapacity", 0.0)
+            raise self._refusal(429, "saturated", "rejected-saturated", f"the pool has no room; request priority "
+                                f"{priority} is sheddable")
+        loop = asyncio.get_running_loop()
+        ticket = _Ticket(request, loop.create_future())
+        try:
+            waiter = self.queues.push(ticket, priority=priority, flow=request.fairness_id or DEFAULT_FLOW,
+                                      tokens=estimated_tokens(request, self.settings.chars_per_token),
+                                      size_bytes=request.body_bytes, now=now, ttl=self.settings.queue_ttl)
+        except QueueFull as exc:
+            self._observe(request, "RejectedCapacity", 0.0)
+            raise self._refusal(429, "queue_full", "rejected-saturated", f"the queue is full: {exc}") from None
+        timer = loop.call_later(self.settings.queue_ttl, self._expire, waiter)
+        self.kick()
+        try:
+            await ticket.future
+        except asyncio.CancelledError:
+            if ticket.dispatched:  # let through but its client left before it was placed
+                self.unplaced -= 1
+                self.kick()
+            elif self.queues.remove(waiter):
+                self._observe(request, "EvictedContextCancelled", self.clock() - waiter.enqueued_at)
+            raise
+        finally:
+            timer.cancel()
+
+    def placed(self) -> None:
+        """A dispatched request is on a pod now (its in-flight count shows it): let the next one through."""
+        self.unplaced = max(0, self.unplaced - 1)
+        self.kick()
+
+    def kick(self) -> None:
+        """Room may have freed: dispatch waiters, best first, while there is room."""
+        if not len(self.queues):
+            return
+        began = time.perf_counter()
+        now = self.clock()
+        while len(self.queues) and self.has_room(now):
+            waiter = self.queues.pop()
+            if waiter is None:
+                break
+            ticket = waiter.item
+            if ticket.future.done():  # cancelled while queued: withdrawn already, never counted
+                continue
+            ticket.dispatched = True
+            self.unplaced += 1
+            ticket.future.set_result(None)
+            self._observe(ticket.request, "Dispatched", now - waiter.enqueued_at)
+        if self.observer is not None:
+            self.observer.observe_dispatch_cycle(time.perf_counter() - began)
+
+    def _expire(self, waiter: Waiter[_Ticket]) -> None:
+        if not self.queues.remove(waiter) or waiter.item.future.done():
+            return
+        waited = self.clock() - waiter.enqueued_at
+        self._observe(waiter.item.request, "EvictedTTL", waited)
+        waiter.item.future.set_exception(self._refusal(
+            503, "queue_ttl_expired", "rejected-ttl-expired",
+            f"no room in the pool within the queue TTL ({self.settings.queue_ttl:g}s, waited {waited:.2f}s)"))
+
+    def _refusal(self, status: int, code: str, reason: str, message: str) -> RequestError:
+        return RequestError(status, code, message,
+                            headers={"retry-after": self.settings.retry_after, DROPPED_REASON_HEADER: reason})
+
+    def _observe(self, request: InferenceRequest, outcome: str, waited: float) -> None:
+        if self.observer is not None:
+            self.observer.observe_flow(request, outcome, waited)
+
+    def waiting(self) -> list[InferenceRequest]:
+        """The queued requests, best first within each band (metrics read it at scrape time)."""
+        return [w.item.request for w in self.queues.waiters()]

@@ -1,0 +1,194 @@
+"""Flow control on an injected clock: strict priority between bands, round-robin between flows, FCFS inside a
+flow, bounds, TTL expiry, one-at-a-time dispatch as room frees, and wake-ups that come from events only."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.flowcontrol.controller import DROPPED_REASON_HEADER, FlowController, FlowSettings
+from picker.flowcontrol.queues import FlowQueues, QueueFull
+from picker.requests import InferenceRequest, RequestError
+from picker.saturation import SaturationThresholds, dispatch_level
+
+
+def queues(max_requests: int = 100, max_tokens: int = 10_000) -> FlowQueues[str]:
+    return FlowQueues(max_requests, max_tokens)
+
+
+def push(q: FlowQueues[str], name: str, priority: int = 0, flow: str = "a", tokens: int = 10,
+         now: float = 0.0, ttl: float = 5.0) -> None:
+    q.push(name, priority=priority, flow=flow, tokens=tokens, size_bytes=tokens * 4, now=now, ttl=ttl)
+
+
+def drain(q: FlowQueues[str]) -> list[str]:
+    out = []
+    while (w := q.pop()) is not None:
+        out.append(w.item)
+    return out
+
+
+def test_bands_go_by_strict_priority_flows_by_turns_requests_in_order() -> None:
+    q = queues()
+    for name, priority, flow in (("s1", 0, "a"), ("s2", 0, "a"), ("c1", 5, "x"), ("s3", 0, "b"), ("c2", 5, "x"),
+                                 ("s4", 0, "b"), ("s5", 0, "a"), ("h1", 9, "x")):
+        push(q, name, priority, flow)
+    assert drain(q) == ["h1", "c1", "c2", "s1", "s3", "s2", "s4", "s5"]
+    assert len(q) == 0 and q.band_usage() == {}
+
+
+def test_ten_to_one_offered_load_gets_equal_turns_while_both_are_backlogged() -> None:
+    q = queues(max_requests=1000)
+    for i in range(100):
+        push(q, f"big-{i}", flow="big")
+        if i % 10 == 0:
+            push(q, f"small-{i}", flow="small")
+    served = Counter(w.flow for w in (q.pop() for _ in range(20)) if w is not None)
+    assert served == {"big": 10, "small": 10}
+
+
+def test_bounds_refuse_and_a_lone_large_request_still_queues() -> None:
+    q = queues(max_requests=2, max_tokens=100)
+    push(q, "a", tokens=60)
+    with pytest.raises(QueueFull):
+        push(q, "b", tokens=50)  # 110 tokens > 100
+    push(q, "c", tokens=40)
+    with pytest.raises(QueueFull):
+        push(q, "d", tokens=1)  # two requests already
+    push(q, "other-band", priority=1, tokens=10)  # bounds are per band
+    empty = queues(max_tokens=100)
+    push(empty, "huge", tokens=5000)  # alone in its band: queues (refusing it would refuse it forever)
+    assert q.band_usage() == {0: (2, 100, 400), 1: (1, 10, 40)}
+
+
+def test_expiry_and_withdrawal_leave_the_rest_in_order() -> None:
+    q = queues()
+    push(q, "old", now=0.0, ttl=1.0)
+    push(q, "young", now=0.5, ttl=1.0)
+    push(q, "other", flow="b", now=0.2, ttl=1.0)
+    assert [w.item for w in q.expired(1.25)] == ["old", "other"]
+    assert drain(q) == ["young"]
+
+
+def pod(i: int, waiting: float = 0.0, running: float = 0.0, now: float = 0.0) -> Endpoint:
+    e = Endpoint.from_address(f"10.0.0.{i}:8000")
+    e.metrics = EndpointMetrics(waiting=waiting, running=running, updated_at=now)
+    e.scrape_interval = 1.0
+    return e
+
+
+def test_dispatch_level_counts_what_we_sent_and_what_is_let_through() -> None:
+    thresholds = SaturationThresholds(queue=5, kv_cache=0.8, stale=0.2)
+    a, b = pod(1, waiting=1, running=2), pod(2)
+    b.in_flight = 4  # sent by us, not running yet: waiting as far as the pod is concerned
+    assert dispatch_level([a, b], 0.0, thresholds) == pytest.approx((1 / 5 + 4 / 5) / 2)
+    assert dispatch_level([a, b], 0.0, thresholds, pending=5) == pytest.approx((1 / 5 + 4 / 5 + 1) / 2)
+    assert dispatch_level([a, b], 5.0, thresholds) == 1.0  # metrics far past their cadence: full
+    assert dispatch_level([], 0.0, thresholds) == 1.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def controller(pods: list[Endpoint], clock: Clock, ttl: float = 5.0, max_requests: int = 100) -> FlowController:
+    return FlowController(FlowSettings(queue_ttl=ttl, max_requests_per_band=max_requests),
+                          SaturationThresholds(queue=5, kv_cache=0.8, stale=1e9), lambda: pods, clock=clock)
+
+
+def request(name: str, priority: int = 0, flow: str | None = None) -> InferenceRequest:
+    r = InferenceRequest(request_id=name, model="m", prompt_text="x" * 40)
+    r.priority, r.fairness_id = priority, flow
+    return r
+
+
+async def test_requests_wait_while_the_pool_is_full_and_go_best_first_one_at_a_time() -> None:
+    clock = Clock()
+    full = pod(1, waiting=10)
+    fc = controller([full], clock)
+    order: list[str] = []
+
+    async def admit(r: InferenceRequest) -> None:
+        await fc.admit(r)
+        order.append(r.request_id)
+        full.in_flight += 1  # placed: the pod's in-flight count shows it
+        fc.placed()
+
+    tasks = [asyncio.create_task(admit(request(name, priority))) for name, priority in
+             (("std-1", 0), ("crit-1", 2), ("std-2", 0), ("crit-2", 2))]
+    await asyncio.sleep(0)
+    assert order == [] and len(fc.queues) == 4  # no room: all wait
+    full.metrics = EndpointMetrics(waiting=0, running=0, updated_at=0.0)
+    fc.kick()  # a scrape shows room: in_flight - running counts each placed request as waiting again
+    await asyncio.gather(*tasks)
+    assert order == ["crit-1", "crit-2", "std-1", "std-2"]
+    assert fc.unplaced == 0
+
+
+async def test_room_for_two_lets_two_through_and_the_rest_on_release() -> None:
+    clock = Clock()
+    p = pod(1, waiting=0, running=0)
+    fc = controller([p], clock)
+    p.in_flight = 3  # level 3/5 = 0.6: room for two more before 1.0
+    admitted: list[str] = []
+
+    async def admit(name: str) -> None:
+        await fc.admit(request(name))
+        admitted.append(name)
+        p.in_flight += 1
+        fc.placed()
+
+    tasks = [asyncio.create_task(admit(f"r{i}")) for i in range(4)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert admitted == ["r0", "r1"] and len(fc.queues) == 2
+    p.in_flight -= 1  # one finished (the director kicks on release)
+    fc.kick()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert admitted == ["r0", "r1", "r2"]
+    p.in_flight -= 2
+    fc.kick()
+    await asyncio.gather(*tasks)
+    assert admitted == ["r0", "r1", "r2", "r3"]
+
+
+async def test_sheddable_is_refused_at_once_full_bands_and_ttl_with_reasons() -> None:
+    clock = Clock()
+    fc = controller([pod(1, waiting=10)], clock, ttl=0.05, max_requests=1)
+    with pytest.raises(RequestError) as shed:
+        await fc.admit(request("batch", priority=-1))
+    assert (shed.value.status, shed.value.code) == (429, "saturated")
+    assert shed.value.headers[DROPPED_REASON_HEADER] == "rejected-saturated" and shed.value.headers["retry-after"]
+    waiting = asyncio.create_task(fc.admit(request("std")))
+    await asyncio.sleep(0)
+    with pytest.raises(RequestError) as full:
+        await fc.admit(request("std-2"))
+    assert (full.value.status, full.value.code) == (429, "queue_full")
+    with pytest.raises(RequestError) as expired:
+        await waiting  # nothing frees room: its TTL (50 ms, the loop's timer) passes
+    assert (expired.value.status, expired.value.code) == (503, "queue_ttl_expired")
+    assert expired.value.headers[DROPPED_REASON_HEADER] == "rejected-ttl-expired"
+    assert len(fc.queues) == 0
+
+
+async def test_a_client_that_leaves_while_queued_is_withdrawn() -> None:
+    clock = Clock()
+    p = pod(1, waiting=10)
+    fc = controller([p], clock)
+    task = asyncio.create_task(fc.admit(request("gone")))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(fc.queues) == 0
+    p.metrics = EndpointMetrics(updated_at=0.0)
+    fc.kick()
+    assert fc.unplaced == 0  # nobody was let through for it

@@ -1,0 +1,122 @@
+"""Flow control through real Envoy, on a pod whose metrics say it is full: sheddable requests are refused at once,
+standard and critical ones wait (no answer, no pod reached) and are served when the pod shows room, a request
+that outwaits the queue TTL gets 503 with the reference's reason header, and nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from picker.supervisor import (
+    Backends,
+    Envoy,
+    Picker,
+    process_scope,
+    start_backends,
+    start_envoy,
+    start_picker,
+)
+from tests.waiting import eventually_async
+
+CONFIG = ("admission:\n  flowControl: {enabled: true, queueTtl: 1500ms}\n"
+          "  objectives: [{name: batch, priority: -1}, {name: interactive, priority: 5}]\n")
+
+
+@dataclass
+class FlowStack:
+    backends: Backends
+    picker: Picker
+    envoy: Envoy
+
+
+@pytest.fixture(scope="module")
+def flow() -> Iterator[FlowStack]:
+    with process_scope("flow-control") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--config-text", CONFIG])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, backends.addresses)
+        started.append(envoy.process)
+        yield FlowStack(backends, picker, envoy)
+
+
+def set_pod(stack: FlowStack, **state: object) -> None:
+    request = urllib.request.Request(f"http://{stack.backends.addresses[0]}/test/metrics",
+                                     data=json.dumps(state).encode(), headers={"content-type": "application/json"})
+    urllib.request.urlopen(request, timeout=5).read()
+
+
+async def series(stack: FlowStack) -> dict[str, float]:
+    async with aiohttp.ClientSession() as session, \
+            session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+        text = await response.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + (f"{{{s.labels['outcome']}}}" if "outcome" in s.labels else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+async def post(session: aiohttp.ClientSession, stack: FlowStack, objective: str | None,
+               prompt: str) -> tuple[int, dict[str, str], float]:
+    headers = {"x-gateway-inference-objective": objective} if objective else {}
+    began = time.monotonic()
+    async with session.post(stack.envoy.url + "/v1/completions", json={"model": "tiny", "prompt": prompt},
+                            headers=headers) as response:
+        await response.read()
+        return response.status, {k.lower(): v for k, v in response.headers.items()}, time.monotonic() - began
+
+
+async def saturate(stack: FlowStack, waiting: int) -> None:
+    set_pod(stack, waiting=waiting)
+
+    async def seen() -> bool:
+        return (await series(stack)).get("llm_d_epp_average_queue_size", -1) == waiting
+    await eventually_async(seen, "the picker scraped the pod's queue", within=10)
+
+
+async def test_sheddable_gets_429_at_once_and_a_ttl_expiry_gets_503_with_the_reason(flow: FlowStack) -> None:
+    await saturate(flow, 20)
+    try:
+        async with aiohttp.ClientSession() as session:
+            shed = [await post(session, flow, "batch", f"batch {i}") for i in range(20)]
+            assert {s for s, _, _ in shed} == {429}
+            assert {(h["x-llm-d-request-dropped-reason"], h["retry-after"]) for _, h, _ in shed} == \
+                {("rejected-saturated", "1")}
+            took = sorted(t for _, _, t in shed)
+            assert took[-1] < 0.05 * 4 and took[len(took) // 2] < 0.05, took  # p50 < 50 ms (p100 on a busy box)
+            status, headers, waited = await post(session, flow, None, "waits out its TTL")
+            assert status == 503 and headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
+            assert headers["retry-after"] == "1" and 1.4 < waited < 4.0, waited  # the 1.5 s TTL, before Envoy's 5 s
+    finally:
+        await saturate(flow, 0)
+
+
+async def test_queued_requests_are_served_when_the_pod_shows_room(flow: FlowStack) -> None:
+    await saturate(flow, 20)
+    before = await series(flow)
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(post(session, flow, objective, f"queued {i}"))
+                 for i, objective in enumerate(["interactive", None, None, "interactive", None])]
+
+        async def queued() -> bool:
+            return (await series(flow)).get("llm_d_epp_flow_control_queue_size", 0) == 5
+        await eventually_async(queued, "all five queued", within=5)
+        assert not any(t.done() for t in tasks)  # nothing answered, nothing reached the pod while it is full
+        set_pod(flow, waiting=0)
+        results = await asyncio.gather(*tasks)
+    assert [s for s, _, _ in results] == [200] * 5
+    after = await series(flow)
+    dispatched = "llm_d_epp_flow_control_requests_total{Dispatched}"
+    assert after[dispatched] - before.get(dispatched, 0) == 5
+    assert after.get("llm_d_epp_flow_control_queue_size", 0) == 0
