@@ -483,6 +483,11 @@ class PickerMetrics:
         if self.flow is not None:
             self.flow.cycle.observe(seconds)
 
+    def observe_enqueue(self, request: InferenceRequest, outcome: str, seconds: float) -> None:
+        if self.flow is not None:
+            _, _, fairness = self.labels_of(request)
+            self.flow.enqueue.labels(fairness, str(request.priority), outcome).observe(seconds)
+
     def labels_of(self, request: InferenceRequest) -> tuple[str, str, str]:
         """model_name, target_model_name, fairness_id of a request, every one bounded."""
         model = self.models.label(request.model)
@@ -535,11 +540,16 @@ class FlowSeries(Collector):
         self.cycle = Histogram("llm_d_epp_flow_control_dispatch_cycle_duration_seconds",
                                "Time of one dispatch cycle (letting waiters through as room frees).",
                                buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.enqueue = Histogram("llm_d_epp_flow_control_request_enqueue_duration_seconds",
+                                 "Time to queue a request, by outcome.", ["fairness_id", "priority", "outcome"],
+                                 buckets=_SCHEDULER_BUCKETS, registry=r)
         r.register(self)
         metrics.registry.register(TwinCollector([
             Twin("inference_extension_flow_control_request_queue_duration_seconds", self.queue_duration,
                  ("fairness_id", "priority", "outcome", "inference_pool", "model_name", "target_model_name")),
             Twin("inference_extension_flow_control_dispatch_cycle_duration_seconds", self.cycle, ()),
+            Twin("inference_extension_flow_control_request_enqueue_duration_seconds", self.enqueue,
+                 ("fairness_id", "priority", "outcome")),
             *(Twin(f"inference_extension_flow_control_{name}", self, FLOW_LABELS, family=f"llm_d_epp_flow_control_{name}")
               for name in ("queue_size", "queue_bytes")),
             Twin("inference_extension_flow_control_pool_saturation", self, ("inference_pool", "stage"),

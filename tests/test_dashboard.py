@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from picker.endpoints.state import Endpoint
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.flowcontrol.controller import FlowController, FlowSettings
 from picker.observability import PickerMetrics, ResponseTrace
 from picker.prefix.shared import SyncStats
 from picker.requests import InferenceRequest, Usage
+from picker.saturation import SaturationThresholds
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "manifests" / "grafana" / "picker-dashboard.json"
 METRIC = re.compile(r"\b(?:inference|picker)_[a-z0-9_]+\b")
@@ -38,8 +42,23 @@ def exported_series() -> set[str]:
     metrics.observe_pool([pod])
     metrics.observe_scrape(pod, True)
     metrics.observe_prediction(pod, 0.1, 0.12)
-    text = generate_latest(metrics.registry).decode()
+    full = Endpoint.from_address("10.0.0.2:8000")
+    full.metrics = EndpointMetrics(waiting=50, updated_at=0.0)
+    flow = FlowController(FlowSettings(), SaturationThresholds(stale=1e9), lambda: [full], clock=lambda: 0.0,
+                          observer=metrics)
+    metrics.watch_flow(flow)
+    text = asyncio.run(_scraped_while_one_waits(flow, metrics))
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+async def _scraped_while_one_waits(flow: FlowController, metrics: PickerMetrics) -> str:
+    waiting = asyncio.create_task(flow.admit(InferenceRequest(request_id="q", model="m")))
+    await asyncio.sleep(0)  # it queues: the pool has no room
+    queued = generate_latest(metrics.registry).decode()
+    waiting.cancel()  # its client leaves: an outcome, and the time it waited
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    return queued + generate_latest(metrics.registry).decode()
 
 
 def test_every_query_names_an_exported_series() -> None:

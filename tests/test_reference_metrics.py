@@ -5,8 +5,9 @@ not have, listed below with the reason."""
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import aiohttp
 import pytest
@@ -27,6 +28,8 @@ from picker.supervisor import (
 L = ("model_name", "target_model_name", "fairness_id", "priority")
 POOL = ("name",)
 INDEXER = ("plugin_name", "plugin_type")
+FLOW = ("fairness_id", "priority", "inference_pool", "model_name", "target_model_name")
+FLOW_AND_OUTCOME = ("fairness_id", "priority", "outcome", "inference_pool", "model_name", "target_model_name")
 # family -> its labels, as the reference's catalog documents them
 CURRENT: dict[str, tuple[str, ...]] = {
     "llm_d_epp_request_total": L, "llm_d_epp_request_error_total": (*L, "error_code"),
@@ -54,6 +57,16 @@ CURRENT: dict[str, tuple[str, ...]] = {
     # with --enable-grpc-stream-metrics, as there
     "llm_d_epp_extproc_streams_inflight": (), "llm_d_epp_extproc_stream_duration_seconds": (),
     "llm_d_epp_extproc_streams_total": ("code",),
+    # with flow control on (admission.flowControl.enabled), as there with its feature gate
+    "llm_d_epp_flow_control_requests_total": ("outcome", "priority", "inference_pool"),
+    "llm_d_epp_flow_control_request_queue_duration_seconds": FLOW_AND_OUTCOME,
+    "llm_d_epp_flow_control_dispatch_cycle_duration_seconds": (),
+    "llm_d_epp_flow_control_request_enqueue_duration_seconds": ("fairness_id", "priority", "outcome"),
+    "llm_d_epp_flow_control_queue_size": FLOW, "llm_d_epp_flow_control_queue_bytes": FLOW,
+    "llm_d_epp_flow_control_pool_saturation": ("inference_pool", "stage"),
+    "llm_d_epp_flow_control_stale_endpoints": ("detector",),
+    "llm_d_epp_flow_control_capacity_utilization_requests": ("priority", "inference_pool"),
+    "llm_d_epp_flow_control_capacity_utilization_bytes": ("priority", "inference_pool"),
 }
 MODELS = ("model_name", "target_model_name")
 DEPRECATED: dict[str, tuple[str, ...]] = {
@@ -77,10 +90,18 @@ DEPRECATED: dict[str, tuple[str, ...]] = {
     "inference_extension_prefix_indexer_hit_bytes": (),
     "llm_d_inference_scheduler_datalayer_poll_errors_total": ("source_type",),
     "llm_d_inference_scheduler_datalayer_extract_errors_total": ("source_type", "extractor_type"),
+    "inference_extension_flow_control_request_queue_duration_seconds": FLOW_AND_OUTCOME,
+    "inference_extension_flow_control_dispatch_cycle_duration_seconds": (),
+    "inference_extension_flow_control_request_enqueue_duration_seconds": ("fairness_id", "priority", "outcome"),
+    "inference_extension_flow_control_queue_size": FLOW, "inference_extension_flow_control_queue_bytes": FLOW,
+    "inference_extension_flow_control_pool_saturation": ("inference_pool", "stage"),
 }
 # The catalog's families of features picker does not have (so nothing to count), by prefix.
 NOT_HERE = {
-    "llm_d_epp_flow_control_": "flow control (queueing per fairness id and priority band) is not built yet",
+    "llm_d_epp_flow_control_global_capacity_": "flow control bounds each band, it offers no global bound",
+    "llm_d_epp_flow_control_revocation": "dispatched requests are never evicted",
+    "llm_d_epp_flow_control_reclaim": "dispatched requests are never evicted",
+    "llm_d_epp_flow_control_pending_reclaim": "dispatched requests are never evicted",
     "llm_d_epp_encoder_cache_": "multimodal encoder-cache affinity is not implemented",
     "llm_d_epp_program_aware_": "program-aware fairness belongs to flow control",
     "llm_d_epp_request_predicted_": "the latency-predictor sidecars are not used (predicted TTFT: picker_ttft_*)",
@@ -100,11 +121,12 @@ def scraped() -> Iterator[dict[str, set[str]]]:
     with process_scope("reference-metrics") as (logdir, started):
         backends = start_backends(2, logdir)
         started.append(backends.process)
-        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--enable-grpc-stream-metrics"])
+        picker = start_picker(logdir, endpoints=backends.addresses, extra=[
+            "--enable-grpc-stream-metrics", "--config-text", "admission: {flowControl: {enabled: true}}"])
         started.append(picker.process)
         envoy = start_envoy(logdir, picker, backends.addresses, mode="full-duplex")
         started.append(envoy.process)
-        yield _families(picker, envoy)
+        yield _families(picker, envoy, backends.addresses)
 
 
 async def _send(envoy: Envoy) -> None:
@@ -120,7 +142,38 @@ async def _send(envoy: Envoy) -> None:
             assert response.status == 400
 
 
-def _families(picker: Picker, envoy: Envoy) -> dict[str, set[str]]:
+def _set_pods(pods: list[str], waiting: int) -> None:
+    for pod in pods:
+        request = urllib.request.Request(f"http://{pod}/test/metrics", data=json.dumps({"waiting": waiting}).encode(),
+                                         headers={"content-type": "application/json"})
+        urllib.request.urlopen(request, timeout=5).read()
+
+
+async def _scrape_while_queued(envoy: Envoy, pods: list[str], scrape: Callable[[], str], picker: Picker) -> str:
+    """The pods report full queues, two requests wait in flow control: scrape then (the queue series have
+    samples), let them through, wait until they are done."""
+    _set_pods(pods, 20)
+    wait_until(lambda: "llm_d_epp_average_queue_size{name=\"default\"} 20.0" in scrape(), 10, "the full pods seen",
+               picker.process.proc)
+    async with aiohttp.ClientSession() as session:
+        waiting = [asyncio.create_task(session.post(envoy.url + "/v1/completions", json={
+            "model": "tiny", "prompt": f"queued {i}"})) for i in range(2)]
+        text = ""
+        for _ in range(100):
+            text = await asyncio.to_thread(scrape)
+            queued = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("llm_d_epp_flow_control_queue_size{"))
+            if queued == 2:
+                break
+            await asyncio.sleep(0.05)
+        _set_pods(pods, 0)
+        for response in await asyncio.gather(*waiting):
+            assert response.status == 200
+            response.release()
+    return text
+
+
+def _families(picker: Picker, envoy: Envoy, pods: list[str]) -> dict[str, set[str]]:
     asyncio.run(_send(envoy))
     url = f"http://{picker.host}:{picker.metrics_port}/metrics"
 
@@ -130,7 +183,7 @@ def _families(picker: Picker, envoy: Envoy) -> dict[str, set[str]]:
 
     wait_until(lambda: "llm_d_epp_extproc_streams_inflight 0.0" in scrape(), 10, "every ext_proc stream ended",
                picker.process.proc)
-    text = scrape()
+    text = asyncio.run(_scrape_while_queued(envoy, pods, scrape, picker))
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -166,7 +219,7 @@ def test_what_is_not_here_is_not_claimed(scraped: dict[str, set[str]]) -> None:
 def test_the_series_count_what_happened(scraped: dict[str, set[str]]) -> None:
     """20 requests routed (10 streamed), one rewritten, one refused; Envoy showed every response body."""
     t = TOTALS
-    assert t["llm_d_epp_request_total"] == t["inference_objective_request_total"] == 21
+    assert t["llm_d_epp_request_total"] == t["inference_objective_request_total"] == 21  # before the 2 queued
     assert t["llm_d_epp_request_error_total"] == 1 and t["llm_d_epp_scheduler_attempts_total"] == 20
     assert t["llm_d_epp_request_ttft_seconds_count"] == t["llm_d_epp_response_size_bytes_count"] == 20
     assert t["llm_d_epp_request_output_tokens_count"] == 20 and t["llm_d_epp_request_ntpot_seconds_count"] == 20
@@ -176,3 +229,5 @@ def test_the_series_count_what_happened(scraped: dict[str, set[str]]) -> None:
     assert t["llm_d_epp_plugin_duration_seconds_count"] >= 1  # one request in 16, each of its plugins
     assert t["llm_d_epp_request_running"] == 0 and t["llm_d_epp_request_processing_duration_seconds_count"] == 20
     assert t["llm_d_epp_extproc_streams_total"] == 21  # one stream per request, each ended
+    assert t["llm_d_epp_flow_control_queue_size"] == 2  # the two queued at the scrape
+    assert t["llm_d_epp_flow_control_requests_total"] == 20  # dispatched at once (the bad body never got there)

@@ -234,6 +234,13 @@ class _Stream:
                                   self.response)
 
 
+def go_code_name(code: grpc.StatusCode) -> str:
+    """A status as the reference picker's stream series label it (Go's names: OK, Canceled, DeadlineExceeded)."""
+    if code is grpc.StatusCode.CANCELLED:
+        return "Canceled"
+    return "".join(part.capitalize() for part in code.name.split("_")) if code is not grpc.StatusCode.OK else "OK"
+
+
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """`envoy.service.ext_proc.v3.ExternalProcessor/Process`: one bidirectional stream per HTTP request.
 
@@ -299,7 +306,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if series is not None:
                 series.open.dec()
                 series.duration.observe(loop.time() - opened_at)
-                series.ended.labels(code.name).inc()
+                series.ended.labels(go_code_name(code)).inc()
 
     @staticmethod
     def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> grpc.StatusCode:

@@ -51,6 +51,10 @@ class FlowObserver(Protocol):
     def observe_dispatch_cycle(self, seconds: float) -> None:
         ...
 
+    def observe_enqueue(self, request: InferenceRequest, outcome: str, seconds: float) -> None:
+        """Time taken to queue a request (`outcome`: Enqueued or RejectedCapacity)."""
+        ...
+
 
 class _Ticket:
     """What a waiter holds: the future its request awaits, whether it was dispatched."""
@@ -98,13 +102,18 @@ class FlowController:
                                 f"{priority} is sheddable")
         loop = asyncio.get_running_loop()
         ticket = _Ticket(request, loop.create_future())
+        began = time.perf_counter()
         try:
             waiter = self.queues.push(ticket, priority=priority, flow=request.fairness_id or DEFAULT_FLOW,
                                       tokens=estimated_tokens(request, self.settings.chars_per_token),
                                       size_bytes=request.body_bytes, now=now, ttl=self.settings.queue_ttl)
         except QueueFull as exc:
             self._observe(request, "RejectedCapacity", 0.0)
+            if self.observer is not None:
+                self.observer.observe_enqueue(request, "RejectedCapacity", time.perf_counter() - began)
             raise self._refusal(429, "queue_full", "rejected-saturated", f"the queue is full: {exc}") from None
+        if self.observer is not None:
+            self.observer.observe_enqueue(request, "Enqueued", time.perf_counter() - began)
         timer = loop.call_later(self.settings.queue_ttl, self._expire, waiter)
         self.kick()
         try:
