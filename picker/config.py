@@ -28,6 +28,9 @@ from picker.tls import TLS_VERSIONS, TlsError, TlsOptions
 __all__ = ["ConfigError", "ServeConfig", "add_arguments", "parse_duration", "parse_ports", "parse_size", "resolve"]
 
 
+TEMPLATE_MESSAGE_TIMEOUT = 5.0  # seconds: Envoy's ext_proc message_timeout in our templates (picker envoy-config)
+
+
 def parse_size(value: str | int) -> int:
     """"16Mi", "1MiB", "512k" or bytes → bytes."""
     if isinstance(value, int):
@@ -341,6 +344,11 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
             IndexKey.from_file(config.index_hash_key_file)
         except ValueError as exc:
             raise ConfigError(f"--index-hash-key-file {exc}") from None
+    fc = config.admission.flow_control
+    if fc.enabled and fc.queue_ttl >= TEMPLATE_MESSAGE_TIMEOUT and notes is not None:
+        notes.append(f"admission.flowControl.queueTtl {fc.queue_ttl:g}s is not below the {TEMPLATE_MESSAGE_TIMEOUT:g}s "
+                     "ext_proc message_timeout of our Envoy templates: render Envoy with a longer one "
+                     "(picker envoy-config --message-timeout, --queue-ttl) or queued requests fail open")
     if config.index_backend == "redis" and not config.redis_url:
         raise ConfigError("--index-backend redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
     return config

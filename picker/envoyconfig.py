@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from picker.endpoints.state import parse_address
+from picker.schema import parse_duration
 
 TEMPLATES = {"buffered": "envoy.yaml", "full-duplex": "envoy-full-duplex.yaml"}
 _DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
@@ -303,7 +304,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="a picker outage gives 500 instead of round-robin (default: fail open)")
     a("--message-timeout", default="5s",
       help="how long Envoy waits for the picker's answer to one ext_proc message before the failure mode "
-      "applies (default %(default)s)")
+      "applies; must exceed --queue-ttl (default %(default)s)")
+    a("--queue-ttl", default="4s",
+      help="the picker's flow-control queue TTL (admission.flowControl.queueTtl): a queued request is answered "
+      "within it, so Envoy's --message-timeout must be longer or Envoy gives up on the stream first "
+      "(default %(default)s)")
     a("--picker-tls", choices=PICKER_TLS_MODES, default="tls",
       help="ext_proc to the picker over TLS (its --secure-serving, default) or plaintext (a picker run with "
       "--secure-serving=false, e.g. a sidecar on loopback) (default %(default)s)")
@@ -335,6 +340,10 @@ def run(args: argparse.Namespace) -> int:
         response_body=args.response_body,
     )
     try:
+        if parse_duration(args.message_timeout) <= parse_duration(args.queue_ttl):
+            raise ValueError(f"--message-timeout {args.message_timeout} must exceed the picker's queue TTL "
+                             f"--queue-ttl {args.queue_ttl} (admission.flowControl.queueTtl), or Envoy gives up on a "
+                             "queued request's stream before the picker answers it")
         text = render(settings)
         check_typed(text)
         if args.out:

@@ -192,3 +192,20 @@ async def test_a_client_that_leaves_while_queued_is_withdrawn() -> None:
     p.metrics = EndpointMetrics(updated_at=0.0)
     fc.kick()
     assert fc.unplaced == 0  # nobody was let through for it
+
+
+def test_envoy_config_and_the_picker_keep_the_queue_ttl_below_envoys_message_timeout(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from picker.cli import main
+    from picker.config import add_arguments, resolve
+    assert main(["envoy-config", "--message-timeout", "3s"]) == 2
+    assert "must exceed the picker's queue TTL --queue-ttl 4s" in capsys.readouterr().err
+    assert main(["envoy-config", "--message-timeout", "8s", "--queue-ttl", "6s"]) == 0
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    notes: list[str] = []
+    resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-text",
+                               "admission: {flowControl: {enabled: true, queueTtl: 6s}}"]), notes)
+    assert len(notes) == 1 and "queueTtl 6s is not below the 5s ext_proc message_timeout" in notes[0]
