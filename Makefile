@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost validate-sim overhead soak clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost validate-sim overhead soak overload clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -60,6 +60,9 @@ validate-sim: install
 # E.g. `make soak ARGS="--duration 5m"` or ARGS="--picker-env MALLOC_ARENA_MAX=2 --out bench/out/soak-arena2".
 soak: install
 	$(BIN)/python bench/soak.py $(ARGS)
+
+overload: install
+	$(BIN)/python bench/overload.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info picker/api/v1/*_pb2*.py*

@@ -32,7 +32,7 @@ def main() -> None:
 
     def with_body() -> None:
         metrics.observe_routed(request, 0.001, 1, 2, pod, 64)
-        trace = ResponseTrace(0.0)
+        trace = ResponseTrace(0.0, metrics.itl_observer(request))
         for at in (0.1, 0.12, 0.14, 0.16, 0.18):
             trace.on_chunk(at, 120, 0.00002)
         metrics.observe_finished(request, 1.0, usage, trace)

@@ -30,6 +30,7 @@ class FlowControlSection(Section):
     queue_ttl: Duration = Field(4.0, gt=0)  # below Envoy's ext_proc message_timeout (5 s in our templates)
     max_requests_per_band: int = Field(1000, gt=0)
     max_tokens_per_band: int = Field(4_000_000, gt=0)  # estimated prompt tokens waiting per priority
+    standard_ceiling: float = Field(1.0, gt=0, le=1)  # priority <= 0 let through below this share of the limit
 
 
 class AdmissionConfig(Section):

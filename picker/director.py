@@ -210,6 +210,11 @@ class Director:
         return {"picker.request_id": request.request_id, "gen_ai.request.model": request.model,
                 "picker.priority": request.priority, "http.route": request.path.split("?", 1)[0]}
 
+    def trace_response(self, decision: Decision) -> ResponseTrace:
+        """What the stream records of a response whose body Envoy shows the picker (its chunks' timing)."""
+        itl = self.metrics.itl_observer(decision.request) if self.metrics is not None else None
+        return ResponseTrace(decision.started_at, itl)
+
     def release(self, decision: Decision, usage: Usage | None = None, response: ResponseTrace | None = None) -> None:
         """The request finished (response end or stream closed): undo its in-flight accounting once, and
         record the token usage the model server reported and how the response came, when its body was visible."""

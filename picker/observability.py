@@ -12,8 +12,8 @@ import json
 import logging
 import statistics
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.resources import Resource
@@ -109,18 +109,18 @@ class ResponseTrace:
     and the picker's own time handling them (the reference's response-side series)."""
 
     started_at: float  # the request's start, on the director's clock
+    itl: Callable[[float], None] | None = None  # hears each gap between chunks of a stream (inter-token latency)
     first_chunk_at: float = -1.0
     last_chunk_at: float = -1.0
     bytes: int = 0
     chunks: int = 0
     handling_s: float = 0.0
-    gaps: list[float] = field(default_factory=list)  # between body chunks: the inter-token latency of a stream
 
     def on_chunk(self, now: float, size: int, handling_s: float) -> None:
         if self.chunks == 0:
             self.first_chunk_at = now
-        elif size:
-            self.gaps.append(now - self.last_chunk_at)
+        elif size and self.itl is not None:
+            self.itl(now - self.last_chunk_at)
         if size:
             self.last_chunk_at = now
             self.chunks += 1
@@ -415,13 +415,13 @@ class PickerMetrics:
         child("response_sizes").observe(response.bytes)
         child("ttft").observe(response.first_chunk_at - response.started_at)
         self.response_processing.observe(response.handling_s)
-        if request.stream:
-            itl = child("streaming_itl")
-            for gap in response.gaps:
-                itl.observe(gap)
-            if usage is not None and usage.completion_tokens > 1:
-                child("streaming_tpot").observe(
-                    (response.last_chunk_at - response.first_chunk_at) / (usage.completion_tokens - 1))
+        if request.stream and usage is not None and usage.completion_tokens > 1:
+            child("streaming_tpot").observe(
+                (response.last_chunk_at - response.first_chunk_at) / (usage.completion_tokens - 1))
+
+    def itl_observer(self, request: InferenceRequest) -> Callable[[float], None] | None:
+        """Where a streamed response's chunk gaps go (its streaming ITL series); None for an unstreamed one."""
+        return self._request_series(request).child("streaming_itl").observe if request.stream else None
 
     def plugin_timing_due(self) -> bool:
         """PluginTimer: time this request's plugins? One request in PLUGIN_TIMING_EVERY is."""

@@ -31,7 +31,7 @@ def exported_series() -> set[str]:
     metrics.observe_routed(request, 0.001, 1, 2, pod, 64)
     metrics.observe_refused(request, "saturated")
     metrics.observe_refused(request, "no_endpoints", scheduling=True)
-    response = ResponseTrace(started_at=0.0)
+    response = ResponseTrace(started_at=0.0, itl=metrics.itl_observer(request))
     for at in (0.1, 0.2, 0.3):
         response.on_chunk(at, 100, 0.0001)
     metrics.observe_finished(request, 1.0, Usage(100, 10, 50), response)

@@ -209,3 +209,20 @@ def test_envoy_config_and_the_picker_keep_the_queue_ttl_below_envoys_message_tim
     resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-text",
                                "admission: {flowControl: {enabled: true, queueTtl: 6s}}"]), notes)
     assert len(notes) == 1 and "queueTtl 6s is not below the 5s ext_proc message_timeout" in notes[0]
+
+
+async def test_room_above_the_standard_ceiling_is_held_back_for_critical_requests() -> None:
+    clock = Clock()
+    p = pod(1)
+    p.in_flight = 2  # level 2/5 = 0.4: above a 0.3 standard ceiling, below the limit
+    fc = FlowController(FlowSettings(standard_ceiling=0.3), SaturationThresholds(queue=5, stale=1e9), lambda: [p],
+                        clock=clock)
+    standard = asyncio.create_task(fc.admit(request("std")))
+    await asyncio.sleep(0)
+    assert not standard.done() and len(fc.queues) == 1  # held back
+    await fc.admit(request("crit", priority=3))  # goes at once
+    fc.placed()
+    p.in_flight = 1  # 0.2: under the ceiling
+    fc.kick()
+    await standard
+    assert len(fc.queues) == 0

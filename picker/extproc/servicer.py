@@ -107,7 +107,7 @@ class _Stream:
             elif self.response_mode != p.NONE and self.decision is not None:
                 content_type = _headers_of(message.response_headers).get("content-type", "")
                 self.usage = UsageReader(content_type)
-                self.response = ResponseTrace(self.decision.started_at)
+                self.response = self.director.trace_response(self.decision)
             return [p.EMPTY_RESPONSE_HEADERS]
         if kind == "response_body":
             began = time.perf_counter()

@@ -4,7 +4,8 @@ refused.
 
 - Room: the pool's dispatch level (picker.saturation: waiting and KV-cache use against the admission thresholds,
   where a pod's waiting counts the requests we sent it that it has not started yet, and requests dispatched but not
-  yet placed count too) below `saturationLimit`. Requests go one at a time: each placement updates the level before
+  yet placed count too) below `saturationLimit` for critical requests (priority > 0), below `standardCeiling` of it
+  for the others: the room between is held back for critical requests, which then queue behind fewer in the pods. Requests go one at a time: each placement updates the level before
   the next is let through, so room that frees does not release a burst.
 - Events, never a polling loop: a request placed or finished, new metrics from a pod, a pod joining. Each runs
   `kick`, which dispatches as many waiters as there is room for, best first.
@@ -37,6 +38,9 @@ class FlowSettings:
     max_requests_per_band: int = 1000
     max_tokens_per_band: int = 4_000_000
     saturation_limit: float = 1.0
+    # Standard and sheddable requests (priority <= 0) are let through only below this share of the limit: the
+    # room above it is held back for critical ones, so a critical request finds the pods' queues short.
+    standard_ceiling: float = 1.0
     retry_after: str = "1"
     chars_per_token: int = 4
 
@@ -84,15 +88,20 @@ class FlowController:
     def level(self, now: float) -> float:
         return dispatch_level(self.pool(), now, self.thresholds, self.unplaced)
 
-    def has_room(self, now: float) -> bool:
-        return self.level(now) < self.settings.saturation_limit
+    def ceiling(self, priority: int) -> float:
+        """The level below which requests of `priority` are let through."""
+        limit = self.settings.saturation_limit
+        return limit if priority > 0 else limit * self.settings.standard_ceiling
+
+    def has_room(self, now: float, priority: int = 1) -> bool:
+        return self.level(now) < self.ceiling(priority)
 
     async def admit(self, request: InferenceRequest) -> None:
         """Return when the request may be placed (the caller then calls `placed`); RequestError when refused.
         Its priority is resolved already."""
         now = self.clock()
         priority = request.priority
-        if not self.queues.has_waiting_at_or_above(priority) and self.has_room(now):
+        if not self.queues.has_waiting_at_or_above(priority) and self.has_room(now, priority):
             self.unplaced += 1
             self._observe(request, "Dispatched", 0.0)
             return
@@ -139,7 +148,7 @@ class FlowController:
             return
         began = time.perf_counter()
         now = self.clock()
-        while len(self.queues) and self.has_room(now):
+        while (head := self.queues.peek()) is not None and self.has_room(now, head.priority):
             waiter = self.queues.pop()
             if waiter is None:
                 break
