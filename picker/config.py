@@ -88,6 +88,8 @@ class ServeConfig(Section):
     request_timeout: Duration = Field(600.0, gt=0)  # longest a routed request counts in flight (Envoy's route timeout)
     pool_name: str = ""  # empty: "default" as a label; set without static endpoints: discover the InferencePool
     pool_namespace: str = ""  # empty: the picker's own namespace in a cluster, else "default"
+    # the InferencePool's API group: v1 (GIE's GA API), or GIE's older alpha one (read as v1alpha2)
+    pool_group: Literal["inference.networking.k8s.io", "inference.networking.x-k8s.io"] = "inference.networking.k8s.io"
     fallback_endpoints: int = Field(1, ge=1)
     strategy: StrategyName = "picker"
     seed: int | None = None
@@ -216,6 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "(default 600s: Envoy's route timeout in our templates)")
     a("--pool-name", help="InferencePool to discover pods from (Kubernetes; without --endpoints/--endpoints-file), "
       "also the metrics label")
+    a("--pool-group", help="API group of the InferencePool: inference.networking.k8s.io (v1, default) or GIE's older "
+      "inference.networking.x-k8s.io (v1alpha2)")
     a("--pool-namespace", help="namespace of the InferencePool or of the selected pods (default: the picker's own)")
     a("--endpoint-selector", help="discover pods by label selector instead of an InferencePool, e.g. app=vllm")
     a("--endpoint-target-ports", help="with --endpoint-selector: the model server ports, e.g. 8000 or 8000,8001")

@@ -45,7 +45,6 @@ FLAGS: tuple[ReferenceFlag, ...] = (
              "there is no leader to elect", boolean=True),
     _ignored("grpc-max-recv-msg-size", "the gRPC limits follow --max-body-bytes (plus 1 MiB)"),
     _ignored("grpc-max-send-msg-size", "the gRPC limits follow --max-body-bytes (plus 1 MiB)"),
-    _ignored("pool-group", "InferencePools are read as inference.networking.k8s.io/v1"),
     _ignored("disable-endpoint-subset-filter", "Envoy's subset hint is always honoured", boolean=True),
     _ignored("emit-endpoint-scores", "per-endpoint scores are in `picker explain` (the Explain API)", boolean=True),
     _ignored("refresh-prometheus-metrics-interval", "pool gauges refresh every second"),

@@ -21,6 +21,8 @@ from aiohttp import web
 
 T = TypeVar("T")
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
+# GIE's older alpha InferencePool (the reference picker's --pool-group inference.networking.x-k8s.io)
+ALPHA_POOLS = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools"
 OBJECTIVES = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives"
 
 
@@ -53,8 +55,8 @@ class FakeKube:
         self.events: list[tuple[int, str, str, str, Any]] = []  # (version, kind, ns, type or RAW, object)
         self.compacted = 0  # watches from an older version get 410
         self.generation = 0  # bumping it ends every open watch (the server closing streams)
-        self.lists: dict[str, int] = {"pods": 0, "pools": 0, "objectives": 0}
-        self.watches: dict[str, int] = {"pods": 0, "pools": 0, "objectives": 0}
+        self.lists: dict[str, int] = {"pods": 0, "pools": 0, "alphapools": 0, "objectives": 0}
+        self.watches: dict[str, int] = {"pods": 0, "pools": 0, "alphapools": 0, "objectives": 0}
         self.objectives_installed = True  # False: the InferenceObjective CRD is absent (404)
         self.unauthorized = 0
         self.tokens_seen: list[str] = []  # the bearer token of every request, accepted or not
@@ -91,6 +93,14 @@ class FakeKube:
                 "spec": {"selector": {"matchLabels": labels}, "targetPorts": [{"number": p} for p in ports],
                          "endpointPickerRef": {"kind": "Service", "name": "picker", "port": {"number": 9002}}}}
         await self._put("pools", namespace, name, pool)
+
+    async def put_alpha_pool(self, namespace: str, name: str, labels: dict[str, str], port: int) -> None:
+        """The older alpha InferencePool: a plain label map and one targetPortNumber."""
+        pool = {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferencePool",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"selector": labels, "targetPortNumber": port,
+                         "extensionRef": {"name": "picker"}}}
+        await self._put("alphapools", namespace, name, pool)
 
     async def put_objective(self, namespace: str, name: str, pool: str, priority: int | None) -> None:
         spec: dict[str, Any] = {"poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool",
@@ -145,6 +155,8 @@ class FakeKube:
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._pods)
         app.router.add_get(POOLS.format(ns="{ns}"), self._pools)
         app.router.add_get(POOLS.format(ns="{ns}") + "/{name}", self._pool)
+        app.router.add_get(ALPHA_POOLS.format(ns="{ns}"), self._alpha_pools)
+        app.router.add_get(ALPHA_POOLS.format(ns="{ns}") + "/{name}", self._pool)
         app.router.add_get(OBJECTIVES.format(ns="{ns}"), self._objectives)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
@@ -195,6 +207,9 @@ class FakeKube:
     async def _pools(self, request: web.Request) -> web.StreamResponse:
         return await self._collection(request, "pools")
 
+    async def _alpha_pools(self, request: web.Request) -> web.StreamResponse:
+        return await self._collection(request, "alphapools")
+
     async def _objectives(self, request: web.Request) -> web.StreamResponse:
         if not self.objectives_installed:
             self.objective_misses += 1
@@ -206,7 +221,8 @@ class FakeKube:
         if refusal is not None:
             return refusal
         self.pool_gets += 1
-        obj = self.objects.get(("pools", request.match_info["ns"], request.match_info["name"]))
+        kind = "alphapools" if request.path.startswith("/apis/inference.networking.x-k8s.io/") else "pools"
+        obj = self.objects.get((kind, request.match_info["ns"], request.match_info["name"]))
         if obj is None:
             return web.json_response(_status(404, "inferencepools not found"), status=404)
         return web.json_response(obj)

@@ -208,10 +208,24 @@ def test_no_cluster_and_no_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
 
 def discovery(kube: FakeKube, pool: EndpointPool, *, token: str | None = None, pool_name: str = "llama",
               selector: str = "", ports: tuple[int, ...] = (), api: KubeApi | None = None,
-              backoff: Backoff | None = None) -> KubernetesDiscovery:
+              backoff: Backoff | None = None, pool_group: str = "inference.networking.k8s.io"
+              ) -> KubernetesDiscovery:
     api = api or KubeApi(KubeConfig(kube.url, NS, kube.token if token is None else token))
     return KubernetesDiscovery(api, pool, NS, pool_name=pool_name, selector=selector, ports=ports,
-                               retry_max=0.2, backoff=backoff)
+                               retry_max=0.2, backoff=backoff, pool_group=pool_group)
+
+
+async def test_the_older_alpha_inference_pool_is_read_with_its_pool_group(kube: FakeKube) -> None:
+    """--pool-group inference.networking.x-k8s.io (the reference's flag): GIE's v1alpha2 InferencePool, a plain
+    label map and one targetPortNumber; the v1 pool of the same name is not the one read."""
+    await kube.put_alpha_pool(NS, "llama", LABELS, 8000)
+    await kube.put_pool(NS, "llama", {"app": "someone-else"}, [9000])
+    await kube.put_pod(NS, "vllm-0", "10.1.0.1", LABELS)
+    pool = EndpointPool()
+    async with running(discovery(kube, pool, pool_group="inference.networking.x-k8s.io"), synced=True):
+        assert addresses(pool) == {"10.1.0.1:8000"}
+    with pytest.raises(ValueError, match="pool group"):
+        discovery(kube, EndpointPool(), pool_group="example.com")
 
 
 async def test_inference_pool_pods_follow_readiness_additions_and_deletions(kube: FakeKube) -> None:

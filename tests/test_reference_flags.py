@@ -35,7 +35,8 @@ def test_the_reference_args_parse_and_map() -> None:
     assert config.log_format == "json" and config.log_level == "INFO" and not config.secure_serving
     assert config.metrics_slow_interval == 2.0 and config.drain_timeout == 1.0  # --config-text, --drain-timeout
     warned = reference_flags.notes(reference_flags.given(args))
-    assert [n.split("=", 1)[0] for n in warned] == ["--ha-enable-leader-election", "--pool-group"]
+    assert [n.split("=", 1)[0] for n in warned] == ["--ha-enable-leader-election"]
+    assert config.pool_group == "inference.networking.k8s.io"  # ours now: the InferencePool's API group
     assert config.metrics_target.url(Endpoint.from_address("10.0.0.1:8000")) == "http://10.0.0.1:8000/metrics"
     target = resolve(parse("--model-server-metrics-port", "9400", "--model-server-metrics-scheme", "https",
                            "--model-server-metrics-path", "/stats")).metrics_target
@@ -78,4 +79,4 @@ def test_a_reference_deployments_args_run_through_envoy() -> None:
         lines = [line for line in picker.process.log().splitlines() if line.startswith("{")]
         entries = [json.loads(line) for line in lines]  # --zap-encoder json: one JSON object per log line
         warnings = [e["msg"] for e in entries if e["level"] == "warning" and "reference picker flag" in e["msg"]]
-        assert len(warnings) == 2 and any("--ha-enable-leader-election" in w for w in warnings), warnings
+        assert len(warnings) == 1 and "--ha-enable-leader-election" in warnings[0], warnings

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
+# InferencePool API groups (the reference picker's --pool-group) and the version read of each
+POOL_VERSIONS = {POOL_GROUP: POOL_VERSION, "inference.networking.x-k8s.io": "v1alpha2"}
 OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective is alpha in GIE
 OBJECTIVE_VERSION = "v1alpha2"
 RESTART_FLOOR_S = 1.0  # a pool that changes sooner than this after we started following it waits a backoff first
@@ -89,7 +91,7 @@ class KubernetesDiscovery:
 
     def __init__(self, api: KubeApi, pool: EndpointPool, namespace: str, *, pool_name: str = "",
                  selector: str = "", ports: tuple[int, ...] = (), retry_max: float = 10.0,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, pool_group: str = POOL_GROUP) -> None:
         if bool(pool_name) == bool(selector):
             raise ValueError("discover by an InferencePool name or by a label selector, exactly one")
         if selector and not ports:
@@ -98,6 +100,9 @@ class KubernetesDiscovery:
         self.pool = pool
         self.namespace = namespace
         self.pool_name = pool_name
+        if pool_group not in POOL_VERSIONS:
+            raise ValueError(f"pool group {pool_group!r}: one of {', '.join(POOL_VERSIONS)}")
+        self.pool_group = pool_group
         self.fixed = PoolSpec(selector, ports) if selector else None
         self.backoff = backoff or Backoff(min(0.2, retry_max), retry_max)
         self.synced = asyncio.Event()  # set after the first successful pod list
@@ -108,7 +113,8 @@ class KubernetesDiscovery:
 
     @property
     def _pools_path(self) -> str:
-        return f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{quote(self.namespace)}/inferencepools"
+        version = POOL_VERSIONS[self.pool_group]
+        return f"/apis/{self.pool_group}/{version}/namespaces/{quote(self.namespace)}/inferencepools"
 
     def describe(self) -> str:
         if self.fixed is not None:
@@ -271,4 +277,5 @@ def discovery_from_config(config: ServeConfig, pool: EndpointPool) -> Kubernetes
     if config.discovery == "selector":
         return KubernetesDiscovery(KubeApi(kube), pool, namespace, selector=config.endpoint_selector,
                                    ports=tuple(parse_ports(config.endpoint_target_ports)))
-    return KubernetesDiscovery(KubeApi(kube), pool, namespace, pool_name=config.pool_name)
+    return KubernetesDiscovery(KubeApi(kube), pool, namespace, pool_name=config.pool_name,
+                               pool_group=config.pool_group)

@@ -33,7 +33,8 @@ class PoolSpec:
 
 
 def pool_spec(pool: Mapping[str, Any]) -> PoolSpec:
-    """InferencePool v1: spec.selector.matchLabels, spec.targetPorts[].number (else MalformedObject)."""
+    """InferencePool v1: spec.selector.matchLabels, spec.targetPorts[].number; the older v1alpha2: a plain label
+    map and spec.targetPortNumber (else MalformedObject)."""
     spec = pool.get("spec") or {}
     if not isinstance(spec, dict):
         raise MalformedObject("InferencePool spec is not a mapping")
@@ -46,6 +47,8 @@ def pool_spec(pool: Mapping[str, Any]) -> PoolSpec:
     if not query:
         raise MalformedObject("InferencePool has no spec.selector.matchLabels")
     targets = spec.get("targetPorts") or []
+    if not targets and "targetPortNumber" in spec:  # v1alpha2
+        targets = [{"number": spec["targetPortNumber"]}]
     if not isinstance(targets, list):
         raise MalformedObject("InferencePool spec.targetPorts is not a list")
     ports = []
