@@ -98,6 +98,7 @@ class ServeConfig(Section):
     drain_timeout: Duration = Field(2.0, ge=0)  # how long a stopping picker lets open streams finish
     otlp_endpoint: str = ""
     enable_grpc_stream_metrics: bool = False  # llm_d_epp_extproc_* series: streams open, their durations and ends
+    metrics_deprecated_names: bool = True  # also export each series under its deprecated GIE name
     index_backend: Literal["memory", "redis"] = "memory"
     redis_url: str = ""
     index_namespace: str = ""
@@ -236,6 +237,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--enable-grpc-stream-metrics", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="export the ext_proc streams open, their durations and how they ended (llm_d_epp_extproc_*, as the "
       "reference picker's flag; default false)")
+    a("--metrics-deprecated-names", type=parse_bool, nargs="?", const=True, metavar="BOOL",
+      help="also export every series under its deprecated GIE name (inference_objective_*, inference_pool_*, "
+      "inference_extension_*), as the reference picker does; false: only the current llm_d_epp_* names "
+      "(default true)")
     a("--otlp-endpoint", help="OTLP/HTTP collector for traces (e.g. http://127.0.0.1:4318); empty disables")
     a("--index-backend", choices=("memory", "redis"),
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")

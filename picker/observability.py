@@ -160,7 +160,8 @@ class PickerMetrics:
     emitted under its deprecated GIE name (picker.metric_twins) so existing dashboards keep working."""
 
     def __init__(self, pool_name: str = "default", registry: CollectorRegistry | None = None,
-                 models: Iterable[str] = (), namespace: str = "", stream_metrics: bool = False) -> None:
+                 models: Iterable[str] = (), namespace: str = "", stream_metrics: bool = False,
+                 deprecated_names: bool = True) -> None:
         self.registry = registry or CollectorRegistry()
         self.pool_name = pool_name
         self.namespace = namespace
@@ -305,7 +306,9 @@ class PickerMetrics:
             "ntpot": self.ntpot, "ttft": self.ttft, "streaming_tpot": self.streaming_tpot,
             "streaming_itl": self.streaming_itl}
         r.register(_InFlightCollector(self))
-        r.register(TwinCollector(self._twins()))
+        self.deprecated_names = deprecated_names  # also emit each series under its deprecated GIE name
+        if deprecated_names:
+            r.register(TwinCollector(self._twins()))
 
     def _twins(self) -> list[Twin]:
         """The deprecated names the reference still emits for these series, with the labels they had."""
@@ -544,6 +547,8 @@ class FlowSeries(Collector):
                                  "Time to queue a request, by outcome.", ["fairness_id", "priority", "outcome"],
                                  buckets=_SCHEDULER_BUCKETS, registry=r)
         r.register(self)
+        if not metrics.deprecated_names:
+            return
         metrics.registry.register(TwinCollector([
             Twin("inference_extension_flow_control_request_queue_duration_seconds", self.queue_duration,
                  ("fairness_id", "priority", "outcome", "inference_pool", "model_name", "target_model_name")),

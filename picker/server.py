@@ -106,7 +106,8 @@ class PickerServer:
     async def start(self) -> None:
         c = self.config
         self.metrics = PickerMetrics(c.pool_label, models=(*c.scheduling.models.base, *c.scheduling.models.adapters),
-                                     namespace=c.pool_namespace, stream_metrics=c.enable_grpc_stream_metrics)
+                                     namespace=c.pool_namespace, stream_metrics=c.enable_grpc_stream_metrics,
+                                     deprecated_names=c.metrics_deprecated_names)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view

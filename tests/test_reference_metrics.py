@@ -231,3 +231,32 @@ def test_the_series_count_what_happened(scraped: dict[str, set[str]]) -> None:
     assert t["llm_d_epp_extproc_streams_total"] == 21  # one stream per request, each ended
     assert t["llm_d_epp_flow_control_queue_size"] == 2  # the two queued at the scrape
     assert t["llm_d_epp_flow_control_requests_total"] == 20  # dispatched at once (the bad body never got there)
+
+
+def test_the_deprecated_names_can_be_turned_off() -> None:
+    names = {f.name for f in PickerMetrics(deprecated_names=False).registry.collect()}
+    assert "llm_d_epp_request" in names and "llm_d_epp_info" in names
+    assert not {n for n in names if n.startswith(("inference_", "llm_d_inference_scheduler_"))}
+    on = {f.name for f in PickerMetrics().registry.collect()}
+    assert "inference_extension_info" in on and "inference_objective_request" in on
+
+
+def test_a_picker_without_deprecated_names_serves_only_the_current_ones_through_envoy() -> None:
+    with process_scope("current-names") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--metrics-deprecated-names=false"])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, backends.addresses)
+        started.append(envoy.process)
+        request = urllib.request.Request(envoy.url + "/v1/completions", data=b'{"model": "tiny", "prompt": "x"}',
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+        url = f"http://{picker.host}:{picker.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            families = list(text_string_to_metric_families(response.read().decode()))
+    names = {f.name for f in families}
+    assert not {n for n in names if n.startswith(("inference_", "llm_d_inference_scheduler_"))}, names
+    assert sum(s.value for f in families if f.name == "llm_d_epp_request" for s in f.samples
+               if s.name.endswith("_total")) == 1
