@@ -16,6 +16,7 @@ from picker.admission import Priorities
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowController
+from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics, ResponseTrace
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
@@ -73,6 +74,7 @@ class Director:
         tracer: DecisionTracer | None = None,
         chars_per_token: int = CHARS_PER_TOKEN,
         flow: FlowController | None = None,
+        models: ModelServing | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -84,6 +86,7 @@ class Director:
         self.tracer = tracer
         self.chars_per_token = chars_per_token  # the scheduling config's prefixCache.charsPerToken
         self.flow = flow  # flow control: queues what the pool has no room for (replaces the bounded wait)
+        self.models = models if models is not None else ModelServing()  # which pods serve which model
         pool.subscribe(self._pool_changed)
 
     def _pool_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
@@ -105,6 +108,9 @@ class Director:
                 raise RequestError(503, "no_endpoints", "no ready endpoint matches the subset hint "
                                    f"({', '.join(request.subset) or 'empty'})")
             raise RequestError(503, "no_endpoints", "no ready endpoints in the pool")
+        model = request.target_model or request.model
+        if request.has_body and model:
+            return self.models.pods_for(model, candidates)
         return candidates
 
     def rank(self, request: InferenceRequest, now: float) -> SchedulingResult:

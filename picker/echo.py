@@ -58,14 +58,17 @@ def make_app(address: str) -> web.Application:
 
     # What /metrics reports, in vLLM 0.32 names; tests set it with POST /test/metrics.
     state: dict[str, Any] = {"waiting": 0, "running": 0, "kv": 0.0, "block_size": 16, "num_gpu_blocks": 4096,
-                             "max_lora": 4, "running_loras": [], "waiting_loras": [], "down": False}
+                             "max_lora": 4, "running_loras": [], "waiting_loras": [], "down": False,
+                             "models": ["tiny"]}
 
     async def metrics(request: web.Request) -> web.Response:
         if state["down"]:
             return web.Response(status=503, text="down")
-        labels = 'engine="0",model_name="tiny"'
+        labels = f'engine="0",model_name="{state["models"][0]}"'
+        more = "".join(f'vllm:num_requests_running{{engine="{i}",model_name="{m}"}} 0.0\n'
+                       for i, m in enumerate(state["models"][1:], start=1))  # an engine per further model
         return web.Response(text=(
-            f"vllm:num_requests_running{{{labels}}} {float(state['running'])}\n"
+            f"vllm:num_requests_running{{{labels}}} {float(state['running'])}\n{more}"
             f"vllm:num_requests_waiting{{{labels}}} {float(state['waiting'])}\n"
             f"vllm:kv_cache_usage_perc{{{labels}}} {float(state['kv'])}\n"
             f'vllm:cache_config_info{{block_size="{state["block_size"]}",enable_prefix_caching="True",'

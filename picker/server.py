@@ -30,6 +30,7 @@ from picker.endpoints.kubernetes import KubernetesDiscovery, discovery_from_conf
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.extproc.servicer import ExtProcServicer
 from picker.logformat import configure_logging
+from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics
 from picker.policy import build_flow_control, build_policy, start_monitor
 from picker.tls import certificate_hosts, server_credentials
@@ -124,7 +125,7 @@ class PickerServer:
         self.director = Director(self.pool, self.scheduler, admission=policy.admission,
                                  priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
                                  tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,
-                                 flow=self.flow)
+                                 flow=self.flow, models=ModelServing(c.scheduling.models.adapters))
         flow = self.flow
         wake = (lambda _endpoint: flow.kick()) if flow is not None else None
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics, on_metrics=wake))

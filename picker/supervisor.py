@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import shutil
 import signal
@@ -125,6 +126,14 @@ def start_backends(count: int, logdir: Path, name: str = "backends") -> Backends
     for address in addresses:
         wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 20, f"backend {address}", process.proc)
     return Backends(addresses, process)
+
+
+def set_echo_metrics(address: str, **state: object) -> None:
+    """Set what an echo pod (`picker.echo`) reports on /metrics: waiting, running, kv, models, max_lora, ..."""
+    request = urllib.request.Request(f"http://{address}/test/metrics", data=json.dumps(state).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        response.read()
 
 
 def start_sim(pods: int, logdir: Path, *, model: str | None = None, time_scale: float = 1.0,

@@ -14,6 +14,7 @@ from picker.supervisor import (
     Picker,
     Valkey,
     process_scope,
+    set_echo_metrics,
     start_backends,
     start_envoy,
     start_picker,
@@ -52,9 +53,13 @@ def stack() -> Iterator[Stack]:
         endpoints_file = logdir / "endpoints.yaml"
         endpoints_file.write_text("".join(f"- {a}\n" for a in backends.addresses))
         # Metric labels carry only models the pool serves (the echo pods report "tiny") or configured ones: the
-        # metrics tests give their requests models of their own, to tell their series apart.
+        # metrics tests give their requests models of their own, to tell their series apart, which the pods serve
+        # too (a request for a model no pod serves is 404).
+        models = ["metrics-model", "usage-model", "gauge-model"]
+        for address in backends.addresses:
+            set_echo_metrics(address, models=["tiny", *models])
         config = logdir / "picker.yaml"
-        config.write_text("scheduling:\n  models:\n    base: [metrics-model, usage-model, gauge-model]\n")
+        config.write_text(f"scheduling:\n  models:\n    base: [{', '.join(models)}]\n")
         picker = start_picker(logdir, endpoints_file=endpoints_file,
                               extra=["--max-body-bytes", "10Mi", "--config-file", str(config)])
         started.append(picker.process)

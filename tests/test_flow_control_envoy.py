@@ -5,9 +5,7 @@ that outwaits the queue TTL gets 503 with the reference's reason header, and not
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,6 +18,7 @@ from picker.supervisor import (
     Envoy,
     Picker,
     process_scope,
+    set_echo_metrics,
     start_backends,
     start_envoy,
     start_picker,
@@ -50,9 +49,7 @@ def flow() -> Iterator[FlowStack]:
 
 
 def set_pod(stack: FlowStack, **state: object) -> None:
-    request = urllib.request.Request(f"http://{stack.backends.addresses[0]}/test/metrics",
-                                     data=json.dumps(state).encode(), headers={"content-type": "application/json"})
-    urllib.request.urlopen(request, timeout=5).read()
+    set_echo_metrics(stack.backends.addresses[0], **state)
 
 
 async def series(stack: FlowStack) -> dict[str, float]:

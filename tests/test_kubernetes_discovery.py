@@ -335,7 +335,7 @@ def test_discovery_mode_comes_from_the_flags(tmp_path: Path) -> None:
 # Through real Envoy: a picker process discovers an InferencePool's pods from the API server ---------------------
 
 def _served_by(envoy: Envoy, text: str) -> str:
-    body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": text}]}).encode()
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text}]}).encode()
     request = urllib.request.Request(f"{envoy.url}/v1/chat/completions", data=body,
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as response:
@@ -514,7 +514,7 @@ def test_envoy_sheds_by_the_priority_an_inference_objective_declares(tmp_path: P
                                                       headers={"content-type": "application/json"}), timeout=5)
 
         def status(objective: str) -> int:
-            body = json.dumps({"model": "llama", "prompt": "hello"}).encode()
+            body = json.dumps({"model": "tiny", "prompt": "hello"}).encode()
             request = urllib.request.Request(f"{envoy.url}/v1/completions", data=body, headers={
                 "content-type": "application/json", "x-gateway-inference-objective": objective})
             try:

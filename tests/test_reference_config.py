@@ -155,7 +155,7 @@ def test_the_charts_args_and_default_config_route_through_envoy(tmp_path: Path) 
         started.append(envoy.process)
         served = {_served_by(envoy, f"question {i} " * 40) for i in range(6)}
         assert served <= set(addresses) and served
-        body = json.dumps({"model": "llama", "prompt": "question 1 " * 40})
+        body = json.dumps({"model": "tiny", "prompt": "question 1 " * 40})
         explained = subprocess.run([sys.executable, "-m", "picker", "explain", "--target", picker.target,
                                     "--plaintext", "--path", "/v1/completions", "--body", body, "--json"],
                                    capture_output=True, text=True, timeout=30, check=True)

@@ -5,7 +5,6 @@ not have, listed below with the reason."""
 from __future__ import annotations
 
 import asyncio
-import json
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -19,6 +18,7 @@ from picker.supervisor import (
     Envoy,
     Picker,
     process_scope,
+    set_echo_metrics,
     start_backends,
     start_envoy,
     start_picker,
@@ -121,6 +121,8 @@ def scraped() -> Iterator[dict[str, set[str]]]:
     with process_scope("reference-metrics") as (logdir, started):
         backends = start_backends(2, logdir)
         started.append(backends.process)
+        for address in backends.addresses:  # the rewrite's target is a model the pods serve too
+            set_echo_metrics(address, models=["tiny", "tiny-v2"])
         picker = start_picker(logdir, endpoints=backends.addresses, extra=[
             "--enable-grpc-stream-metrics", "--config-text", "admission: {flowControl: {enabled: true}}"])
         started.append(picker.process)
@@ -144,9 +146,7 @@ async def _send(envoy: Envoy) -> None:
 
 def _set_pods(pods: list[str], waiting: int) -> None:
     for pod in pods:
-        request = urllib.request.Request(f"http://{pod}/test/metrics", data=json.dumps({"waiting": waiting}).encode(),
-                                         headers={"content-type": "application/json"})
-        urllib.request.urlopen(request, timeout=5).read()
+        set_echo_metrics(pod, waiting=waiting)
 
 
 async def _scrape_while_queued(envoy: Envoy, pods: list[str], scrape: Callable[[], str], picker: Picker) -> str:

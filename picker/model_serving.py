@@ -1,0 +1,48 @@
+"""Which pods serve which model: a pool may serve several base models (and LoRA adapters on top of them), so a
+request goes only to pods that serve the model it names.
+
+What a pod serves comes from its own metrics: the `model_name` label of its series (its base model or models) and
+the adapters `vllm:lora_requests_info` lists as running or waiting. A pod whose metrics report no model yet (never
+scraped, or an engine that does not label its series) is not ruled out: nothing is known against it. An adapter
+configured in `scheduling.models.adapters` that no pod runs yet may be loaded by any pod with LoRA slots
+(`max_lora` > 0). A model nothing serves is a 404 `model_not_found` from the picker, as vLLM itself would answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from picker.endpoints.state import Endpoint
+from picker.requests import RequestError
+
+
+def serves(endpoint: Endpoint, model: str) -> bool:
+    m = endpoint.metrics
+    return model in m.models or model in m.running_loras or model in m.waiting_loras
+
+
+class ModelServing:
+    def __init__(self, adapters: Iterable[str] = ()) -> None:
+        self.adapters = frozenset(adapters)
+
+    def pods_for(self, model: str, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """The candidates that serve `model` (or may: nothing known against them); RequestError 404 for none."""
+        out = [e for e in candidates if not e.metrics.models or serves(e, model)]
+        if len(out) == len(candidates):
+            return candidates  # every pod serves it, or reports nothing against it (a single-model pool, unscraped)
+        if out:
+            return out
+        if model in self.adapters:
+            loadable = [e for e in candidates if e.metrics.max_lora > 0]
+            if loadable:
+                return loadable
+        raise RequestError(404, "model_not_found", f"no ready pod serves model {model!r} (served: "
+                           f"{', '.join(self.served(candidates)) or 'none reported'})")
+
+    def served(self, endpoints: Iterable[Endpoint]) -> list[str]:
+        """Every model and adapter the pods report, and the configured adapters: what `/v1/models` lists."""
+        names: set[str] = set(self.adapters)
+        for e in endpoints:
+            m = e.metrics
+            names.update(m.models, m.running_loras, m.waiting_loras)
+        return sorted(names)

@@ -1,0 +1,48 @@
+"""Which pods serve which model: only those a request's model is served by, pods that report nothing are not
+ruled out, configured adapters may load where LoRA slots exist, and a model nothing serves is 404."""
+
+from __future__ import annotations
+
+import pytest
+
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.model_serving import ModelServing
+from picker.requests import RequestError
+
+
+def pod(i: int, models: tuple[str, ...] = (), loras: tuple[str, ...] = (), max_lora: int = 0) -> Endpoint:
+    e = Endpoint.from_address(f"10.0.0.{i}:8000")
+    e.metrics = EndpointMetrics(models=frozenset(models), running_loras=frozenset(loras), max_lora=max_lora)
+    return e
+
+
+def test_requests_go_only_to_pods_that_serve_their_model() -> None:
+    llama, qwen, qwen_lora = pod(1, ("llama",)), pod(2, ("qwen",)), pod(3, ("qwen",), ("sql-lora",), max_lora=2)
+    pool = [llama, qwen, qwen_lora]
+    serving = ModelServing()
+    assert serving.pods_for("llama", pool) == [llama]
+    assert serving.pods_for("qwen", pool) == [qwen, qwen_lora]
+    assert serving.pods_for("sql-lora", pool) == [qwen_lora]
+    with pytest.raises(RequestError) as missing:
+        serving.pods_for("mistral", pool)
+    assert (missing.value.status, missing.value.code) == (404, "model_not_found")
+    assert "llama, qwen, sql-lora" in missing.value.message
+    assert serving.served(pool) == ["llama", "qwen", "sql-lora"]
+
+
+def test_pods_that_report_nothing_are_not_ruled_out() -> None:
+    unscraped, llama = pod(1), pod(2, ("llama",))
+    serving = ModelServing()
+    nobody = [unscraped, pod(3)]
+    assert serving.pods_for("anything", nobody) is nobody  # no pod reports models: a single-model pool
+    both = [unscraped, llama]
+    assert serving.pods_for("llama", both) is both  # nothing known against either: the list as it is
+    assert serving.pods_for("qwen", both) == [unscraped]
+
+
+def test_a_configured_adapter_may_load_where_lora_slots_are() -> None:
+    base, lora_ready = pod(1, ("llama",)), pod(2, ("llama",), max_lora=4)
+    assert ModelServing(adapters=["new-adapter"]).pods_for("new-adapter", [base, lora_ready]) == [lora_ready]
+    with pytest.raises(RequestError):
+        ModelServing().pods_for("new-adapter", [base, lora_ready])  # not configured: nothing says it exists
+    assert ModelServing(adapters=["new-adapter"]).served([base]) == ["llama", "new-adapter"]
