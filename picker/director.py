@@ -113,6 +113,10 @@ class Director:
             return self.models.pods_for(model, candidates)
         return candidates
 
+    def models_listing(self) -> bytes | None:
+        """`GET /v1/models` for the ready pool (the union of what its pods serve); None: let a pod answer."""
+        return self.models.listing(self.pool.ready())
+
     def rank(self, request: InferenceRequest, now: float) -> SchedulingResult:
         """Schedule without side effects on the index or counters (used by Explain)."""
         candidates = self.candidates(request)

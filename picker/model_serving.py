@@ -6,10 +6,13 @@ the adapters `vllm:lora_requests_info` lists as running or waiting. A pod whose 
 scraped, or an engine that does not label its series) is not ruled out: nothing is known against it. An adapter
 configured in `scheduling.models.adapters` that no pod runs yet may be loaded by any pod with LoRA slots
 (`max_lora` > 0). A model nothing serves is a 404 `model_not_found` from the picker, as vLLM itself would answer.
+`GET /v1/models` through the gateway is answered by the picker with the union of what the pool serves (a pod
+would list only its own models).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 from picker.endpoints.state import Endpoint
@@ -39,6 +42,12 @@ class ModelServing:
         raise RequestError(404, "model_not_found", f"no ready pod serves model {model!r} (served: "
                            f"{', '.join(self.served(candidates)) or 'none reported'})")
 
+    def listing(self, endpoints: Sequence[Endpoint]) -> bytes | None:
+        """The body of `GET /v1/models` for the pool; None while no pod reports its models (a pod answers)."""
+        if not any(e.metrics.models for e in endpoints):
+            return None
+        return models_listing(self.served(endpoints))
+
     def served(self, endpoints: Iterable[Endpoint]) -> list[str]:
         """Every model and adapter the pods report, and the configured adapters: what `/v1/models` lists."""
         names: set[str] = set(self.adapters)
@@ -46,3 +55,9 @@ class ModelServing:
             m = e.metrics
             names.update(m.models, m.running_loras, m.waiting_loras)
         return sorted(names)
+
+
+def models_listing(models: list[str]) -> bytes:
+    """`GET /v1/models` as OpenAI shapes it, for the models a pool serves."""
+    return json.dumps({"object": "list", "data": [
+        {"id": name, "object": "model", "owned_by": "picker"} for name in models]}).encode()

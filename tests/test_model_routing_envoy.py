@@ -1,6 +1,6 @@
 """A pool serving two models through real Envoy: every request lands on a pod that serves its model, an adapter
-on the pod running it, a model nothing serves is the picker's 404 `model_not_found`, and a pod that swaps its model
-is followed once a scrape shows it."""
+on the pod running it, a model nothing serves is the picker's 404 `model_not_found`, `GET /v1/models` lists the
+pool's union, and a pod that swaps its model is followed once a scrape shows it."""
 
 from __future__ import annotations
 
@@ -63,6 +63,8 @@ async def test_each_model_goes_only_to_its_pods_and_an_unknown_one_is_404(two_mo
                                          for i in range(20) for model in ("llama", "qwen")))
         lora = [await served_by(session, two_models.envoy, "sql-lora", f"lora {i}") for i in range(5)]
         status, error = await served_by(session, two_models.envoy, "mistral", "nobody serves me")
+        async with session.get(two_models.envoy.url + "/v1/models") as response:
+            listed = await response.json()
     by_model: dict[str, set[object]] = {"llama": set(), "qwen": set()}
     for (code, pod), model in zip(results, [m for _ in range(20) for m in ("llama", "qwen")], strict=True):
         assert code == 200
@@ -71,6 +73,7 @@ async def test_each_model_goes_only_to_its_pods_and_an_unknown_one_is_404(two_mo
     assert {pod for _, pod in lora} == {two_models.pods.addresses[3]}
     assert status == 404 and error["error"]["code"] == "model_not_found"  # type: ignore[index]
     assert "llama, qwen, sql-lora" in error["error"]["message"]  # type: ignore[index]
+    assert [m["id"] for m in listed["data"]] == ["llama", "qwen", "sql-lora"]  # the pool's union
 
 
 async def test_a_pod_that_swaps_its_model_is_followed(two_models: TwoModels) -> None:

@@ -46,3 +46,14 @@ def test_a_configured_adapter_may_load_where_lora_slots_are() -> None:
     with pytest.raises(RequestError):
         ModelServing().pods_for("new-adapter", [base, lora_ready])  # not configured: nothing says it exists
     assert ModelServing(adapters=["new-adapter"]).served([base]) == ["llama", "new-adapter"]
+
+
+def test_the_models_listing_is_the_pools_union_once_pods_report_models() -> None:
+    import json
+    assert ModelServing().listing([pod(1), pod(2)]) is None  # nothing reported: a pod answers /v1/models
+    listing = ModelServing(adapters=["later"]).listing([pod(1, ("llama",)), pod(2, ("qwen",), ("sql",))])
+    assert listing is not None
+    body = json.loads(listing)
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"]) for m in body["data"]] == [
+        ("later", "model"), ("llama", "model"), ("qwen", "model"), ("sql", "model")]

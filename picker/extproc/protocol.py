@@ -126,6 +126,12 @@ def error_body(status: int, code: str, message: str) -> bytes:
 
 def immediate(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
     """Answer the client directly (no upstream), with a JSON body explaining why."""
+    return immediate_json(status, error_body(status, code, message), f"picker_{code}", headers)
+
+
+def immediate_json(status: int, body: bytes, details: str, headers: dict[str, str] | None = None
+                   ) -> pb.ProcessingResponse:
+    """Answer the client directly with a JSON body (an error, or what the picker itself answers)."""
     mutation = pb.HeaderMutation(set_headers=[header_option("content-type", "application/json")])
     if headers:
         mutation.set_headers.extend(header_option(k, v) for k, v in headers.items())
@@ -133,7 +139,7 @@ def immediate(status: int, code: str, message: str, headers: dict[str, str] | No
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
             headers=mutation,
-            body=error_body(status, code, message),
-            details=f"picker_{code}",
+            body=body,
+            details=details,
         )
     )

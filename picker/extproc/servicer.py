@@ -59,6 +59,9 @@ def _subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
     return ()
 
 
+MODELS_PATH = "/v1/models"
+
+
 class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
@@ -142,6 +145,11 @@ class _Stream:
         except RequestError as err:
             return [self._reject(err)]
         if api is None:
+            if headers.get(":method", "GET").upper() == "GET" and headers.get(":path", "").split("?", 1)[0] == MODELS_PATH:
+                listing = self.director.models_listing()
+                if listing is not None:  # the pool's union: a pod would list only its own
+                    self.phase = "done"
+                    return [p.immediate_json(200, listing, "picker_models")]
             return [await self._route(b"", by_headers=True)]
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
