@@ -22,6 +22,7 @@ class ApiKind(enum.Enum):
     RESPONSES = "responses"
     EMBEDDINGS = "embeddings"
     CONVERSATIONS = "conversations"
+    MESSAGES = "messages"  # Anthropic's Messages API, which vLLM serves too
 
 
 # Longest suffix first so "/chat/completions" is not taken for "/completions".
@@ -31,6 +32,7 @@ _PATH_SUFFIXES: tuple[tuple[str, ApiKind], ...] = (
     ("/responses", ApiKind.RESPONSES),
     ("/embeddings", ApiKind.EMBEDDINGS),
     ("/conversations", ApiKind.CONVERSATIONS),
+    ("/messages", ApiKind.MESSAGES),
 )
 
 
@@ -106,7 +108,7 @@ def route_kind(headers: dict[str, str], has_body: bool) -> ApiKind | None:
     if api is None:
         raise RequestError(404, "unknown_path", f"path {path.split('?', 1)[0]!r} is not an inference API this "
                            "picker routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, "
-                           "/v1/conversations)")
+                           "/v1/conversations, /v1/messages)")
     return api
 
 
@@ -263,6 +265,13 @@ def prompt_of(data: dict[str, Any], api: ApiKind) -> str:
         if "input" not in data:
             raise RequestError(400, "missing_input", "embeddings request has no 'input'")
         return _prompt_text(data["input"])
+    if api is ApiKind.MESSAGES:
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "missing_messages", "messages request has no 'messages' list")
+        system = data.get("system")  # a string or text blocks, ahead of the turns as a chat template puts it
+        turns = [{"role": "system", "content": system}, *messages] if system else messages
+        return render_messages(turns, data.get("tools"))
     # Conversations carry items, not a prompt: route on the model alone.
     return ""
 

@@ -35,6 +35,7 @@ async def post(envoy: Envoy, path: str, payload: object, headers: dict[str, str]
 @pytest.mark.parametrize("path,payload", [
     (CHAT, chat_body()),
     (COMPLETIONS, {"model": "tiny", "prompt": "Once upon a time"}),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}),
 ])
 async def test_request_lands_on_the_picked_endpoint(envoy: Envoy, stack: Stack, path: str,
                                                     payload: dict[str, object]) -> None:
@@ -142,3 +143,17 @@ async def test_in_flight_counts_follow_the_stream_lifecycle(envoy: Envoy, stack:
             break
         await asyncio.sleep(0.05)
     assert not any((await in_flight(stack)).values()), await in_flight(stack)
+
+
+async def test_an_anthropic_conversation_stays_on_the_pod_that_holds_its_prefix(envoy: Envoy, stack: Stack) -> None:
+    system = f"You answer questions about port {envoy.port}. " * 60  # a long shared system prompt
+    turns: list[dict[str, object]] = []
+    served = set()
+    for i in range(4):
+        turns.append({"role": "user", "content": [{"type": "text", "text": f"question {i}"}]})
+        status, body = await post(envoy, "/v1/messages", {"model": "tiny", "max_tokens": 8, "system": system,
+                                                           "messages": turns})
+        assert status == 200, body
+        served.add(body["served_by"])
+        turns.append({"role": "assistant", "content": f"answer {i}"})
+    assert len(served) == 1  # every later turn extends the first one's prefix

@@ -25,9 +25,28 @@ from picker.requests import (
     ("/v1/chat/completions", ApiKind.CHAT), ("/v1/completions?x=1", ApiKind.COMPLETIONS),
     ("/v1/responses", ApiKind.RESPONSES), ("/v1/embeddings/", ApiKind.EMBEDDINGS),
     ("/v1/conversations", ApiKind.CONVERSATIONS), ("/v1/models", None), ("/", None),
+    ("/v1/messages", ApiKind.MESSAGES),
 ])
 def test_api_kind_for_path(path: str, kind: ApiKind | None) -> None:
     assert api_kind_for_path(path) is kind
+
+
+def test_anthropic_messages_share_prefixes_like_chat() -> None:
+    """/v1/messages (Anthropic's API, which vLLM serves): the system prompt, then the turns, as text blocks or
+    strings; a later turn of the same conversation extends the earlier one's text."""
+    system = [{"type": "text", "text": "You are a careful assistant. " * 20}]
+    turn: list[dict[str, object]] = [{"role": "user", "content": "q1"}]
+    first = {"model": "m", "max_tokens": 16, "system": system, "messages": turn}
+    later = {**first, "messages": [*turn, {"role": "assistant", "content": [{"type": "text", "text": "a1"}]},
+                                   {"role": "user", "content": "q2"}]}
+    headers = {":path": "/v1/messages", ":method": "POST"}
+    a = build_request(headers, json.dumps(first).encode(), request_id="a")
+    b = build_request(headers, json.dumps(later).encode(), request_id="b")
+    assert a.api is ApiKind.MESSAGES and a.prompt_text.startswith("<|system|>\nYou are a careful assistant.")
+    assert b.prompt_text.startswith(a.prompt_text.removesuffix("<|end|>\n")) and len(b.prompt_text) > len(a.prompt_text)
+    with pytest.raises(RequestError) as missing:
+        build_request(headers, b'{"model": "m", "max_tokens": 1}', request_id="c")
+    assert missing.value.code == "missing_messages"
 
 
 def test_chat_rendering_is_prefix_stable() -> None:
