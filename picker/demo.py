@@ -60,7 +60,9 @@ def samples(model: str) -> list[Sample]:
                chat("Which metrics matter for autoscaling?", stream=True)),
         Sample("completion, unrelated prompt", "/v1/completions",
                {"model": model, "prompt": "The three laws of thermodynamics are", "max_tokens": 16}),
-        Sample("header-only request", "/v1/models", None, method="GET"),
+        Sample("header-only request", "/version", None, method="GET"),
+        Sample("the pool's models (the picker answers: the union of what its pods serve)", "/v1/models", None,
+               method="GET"),
         Sample("bad request: not JSON", "/v1/chat/completions", b"{oops", expect=400),
         Sample("bad request: unknown path", "/v1/fine_tuning/jobs", {"model": model}, expect=404),
     ]
@@ -91,6 +93,8 @@ def _explain(channel: grpc.Channel, sample: Sample) -> Explained:
     picker's one (seeded) RNG: Explain takes a draw and the routed request the next one, so on a tie the two
     may name different pods even with `--seed 7`. The headline therefore names every tied endpoint, not one."""
     if sample.body is None:
+        if sample.path == "/v1/models":
+            return Explained("not routed: the picker lists the models the pool's pods report")
         return Explained("header-only: least-loaded ready endpoint")
     body = sample.body if isinstance(sample.body, bytes) else json.dumps(sample.body).encode()
     stub = picker_pb2_grpc.PickerStub(channel)
@@ -115,6 +119,12 @@ def _echo_served_by(text: str) -> str:
         if isinstance(data, dict) and isinstance(data.get("served_by"), str):
             return str(data["served_by"])
     return "?"
+
+
+def _model_ids(text: str) -> str:
+    with contextlib.suppress(ValueError, TypeError, KeyError):
+        return ", ".join(str(m["id"]) for m in json.loads(text)["data"])
+    return text[:200]
 
 
 def _served_note(explained: Explained, served: str) -> str:
@@ -221,7 +231,9 @@ def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
             status, pod, text = _send(envoy.url, sample)
             print(f"[{i}] {sample.method} {sample.path}  {sample.title}")
             print("    " + explained.text.replace("\n", "\n    "))
-            if status == 200:
+            if status == 200 and sample.path == "/v1/models" and not pod and _echo_served_by(text) == "?":
+                print(f"    -> 200 answered by the picker: {_model_ids(text)}\n")
+            elif status == 200:
                 served = names.get(pod, pod) or _echo_served_by(text)
                 print(f"    -> 200 served by {served}{_served_note(explained, served)}\n")
             else:

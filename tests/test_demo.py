@@ -59,6 +59,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
     assert out.count("-> 200 served by 127.0.0.1:") == 5, out
+    assert "-> 200 answered by the picker: " in out, out  # GET /v1/models: the pool's union
     assert "-> 400" in out and "invalid_json" in out
     assert "-> 404" in out and "unknown_path" in out
     # The second request shares the first one's system prompt: the index must see the shared blocks.
