@@ -52,7 +52,7 @@ class Decision:
     destination: str
     result: SchedulingResult | None
     tokens: int
-    started_at: float
+    started_at: float  # when the request came (its duration and TTFT are measured from here)
     released: bool = False
 
     @property
@@ -153,13 +153,16 @@ class Director:
         """Route a parsed request in real time: with flow control it waits its turn while the pool has no room;
         without, a standard request in a saturated pool first waits (bounded)."""
         if self.flow is not None:
+            arrived = self.clock()
             request.priority = self.priorities.of(request)
             self.candidates(request)  # no endpoint at all: 503 now, not after a wait
             await self.flow.admit(request)
             try:
-                return self.place(request, self.clock())
+                decision = self.place(request, self.clock())
             finally:
                 self.flow.placed()
+            decision.started_at = arrived  # its duration and first token count the time it queued
+            return decision
         if self.admit(request, self.clock()) and self.admission is not None:
             await self.admission.wait_for_capacity(lambda: self.candidates(request), self.clock)
         return self.place(request, self.clock())

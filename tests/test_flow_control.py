@@ -226,3 +226,28 @@ async def test_room_above_the_standard_ceiling_is_held_back_for_critical_request
     fc.kick()
     await standard
     assert len(fc.queues) == 0
+
+
+async def test_a_queued_requests_duration_counts_from_its_arrival() -> None:
+    import random
+
+    from picker.director import Director
+    from picker.endpoints.pool import EndpointPool
+    from picker.requests import ApiKind
+    from picker.scheduling.config import build_scheduler
+
+    clock = Clock()
+    full = pod(1, waiting=10)
+    pool = EndpointPool()
+    pool.set_endpoints([full])
+    fc = FlowController(FlowSettings(), SaturationThresholds(queue=5, stale=1e9), pool.ready, clock=clock)
+    director = Director(pool, build_scheduler(rng=random.Random(0)), clock=clock, flow=fc)
+    r = request("queued")
+    r.api = ApiKind.COMPLETIONS  # a request with a body (has_body follows the API)
+    routed = asyncio.create_task(director.route(r))
+    await asyncio.sleep(0)
+    clock.now = 2.5  # it waited
+    full.metrics = EndpointMetrics(waiting=0, updated_at=2.5)
+    fc.kick()
+    decision = await routed
+    assert decision.started_at == 0.0 and decision.endpoint is full
