@@ -30,9 +30,9 @@ class ModelServing:
 
     def pods_for(self, model: str, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
         """The candidates that serve `model` (or may: nothing known against them); RequestError 404 for none."""
-        out = [e for e in candidates if not e.metrics.models or serves(e, model)]
-        if len(out) == len(candidates):
+        if all(not e.metrics.models or serves(e, model) for e in candidates):
             return candidates  # every pod serves it, or reports nothing against it (a single-model pool, unscraped)
+        out = [e for e in candidates if not e.metrics.models or serves(e, model)]
         if out:
             return out
         if model in self.adapters:
