@@ -59,11 +59,17 @@ def make_app(address: str) -> web.Application:
     # What /metrics reports, in vLLM 0.32 names; tests set it with POST /test/metrics.
     state: dict[str, Any] = {"waiting": 0, "running": 0, "kv": 0.0, "block_size": 16, "num_gpu_blocks": 4096,
                              "max_lora": 4, "running_loras": [], "waiting_loras": [], "down": False,
-                             "models": ["tiny"]}
+                             "models": ["tiny"], "engine": "vllm"}  # engine "sglang": SGLang's metric names
 
     async def metrics(request: web.Request) -> web.Response:
         if state["down"]:
             return web.Response(status=503, text="down")
+        if state["engine"] == "sglang":
+            labels = f'model_name="{state["models"][0]}"'
+            return web.Response(text=(
+                f"sglang:num_running_reqs{{{labels}}} {float(state['running'])}\n"
+                f"sglang:num_queue_reqs{{{labels}}} {float(state['waiting'])}\n"
+                f"sglang:token_usage{{{labels}}} {float(state['kv'])}\n"))
         labels = f'engine="0",model_name="{state["models"][0]}"'
         more = "".join(f'vllm:num_requests_running{{engine="{i}",model_name="{m}"}} 0.0\n'
                        for i, m in enumerate(state["models"][1:], start=1))  # an engine per further model

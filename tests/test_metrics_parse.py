@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from picker.endpoints.metrics import parse_labels, parse_vllm_metrics
+from picker.endpoints.metrics import parse_labels, parse_metrics, parse_vllm_metrics
 
 SAMPLES = Path(__file__).resolve().parent / "data"  # /metrics pages captured from a real vLLM 0.32
 
@@ -78,3 +78,15 @@ def test_old_kv_name_and_empty_text() -> None:
 def test_label_escapes() -> None:
     assert parse_labels(r'a="x\"y",b="1\\2",c="line\nbreak",d="} {"') == {
         "a": 'x"y', "b": "1\\2", "c": "line\nbreak", "d": "} {"}
+
+
+def test_an_sglang_page_is_read_in_its_own_names() -> None:
+    """SGLang's /metrics (tests/data/sglang_metrics.txt, two data-parallel ranks): queue and running add up, KV use
+    is the ranks' mean, the model comes from `model_name`; parse_metrics tells the engine from the page."""
+    text = (Path(__file__).parent / "data" / "sglang_metrics.txt").read_text()
+    m = parse_metrics(text, updated_at=5.0)
+    assert (m.waiting, m.running, m.kv_usage, m.updated_at) == (7.0, 21.0, 0.375, 5.0)
+    assert m.models == frozenset({"Qwen/Qwen2.5-7B-Instruct"})
+    assert m.prefix_queries == 0 and m.block_size is None  # no such series in SGLang's page
+    vllm = 'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+    assert parse_metrics(vllm).waiting == 2.0 and parse_metrics("").waiting == 0.0

@@ -38,7 +38,7 @@ from picker.bench.prompts import PromptBuilder
 from picker.bench.results import RunResult
 from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
-from picker.endpoints.metrics import parse_vllm_metrics
+from picker.endpoints.metrics import parse_metrics
 from picker.envoyconfig import EnvoySettings, envoy_binary, render
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.tokenizer import Tokenizer
@@ -161,7 +161,7 @@ async def equal_scrape(session: aiohttp.ClientSession, urls: list[str], stop: as
     async def one(url: str) -> None:
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
             async with session.get(url + "/metrics") as resp:
-                parse_vllm_metrics(await resp.text())
+                parse_metrics(await resp.text())
 
     while not stop.is_set():
         await asyncio.gather(*(one(u) for u in urls))

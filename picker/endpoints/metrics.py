@@ -1,4 +1,5 @@
-"""vLLM /metrics (Prometheus text) -> EndpointMetrics (vLLM 0.32 names; tests/data has real pages).
+"""A model server's /metrics (Prometheus text) -> EndpointMetrics: vLLM's names (0.32; tests/data has real pages),
+or SGLang's when the page is SGLang's (`parse_metrics` tells them apart by their `vllm:` / `sglang:` prefixes).
 
 Hand-rolled because it runs on every scrape of every pod (down to 100 ms apart): one regex pass finds only the sample lines of the few series
 we use (the name is followed by `{` or a space, and the match must start a line, which drops `# HELP`/`# TYPE`),
@@ -127,6 +128,56 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
         m.max_lora = _int(info.get("max_lora")) or 0
         m.running_loras = _adapters(info.get("running_lora_adapters", ""))
         m.waiting_loras = _adapters(info.get("waiting_lora_adapters", ""))
+    return m
+
+
+# SGLang's names for the same signals (its --enable-metrics page): queue, running, KV-cache use (a 0..1 share).
+_SGLANG = re.compile(r"sglang:(num_queue_reqs|num_running_reqs|token_usage|cache_config_info)([{ ][^\n]*)")
+
+
+def parse_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
+    """vLLM's page, or SGLang's (no `vllm:` series but `sglang:` ones): the engine is read from the page itself."""
+    if "vllm:" not in text and "sglang:" in text:
+        return parse_sglang_metrics(text, updated_at)
+    return parse_vllm_metrics(text, updated_at)
+
+
+def parse_sglang_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
+    """SGLang: `num_queue_reqs` (waiting), `num_running_reqs` (running, and its `model_name` label: the model
+    served), `token_usage` (KV-cache use), `cache_config_info` (`page_size`, `num_pages`) when it exports it. Series
+    of several ranks add up; KV use is their mean. SGLang reports no prefix-cache counters of vLLM's kind."""
+    m = EndpointMetrics(updated_at=updated_at)
+    waiting = running = kv_total = 0.0
+    kv_count = 0
+    models: set[str] = set()
+    for match in _SGLANG.finditer(text):
+        start = match.start()
+        if start and text[start - 1] != "\n":
+            continue
+        name, rest = match.groups()
+        sample = _split_sample(rest)
+        if sample is None:
+            continue
+        labels, value = sample
+        if math.isnan(value):
+            continue
+        if name == "num_queue_reqs":
+            waiting += value
+        elif name == "num_running_reqs":
+            running += value
+            model = parse_labels(labels).get("model_name")
+            if model:
+                models.add(model)
+        elif name == "token_usage":
+            kv_total += value
+            kv_count += 1
+        else:
+            info = parse_labels(labels)
+            m.block_size = m.block_size or _int(info.get("page_size"))
+            m.num_gpu_blocks = (m.num_gpu_blocks or 0) + (_int(info.get("num_pages")) or 0) or None
+    m.waiting, m.running, m.models = waiting, running, frozenset(models)
+    if kv_count:
+        m.kv_usage = kv_total / kv_count
     return m
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import aiohttp
 
-from picker.endpoints.metrics import parse_vllm_metrics
+from picker.endpoints.metrics import parse_metrics
 from picker.endpoints.shared_scrape import SharedScrapes, grace
 from picker.endpoints.state import Endpoint, EndpointMetrics
 
@@ -267,7 +267,7 @@ class MetricsScraper:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 body = await resp.read()
-            metrics = parse_vllm_metrics(body.decode("utf-8", "replace"), updated_at=self.clock())
+            metrics = parse_metrics(body.decode("utf-8", "replace"), updated_at=self.clock())
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             self._failed(endpoint, exc)
             if self.on_scrape is not None:
