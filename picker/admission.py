@@ -31,6 +31,7 @@ class FlowControlSection(Section):
     max_requests_per_band: int = Field(1000, gt=0)
     max_tokens_per_band: int = Field(4_000_000, gt=0)  # estimated prompt tokens waiting per priority
     standard_ceiling: float = Field(1.0, gt=0, le=1)  # priority <= 0 let through below this share of the limit
+    tokens_per_minute_per_flow: int = Field(0, ge=0)  # each flow's budget of estimated prompt tokens (0: none)
 
 
 class AdmissionConfig(Section):

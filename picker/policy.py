@@ -71,7 +71,8 @@ def build_flow_control(config: ServeConfig, pool: EndpointPool, metrics: PickerM
     if not fc.enabled:
         return None
     settings = FlowSettings(fc.queue_ttl, fc.max_requests_per_band, fc.max_tokens_per_band, a.saturation_limit,
-                            fc.standard_ceiling, a.retry_after, config.scheduling.prefix_cache.chars_per_token)
+                            fc.standard_ceiling, a.retry_after, config.scheduling.prefix_cache.chars_per_token,
+                            fc.tokens_per_minute_per_flow)
     controller = FlowController(settings, a.thresholds, pool.ready, observer=metrics)
     metrics.watch_flow(controller)
     return controller

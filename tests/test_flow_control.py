@@ -251,3 +251,29 @@ async def test_a_queued_requests_duration_counts_from_its_arrival() -> None:
     fc.kick()
     decision = await routed
     assert decision.started_at == 0.0 and decision.endpoint is full
+
+
+def test_token_budgets_refill_per_minute_and_bound_their_flows() -> None:
+    from picker.flowcontrol.controller import TokenBudgets
+    budgets = TokenBudgets(per_minute=600, max_flows=2)  # 10 tokens a second
+    assert budgets.take("a", 500, now=0.0) == 0
+    assert budgets.take("a", 200, now=0.0) == pytest.approx(10.0)  # 100 left, 100 more in 10 s
+    assert budgets.take("a", 200, now=10.0) == 0  # refilled meanwhile (the refused try took nothing)
+    assert budgets.take("b", 600, now=10.0) == 0 and budgets.take("c", 1, now=10.0) == 0
+    assert budgets.take("a", 600, now=10.0) == 0  # "a" was dropped for "c" (2 flows kept): a full bucket again
+
+
+async def test_a_flow_over_its_budget_is_refused_and_others_are_not() -> None:
+    clock = Clock()
+    fc = FlowController(FlowSettings(tokens_per_minute_per_flow=20), SaturationThresholds(queue=5, stale=1e9),
+                        lambda: [pod(1)], clock=clock)
+    await fc.admit(request("first", flow="tenant-a"))  # 40 characters: 10 tokens
+    fc.placed()
+    await fc.admit(request("second", flow="tenant-a"))
+    fc.placed()
+    with pytest.raises(RequestError) as refused:
+        await fc.admit(request("third", flow="tenant-a"))
+    assert (refused.value.status, refused.value.code) == (429, "token_budget_exceeded")
+    assert refused.value.headers["retry-after"] == "30" and \
+        refused.value.headers[DROPPED_REASON_HEADER] == "rejected-token-budget"
+    await fc.admit(request("other", flow="tenant-b"))  # its own budget

@@ -117,3 +117,27 @@ async def test_queued_requests_are_served_when_the_pod_shows_room(flow: FlowStac
     dispatched = "llm_d_epp_flow_control_requests_total{Dispatched}"
     assert after[dispatched] - before.get(dispatched, 0) == 5
     assert after.get("llm_d_epp_flow_control_queue_size", 0) == 0
+
+
+async def test_a_tenant_past_its_token_budget_gets_429_and_another_tenant_does_not() -> None:
+    config = "admission:\n  flowControl: {enabled: true, tokensPerMinutePerFlow: 300}\n"
+    with process_scope("token-budget") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--config-text", config])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, backends.addresses)
+        started.append(envoy.process)
+        async with aiohttp.ClientSession() as session:
+
+            async def send(tenant: str) -> tuple[int, dict[str, str]]:
+                body = {"model": "tiny", "prompt": "x" * 400}  # ~100 tokens (characters / 4)
+                async with session.post(envoy.url + "/v1/completions", json=body,
+                                        headers={"x-llm-d-inference-fairness-id": tenant}) as response:
+                    await response.read()
+                    return response.status, {k.lower(): v for k, v in response.headers.items()}
+            statuses = [await send("tenant-a") for _ in range(4)]
+            other = await send("tenant-b")
+    assert [s for s, _ in statuses[:2]] == [200, 200] and statuses[-1][0] == 429
+    assert statuses[-1][1]["x-llm-d-request-dropped-reason"] == "rejected-token-budget"
+    assert int(statuses[-1][1]["retry-after"]) >= 1 and other[0] == 200

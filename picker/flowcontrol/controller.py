@@ -13,12 +13,16 @@ refused.
   `rejected-saturated` at once; its band is full -> 429 `queue_full`; it waited `queueTtl` -> 503
   `rejected-ttl-expired`, both with retry-after. The TTL must stay below Envoy's ext_proc `message_timeout`, or Envoy
   gives up on the stream first (`picker envoy-config` checks the two agree).
+- Optional per-flow budgets (`tokensPerMinutePerFlow`): a flow that has used its estimated prompt tokens of the
+  last minute gets 429 `token_budget_exceeded` with the seconds until its budget holds the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,6 +47,7 @@ class FlowSettings:
     standard_ceiling: float = 1.0
     retry_after: str = "1"
     chars_per_token: int = 4
+    tokens_per_minute_per_flow: int = 0  # a flow's budget of estimated prompt tokens (0: none)
 
 
 class FlowObserver(Protocol):
@@ -58,6 +63,29 @@ class FlowObserver(Protocol):
     def observe_enqueue(self, request: InferenceRequest, outcome: str, seconds: float) -> None:
         """Time taken to queue a request (`outcome`: Enqueued or RejectedCapacity)."""
         ...
+
+
+class TokenBudgets:
+    """Each flow's tokens-per-minute budget as a bucket: full at the start, refilled continuously, a request
+    taking its estimated prompt tokens; a flow without enough left is refused with the wait until it has. The
+    first `max_flows` flows seen are tracked; the least recently used one makes room for a new one."""
+
+    def __init__(self, per_minute: int, max_flows: int = 10_000) -> None:
+        self.per_minute = per_minute
+        self.max_flows = max_flows
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # flow -> (tokens left, as of)
+
+    def take(self, flow: str, tokens: int, now: float) -> float:
+        """Take `tokens` from `flow`'s bucket: 0 when taken, else the seconds until it would hold them."""
+        capacity, rate = float(self.per_minute), self.per_minute / 60.0
+        left, then = self._buckets.pop(flow, (capacity, now))
+        left = min(capacity, left + (now - then) * rate)
+        need = min(float(tokens), capacity)  # a prompt larger than a minute's budget waits for a full bucket
+        wait = 0.0 if left >= need else (need - left) / rate
+        self._buckets[flow] = (left - need if not wait else left, now)
+        if len(self._buckets) > self.max_flows:
+            self._buckets.popitem(last=False)
+        return wait
 
 
 class _Ticket:
@@ -83,6 +111,7 @@ class FlowController:
         self.clock = clock
         self.observer = observer
         self.queues: FlowQueues[_Ticket] = FlowQueues(settings.max_requests_per_band, settings.max_tokens_per_band)
+        self.budgets = TokenBudgets(settings.tokens_per_minute_per_flow) if settings.tokens_per_minute_per_flow else None
         self.unplaced = 0  # dispatched, not yet placed on a pod: load the pool's metrics cannot show yet
 
     def level(self, now: float) -> float:
@@ -101,6 +130,15 @@ class FlowController:
         Its priority is resolved already."""
         now = self.clock()
         priority = request.priority
+        if self.budgets is not None:
+            wait = self.budgets.take(request.fairness_id or DEFAULT_FLOW,
+                                     estimated_tokens(request, self.settings.chars_per_token), now)
+            if wait:
+                self._observe(request, "RejectedCapacity", 0.0)
+                raise RequestError(429, "token_budget_exceeded", f"flow {request.fairness_id or DEFAULT_FLOW!r} has "
+                                   f"used its {self.settings.tokens_per_minute_per_flow} tokens per minute",
+                                   headers={"retry-after": str(max(1, math.ceil(wait))),
+                                            DROPPED_REASON_HEADER: "rejected-token-budget"})
         if not self.queues.has_waiting_at_or_above(priority) and self.has_room(now, priority):
             self.unplaced += 1
             self._observe(request, "Dispatched", 0.0)
