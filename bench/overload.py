@@ -29,7 +29,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +65,6 @@ class Shot:
     reason: str = ""
 
 
-@dataclass
-class Phase:
-    name: str
-    shots: list[Shot] = field(default_factory=list)
-
-
 def prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS))
 
@@ -97,10 +91,11 @@ async def one(session: aiohttp.ClientSession, url: str, shot: Shot, text: str) -
     shot.done = time.monotonic()
 
 
-async def open_loop(url: str, rate: float, seconds: float, kinds: list[tuple[str, str, float]], seed: int) -> Phase:
+async def open_loop(url: str, rate: float, seconds: float, kinds: list[tuple[str, str, float]],
+                    seed: int) -> list[Shot]:
     """Poisson arrivals at `rate` per second for `seconds`; each request's (kind, tenant) drawn by weight."""
     rng = random.Random(seed)
-    phase = Phase("")
+    shots: list[Shot] = []
     tasks = []
     timeout = aiohttp.ClientTimeout(total=620)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -113,10 +108,10 @@ async def open_loop(url: str, rate: float, seconds: float, kinds: list[tuple[str
                 await asyncio.sleep(delay)
             kind, tenant = rng.choices([(k, t) for k, t, _ in kinds], weights=[w for _, _, w in kinds])[0]
             shot = Shot(kind, tenant, time.monotonic())
-            phase.shots.append(shot)
+            shots.append(shot)
             tasks.append(asyncio.create_task(one(session, url, shot, prompt(rng))))
         await asyncio.gather(*tasks)
-    return phase
+    return shots
 
 
 async def capacity(url: str, pods: int, seconds: float) -> float:
@@ -144,26 +139,26 @@ def pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summary(phase: Phase) -> dict[str, Any]:
-    out: dict[str, Any] = {"requests": len(phase.shots), "statuses": dict(Counter(s.status for s in phase.shots))}
+def summary(shots: list[Shot]) -> dict[str, Any]:
+    out: dict[str, Any] = {"requests": len(shots), "statuses": dict(Counter(s.status for s in shots))}
     for kind in ("critical", "standard", "sheddable"):
-        ttft = [s.first - s.sent for s in phase.shots if s.kind == kind and s.status == 200 and s.first is not None]
+        ttft = [s.first - s.sent for s in shots if s.kind == kind and s.status == 200 and s.first is not None]
         out[f"{kind}_ttft_p50_s"], out[f"{kind}_ttft_p95_s"] = pct(ttft, 0.5), pct(ttft, 0.95)
         out[f"{kind}_served"] = len(ttft)
     for status in (429, 503):
-        answer = [s.done - s.sent for s in phase.shots if s.status == status and s.done is not None]
+        answer = [s.done - s.sent for s in shots if s.status == status and s.done is not None]
         out[f"answer_{status}_p50_s"], out[f"answer_{status}_p99_s"] = pct(answer, 0.5), pct(answer, 0.99)
-    out["hung_or_timed_out"] = sum(1 for s in phase.shots if s.status in (-1, 504))
-    out["reasons"] = dict(Counter(s.reason for s in phase.shots if s.reason))
+    out["hung_or_timed_out"] = sum(1 for s in shots if s.status in (-1, 504))
+    out["reasons"] = dict(Counter(s.reason for s in shots if s.reason))
     return out
 
 
-def fairness(phase: Phase) -> dict[str, Any]:
+def fairness(shots: list[Shot]) -> dict[str, Any]:
     """Completions per tenant while both tenants had requests outstanding past their first second (backlogged)."""
-    tenants = sorted({s.tenant for s in phase.shots})
-    begin = min(s.sent for s in phase.shots) + 5.0
-    end = max(s.sent for s in phase.shots) - 2.0
-    served = {t: sum(1 for s in phase.shots if s.tenant == t and s.status == 200 and s.done is not None
+    tenants = sorted({s.tenant for s in shots})
+    begin = min(s.sent for s in shots) + 5.0
+    end = max(s.sent for s in shots) - 2.0
+    served = {t: sum(1 for s in shots if s.tenant == t and s.status == 200 and s.done is not None
                      and begin <= s.done <= end) for t in tenants}
     values: list[int] = list(served.values())
     most = max(values, default=0)
@@ -192,10 +187,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for seed, (phase_name, load, kinds) in enumerate((("nominal", 0.5, mix), ("overload", 2.0, mix),
                                                                ("tenants", 6.6, tenants))):
                 print(f"{name}: {phase_name} at {load:g} x {cap:.1f} req/s for {args.phase:g} s", flush=True)
-                phase = await open_loop(url, load * cap, args.phase, kinds, seed=seed)
-                phases[phase_name] = summary(phase)
+                shots = await open_loop(url, load * cap, args.phase, kinds, seed=seed)
+                phases[phase_name] = summary(shots)
                 if phase_name == "tenants":
-                    phases[phase_name]["fairness"] = fairness(phase)
+                    phases[phase_name]["fairness"] = fairness(shots)
                 await asyncio.sleep(3)  # drain
             results[name] = phases
             envoy.process.stop()

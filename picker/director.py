@@ -43,6 +43,9 @@ def match_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...]) -> lis
     return [e for e in candidates if e.address in wanted or e.ip in wanted]
 
 
+MODELS_PATH = "/v1/models"
+
+
 @dataclass(slots=True)
 class Decision:
     """A routed request: ranked endpoints, the header value Envoy gets, and what to undo when it ends."""
@@ -113,8 +116,11 @@ class Director:
             return self.models.pods_for(model, candidates)
         return candidates
 
-    def models_listing(self) -> bytes | None:
-        """`GET /v1/models` for the ready pool (the union of what its pods serve); None: let a pod answer."""
+    def answer_locally(self, headers: dict[str, str]) -> bytes | None:
+        """The body the picker answers a header-only request with itself, or None to route it: `GET /v1/models`
+        lists the ready pool's models (a pod would list only its own) once its pods report them."""
+        if headers.get(":method", "GET").upper() != "GET" or headers.get(":path", "").split("?", 1)[0] != MODELS_PATH:
+            return None
         return self.models.listing(self.pool.ready())
 
     def rank(self, request: InferenceRequest, now: float) -> SchedulingResult:

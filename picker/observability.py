@@ -168,8 +168,8 @@ class PickerMetrics:
         self.models = ModelLabels(models)
         self.fairness = FirstSeenLabels()
         self._series: dict[tuple[str, str, str, str, bool], _RequestSeries] = {}
-        self._attempts: dict[tuple[str, str], Any] = {}  # (target model, address) -> its success counter
-        self._attempt_labels: dict[str, list[tuple[str, ...]]] = {}  # address -> label sets of its attempts
+        # (target model, address) -> its success counter and the counter's labels
+        self._attempts: dict[tuple[str, str], tuple[Any, tuple[str, ...]]] = {}
         self.endpoints: list[Endpoint] = []  # the pool as of the last refresh (the in-flight series read it)
         self._plugin_sample = 0
         r = self.registry
@@ -387,13 +387,11 @@ class PickerMetrics:
     def _attempt(self, target: str, endpoint: Endpoint) -> Any:
         """The successful-attempt counter of (target model, endpoint), remembered so forget_pod can drop it."""
         key = (target, endpoint.address)
-        child = self._attempts.get(key)
-        if child is None:
-            child = self._attempts[key] = self.scheduler_attempts.labels(
-                "success", target, endpoint.name, self.namespace, str(endpoint.port))
-            self._attempt_labels.setdefault(endpoint.address, []).append(
-                ("success", target, endpoint.name, self.namespace, str(endpoint.port)))
-        return child
+        found = self._attempts.get(key)
+        if found is None:
+            labels = ("success", target, endpoint.name, self.namespace, str(endpoint.port))
+            found = self._attempts[key] = (self.scheduler_attempts.labels(*labels), labels)
+        return found[0]
 
     def observe_processing(self, seconds: float) -> None:
         self.request_processing.observe(seconds)
@@ -508,9 +506,8 @@ class PickerMetrics:
         for result in ("ok", "error"):  # a departed pod's series go with it (pod churn must not grow /metrics)
             with contextlib.suppress(KeyError):
                 self.scrapes.remove(self.pool_name, endpoint.name, result)
-        for labels in self._attempt_labels.pop(endpoint.address, []):
-            self.scheduler_attempts.remove(*labels)
-            self._attempts.pop((labels[1], endpoint.address), None)
+        for key in [k for k in self._attempts if k[1] == endpoint.address]:
+            self.scheduler_attempts.remove(*self._attempts.pop(key)[1])
 
 
 class StreamSeries:

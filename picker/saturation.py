@@ -29,12 +29,16 @@ class SaturationThresholds:
             raise ValueError("staleThreshold must not be negative")
 
 
-def pod_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresholds) -> float:
-    """The pod's level: < 1 has room, 1 is full (or unknown), > 1 is past full."""
+def pod_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresholds,
+                   own_sends: bool = False) -> float:
+    """The pod's level: < 1 has room, 1 is full (or unknown), > 1 is past full. With `own_sends`, its waiting
+    requests are at least the ones we sent it that it is not running yet (in flight minus running): our own sends
+    show before a scrape can."""
     m = endpoint.metrics
     if m.updated_at < 0 or endpoint.metrics_overdue(now) > thresholds.stale:
         return FULL
-    return max(m.waiting / thresholds.queue, m.kv_usage / thresholds.kv_cache)
+    waiting = max(m.waiting, endpoint.in_flight - m.running) if own_sends else m.waiting
+    return max(waiting / thresholds.queue, m.kv_usage / thresholds.kv_cache)
 
 
 def pool_saturation(candidates: Sequence[Endpoint], now: float, thresholds: SaturationThresholds) -> float:
@@ -59,18 +63,9 @@ def not_past_full(candidates: list[Endpoint], now: float, thresholds: Saturation
 
 def dispatch_level(candidates: Sequence[Endpoint], now: float, thresholds: SaturationThresholds,
                    pending: int = 0) -> float:
-    """The pool's level as flow control gates on it: `pool_saturation`, where a pod's waiting requests are at least
-    the ones we sent it that it is not running yet (in flight minus running: our own sends show before a scrape
-    can), plus `pending` requests let through and not yet placed, spread over the pool. An empty pool is full."""
+    """The pool's level as flow control gates on it: the mean pod level counting our own sends, plus `pending`
+    requests let through and not yet placed, spread over the pool. An empty pool is full."""
     if not candidates:
         return FULL
-    queue, kv_cache, stale = thresholds.queue, thresholds.kv_cache, thresholds.stale
-    total = 0.0
-    for e in candidates:
-        m = e.metrics
-        if m.updated_at < 0 or e.metrics_overdue(now) > stale:
-            total += FULL
-            continue
-        waiting = max(m.waiting, e.in_flight - m.running)
-        total += max(waiting / queue, m.kv_usage / kv_cache)
-    return (total + pending / queue) / len(candidates)
+    total = sum(pod_saturation(e, now, thresholds, own_sends=True) for e in candidates)
+    return (total + pending / thresholds.queue) / len(candidates)

@@ -53,7 +53,16 @@ from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.requests import InferenceRequest
 from picker.retry import Backoff
-from picker.supervisor import Envoy, free_port, process_scope, spawn, start_envoy, start_picker, wait_until
+from picker.supervisor import (
+    Envoy,
+    free_port,
+    process_scope,
+    set_echo_metrics,
+    spawn,
+    start_envoy,
+    start_picker,
+    wait_until,
+)
 from tests.kubefake import POOLS, FakeKube, FakeKubeThread
 from tests.waiting import eventually
 
@@ -509,9 +518,7 @@ def test_envoy_sheds_by_the_priority_an_inference_objective_declares(tmp_path: P
         started.append(picker.process)
         envoy = start_envoy(logdir, picker, [address])
         started.append(envoy.process)
-        saturated = json.dumps({"waiting": 20, "running": 4, "kv": 0.99}).encode()
-        urllib.request.urlopen(urllib.request.Request(f"http://{address}/test/metrics", data=saturated,
-                                                      headers={"content-type": "application/json"}), timeout=5)
+        set_echo_metrics(address, waiting=20, running=4, kv=0.99)  # saturated
 
         def status(objective: str) -> int:
             body = json.dumps({"model": "tiny", "prompt": "hello"}).encode()

@@ -6,13 +6,13 @@ import random
 from collections import Counter
 
 from picker.endpoints.state import Endpoint
+from picker.scheduling.picker import WeightedRandomPicker
 from picker.scheduling.reference_plugins import (
     ActiveRequestScorer,
     DecodeFilter,
     LoadAwareScorer,
     NoHitLRUScorer,
     RunningRequestsSizeScorer,
-    WeightedRandomPicker,
 )
 from tests.test_scorers import ctx_for, ep
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 import uuid
@@ -23,6 +22,7 @@ from picker.supervisor import (
     Valkey,
     free_port,
     process_scope,
+    set_echo_metrics,
     start_backends,
     start_envoy,
     start_picker,
@@ -166,7 +166,7 @@ async def test_through_envoy_a_calm_pod_is_scraped_slowly_a_queueing_one_fast() 
         started.append(envoy.process)
         assert await _chat_through(envoy, 6) == [200] * 6
         calm, busy = backends.addresses
-        _set_metrics(busy, waiting=3)  # the pod starts queueing: watched closely from its next scrape
+        set_echo_metrics(busy, waiting=3)  # the pod starts queueing: watched closely from its next scrape
         await eventually(lambda: _scrapes(picker, busy) >= 1, 5.0)
         start_busy, start_calm = _scrapes(picker, busy), _scrapes(picker, calm)
         await eventually(lambda: _scrapes(picker, busy) >= start_busy + 25, 10.0)
@@ -197,9 +197,3 @@ async def test_through_envoy_three_replicas_scrape_each_pod_as_often_as_one() ->
         # one scrape per 200 ms for the whole fleet: 6 take >= ~1.2 s; three replicas each scraping: ~0.4 s
         assert elapsed >= 6 * 0.2 * 0.7, f"6 scrapes of {pod} in {elapsed:.2f}s"
 
-
-def _set_metrics(address: str, **values: object) -> None:
-    request = urllib.request.Request(f"http://{address}/test/metrics", data=json.dumps(values).encode(),
-                                     headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=2) as response:
-        response.read()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Iterator
 
 from picker.endpoints.state import EndpointMetrics
 
@@ -65,6 +66,19 @@ def _split_sample(rest: str) -> tuple[str, float] | None:
         return None
 
 
+def _samples(pattern: re.Pattern[str], text: str) -> Iterator[tuple[str, str, float]]:
+    """(series name, raw label text, value) of every sample line `pattern` finds: matches that do not start a line
+    (inside `# HELP`/`# TYPE`) and malformed samples are skipped."""
+    for match in pattern.finditer(text):
+        start = match.start()
+        if start and text[start - 1] != "\n":
+            continue
+        name, rest = match.groups()
+        sample = _split_sample(rest)
+        if sample is not None:
+            yield name, sample[0], sample[1]
+
+
 def _adapters(text: str) -> frozenset[str]:
     return frozenset(a for a in (s.strip() for s in text.split(",")) if a)
 
@@ -80,15 +94,7 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
     newest_lora = -math.inf
     lora_labels: str | None = None
     models: set[str] = set()
-    for match in _SAMPLE.finditer(text):
-        start = match.start()
-        if start and text[start - 1] != "\n":
-            continue
-        name, rest = match.groups()
-        sample = _split_sample(rest)
-        if sample is None:
-            continue
-        labels, value = sample
+    for name, labels, value in _samples(_SAMPLE, text):
         field = _SUMMED.get(name)
         if field is not None:
             if not math.isnan(value):
@@ -150,15 +156,7 @@ def parse_sglang_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics
     waiting = running = kv_total = 0.0
     kv_count = 0
     models: set[str] = set()
-    for match in _SGLANG.finditer(text):
-        start = match.start()
-        if start and text[start - 1] != "\n":
-            continue
-        name, rest = match.groups()
-        sample = _split_sample(rest)
-        if sample is None:
-            continue
-        labels, value = sample
+    for name, labels, value in _samples(_SGLANG, text):
         if math.isnan(value):
             continue
         if name == "num_queue_reqs":

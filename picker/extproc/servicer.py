@@ -59,9 +59,6 @@ def _subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
     return ()
 
 
-MODELS_PATH = "/v1/models"
-
-
 class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
@@ -145,11 +142,10 @@ class _Stream:
         except RequestError as err:
             return [self._reject(err)]
         if api is None:
-            if headers.get(":method", "GET").upper() == "GET" and headers.get(":path", "").split("?", 1)[0] == MODELS_PATH:
-                listing = self.director.models_listing()
-                if listing is not None:  # the pool's union: a pod would list only its own
-                    self.phase = "done"
-                    return [p.immediate_json(200, listing, "picker_models")]
+            answer = self.director.answer_locally(headers)
+            if answer is not None:
+                self.phase = "done"
+                return [p.immediate_json(200, answer, "picker_local_answer")]
             return [await self._route(b"", by_headers=True)]
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:

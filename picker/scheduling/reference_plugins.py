@@ -1,13 +1,11 @@
 """Plugins the reference picker (GIE's, now llm-d's router) ships that ours had no twin for, with its meanings, so
 its EndpointPickerConfig files run unchanged: the scorers `running-requests-size-scorer`, `load-aware-scorer`,
-`active-request-scorer` and `no-hit-lru-scorer`, the `decode-filter`, the `weighted-random-picker` and the
-`single-profile-handler`. Each is written from the reference's documented behaviour, in our plugin contracts.
+`active-request-scorer` and `no-hit-lru-scorer`, the `decode-filter` and the `single-profile-handler` (its
+`weighted-random-picker` stands with our pickers, in `picker.py`). Each is written from the reference's documented behaviour, in our plugin contracts.
 """
 
 from __future__ import annotations
 
-import math
-import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -129,28 +127,6 @@ class DecodeFilter(Plugin):
         return [e for e in candidates if e.labels.get(ROLE_LABEL, "decode") in DECODE_ROLES]
 
 
-class WeightedRandomPicker(Plugin):
-    """Candidates drawn at random in proportion to their totals (A-Res weighted sampling without replacement);
-    all totals at or below 0: uniformly at random."""
-
-    type_name = "weighted-random-picker"
-
-    def __init__(self, name: str | None = None, *, max_endpoints: int = 3, rng: random.Random | None = None) -> None:
-        super().__init__(name)
-        self.max_endpoints = max_endpoints
-        self.rng = rng if rng is not None else random.Random()
-
-    def pick(self, totals: Sequence[float]) -> list[int]:
-        n = len(totals)
-        want = min(self.max_endpoints, n)
-        if max(totals, default=0.0) <= 0.0:
-            return self.rng.sample(range(n), want)
-        draw = self.rng.random
-        # key u^(1/w): the largest keys are a weighted sample; zero weights come last (key -inf)
-        keys = [math.log(draw() or 1e-300) / w if w > 0 else -math.inf for w in totals]
-        return sorted(range(n), key=keys.__getitem__, reverse=True)[:want]
-
-
 class SingleProfileHandler(Plugin):
     """The reference's profile handler for a config of one profile: every request runs it. Naming it is what
     `build_scheduler` does anyway without a request classifier; with more than one profile it is an error."""
@@ -171,10 +147,6 @@ class NoHitLRUParams(Section):
     lru_size: int = Field(1024, gt=0)
 
 
-class WeightedRandomParams(Section):
-    max_endpoints: int = Field(3, gt=0, alias="maxNumOfEndpoints")  # the reference's spelling
-
-
 def _load_aware(name: str, p: LoadAwareParams, deps: PluginDeps) -> Plugin:
     return LoadAwareScorer(name, threshold=p.threshold)
 
@@ -187,16 +159,11 @@ def _no_hit_lru(name: str, p: NoHitLRUParams, deps: PluginDeps) -> Plugin:
     return NoHitLRUScorer(name, lru_size=p.lru_size)
 
 
-def _weighted_random(name: str, p: WeightedRandomParams, deps: PluginDeps) -> Plugin:
-    return WeightedRandomPicker(name, max_endpoints=p.max_endpoints, rng=deps.rng)
-
-
 FACTORIES: tuple[PluginFactory[Any], ...] = (
     PluginFactory(RunningRequestsSizeScorer.type_name, NoParams, no_params(RunningRequestsSizeScorer)),
     PluginFactory(LoadAwareScorer.type_name, LoadAwareParams, _load_aware),
     PluginFactory(ActiveRequestScorer.type_name, ActiveRequestParams, _active),
     PluginFactory(NoHitLRUScorer.type_name, NoHitLRUParams, _no_hit_lru),
     PluginFactory(DecodeFilter.type_name, NoParams, no_params(DecodeFilter)),
-    PluginFactory(WeightedRandomPicker.type_name, WeightedRandomParams, _weighted_random),
     PluginFactory(SingleProfileHandler.type_name, NoParams, no_params(SingleProfileHandler)),
 )
