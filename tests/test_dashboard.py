@@ -1,4 +1,5 @@
-"""The Grafana dashboard only queries series the picker really exports."""
+"""The Grafana dashboard only queries series the picker really exports, under their current names: it works
+with `--metrics-deprecated-names=false`."""
 
 from __future__ import annotations
 
@@ -12,19 +13,21 @@ from prometheus_client import generate_latest
 
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import FlowController, FlowSettings
+from picker.metric_twins import Twin, TwinCollector
 from picker.observability import PickerMetrics, ResponseTrace
 from picker.prefix.shared import SyncStats
 from picker.requests import InferenceRequest, Usage
 from picker.saturation import SaturationThresholds
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "manifests" / "grafana" / "picker-dashboard.json"
-METRIC = re.compile(r"\b(?:inference|picker)_[a-z0-9_]+\b")
+METRIC = re.compile(r"\b(?:llm_d|inference|picker)_[a-z0-9_]+\b")
+SUFFIX = re.compile(r"_(bucket|sum|count|total|created)$")  # a family's sample names: the family name + these
 
 
-def exported_series() -> set[str]:
-    """Every series name a picker exposes once it has routed, refused, scraped a pod, synced an index and compared
-    a predicted TTFT with a measured one."""
-    metrics = PickerMetrics("pool")
+def exercised(deprecated_names: bool) -> tuple[PickerMetrics, str]:
+    """A picker that has routed, refused, scraped a pod, synced an index, compared a predicted TTFT with a measured
+    one and queued a request in flow control, and its /metrics text."""
+    metrics = PickerMetrics("pool", deprecated_names=deprecated_names)
     metrics.watch_index_sync(SyncStats())
     request = InferenceRequest(request_id="r", model="m", target_model="m-rewritten", stream=True)
     pod = Endpoint.from_address("10.0.0.1:8000")
@@ -47,8 +50,35 @@ def exported_series() -> set[str]:
     flow = FlowController(FlowSettings(), SaturationThresholds(stale=1e9), lambda: [full], clock=lambda: 0.0,
                           observer=metrics)
     metrics.watch_flow(flow)
-    text = asyncio.run(_scraped_while_one_waits(flow, metrics))
+    return metrics, asyncio.run(_scraped_while_one_waits(flow, metrics))
+
+
+def series_of(text: str) -> set[str]:
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def exported_series(deprecated_names: bool = False) -> set[str]:
+    """Every series name such a picker exposes (by default as with `--metrics-deprecated-names=false`)."""
+    return series_of(exercised(deprecated_names)[1])
+
+
+def declared_twins() -> list[Twin]:
+    """Every deprecated twin a picker declares (PickerMetrics' and flow control's), as registered with its registry."""
+    metrics, _ = exercised(deprecated_names=True)
+    collectors = list(metrics.registry._collector_to_names)  # prometheus_client lists no collectors publicly
+    return [twin for c in collectors if isinstance(c, TwinCollector) for twin in c.twins]
+
+
+def family_of(twin: Twin) -> str:
+    """The current family a twin copies."""
+    return twin.family or next(iter(twin.source.collect())).name
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
+    exprs.append(dashboard["templating"]["list"][1]["definition"])
+    return exprs
 
 
 async def _scraped_while_one_waits(flow: FlowController, metrics: PickerMetrics) -> str:
@@ -61,19 +91,31 @@ async def _scraped_while_one_waits(flow: FlowController, metrics: PickerMetrics)
     return queued + generate_latest(metrics.registry).decode()
 
 
-def test_every_query_names_an_exported_series() -> None:
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
-    exprs.append(dashboard["templating"]["list"][1]["definition"])
+def test_every_query_names_a_series_exported_without_the_deprecated_names() -> None:
+    exprs = dashboard_exprs()
     assert len(exprs) > 15
-    exported = exported_series()
+    exported = exported_series(deprecated_names=False)
     used = {name for expr in exprs for name in METRIC.findall(expr)}
     assert used and used <= exported, sorted(used - exported)
-    # Every picker_* and GIE family the picker exports has a panel (each also exported under the reference's
-    # current llm_d_epp_* name: the same data, dashboards may use either).
-    families = {re.sub(r"_(bucket|sum|count|total|created)$", "", n) for n in exported if METRIC.fullmatch(n)}
-    shown = {re.sub(r"_(bucket|sum|count|total|created)$", "", n) for n in used}
+    # Every picker_* family, and every family GIE named (its twin an inference_* name), has a panel.
+    twins = declared_twins()
+    families = {SUFFIX.sub("", n) for n in exported if n.startswith("picker_")}
+    families |= {family_of(t) for t in twins if t.name.startswith("inference_")}
+    shown = {SUFFIX.sub("", n) for n in used}
     assert families <= shown, sorted(families - shown)
+
+
+def test_no_query_names_a_deprecated_series() -> None:
+    twins = declared_twins()
+    deprecated = {t.name for t in twins}
+    assert any(n.startswith("inference_extension_flow_control_") for n in deprecated)  # flow control's too
+    # the twins are every series the deprecated names add, and none is exported without them
+    with_twins, without = exported_series(deprecated_names=True), exported_series(deprecated_names=False)
+    assert {SUFFIX.sub("", n) for n in with_twins - without} <= deprecated
+    assert not {n for n in without if n in deprecated or SUFFIX.sub("", n) in deprecated}
+    named = {(n, expr) for expr in dashboard_exprs() for n in METRIC.findall(expr)
+             if n in deprecated or SUFFIX.sub("", n) in deprecated}
+    assert not named, sorted(named)
 
 
 def test_panels_do_not_overlap() -> None:
