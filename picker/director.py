@@ -16,6 +16,7 @@ from picker.admission import Priorities
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowController
+from picker.model_rewrite import ModelRewrites, body_for_target, response_swaps
 from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics, ResponseTrace
 from picker.prefix.hashing import CHARS_PER_TOKEN
@@ -57,6 +58,8 @@ class Decision:
     tokens: int
     started_at: float  # when the request came (its duration and TTFT are measured from here)
     released: bool = False
+    body: bytes | None = None  # the body the pod gets, when it is not the client's (its model rewritten)
+    swaps: tuple[tuple[bytes, bytes], ...] = ()  # in response bodies: the pod's model name -> the client's
 
     @property
     def endpoint(self) -> Endpoint:
@@ -78,6 +81,7 @@ class Director:
         chars_per_token: int = CHARS_PER_TOKEN,
         flow: FlowController | None = None,
         models: ModelServing | None = None,
+        rewrites: ModelRewrites | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -90,6 +94,7 @@ class Director:
         self.chars_per_token = chars_per_token  # the scheduling config's prefixCache.charsPerToken
         self.flow = flow  # flow control: queues what the pool has no room for (replaces the bounded wait)
         self.models = models if models is not None else ModelServing()  # which pods serve which model
+        self.rewrites = rewrites if rewrites is not None else ModelRewrites()  # requested model -> served one
         pool.subscribe(self._pool_changed)
 
     def _pool_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
@@ -141,10 +146,16 @@ class Director:
                                headers={"retry-after": "1"})
         return result
 
-    def admit(self, request: InferenceRequest, now: float) -> bool:
-        """Resolve the request's priority and run admission without waiting: raises RequestError (429 shed,
-        503 no endpoint); returns whether the request should wait for capacity before it is placed."""
+    def resolve(self, request: InferenceRequest) -> None:
+        """What the request is before any pod is looked at: its priority, and the model the pod will get."""
         request.priority = self.priorities.of(request)
+        if self.rewrites:
+            self.rewrites.apply(request)
+
+    def admit(self, request: InferenceRequest, now: float) -> bool:
+        """Resolve the request and run admission without waiting: raises RequestError (429 shed, 503 no
+        endpoint); returns whether the request should wait for capacity before it is placed."""
+        self.resolve(request)
         if self.admission is None or not request.has_body:
             return False
         return self.admission.check(request, self.candidates(request), now)
@@ -160,7 +171,7 @@ class Director:
         without, a standard request in a saturated pool first waits (bounded)."""
         if self.flow is not None:
             arrived = self.clock()
-            request.priority = self.priorities.of(request)
+            self.resolve(request)
             self.candidates(request)  # no endpoint at all: 503 now, not after a wait
             await self.flow.admit(request)
             try:
@@ -204,6 +215,10 @@ class Director:
             self.refused(request or InferenceRequest(request_id=request_id, model="", path=headers.get(":path", "")),
                          err, start_ns)
             raise
+        target = request.target_model
+        if target is not None and target != request.model and request.has_body:
+            decision.body = body_for_target(body, target)
+            decision.swaps = response_swaps(target, request.model)
         if self.metrics is not None:
             self.metrics.observe_processing(time.perf_counter() - began)
         if self.tracer is not None:

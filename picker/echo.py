@@ -34,6 +34,9 @@ def make_app(address: str) -> web.Application:
             data = json.loads(body) if body else {}
         except ValueError:
             data = {}
+        if isinstance(data, dict) and isinstance(data.get("model"), str):
+            info["model"] = data["model"]  # as vLLM names the model it served (a picker may rename it back)
+            info["received_model"] = data["model"]  # what the pod was asked for, left alone
         # Usage as vLLM reports it, so token accounting downstream can be checked.
         usage = {"prompt_tokens": len(body) // 4, "completion_tokens": 3,
                  "prompt_tokens_details": {"cached_tokens": len(body) // 8}}

@@ -371,7 +371,7 @@ class PickerMetrics:
         if endpoint is not None:
             self._attempt(self.models.label(request.target_model or request.model), endpoint).inc()
         if request.target_model:
-            self.rewrites.labels("header", self.models.label(request.model),
+            self.rewrites.labels(request.rewrite_rule or "header", self.models.label(request.model),
                                  self.models.label(request.target_model)).inc()
 
     def observe_refused(self, request: InferenceRequest, code: str, scheduling: bool = False) -> None:

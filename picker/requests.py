@@ -76,7 +76,8 @@ class InferenceRequest:
     fairness_id: str | None = None
     session_id: str | None = None
     cache_salt: str | None = None
-    target_model: str | None = None  # after x-gateway-model-name-rewrite
+    target_model: str | None = None  # the model the pod gets: x-gateway-model-name-rewrite, or a rewrite rule's
+    rewrite_rule: str = ""  # the rule that set target_model ("" with the header)
     slo_ttft_s: float | None = None  # x-slo-ttft-ms: the first token wanted within this many seconds
     subset: tuple[str, ...] | None = None  # Envoy subset hint: allowed "ip:port" (or "ip") values
     body_bytes: int = 0

@@ -26,10 +26,16 @@ from picker import reference_flags
 from picker.api.service import PickerService, picker_pb2_grpc
 from picker.director import Director
 from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
-from picker.endpoints.kubernetes import KubernetesDiscovery, discovery_from_config, watch_objectives
+from picker.endpoints.kubernetes import (
+    KubernetesDiscovery,
+    discovery_from_config,
+    watch_model_rewrites,
+    watch_objectives,
+)
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.extproc.servicer import ExtProcServicer
 from picker.logformat import configure_logging
+from picker.model_rewrite import ModelRewrites, configured_rules
 from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics
 from picker.policy import build_flow_control, build_policy, start_monitor
@@ -106,7 +112,9 @@ class PickerServer:
 
     async def start(self) -> None:
         c = self.config
-        self.metrics = PickerMetrics(c.pool_label, models=(*c.scheduling.models.base, *c.scheduling.models.adapters),
+        models = c.scheduling.models
+        rewrite_targets = (t.model_rewrite for rule in models.rewrites for t in rule.targets)
+        self.metrics = PickerMetrics(c.pool_label, models=(*models.base, *models.adapters, *rewrite_targets),
                                      namespace=c.pool_namespace, stream_metrics=c.enable_grpc_stream_metrics,
                                      deprecated_names=c.metrics_deprecated_names)
         self._tasks: list[asyncio.Task[None]] = []
@@ -125,7 +133,8 @@ class PickerServer:
         self.director = Director(self.pool, self.scheduler, admission=policy.admission,
                                  priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
                                  tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,
-                                 flow=self.flow, models=ModelServing(c.scheduling.models.adapters))
+                                 flow=self.flow, models=ModelServing(models.adapters),
+                                 rewrites=ModelRewrites(configured_rules(models.rewrites)))
         flow = self.flow
         wake = (lambda _endpoint: flow.kick()) if flow is not None else None
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics, on_metrics=wake))
@@ -133,6 +142,9 @@ class PickerServer:
             self.supervise(asyncio.create_task(watch_objectives(
                 self.discovery.api, self.discovery.namespace, self.discovery.pool_name,
                 policy.priorities.set_discovered), name="inference-objectives"))
+            self.supervise(asyncio.create_task(watch_model_rewrites(
+                self.discovery.api, self.discovery.namespace, self.discovery.pool_name,
+                self.director.rewrites.set_discovered), name="inference-model-rewrites"))
         try:
             await self._start_servers(c)
         except BaseException:  # a port taken: stop the scrapers, discovery and index already running

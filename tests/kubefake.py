@@ -24,6 +24,7 @@ POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
 # GIE's older alpha InferencePool (the reference picker's --pool-group inference.networking.x-k8s.io)
 ALPHA_POOLS = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools"
 OBJECTIVES = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives"
+REWRITES = "/apis/llm-d.ai/v1alpha2/namespaces/{ns}/inferencemodelrewrites"
 
 
 def _status(code: int, message: str) -> dict[str, Any]:
@@ -55,8 +56,8 @@ class FakeKube:
         self.events: list[tuple[int, str, str, str, Any]] = []  # (version, kind, ns, type or RAW, object)
         self.compacted = 0  # watches from an older version get 410
         self.generation = 0  # bumping it ends every open watch (the server closing streams)
-        self.lists: dict[str, int] = {"pods": 0, "pools": 0, "alphapools": 0, "objectives": 0}
-        self.watches: dict[str, int] = {"pods": 0, "pools": 0, "alphapools": 0, "objectives": 0}
+        self.lists: dict[str, int] = {"pods": 0, "pools": 0, "alphapools": 0, "objectives": 0, "rewrites": 0}
+        self.watches: dict[str, int] = {"pods": 0, "pools": 0, "alphapools": 0, "objectives": 0, "rewrites": 0}
         self.objectives_installed = True  # False: the InferenceObjective CRD is absent (404)
         self.unauthorized = 0
         self.tokens_seen: list[str] = []  # the bearer token of every request, accepted or not
@@ -111,6 +112,14 @@ class FakeKube:
                                                         "kind": "InferenceObjective", "spec": spec,
                                                         "metadata": {"name": name, "namespace": namespace}})
 
+    async def put_rewrite(self, namespace: str, name: str, pool: str, rules: list[dict[str, Any]],
+                          created: str = "2026-01-01T00:00:00Z") -> None:
+        await self._put("rewrites", namespace, name, {
+            "apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceModelRewrite",
+            "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created},
+            "spec": {"poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool},
+                     "rules": rules}})
+
     async def put_raw_event(self, kind: str, namespace: str, event: Any) -> None:
         """A watch line of any shape (`event` as JSON), sent to the kind's watchers in `namespace`."""
         self.version += 1
@@ -158,6 +167,7 @@ class FakeKube:
         app.router.add_get(ALPHA_POOLS.format(ns="{ns}"), self._alpha_pools)
         app.router.add_get(ALPHA_POOLS.format(ns="{ns}") + "/{name}", self._pool)
         app.router.add_get(OBJECTIVES.format(ns="{ns}"), self._objectives)
+        app.router.add_get(REWRITES.format(ns="{ns}"), self._rewrites)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -215,6 +225,9 @@ class FakeKube:
             self.objective_misses += 1
             return web.json_response(_status(404, "the server could not find the requested resource"), status=404)
         return await self._collection(request, "objectives")
+
+    async def _rewrites(self, request: web.Request) -> web.StreamResponse:
+        return await self._collection(request, "rewrites")
 
     async def _pool(self, request: web.Request) -> web.Response:
         refusal = self._refusal(request)

@@ -51,6 +51,7 @@ COMPANIONS = {"sidecar": (MANIFESTS / "60-vllm.yaml", NO_GPU / "vllm-sim.yaml")}
 DISCOVERY_VERBS = {"get", "list", "watch"}
 POOL_GROUP = "inference.networking.k8s.io"
 OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective (priorities)
+REWRITE_GROUP = "llm-d.ai"  # InferenceModelRewrite (model rewrites)
 
 Doc = dict[str, Any]
 
@@ -529,7 +530,8 @@ def test_httproute_and_hpa_name_what_exists() -> None:
 
 def test_rbac_covers_discovery() -> None:
     needs = {("", "pods"): DISCOVERY_VERBS, (POOL_GROUP, "inferencepools"): DISCOVERY_VERBS,
-             (OBJECTIVE_GROUP, "inferenceobjectives"): DISCOVERY_VERBS}
+             (OBJECTIVE_GROUP, "inferenceobjectives"): DISCOVERY_VERBS,
+             (REWRITE_GROUP, "inferencemodelrewrites"): DISCOVERY_VERBS}
     assert check_rbac(variant_docs(MANIFESTS), "picker", needs) == []
     # the sidecar discovers by label selector: pods only
     sidecar = variant_docs(SIDECAR)

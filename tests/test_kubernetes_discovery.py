@@ -47,10 +47,12 @@ from picker.endpoints.kubernetes import (
     parse_exec_credential,
     pod_endpoints,
     pool_spec,
+    watch_model_rewrites,
     watch_objectives,
 )
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
+from picker.model_rewrite import RewriteRule
 from picker.requests import InferenceRequest
 from picker.retry import Backoff
 from picker.supervisor import (
@@ -492,6 +494,29 @@ async def test_objectives_follow_the_cluster_and_a_missing_crd_is_not_an_error(k
         await kube.put_objective(NS, "late", "llama", 1)  # ours, after it: once this is seen, so was that
         await eventually(lambda: seen[-1:] == [{"batch": 0, "late": 1}])
         assert len(seen) == 5
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await api.close()
+
+
+async def test_model_rewrites_follow_the_cluster(kube: FakeKube) -> None:
+    seen: list[list[RewriteRule]] = []
+    api = KubeApi(KubeConfig(kube.url, NS, kube.token))
+    task = asyncio.create_task(watch_model_rewrites(api, NS, "llama", seen.append, retry=0.2))
+    canary = [{"matches": [{"model": {"value": "llama"}}],
+               "targets": [{"modelRewrite": "llama-v1", "weight": 9}, {"modelRewrite": "llama-v2", "weight": 1}]}]
+    try:
+        await kube.put_rewrite(NS, "canary", "llama", canary, created="2026-02-01T00:00:00Z")
+        await kube.put_rewrite(NS, "theirs", "mistral", [{"targets": [{"modelRewrite": "x"}]}])
+        await eventually(lambda: [[(r.name, r.targets) for r in rules] for rules in seen[-1:]]
+                         == [[("canary", ("llama-v1", "llama-v2"))]])
+        await kube.put_rewrite(NS, "older", "llama", [{"targets": [{"modelRewrite": "any"}]}],
+                               created="2026-01-01T00:00:00Z")
+        await eventually(lambda: [r.name for r in seen[-1]] == ["older", "canary"])  # oldest first
+        await kube.delete("rewrites", NS, "canary")
+        await eventually(lambda: [r.name for r in seen[-1]] == ["older"])
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -36,9 +36,12 @@ from picker.endpoints.kube.discovery import (
     OBJECTIVE_VERSION,
     POOL_GROUP,
     POOL_VERSION,
+    REWRITE_GROUP,
+    REWRITE_VERSION,
     KubernetesDiscovery,
     discovery_from_config,
     follow_collection,
+    watch_model_rewrites,
     watch_objectives,
 )
 from picker.endpoints.kube.kubeconfig import SERVICE_ACCOUNT, KubeConfig, load_kube_config
@@ -46,16 +49,18 @@ from picker.endpoints.kube.objects import (
     MalformedObject,
     PoolSpec,
     label_selector,
+    model_rewrite_rules,
     objective_priorities,
     pod_endpoints,
     pool_spec,
 )
 
 __all__ = [
-    "OBJECTIVE_GROUP", "OBJECTIVE_VERSION", "POOL_GROUP", "POOL_VERSION", "SERVICE_ACCOUNT", "TOKEN_MAX_AGE",
+    "OBJECTIVE_GROUP", "OBJECTIVE_VERSION", "POOL_GROUP", "POOL_VERSION", "REWRITE_GROUP", "REWRITE_VERSION",
+    "SERVICE_ACCOUNT", "TOKEN_MAX_AGE",
     "TRANSIENT", "WATCH_TIMEOUT_SECONDS", "Credentials", "CredentialsError", "ExecCredentials", "ExecPlugin",
     "Gone", "KubeApi", "KubeConfig", "KubeError", "KubernetesDiscovery", "MalformedObject", "PoolSpec",
     "StaticToken", "TokenFile", "WatchEvent", "discovery_from_config", "follow_collection", "label_selector",
-    "load_kube_config", "objective_priorities", "parse_exec_credential", "pod_endpoints", "pool_spec",
-    "watch_objectives",
+    "load_kube_config", "model_rewrite_rules", "objective_priorities", "parse_exec_credential", "pod_endpoints",
+    "pool_spec", "watch_model_rewrites", "watch_objectives",
 ]

@@ -77,12 +77,15 @@ def route_by_headers(destination: str, extra_headers: dict[str, str] | None = No
     )
 
 
-def route_by_body(destination: str, extra_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
-    """BUFFERED mode: the header mutation rides on the body response (headers were already answered)."""
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=routing_common(destination, extra_headers)),
-        dynamic_metadata=routing_metadata(destination),
-    )
+def route_by_body(destination: str, extra_headers: dict[str, str] | None = None,
+                  body: bytes | None = None) -> pb.ProcessingResponse:
+    """BUFFERED mode: the header mutation rides on the body response (headers were already answered); `body`
+    replaces the request body (the caller sets its content-length: in this mode that is ours to keep right)."""
+    common = routing_common(destination, extra_headers)
+    if body is not None:
+        common.body_mutation.body = body
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                 dynamic_metadata=routing_metadata(destination))
 
 
 def streamed_body(body: bytes) -> list[pb.ProcessingResponse]:
@@ -117,6 +120,12 @@ def passthrough_response_chunk(body: bytes, end_of_stream: bool) -> pb.Processin
             )
         )
     )
+
+
+def replaced_response_chunk(body: bytes) -> pb.ProcessingResponse:
+    """STREAMED mode (not full-duplex): this response chunk replaced by `body`."""
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(
+        response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))))
 
 
 def error_body(status: int, code: str, message: str) -> bytes:

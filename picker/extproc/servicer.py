@@ -26,6 +26,7 @@ from picker.director import Decision, Director
 from picker.extproc import protocol as p
 from picker.extproc.limits import BodyBudget, StreamLimits
 from picker.extproc.usage import UsageReader
+from picker.model_rewrite import swap_models
 from picker.observability import PickerMetrics, ResponseTrace
 from picker.quietlog import QuietLog
 from picker.requests import InferenceRequest, RequestError, route_kind
@@ -115,8 +116,15 @@ class _Stream:
             body = chunk.body
             if self.usage is not None:
                 self.usage.feed(body, chunk.end_of_stream)
-            reply = (p.passthrough_response_chunk(body, chunk.end_of_stream)
-                     if self.response_mode == p.FULL_DUPLEX_STREAMED else p.EMPTY_RESPONSE_BODY)
+            swaps = self.decision.swaps if self.decision is not None else ()
+            if self.response_mode == p.FULL_DUPLEX_STREAMED:
+                reply = p.passthrough_response_chunk(swap_models(body, swaps) if swaps else body,
+                                                     chunk.end_of_stream)
+            elif swaps:  # STREAMED or BUFFERED: a chunk is replaced only when it changes
+                changed = swap_models(body, swaps)
+                reply = p.replaced_response_chunk(changed) if changed is not body else p.EMPTY_RESPONSE_BODY
+            else:
+                reply = p.EMPTY_RESPONSE_BODY
             if self.response is not None:
                 self.response.on_chunk(self.director.clock(), len(body), time.perf_counter() - began)
             if chunk.end_of_stream:
@@ -196,7 +204,8 @@ class _Stream:
             routed = await self._route(body, by_headers=True)
             if routed.HasField("immediate_response"):
                 return [routed]
-            return [routed, *p.streamed_body(body)]
+            assert self.decision is not None
+            return [routed, *p.streamed_body(body if self.decision.body is None else self.decision.body)]
         return [await self._route(body, by_headers=False)]
 
     async def _route(self, body: bytes, *, by_headers: bool) -> pb.ProcessingResponse:
@@ -208,8 +217,12 @@ class _Stream:
             return self._reject(err, counted=True)
         self.phase = "routed"
         extra = {p.REQUEST_ID_HEADER: self.request_id} if self.generated_id else None
-        destination = self.decision.destination
-        return p.route_by_headers(destination, extra) if by_headers else p.route_by_body(destination, extra)
+        destination, forwarded = self.decision.destination, self.decision.body
+        if forwarded is not None:  # the model rewritten: the pod gets another body, of another length
+            extra = {**(extra or {}), "content-length": str(len(forwarded))}
+        if by_headers:
+            return p.route_by_headers(destination, extra)
+        return p.route_by_body(destination, extra, forwarded)
 
     def _too_large(self, size: int) -> RequestError:
         return RequestError(413, "body_too_large", f"request body of {size} bytes exceeds the limit of "

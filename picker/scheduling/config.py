@@ -7,7 +7,10 @@
       maxPrefixBlocksToMatch: 256
       lruCapacityPerServer: 31250   # per-pod entries until the pod reports num_gpu_blocks
       ttlSeconds: 600
-    models: {base: [], adapters: []}   # LoRA: which request models are base models / adapters
+    models:
+      base: []              # LoRA: which request models are base models / adapters
+      adapters: []
+      rewrites: []          # [{name, matches: [{model: {value}}], targets: [{modelRewrite, weight}]}]
     explain: true           # per-candidate score breakdown in every SchedulingResult
     plugins: [{type, name, parameters}]
     schedulingProfiles: [{name, plugins: [{pluginRef, weight}]}]
@@ -27,6 +30,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field
 
+from picker.model_rewrite import RewriteRuleSpec
 from picker.prefix.hashing import (
     CHARS_PER_TOKEN,
     DEFAULT_BLOCK_CHARS,
@@ -75,7 +79,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "lruCapacityPerServer": DEFAULT_CAPACITY_BLOCKS,
         "ttlSeconds": DEFAULT_TTL_SECONDS,
     },
-    "models": {"base": [], "adapters": []},
+    "models": {"base": [], "adapters": [], "rewrites": []},
     "explain": True,
     "plugins": [
         # thresholds: the admission section's queueThreshold / kvCacheThreshold unless set here
@@ -162,6 +166,7 @@ class PrefixCacheSection(Section):
 class ModelsSection(Section):
     base: list[str] = Field(default_factory=list)
     adapters: list[str] = Field(default_factory=list)
+    rewrites: list[RewriteRuleSpec] = Field(default_factory=list)  # InferenceModelRewrite's rules, in order
 
 
 class PluginSpec(Section):

@@ -1,5 +1,5 @@
 """The discovery loops: keep the endpoint pool equal to the ready pods of an InferencePool (or of a label
-selector), and keep the director's priorities told of the pool's InferenceObjectives.
+selector), and keep the director told of the pool's InferenceObjectives (priorities) and InferenceModelRewrites.
 
 Each loop LISTs, then WATCHes from the list's resourceVersion; a closed stream re-watches from the last
 version seen, a 410 lists again. In InferencePool mode the pool object is watched too: a changed selector or
@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from picker.config import ServeConfig, parse_ports
@@ -29,14 +29,17 @@ from picker.endpoints.kube.kubeconfig import load_kube_config
 from picker.endpoints.kube.objects import (
     MalformedObject,
     PoolSpec,
+    model_rewrite_rules,
     objective_priorities,
     pod_endpoints,
     pool_spec,
 )
 from picker.endpoints.pool import EndpointPool
+from picker.model_rewrite import RewriteRule
 from picker.retry import Backoff
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
@@ -44,6 +47,8 @@ POOL_VERSION = "v1"
 POOL_VERSIONS = {POOL_GROUP: POOL_VERSION, "inference.networking.x-k8s.io": "v1alpha2"}
 OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # InferenceObjective is alpha in GIE
 OBJECTIVE_VERSION = "v1alpha2"
+REWRITE_GROUP = "llm-d.ai"  # InferenceModelRewrite: the reference picker's own API
+REWRITE_VERSION = "v1alpha2"
 RESTART_FLOOR_S = 1.0  # a pool that changes sooner than this after we started following it waits a backoff first
 
 
@@ -233,21 +238,43 @@ async def watch_objectives(api: KubeApi, namespace: str, pool_name: str,
                            on_change: Callable[[dict[str, int]], None], *, retry: float = 60.0,
                            backoff: Backoff | None = None) -> None:
     """Keep `on_change` told of the priorities of the pool's InferenceObjectives (GIE: the request header
-    `x-gateway-inference-objective` names one). A cluster without the CRD is asked again every `retry` s;
-    transient errors are retried with `backoff`, a bug ends the loop."""
-    path = f"/apis/{OBJECTIVE_GROUP}/{OBJECTIVE_VERSION}/namespaces/{quote(namespace)}/inferenceobjectives"
-    what = f"InferenceObjectives of {namespace}/{pool_name}"
+    `x-gateway-inference-objective` names one)."""
+    await watch_pool_objects(
+        api, f"/apis/{OBJECTIVE_GROUP}/{OBJECTIVE_VERSION}/namespaces/{quote(namespace)}/inferenceobjectives",
+        f"InferenceObjectives of {namespace}/{pool_name}", lambda objects: objective_priorities(objects, pool_name),
+        on_change, lambda p: ", ".join(f"{k}={v}" for k, v in sorted(p.items())),
+        "the InferenceObjective API is not installed; priorities come from the config only", retry, backoff)
+
+
+async def watch_model_rewrites(api: KubeApi, namespace: str, pool_name: str,
+                               on_change: Callable[[list[RewriteRule]], None], *, retry: float = 60.0,
+                               backoff: Backoff | None = None) -> None:
+    """Keep `on_change` told of the rules of the pool's InferenceModelRewrites (oldest object first)."""
+    await watch_pool_objects(
+        api, f"/apis/{REWRITE_GROUP}/{REWRITE_VERSION}/namespaces/{quote(namespace)}/inferencemodelrewrites",
+        f"InferenceModelRewrites of {namespace}/{pool_name}", lambda objects: model_rewrite_rules(objects, pool_name),
+        on_change, lambda rules: ", ".join(f"{r.name}: {', '.join(sorted(r.models)) or '*'} -> "
+                                           f"{', '.join(r.targets)}" for r in rules),
+        "the InferenceModelRewrite API is not installed; rewrites come from the config only", retry, backoff)
+
+
+async def watch_pool_objects(api: KubeApi, path: str, what: str,
+                             extract: Callable[[dict[str, dict[str, Any]]], T], on_change: Callable[[T], None],
+                             describe: Callable[[T], str], not_installed: str, retry: float = 60.0,
+                             backoff: Backoff | None = None) -> None:
+    """Follow a collection of objects that refer to the pool and tell `on_change` what `extract` makes of them
+    whenever that changes. A cluster without the CRD is asked again every `retry` s; transient errors are
+    retried with `backoff`, a bug ends the loop."""
     delays = backoff or Backoff(0.2, 10.0)
-    last: dict[str, int] | None = None
+    last: list[T] = []
 
     def apply(objects: dict[str, dict[str, Any]]) -> None:
-        nonlocal last
         delays.reset()
-        priorities = objective_priorities(objects, pool_name)
-        if priorities != last:
-            last = priorities
-            on_change(priorities)
-            log.info("%s: %s", what, ", ".join(f"{k}={v}" for k, v in sorted(priorities.items())) or "none")
+        current = extract(objects)
+        if not last or current != last[0]:
+            last[:] = [current]
+            on_change(current)
+            log.info("%s: %s", what, describe(current) or "none")
 
     while True:
         try:
@@ -258,8 +285,7 @@ async def watch_objectives(api: KubeApi, namespace: str, pool_name: str,
                 log.warning("%s: %s; retrying in %.1fs", what, exc, delay)
                 await delays.sleep(delay)
                 continue
-            log.info("%s: the InferenceObjective API is not installed; priorities come from the config only",
-                     what)
+            log.info("%s: %s", what, not_installed)
             await delays.sleep(retry)
         except TRANSIENT as exc:
             delay = delays.next_delay()

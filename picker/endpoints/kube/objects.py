@@ -1,5 +1,5 @@
 """Kubernetes objects → what the picker needs: an InferencePool's selector and ports, a pod's endpoints, the
-priorities of InferenceObjectives. Pure functions, no I/O.
+priorities of InferenceObjectives, the rules of InferenceModelRewrites. Pure functions, no I/O.
 
 Objects come from the cluster, so their shape is data, not a promise: an unusable InferencePool raises
 `MalformedObject` (a ValueError) for discovery to report and wait out, a malformed pod serves nothing, an
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from picker.endpoints.state import Endpoint
+from picker.model_rewrite import RewriteRule, RewriteRuleSpec
+from picker.schema import ConfigError, decode
 
 log = logging.getLogger(__name__)
 
@@ -142,3 +144,33 @@ def objective_priorities(objectives: Mapping[str, Mapping[str, Any]], pool_name:
         else:
             log.warning("InferenceObjective %s: priority %r is not an integer; ignored", name, priority)
     return out
+
+
+def model_rewrite_rules(rewrites: Mapping[str, Mapping[str, Any]], pool_name: str) -> list[RewriteRule]:
+    """The rules of the InferenceModelRewrites whose spec.poolRef names our pool, oldest object first (the
+    reference's precedence), each rule named after its object; an unusable rule is skipped with a warning."""
+    ordered = sorted(rewrites.items(), key=lambda item: (_created(item[1]), item[0]))
+    out: list[RewriteRule] = []
+    for name, rewrite in ordered:
+        spec = rewrite.get("spec")
+        if not isinstance(spec, dict):
+            continue
+        ref = spec.get("poolRef")
+        rules = spec.get("rules")
+        if not isinstance(ref, dict) or ref.get("name") != pool_name or not isinstance(rules, list):
+            continue
+        for i, rule in enumerate(rules):
+            try:
+                decoded = decode(RewriteRuleSpec, rule, f"rules[{i}]")
+            except ConfigError as exc:
+                log.warning("InferenceModelRewrite %s: %s; rule ignored", name, exc)
+                continue
+            out.append(RewriteRule.from_spec(decoded.model_copy(update={"name": name}), name))
+    return out
+
+
+def _created(obj: Mapping[str, Any]) -> str:
+    """metadata.creationTimestamp (RFC 3339 in UTC: orders as text); missing ones sort first."""
+    meta = obj.get("metadata")
+    stamp = meta.get("creationTimestamp") if isinstance(meta, dict) else None
+    return stamp if isinstance(stamp, str) else ""
