@@ -307,8 +307,15 @@ class PickerMetrics:
             "streaming_itl": self.streaming_itl}
         r.register(_InFlightCollector(self))
         self.deprecated_names = deprecated_names  # also emit each series under its deprecated GIE name
-        if deprecated_names:
-            r.register(TwinCollector(self._twins()))
+        self.twins: list[Twin] = []  # every deprecated name declared for these series (emitted or not)
+        self.add_twins(self._twins())
+
+    def add_twins(self, twins: Iterable[Twin]) -> None:
+        """Declare deprecated names of series in this registry; emitted unless --metrics-deprecated-names=false."""
+        declared = tuple(twins)
+        self.twins.extend(declared)
+        if self.deprecated_names:
+            self.registry.register(TwinCollector(declared))
 
     def _twins(self) -> list[Twin]:
         """The deprecated names the reference still emits for these series, with the labels they had."""
@@ -544,9 +551,7 @@ class FlowSeries(Collector):
                                  "Time to queue a request, by outcome.", ["fairness_id", "priority", "outcome"],
                                  buckets=_SCHEDULER_BUCKETS, registry=r)
         r.register(self)
-        if not metrics.deprecated_names:
-            return
-        metrics.registry.register(TwinCollector([
+        metrics.add_twins([
             Twin("inference_extension_flow_control_request_queue_duration_seconds", self.queue_duration,
                  ("fairness_id", "priority", "outcome", "inference_pool", "model_name", "target_model_name")),
             Twin("inference_extension_flow_control_dispatch_cycle_duration_seconds", self.cycle, ()),
@@ -556,7 +561,7 @@ class FlowSeries(Collector):
               for name in ("queue_size", "queue_bytes")),
             Twin("inference_extension_flow_control_pool_saturation", self, ("inference_pool", "stage"),
                  family="llm_d_epp_flow_control_pool_saturation"),
-        ]))
+        ])
 
     def observe(self, request: InferenceRequest, outcome: str, waited_s: float) -> None:
         model, target, fairness = self.metrics.labels_of(request)

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import FlowController, FlowSettings
-from picker.metric_twins import Twin, TwinCollector
+from picker.metric_twins import Twin
 from picker.observability import PickerMetrics, ResponseTrace
 from picker.prefix.shared import SyncStats
 from picker.requests import InferenceRequest, Usage
@@ -65,8 +65,7 @@ def exported_series(deprecated_names: bool = False) -> set[str]:
 def declared_twins() -> list[Twin]:
     """Every deprecated twin a picker declares (PickerMetrics' and flow control's), as registered with its registry."""
     metrics, _ = exercised(deprecated_names=True)
-    collectors = list(metrics.registry._collector_to_names)  # prometheus_client lists no collectors publicly
-    return [twin for c in collectors if isinstance(c, TwinCollector) for twin in c.twins]
+    return metrics.twins
 
 
 def family_of(twin: Twin) -> str:
