@@ -41,6 +41,8 @@ def make_app(address: str) -> web.Application:
         usage = {"prompt_tokens": len(body) // 4, "completion_tokens": 3,
                  "prompt_tokens_details": {"cached_tokens": len(body) // 8}}
         info["usage"] = usage
+        if request.path.endswith("/messages"):  # Anthropic's Messages API, as vLLM serves it
+            return await _anthropic_reply(request, info, usage, bool(isinstance(data, dict) and data.get("stream")))
         if isinstance(data, dict) and data.get("stream"):
             response = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await response.prepare(request)
@@ -104,6 +106,30 @@ def make_app(address: str) -> web.Application:
     app.router.add_post("/test/metrics", set_metrics)
     app.router.add_route("*", "/{tail:.*}", inference)
     return app
+
+
+async def _anthropic_reply(request: web.Request, info: dict[str, Any], usage: dict[str, Any],
+                           stream: bool) -> web.StreamResponse:
+    """The reply in Anthropic's shape, usage as vLLM writes it: `input_tokens` without the cached ones."""
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    anthropic = {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+                 "cache_read_input_tokens": cached}
+    message = {**info, "type": "message", "role": "assistant", "content": [{"type": "text", "text": "hi"}]}
+    if not stream:
+        return web.json_response({**message, "usage": anthropic})
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    events = [("message_start", {"type": "message_start", "message": {**message, "content": [],
+                                                                      "usage": {**anthropic, "output_tokens": 1}}}),
+              ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                       "delta": {"type": "text_delta", "text": "hi"}}),
+              ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                 "usage": {"output_tokens": anthropic["output_tokens"]}}),
+              ("message_stop", {"type": "message_stop"})]
+    for name, event in events:
+        await response.write(f"event: {name}\ndata: {json.dumps(event)}\n\n".encode())
+    await response.write_eof()
+    return response
 
 
 async def serve(addresses: list[str]) -> None:

@@ -81,6 +81,27 @@ async def test_usage_is_counted_where_envoy_streams_response_bodies(token_stack:
     assert observed == 2.0 and prompt_tokens > 0
 
 
+async def test_anthropic_usage_is_counted_with_its_cached_tokens(token_stack: TokenStack) -> None:
+    """/v1/messages replies count `input_tokens` without the cached ones: the prompt is their sum, and a stream's
+    `message_delta` carries only the output count (its input comes from `message_start`)."""
+    picker, envoy = token_stack.pickers["full-duplex"], token_stack.envoys["full-duplex"]
+    before = token_counts(picker)
+    body = {"model": "tiny", "max_tokens": 8, "system": "be brief " * 20,
+            "messages": [{"role": "user", "content": "count my Anthropic tokens"}]}
+    # the echo pod reports len(body) // 4 prompt tokens (Anthropic: input_tokens without the cached eighths)
+    expected = sum(len(json.dumps({**body, "stream": stream}).encode()) // 4 for stream in (False, True))
+    async with aiohttp.ClientSession() as session:
+        for stream in (False, True):
+            async with session.post(envoy.url + "/v1/messages", json={**body, "stream": stream}) as response:
+                assert response.status == 200
+                await response.read()
+    after = token_counts(picker)
+    prompts = after["inference_objective_input_tokens"][1] - before["inference_objective_input_tokens"][1]
+    outputs = after["inference_objective_output_tokens"][1] - before["inference_objective_output_tokens"][1]
+    assert outputs == 6.0
+    assert prompts == expected
+
+
 async def test_the_buffered_default_passes_bodies_by_and_counts_no_tokens(token_stack: TokenStack) -> None:
     picker = token_stack.pickers["buffered"]
     await send_both(token_stack.envoys["buffered"])
