@@ -77,6 +77,7 @@ class ServeConfig(Section):
     metrics_fast_interval: Duration = Field(0.1, gt=0)  # cadence of a pod near saturation or busier than we know
     metrics_slow_interval: Duration = Field(1.0, gt=0)  # cadence of a calm pod
     unhealthy_after_failures: int = Field(2, ge=1)
+    models_refresh_interval: Duration = Field(30.0, ge=0)  # how often a pod's GET /v1/models is read; 0: never
     # Where pods' metrics are read (the reference picker's flags): scheme, one port for every pod (0: its own), path
     model_server_metrics_scheme: Literal["http", "https"] = "http"
     model_server_metrics_port: int = Field(0, ge=0, le=65535)
@@ -211,6 +212,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-server-metrics-https-insecure-skip-verify", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="with https, accept the pods' certificates unverified (default true, as the reference picker)")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before an endpoint stops being picked (2)")
+    a("--models-refresh-interval", help="how often each pod's GET /v1/models is read to learn its loaded LoRA "
+      "adapters, idle ones too (default 30s; 0s: never, the pods' metrics alone tell what they serve)")
     a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
     a("--max-buffered-bytes", help="request-body bytes all streams together may hold while they arrive (default "
       "256Mi); beyond it a body gets 503 buffers_full with retry-after")

@@ -17,7 +17,7 @@ from aiohttp import web
 
 
 def make_app(address: str) -> web.Application:
-    stats = {"requests": 0}
+    stats = {"requests": 0, "listings": 0}
 
     async def inference(request: web.Request) -> web.StreamResponse:
         stats["requests"] += 1
@@ -57,14 +57,16 @@ def make_app(address: str) -> web.Application:
         return web.json_response(info)
 
     async def models(request: web.Request) -> web.Response:
-        stats["requests"] += 1
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}],
-                                  "served_by": address})
+        stats["listings"] += 1  # not a request: pickers read it on a timer
+        listed = [{"id": m, "object": "model", "parent": None} for m in state["models"]]
+        listed += [{"id": a, "object": "model", "parent": state["models"][0]} for a in state["adapters"]]
+        return web.json_response({"object": "list", "data": listed, "served_by": address})
 
     # What /metrics reports, in vLLM 0.32 names; tests set it with POST /test/metrics.
     state: dict[str, Any] = {"waiting": 0, "running": 0, "kv": 0.0, "block_size": 16, "num_gpu_blocks": 4096,
                              "max_lora": 4, "running_loras": [], "waiting_loras": [], "down": False,
-                             "models": ["tiny"], "engine": "vllm"}  # engine "sglang": SGLang's metric names
+                             "models": ["tiny"], "engine": "vllm",  # engine "sglang": SGLang's metric names
+                             "adapters": []}  # adapters: loaded (listed at /v1/models), not running
 
     async def metrics(request: web.Request) -> web.Response:
         if state["down"]:

@@ -1,8 +1,9 @@
 """Which pods serve which model: a pool may serve several base models (and LoRA adapters on top of them), so a
 request goes only to pods that serve the model it names.
 
-What a pod serves comes from its own metrics: the `model_name` label of its series (its base model or models) and
-the adapters `vllm:lora_requests_info` lists as running or waiting. A pod whose metrics report no model yet (never
+What a pod serves comes from its own metrics, the `model_name` label of its series (its base model or models) and
+the adapters `vllm:lora_requests_info` lists as running or waiting, and from its `GET /v1/models` listing (every
+adapter it has loaded, idle ones too; `picker.endpoints.model_listing`). A pod that reports no model yet (never
 scraped, or an engine that does not label its series) is not ruled out: nothing is known against it. An adapter
 configured in `scheduling.models.adapters` that no pod runs yet may be loaded by any pod with LoRA slots
 (`max_lora` > 0). A model nothing serves is a 404 `model_not_found` from the picker, as vLLM itself would answer.
@@ -21,7 +22,12 @@ from picker.requests import RequestError
 
 def serves(endpoint: Endpoint, model: str) -> bool:
     m = endpoint.metrics
-    return model in m.models or model in m.running_loras or model in m.waiting_loras
+    return model in m.models or model in m.running_loras or model in m.waiting_loras or model in endpoint.listing()
+
+
+def reports(endpoint: Endpoint) -> bool:
+    """Whether the pod has told us anything of what it serves."""
+    return bool(endpoint.metrics.models or endpoint.listing())
 
 
 class ModelServing:
@@ -30,9 +36,9 @@ class ModelServing:
 
     def pods_for(self, model: str, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
         """The candidates that serve `model` (or may: nothing known against them); RequestError 404 for none."""
-        if all(not e.metrics.models or serves(e, model) for e in candidates):
+        if all(not reports(e) or serves(e, model) for e in candidates):
             return candidates  # every pod serves it, or reports nothing against it (a single-model pool, unscraped)
-        out = [e for e in candidates if not e.metrics.models or serves(e, model)]
+        out = [e for e in candidates if not reports(e) or serves(e, model)]
         if out:
             return out
         if model in self.adapters:
@@ -44,7 +50,7 @@ class ModelServing:
 
     def listing(self, endpoints: Sequence[Endpoint]) -> bytes | None:
         """The body of `GET /v1/models` for the pool; None while no pod reports its models (a pod answers)."""
-        if not any(e.metrics.models for e in endpoints):
+        if not any(reports(e) for e in endpoints):
             return None
         return models_listing(self.served(endpoints))
 
@@ -53,7 +59,7 @@ class ModelServing:
         names: set[str] = set(self.adapters)
         for e in endpoints:
             m = e.metrics
-            names.update(m.models, m.running_loras, m.waiting_loras)
+            names.update(m.models, m.running_loras, m.waiting_loras, e.listing())
         return sorted(names)
 
 

@@ -32,6 +32,7 @@ from picker.endpoints.kubernetes import (
     watch_model_rewrites,
     watch_objectives,
 )
+from picker.endpoints.model_listing import ModelListings
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.extproc.servicer import ExtProcServicer
 from picker.logformat import configure_logging
@@ -138,6 +139,8 @@ class PickerServer:
         flow = self.flow
         wake = (lambda _endpoint: flow.kick()) if flow is not None else None
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics, on_metrics=wake))
+        if c.models_refresh_interval > 0:
+            self._start_model_listings(c)
         if self.discovery is not None and self.discovery.pool_name:
             self.supervise(asyncio.create_task(watch_objectives(
                 self.discovery.api, self.discovery.namespace, self.discovery.pool_name,
@@ -181,6 +184,15 @@ class PickerServer:
             self.supervise(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
             with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
                 await asyncio.wait_for(self.discovery.synced.wait(), 3.0)
+
+    def _start_model_listings(self, c: cfg.ServeConfig) -> None:
+        """Read every pod's /v1/models on a slow timer, and a joining pod's at once."""
+        listings = ModelListings(self.pool.ready, interval=c.models_refresh_interval,
+                                 scheme=c.model_server_metrics_scheme,
+                                 verify_tls=not c.model_server_metrics_https_insecure_skip_verify)
+        self.pool.subscribe(lambda event, _endpoint: listings.pod_joined()
+                            if event is PoolEvent.ADDED or event is PoolEvent.READY else None)
+        self.supervise(asyncio.create_task(listings.run(), name="model-listings"))
 
     async def _start_servers(self, c: cfg.ServeConfig) -> None:
         """ext_proc + picker.v1 on the gRPC port, health on its own port, Prometheus; then report health."""

@@ -1,5 +1,5 @@
 """A pool serving two models through real Envoy: every request lands on a pod that serves its model, an adapter
-on the pod running it, a model nothing serves is the picker's 404 `model_not_found`, `GET /v1/models` lists the
+on the pod running it (or listing it loaded at /v1/models), a model nothing serves is the picker's 404 `model_not_found`, `GET /v1/models` lists the
 pool's union, and a pod that swaps its model is followed once a scrape shows it."""
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def two_models() -> Iterator[TwoModels]:
         started.append(pods.process)
         for i, address in enumerate(pods.addresses):
             set_echo_metrics(address, models=["llama" if i < 2 else "qwen"],
-                             running_loras=["sql-lora"] if i == 3 else [])
+                             running_loras=["sql-lora"] if i == 3 else [],
+                             adapters=["chat-lora"] if i == 1 else [])  # loaded, idle: only /v1/models says
         picker = start_picker(logdir, endpoints=pods.addresses, extra=["--metrics-fast-interval", "50ms",
                                                                        "--metrics-slow-interval", "100ms"])
         started.append(picker.process)
@@ -62,6 +63,7 @@ async def test_each_model_goes_only_to_its_pods_and_an_unknown_one_is_404(two_mo
         results = await asyncio.gather(*(served_by(session, two_models.envoy, model, f"{model} question {i} " * 8)
                                          for i in range(20) for model in ("llama", "qwen")))
         lora = [await served_by(session, two_models.envoy, "sql-lora", f"lora {i}") for i in range(5)]
+        idle = [await served_by(session, two_models.envoy, "chat-lora", f"idle {i}") for i in range(5)]
         status, error = await served_by(session, two_models.envoy, "mistral", "nobody serves me")
         async with session.get(two_models.envoy.url + "/v1/models") as response:
             listed = await response.json()
@@ -71,9 +73,10 @@ async def test_each_model_goes_only_to_its_pods_and_an_unknown_one_is_404(two_mo
         by_model[model].add(pod)
     assert by_model["llama"] <= llama and by_model["qwen"] <= qwen  # zero misrouted
     assert {pod for _, pod in lora} == {two_models.pods.addresses[3]}
+    assert {pod for _, pod in idle} == {two_models.pods.addresses[1]}  # where it is loaded, though idle
     assert status == 404 and error["error"]["code"] == "model_not_found"  # type: ignore[index]
-    assert "llama, qwen, sql-lora" in error["error"]["message"]  # type: ignore[index]
-    assert [m["id"] for m in listed["data"]] == ["llama", "qwen", "sql-lora"]  # the pool's union
+    assert "chat-lora, llama, qwen, sql-lora" in error["error"]["message"]  # type: ignore[index]
+    assert [m["id"] for m in listed["data"]] == ["chat-lora", "llama", "qwen", "sql-lora"]  # the pool's union
 
 
 async def test_a_pod_that_swaps_its_model_is_followed(two_models: TwoModels) -> None:

@@ -57,3 +57,21 @@ def test_the_models_listing_is_the_pools_union_once_pods_report_models() -> None
     assert body["object"] == "list"
     assert [(m["id"], m["object"]) for m in body["data"]] == [
         ("later", "model"), ("llama", "model"), ("qwen", "model"), ("sql", "model")]
+
+
+def test_an_idle_adapter_a_pod_lists_goes_to_that_pod_and_a_swapped_pod_is_not_believed() -> None:
+    plain, loaded = pod(1, ("llama",), max_lora=4), pod(2, ("llama",), max_lora=4)
+    loaded.listed_models, loaded.listed_for = frozenset({"llama", "chat-lora"}), loaded.metrics.models
+    serving = ModelServing(adapters=["chat-lora"])
+    assert serving.pods_for("chat-lora", [plain, loaded]) == [loaded]  # loaded, idle: not in its metrics
+    assert serving.served([plain, loaded]) == ["chat-lora", "llama"]
+    loaded.metrics = EndpointMetrics(models=frozenset({"qwen"}), max_lora=4, updated_at=0.0)  # swapped
+    assert serving.pods_for("chat-lora", [plain, loaded]) == [plain, loaded]  # loadable anywhere again
+    assert loaded.listing() == frozenset()
+
+
+def test_an_alias_the_pod_lists_is_served() -> None:
+    """vLLM labels its metrics with the first --served-model-name only; the listing has every name."""
+    aliased = pod(1, ("llama",))
+    aliased.listed_models, aliased.listed_for = frozenset({"llama", "llama-latest"}), aliased.metrics.models
+    assert ModelServing().pods_for("llama-latest", [aliased, pod(2, ("qwen",))]) == [aliased]

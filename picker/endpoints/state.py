@@ -63,6 +63,8 @@ class Endpoint:
     last_picked_at: float = -1.0
     consecutive_failures: int = 0
     scrape_interval: float = 0.0  # seconds until the scraper refreshes `metrics` again (its current cadence)
+    listed_models: frozenset[str] = frozenset()  # what its GET /v1/models listed: base models, loaded adapters
+    listed_for: frozenset[str] = frozenset()  # the base models its metrics named when that listing was read
 
     @classmethod
     def from_address(cls, address: str, name: str = "", labels: dict[str, str] | None = None) -> Endpoint:
@@ -77,6 +79,11 @@ class Endpoint:
     def metrics_overdue(self, now: float) -> float:
         """Seconds the metrics are older than the scraper's cadence promises (<= 0: current)."""
         return self.metrics_age(now) - self.scrape_interval
+
+    def listing(self) -> frozenset[str]:
+        """What its /v1/models listed, while its metrics still name the base models they named then: a pod that
+        has swapped its model is not taken at its old word (the listing is read again)."""
+        return self.listed_models if self.listed_for == self.metrics.models else frozenset()
 
     def start_request(self, tokens: int, now: float) -> None:
         self.in_flight += 1
