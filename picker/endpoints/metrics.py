@@ -1,5 +1,6 @@
-"""A model server's /metrics (Prometheus text) -> EndpointMetrics: vLLM's names (0.32; tests/data has real pages),
-or SGLang's when the page is SGLang's (`parse_metrics` tells them apart by their `vllm:` / `sglang:` prefixes).
+"""A model server's metrics page -> EndpointMetrics: vLLM's names (0.32; tests/data has real pages), SGLang's, or
+TensorRT-LLM's (trtllm-serve's Prometheus page, or its JSON iteration stats); `parse_metrics` tells them apart from the
+page itself (a JSON list, or the `vllm:` / `sglang:` / `trtllm_` prefixes).
 
 Hand-rolled because it runs on every scrape of every pod (down to 100 ms apart): one regex pass finds only the sample lines of the few series
 we use (the name is followed by `{` or a space, and the match must start a line, which drops `# HELP`/`# TYPE`),
@@ -9,6 +10,7 @@ so the histogram buckets that make up most of the text are never split into line
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 from collections.abc import Iterator
@@ -142,9 +144,16 @@ _SGLANG = re.compile(r"sglang:(num_queue_reqs|num_running_reqs|token_usage|cache
 
 
 def parse_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
-    """vLLM's page, or SGLang's (no `vllm:` series but `sglang:` ones): the engine is read from the page itself."""
-    if "vllm:" not in text and "sglang:" in text:
-        return parse_sglang_metrics(text, updated_at)
+    """The engine is read from the page itself: vLLM's (any `vllm:` series; a vLLM page may mention `trtllm_` in a
+    config label, so it is tested first), SGLang's (`sglang:`), trtllm-serve's Prometheus page (`trtllm_`) or its
+    JSON iteration stats (a list). The vLLM path costs one prefix test and one substring search more than before."""
+    if text.startswith("["):
+        return parse_trtllm_iteration_stats(text, updated_at)
+    if "vllm:" not in text:
+        if "sglang:" in text:
+            return parse_sglang_metrics(text, updated_at)
+        if "trtllm_" in text:
+            return parse_trtllm_metrics(text, updated_at)
     return parse_vllm_metrics(text, updated_at)
 
 
@@ -177,6 +186,102 @@ def parse_sglang_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics
     if kv_count:
         m.kv_usage = kv_total / kv_count
     return m
+
+
+# trtllm-serve's Prometheus page (GET /prometheus/metrics, served with `return_perf_metrics`; the iteration gauges
+# also need `enable_iter_perf_stats`): its queue, running count, KV use (used / max blocks, 0..1), cache geometry and
+# the model it serves (`model_config_info`, logged at startup, so the model is known before any request).
+_TRTLLM = re.compile(r"trtllm_(num_requests_waiting|num_requests_running|kv_cache_utilization|kv_cache_max_blocks"
+                     r"|kv_cache_tokens_per_block|model_config_info)([{ ][^\n]*)")
+# What trtllm-serve put in `model_name` before it filled the label in: no model, rather than a model named so.
+_NO_MODEL = frozenset({"", "undefined"})
+
+
+def parse_trtllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
+    """trtllm-serve: `num_requests_waiting`, `num_requests_running`, `kv_cache_utilization` (mean over series),
+    `kv_cache_max_blocks` and `kv_cache_tokens_per_block`, the model from the series' `model_name` label. Its
+    gauges are per process (a `pid` label, prometheus_client's multiprocess mode); several series add up."""
+    m = EndpointMetrics(updated_at=updated_at)
+    waiting = running = kv_total = 0.0
+    kv_count = blocks = 0
+    models: set[str] = set()
+    for name, labels, value in _samples(_TRTLLM, text):
+        if not math.isfinite(value):  # block counts become ints: no NaN, no infinity
+            continue
+        if name == "num_requests_waiting":
+            waiting += value
+        elif name == "kv_cache_utilization":
+            kv_total += value
+            kv_count += 1
+        elif name == "kv_cache_max_blocks":
+            blocks += int(value)
+        elif name == "kv_cache_tokens_per_block":
+            m.block_size = m.block_size or int(value) or None
+        elif name == "num_requests_running":
+            running += value
+            models.update(_trtllm_model(labels))
+        else:  # model_config_info: logged at startup, before the gauges have their first sample
+            models.update(_trtllm_model(labels))
+    m.waiting, m.running, m.models = waiting, running, frozenset(models)
+    m.num_gpu_blocks = blocks or None
+    if kv_count:
+        m.kv_usage = kv_total / kv_count
+    return m
+
+
+def _trtllm_model(labels: str) -> tuple[str, ...]:
+    model = parse_labels(labels).get("model_name", "")
+    return () if model in _NO_MODEL else (model,)
+
+
+def parse_trtllm_iteration_stats(text: str, updated_at: float = -1.0) -> EndpointMetrics:
+    """trtllm-serve's JSON GET /metrics: the iteration stats queued since the last read (the read drains them), one
+    object per engine iteration. The newest one counts: `numQueuedRequests`, `numActiveRequests` and `kvCacheStats`
+    (`usedNumBlocks` of `maxNumBlocks`, `tokensPerBlock`). An empty list means no iteration ran since the last read:
+    an idle engine. It names no model. ValueError if the text is not such a list (the scraper's failure path)."""
+    try:
+        stats = json.loads(text)
+    except RecursionError:  # nested past Python's limit: as unreadable as malformed JSON
+        raise ValueError("trtllm iteration stats: nested too deep") from None
+    if not isinstance(stats, list):
+        raise ValueError("trtllm iteration stats: not a JSON list")
+    m = EndpointMetrics(updated_at=updated_at)
+    newest = _newest_iteration(stats)
+    if newest is None:
+        return m
+    m.waiting = _number(newest, "numQueuedRequests") or 0.0
+    m.running = _number(newest, "numActiveRequests") or 0.0
+    kv = newest.get("kvCacheStats")
+    if isinstance(kv, dict):
+        total = _number(kv, "maxNumBlocks")
+        used = _number(kv, "usedNumBlocks")
+        if used is None and total is not None and (free := _number(kv, "freeNumBlocks")) is not None:
+            used = total - free
+        if total:
+            m.num_gpu_blocks = int(total)
+            m.kv_usage = min(1.0, max(0.0, (used or 0.0) / total))
+        m.block_size = int(_number(kv, "tokensPerBlock") or 0) or None
+    return m
+
+
+def _newest_iteration(stats: list[object]) -> dict[str, object] | None:
+    """The entry with the highest `iter` (the queue is in order, but a reader should not depend on it)."""
+    newest: dict[str, object] | None = None
+    newest_iter = -math.inf
+    for entry in stats:
+        if isinstance(entry, dict):
+            iteration = _number(entry, "iter") or 0.0
+            if iteration >= newest_iter:
+                newest, newest_iter = entry, iteration
+    return newest
+
+
+def _number(obj: dict[str, object], key: str) -> float | None:
+    """A finite number under `key` (JSON has no NaN, but bools are ints in Python and must not count)."""
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def _int(text: str | None) -> int | None:
