@@ -1,4 +1,5 @@
-"""`picker sim`: run N simulated vLLM servers in one process until SIGINT/SIGTERM."""
+"""`picker sim`: run N simulated vLLM servers in one process until SIGINT/SIGTERM (`--engine`: whose metric pages
+they serve, so a picker can be tried against SGLang's or TensorRT-LLM's names too)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 from picker.config import parse_duration
 from picker.sim.fleet import SimFleet
+from picker.sim.metrics import DIALECTS
 from picker.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from picker.sim.server import PodBindError
 
@@ -52,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "e.g. 6ms as measured on a real vLLM (default: 0, free)")
     a("--eos-mean-tokens", type=int, default=None,
       help="mean output length before a pseudo-EOS (default: the profile's)")
+    a("--engine", default="vllm", choices=DIALECTS,
+      help="whose metric names the pods serve: vllm or sglang on /metrics; trtllm on /prometheus/metrics as "
+      "trtllm-serve does (its gauges as of the last finished request) and its JSON iteration stats on /metrics "
+      "(default %(default)s)")
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -75,6 +81,7 @@ async def _serve(args: argparse.Namespace) -> int:
         lora_modules=dict(args.lora_modules),
         seed=args.seed,
         kv_events_endpoint_base=args.kv_events_endpoint_base,
+        engine=args.engine,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -84,7 +91,8 @@ async def _serve(args: argparse.Namespace) -> int:
     async with fleet:
         for pod in fleet.pods:
             kv = f" kv-events={pod.config.kv_events_endpoint}" if pod.config.kv_events_endpoint else ""
-            print(f"{pod.name} {pod.url} model={pod.model_name} profile={profile.name}{kv}", flush=True)
+            print(f"{pod.name} {pod.url} model={pod.model_name} profile={profile.name} engine={args.engine}{kv}",
+                  flush=True)
         await stop.wait()
     return 0
 

@@ -13,7 +13,8 @@ Sync (code without an event loop, e.g. a benchmark driving Envoy with blocking c
         fleet.call(lambda: fleet.pods[0].engine.num_running)  # read engine state on the loop's thread
 
 `base_port=0` picks free ports; otherwise pod i listens on base_port + i. With `kv_events_endpoint_base`
-("tcp://127.0.0.1:Q") pod i publishes KV events to port Q + i.
+("tcp://127.0.0.1:Q") pod i publishes KV events to port Q + i. `engine` ("vllm", "sglang", "trtllm") is whose metric
+pages the pods serve.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
+from picker.sim.metrics import MetricDialect
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.server import PodConfig, SimPod
 
@@ -58,6 +60,7 @@ class SimFleet:
         name_prefix: str = "sim",
         process_metrics: bool = True,
         profile_overrides: dict[str, object] | None = None,
+        engine: MetricDialect = "vllm",
     ) -> None:
         if n < 1:
             raise ValueError("a fleet needs at least one pod")
@@ -78,6 +81,7 @@ class SimFleet:
                     lora_modules=dict(lora_modules or {}),
                     kv_events_endpoint=kv_endpoint_for(kv_events_endpoint_base, i),
                     process_metrics=process_metrics,
+                    engine=engine,
                 )
             )
             for i in range(n)

@@ -20,6 +20,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from aiohttp import web
 from picker.sim.driver import RealtimeDriver, RequestHandle
 from picker.sim.engine import ERROR, Engine, FinishedRequest, SimRequest, StepResult
 from picker.sim.kv_events import DEFAULT_TOPIC, KVEventPublisher
-from picker.sim.metrics import SimMetrics
+from picker.sim.metrics import MetricDialect, MetricsPage, SimMetrics
 from picker.sim.openai_api import (
     SSE_DONE,
     ApiError,
@@ -58,7 +59,6 @@ log = logging.getLogger(__name__)
 
 POD_HEADER = "x-sim-pod"
 VLLM_VERSION = "0.32.0"
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class PodBindError(OSError):
@@ -91,6 +91,7 @@ class PodConfig:
     enable_prompt_tokens_details: bool = True
     prefix_caching_hash_algo: str = "sha256"
     process_metrics: bool = True
+    engine: MetricDialect = "vllm"  # whose metric names (and pages) the pod serves; the rest stays vLLM's API
 
 
 class SimPod:
@@ -113,6 +114,7 @@ class SimPod:
             lora_enabled=bool(config.lora_modules),
             prefix_caching_hash_algo=config.prefix_caching_hash_algo,
             process_metrics=config.process_metrics,
+            dialect=config.engine,
         )
         self.served = ServedModel(
             name=self.model_name,
@@ -224,7 +226,8 @@ class SimPod:
         r.add_get("/health", self.health)
         r.add_get("/ping", self.health)
         r.add_get("/version", self.version)
-        r.add_get("/metrics", self.metrics_handler)
+        for page in self.metrics.pages():
+            r.add_get(page.path, self.metrics_handler(page))
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/v1/completions/render", self.render_completion)
         r.add_post("/v1/chat/completions/render", self.render_chat)
@@ -484,14 +487,19 @@ class SimPod:
         """GET /version."""
         return self._json({"version": VLLM_VERSION})
 
-    async def metrics_handler(self, request: web.Request) -> web.Response:
-        """GET /metrics: Prometheus text; with a scrape cost, it holds the API server that long (model time)."""
-        cost = self.config.profile.scrape_cost_s
-        if cost > 0:
-            now = asyncio.get_running_loop().time()
-            self._api_free_at = max(now, self._api_free_at) + cost / self.config.time_scale
-            await self._api_turn()
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    def metrics_handler(self, page: MetricsPage) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """GET of one metrics page (vLLM's /metrics, or the engine dialect's); with a scrape cost, it holds the
+        API server that long (model time)."""
+
+        async def handle(request: web.Request) -> web.Response:
+            cost = self.config.profile.scrape_cost_s
+            if cost > 0:
+                now = asyncio.get_running_loop().time()
+                self._api_free_at = max(now, self._api_free_at) + cost / self.config.time_scale
+                await self._api_turn()
+            return web.Response(body=page.render(), headers={"Content-Type": page.content_type})
+
+        return handle
 
     def _tokens_of(self, body: Any) -> list[list[int]]:
         if not isinstance(body, dict):
