@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost validate-sim overhead soak overload clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost validate-sim overhead soak overload mixed-models clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -63,6 +63,10 @@ soak: install
 
 overload: install
 	$(BIN)/python bench/overload.py $(ARGS)
+
+# Two base models x 4 sim pods + 2 adapters: round-robin (one pool, per model) vs prefix-hash vs the picker (~12 min).
+mixed-models: install
+	$(BIN)/picker bench --scenario mixed-models --out bench/out/mixed-models $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info picker/api/v1/*_pb2*.py*

@@ -137,9 +137,9 @@ def set_echo_metrics(address: str, **state: object) -> None:
 
 
 def start_sim(pods: int, logdir: Path, *, model: str | None = None, time_scale: float = 1.0,
-              extra: list[str] | None = None, name: str = "sim") -> Backends:
-    """A simulated vLLM fleet (`picker sim`), all pods in one process."""
-    base = free_port_range(pods)
+              extra: list[str] | None = None, name: str = "sim", base_port: int | None = None) -> Backends:
+    """A simulated vLLM fleet (`picker sim`), all pods in one process (on `base_port` onwards, else free ports)."""
+    base = base_port or free_port_range(pods)
     args = [sys.executable, "-m", "picker", "sim", "--host", HOST, "--pods", str(pods), "--base-port", str(base),
             "--time-scale", str(time_scale), *(["--model", model] if model else []), *(extra or [])]
     process = spawn(name, args, logdir)

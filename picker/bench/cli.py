@@ -33,9 +33,13 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker bench`."""
     a = parser.add_argument
+    a("--scenario", choices=("routing", "mixed-models"), default="routing",
+      help="routing: the workloads and strategies below (default); mixed-models: two base models on disjoint sim "
+      "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply)")
     a("--engine", choices=("sim", "vllm"), default="sim",
       help="sim: the simulator (default); vllm: real vLLM CPU servers (make bench-real; ~40 minutes)")
-    a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers (default 3)")
+    a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers (default 3); "
+      "--scenario mixed-models: runs per router (default 2)")
     a("--picker-args", default=None, help="--engine vllm: extra `picker serve` flags for the picker strategies")
     a("--mode", choices=("fast", "live", "both"), default=None,
       help="fast: in-process discrete-event simulation (default); live: real sim fleet + Envoy + routers")
@@ -136,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.engine == "vllm":
         return run_real(args, out)
+    if args.scenario == "mixed-models":
+        return run_mixed_models(args, out)
     fast = None
     live = None
     try:
@@ -184,6 +190,17 @@ def run_real(args: argparse.Namespace, out: Path) -> int:
     missed = [t for t in section["targets"] if not t["met"]]
     if missed:
         print(f"picker bench: {len(missed)} target(s) missed (see real.md)", file=sys.stderr)
+    return 0
+
+
+def run_mixed_models(args: argparse.Namespace, out: Path) -> int:
+    """`--scenario mixed-models` (picker.bench.mixed)."""
+    from picker.bench.mixed import MixedSpec, run_mixed
+
+    spec = MixedSpec(profile=args.profile, repeats=args.repeats or 2, seed=args.seed,
+                     **({"rate": args.rate} if args.rate else {}))
+    run_mixed(spec, out)
+    print((out / "mixed.md").read_text())
     return 0
 
 

@@ -25,7 +25,7 @@ from picker.bench.trace import Message, Trace
 POD_HEADER = "x-sim-pod"
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
                ) -> dict[str, Any]:
     """Send one streaming request; returns timings (monotonic seconds), status, usage, text and pod name."""
     sent = time.monotonic()
@@ -106,7 +106,7 @@ async def replay(base_url: str, trace: Trace, strategy: str, *, pods: int, model
                 res.oracle_cached[i] = oracle.hits - hits_before
             path = "/v1/chat/completions" if r.is_chat else "/v1/completions"
             headers = {"x-session-id": r.session} if r.session else {}
-            got = await _one(session, base_url + path, body, headers)
+            got = await stream_request(session, base_url + path, body, headers)
             res.sent[i] = (got["sent"] - start) * scale
             status = got.get("status", -1)
             if status == 429:

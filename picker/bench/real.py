@@ -44,7 +44,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.bench import vllm_engine as engine
-from picker.bench.client import _one
+from picker.bench.client import stream_request
 from picker.bench.fast import FastConfig, run_fast
 from picker.bench.live import parse_counters, start_direct_envoy
 from picker.bench.summary import summarize
@@ -200,7 +200,7 @@ async def replay(url: str, trace: list[Request], spec: RealSpec) -> list[dict[st
             body = {"model": engine.MODEL_NAME, "prompt": r.prompt, "max_tokens": spec.output_tokens,
                     "ignore_eos": True, "temperature": 0.0, "stream": True, "skip_special_tokens": False,
                     "stream_options": {"include_usage": True}}
-            got = await _one(session, url + "/v1/completions", body, {})
+            got = await stream_request(session, url + "/v1/completions", body, {})
             got.pop("text", None)
             return got
 
