@@ -38,9 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0, help="seed of the generated text (default %(default)s)")
     a("--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH",
       help="LoRA adapters the pods serve (default: none)")
-    a("--kv-events-endpoint-base", "--kv-events-endpoint", dest="kv_events_endpoint_base", default=None,
-      metavar="tcp://HOST:PORT",
-      help="publish KV events; pod i connects to PORT + i, the consumer binds (default: no KV events)")
+    a("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+      help="publish KV events to this one endpoint, every pod under its own topic kv@<host>:<port>@<model> (the "
+      "consumer binds: give `picker serve --kv-events-endpoint` the same value; default: no KV events)")
+    a("--kv-events-endpoint-base", default=None, metavar="tcp://HOST:PORT",
+      help="publish KV events, pod i to PORT + i under the topic kv-events (a consumer per pod)")
+    a("--kv-events-replay-port-base", type=int, default=0, metavar="PORT",
+      help="pod i serves KV-event replays on PORT + i, as vLLM's replay_endpoint (default: none)")
     a("--num-gpu-blocks", type=int, default=None, help="override the KV cache size (default: the profile's)")
     a("--block-size", type=int, default=None, help="override the KV block size (default: the profile's)")
     a("--max-num-seqs", type=int, default=None,
@@ -81,6 +85,8 @@ async def _serve(args: argparse.Namespace) -> int:
         lora_modules=dict(args.lora_modules),
         seed=args.seed,
         kv_events_endpoint_base=args.kv_events_endpoint_base,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_port_base=args.kv_events_replay_port_base,
         engine=args.engine,
     )
     stop = asyncio.Event()

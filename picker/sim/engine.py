@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from picker.sim.kv_events import KVEvent
+from picker.kvevents.events import KVEvent
 from picker.sim.kvcache import KVCache, extend_block_hashes
 from picker.sim.profiles import Profile
 from picker.sim.tokenizer import PseudoWords, Tokenizer, is_utf8

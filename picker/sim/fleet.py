@@ -12,8 +12,10 @@ Sync (code without an event loop, e.g. a benchmark driving Envoy with blocking c
         fleet.urls
         fleet.call(lambda: fleet.pods[0].engine.num_running)  # read engine state on the loop's thread
 
-`base_port=0` picks free ports; otherwise pod i listens on base_port + i. With `kv_events_endpoint_base`
-("tcp://127.0.0.1:Q") pod i publishes KV events to port Q + i. `engine` ("vllm", "sglang", "trtllm") is whose metric
+`base_port=0` picks free ports; otherwise pod i listens on base_port + i. With `kv_events_endpoint`
+("tcp://127.0.0.1:Q") every pod publishes KV events to that one endpoint, under the topic `kv@<host>:<port>@<model>`
+(the picker's `--kv-events-endpoint` binds it); with `kv_events_endpoint_base` pod i publishes to port Q + i under
+the topic "kv-events". `kv_events_replay_port_base` R: pod i serves replays (vLLM's replay socket) on port R + i. `engine` ("vllm", "sglang", "trtllm") is whose metric
 pages the pods serve.
 """
 
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
+from picker.sim.kv_events import DEFAULT_TOPIC
 from picker.sim.metrics import MetricDialect
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.server import PodConfig, SimPod
@@ -57,6 +60,8 @@ class SimFleet:
         lora_modules: dict[str, str] | None = None,
         seed: int = 0,
         kv_events_endpoint_base: str | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay_port_base: int = 0,
         name_prefix: str = "sim",
         process_metrics: bool = True,
         profile_overrides: dict[str, object] | None = None,
@@ -79,7 +84,10 @@ class SimFleet:
                     time_scale=time_scale,
                     seed=seed,
                     lora_modules=dict(lora_modules or {}),
-                    kv_events_endpoint=kv_endpoint_for(kv_events_endpoint_base, i),
+                    kv_events_endpoint=kv_events_endpoint or kv_endpoint_for(kv_events_endpoint_base, i),
+                    kv_events_topic=None if kv_events_endpoint else DEFAULT_TOPIC,
+                    kv_events_replay=(f"tcp://{host}:{kv_events_replay_port_base + i}"
+                                      if kv_events_replay_port_base else None),
                     process_metrics=process_metrics,
                     engine=engine,
                 )

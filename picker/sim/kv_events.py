@@ -1,4 +1,5 @@
-"""vLLM KV-cache events: the event records, their msgpack wire encoding and a ZMQ publisher.
+"""vLLM KV-cache events as the simulator sends them: the msgpack wire encoding and a ZMQ publisher (the event
+records are the picker's own, `picker.kvevents.events`, which also decodes them).
 
 Wire format (vLLM 0.32, checked against tests/data/vllm-kv-events/, captured from vLLM): one ZMQ message per engine step with
 three frames `[topic, seq (uint64 big-endian), msgpack([ts, [event, ...], dp_rank])]`; each event is a map whose
@@ -8,42 +9,23 @@ vLLM *connects* its PUB socket to a concrete tcp endpoint (the consumer binds), 
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from picker.kvevents.events import BlockRemoved, BlockStored, KVEvent
+
 DEFAULT_TOPIC = "kv-events"
+REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Full blocks that entered the prefix cache, in chain order."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    lora_name: str | None
-    extra_keys: list[list[Any] | None]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Cached blocks evicted to make room (vLLM sends one event per evicted block)."""
-
-    block_hashes: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """The prefix cache was reset."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+def pod_topic(host: str, port: int, model: str) -> str:
+    """The topic a pod publishes under when the whole pool shares one endpoint (llm-d's `kv@<pod>@<model>`)."""
+    return f"kv@{host}:{port}@{model}"
 
 
 def event_to_wire(event: KVEvent, medium: str = "GPU") -> dict[str, Any]:
@@ -87,9 +69,12 @@ def _retrieve_exception(future: Any) -> None:
 
 
 class KVEventPublisher:
-    """Publishes event batches on a zmq.asyncio PUB socket connected to the consumer's endpoint."""
+    """Publishes event batches on a zmq.asyncio PUB socket connected to the consumer's endpoint; with
+    `replay_endpoint`, keeps the last `buffer_steps` messages and serves them on a ROUTER socket as vLLM does (a
+    request `[start seq]` gets every buffered message from it, then an end marker of sequence -1)."""
 
-    def __init__(self, endpoint: str, topic: str = DEFAULT_TOPIC) -> None:
+    def __init__(self, endpoint: str, topic: str = DEFAULT_TOPIC, replay_endpoint: str | None = None,
+                 buffer_steps: int = 10_000) -> None:
         import zmq
         import zmq.asyncio
 
@@ -104,16 +89,42 @@ class KVEventPublisher:
         else:
             self._socket.connect(endpoint)
         self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._replay: Any = None
+        self._replay_task: asyncio.Task[None] | None = None
+        if replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     def publish(self, events: Sequence[KVEvent]) -> None:
         """Queue one message without blocking the event loop (a PUB socket drops rather than blocks)."""
         if not events:
             return
-        frames = encode_message(events, self._seq, self.topic)
+        payload = encode_payload(events)
+        frames = [self.topic.encode(), self._seq.to_bytes(8, "big"), payload]
+        self._buffer.append((self._seq, payload))
         self._seq += 1
         future: Any = self._socket.send_multipart(frames)
         future.add_done_callback(_retrieve_exception)
 
+    async def _serve_replay(self) -> None:
+        topic = self.topic.encode()
+        while True:
+            frames = await self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue  # vLLM logs and ignores a malformed request
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    await self._replay.send_multipart([client, b"", topic, seq.to_bytes(8, "big"), payload])
+            await self._replay.send_multipart([client, b"", b"", REPLAY_END, b""])
+
     def close(self) -> None:
-        """Close the socket (the shared context stays for other pods)."""
+        """Close the sockets (the shared context stays for other pods)."""
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._socket.close(linger=0)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from picker.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from picker.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 NONE_HASH = xxhash.xxh3_64_intdigest(b"vllm-none-hash")
 

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from picker.sim.driver import RealtimeDriver, RequestHandle
 from picker.sim.engine import ERROR, Engine, FinishedRequest, SimRequest, StepResult
-from picker.sim.kv_events import DEFAULT_TOPIC, KVEventPublisher
+from picker.sim.kv_events import DEFAULT_TOPIC, KVEventPublisher, pod_topic
 from picker.sim.metrics import MetricDialect, MetricsPage, SimMetrics
 from picker.sim.openai_api import (
     SSE_DONE,
@@ -86,7 +86,8 @@ class PodConfig:
     seed: int = 0
     lora_modules: dict[str, str] = field(default_factory=dict)
     kv_events_endpoint: str | None = None
-    kv_events_topic: str = DEFAULT_TOPIC
+    kv_events_topic: str | None = DEFAULT_TOPIC  # None: kv@<host>:<port>@<model>, told apart on a shared endpoint
+    kv_events_replay: str | None = None  # where its replay socket binds (vLLM's replay_endpoint)
     enable_prefix_caching: bool = True
     enable_prompt_tokens_details: bool = True
     prefix_caching_hash_algo: str = "sha256"
@@ -144,8 +145,6 @@ class SimPod:
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine driver, the KV-event publisher and the HTTP listener."""
-        if self.config.kv_events_endpoint:
-            self.publisher = KVEventPublisher(self.config.kv_events_endpoint, self.config.kv_events_topic)
         self.driver = RealtimeDriver(self.engine, self.config.time_scale, self._on_step)
         self.driver.start()
         self._watch_driver(self.driver)
@@ -163,6 +162,9 @@ class SimPod:
                                bad_host=bad_host) from None
         address = self._runner.addresses[0]
         self.port = int(address[1])
+        if self.config.kv_events_endpoint:  # after the bind: the topic may name the port
+            topic = self.config.kv_events_topic or pod_topic(self.config.host, self.port, self.model_name)
+            self.publisher = KVEventPublisher(self.config.kv_events_endpoint, topic, self.config.kv_events_replay)
 
     async def stop(self) -> None:
         """Stop serving; pending requests get an error."""

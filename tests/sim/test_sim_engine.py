@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from picker.kvevents.events import BlockRemoved, BlockStored
 from picker.sim.engine import Engine, FinishedRequest, SimRequest, StepResult
-from picker.sim.kv_events import BlockRemoved, BlockStored
 from picker.sim.kvcache import NONE_HASH, block_hashes, extend_block_hashes, extra_keys_for, hash_block
 from picker.sim.profiles import TINY_CPU, get_profile
 

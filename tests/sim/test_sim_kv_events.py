@@ -13,8 +13,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from picker.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from picker.sim.fleet import SimFleet
-from picker.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_message, encode_payload
+from picker.sim.kv_events import encode_message, encode_payload
 from picker.sim.kvcache import block_hashes
 
 SAMPLES = Path(__file__).resolve().parent.parent / "data" / "vllm-kv-events"  # captured from a real vLLM 0.32

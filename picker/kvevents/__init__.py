@@ -1,0 +1,3 @@
+"""vLLM's KV-cache events, read by the picker: the event records and their wire decoding (`events`), the ZMQ
+subscriber that follows every pod's stream in order (`subscriber`), and the per-pod view of what each cache
+holds, keyed by our own hash of the token ids (`picker.prefix.precise`)."""

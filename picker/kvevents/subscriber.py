@@ -1,0 +1,193 @@
+"""Follows every pod's KV-event stream, in order, into the precise index.
+
+The picker binds one SUB socket (`--kv-events-endpoint tcp://HOST:PORT`) and every pod's vLLM connects its
+publisher to it (vLLM connects to a concrete tcp endpoint), each under its own topic: `kv@<pod ip[:port]>@<model>`,
+as llm-d names them, which tells the pods apart. A pod's messages carry a sequence number; the subscriber keeps
+them in order:
+  - the next one: applied;
+  - a gap (messages lost, or a picker that started while the pod ran): the missing ones are asked of the pod's
+    replay socket (vLLM's `replay_endpoint`, `--kv-events-replay-port`) and applied first; with no replay, or a
+    replay that cannot fill it, the pod's view is reset and distrusted until its events rebuild it;
+  - sequence 0 again: the pod's publisher restarted (vLLM restarts with an empty cache): its view starts over;
+  - an older one: a duplicate, dropped.
+A malformed message is counted and dropped; nothing a pod sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from picker.kvevents.events import EventBatch, MalformedEvent, decode_message
+from picker.prefix.precise import PreciseIndex
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's replay: no more buffered messages
+
+
+def topic_host(topic: str) -> str | None:
+    """`kv@<host[:port]>@<model>` -> host[:port]; None for any other topic."""
+    parts = topic.split("@")
+    if len(parts) < 3 or parts[0] != "kv" or not parts[1]:
+        return None
+    return parts[1]
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0  # applied, replayed ones included
+    replayed: int = 0
+    gaps: int = 0
+    resets: int = 0  # views reset: a gap not filled, a publisher restart
+    duplicates: int = 0
+    malformed: int = 0
+    unknown_topic: int = 0
+    by_pod: dict[str, int] = field(default_factory=dict)  # batches applied per pod
+
+
+class Replayer(Protocol):
+    """Where missed messages are asked for."""
+
+    async def fetch(self, host: str, start: int, stop: int) -> list[EventBatch] | None:
+        """The pod's messages `start`..`stop - 1` in order, or None when they cannot be had."""
+        ...
+
+
+class ZmqReplayer:
+    """vLLM's replay socket (its `replay_endpoint`, a ROUTER on `port` of every pod): send the first sequence
+    wanted, get every buffered message from it, then an end marker of sequence -1."""
+
+    def __init__(self, port: int, timeout: float = 1.0) -> None:
+        self.port = port
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context.instance()
+
+    async def fetch(self, host: str, start: int, stop: int) -> list[EventBatch] | None:
+        hostname = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        got: dict[int, EventBatch] = {}
+        try:
+            dealer.connect(f"tcp://{hostname}:{self.port}")
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    if len(frames) == 4 and frames[2] == END_SEQ:
+                        break
+                    with contextlib.suppress(MalformedEvent):
+                        batch = decode_message(frames[1:])
+                        if start <= batch.seq < stop:
+                            got[batch.seq] = batch
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.info("KV events: replay from %s failed (%s)", host, exc or type(exc).__name__)
+            return None
+        finally:
+            dealer.close(linger=0)
+        return [got[seq] for seq in sorted(got)]
+
+
+class KVEventSubscriber:
+    def __init__(self, endpoint: str, index: PreciseIndex, pod_of: Callable[[str], str | None], *,
+                 replayer: Replayer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`pod_of(host[:port])` names the pool's pod a topic speaks for (its address), None if none."""
+        self.endpoint = endpoint
+        self.index = index
+        self.pod_of = pod_of
+        self.replayer = replayer
+        self.clock = clock
+        self.next_seq: dict[str, int] = {}  # pod address -> the sequence number expected next
+        self.stats = SubscriberStats()
+        self._ctx = zmq.asyncio.Context.instance()
+        self._socket: zmq.asyncio.Socket | None = None
+        self.bound = asyncio.Event()  # set once the socket listens (tests wait on it)
+
+    async def run(self) -> None:
+        socket = self._socket = self._ctx.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 100_000)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.bind(self.endpoint)
+        self.bound.set()
+        log.info("KV events: listening on %s", self.endpoint)
+        try:
+            while True:
+                frames = await socket.recv_multipart()
+                await self.receive(frames)
+        finally:
+            socket.close(linger=0)
+            self._socket = None
+
+    async def receive(self, frames: list[bytes]) -> None:
+        """One message as it came off the socket."""
+        try:
+            batch = decode_message(frames)
+        except MalformedEvent as exc:
+            self._malformed(exc)
+            return
+        host = topic_host(batch.topic)
+        address = self.pod_of(host) if host is not None else None
+        if address is None:
+            self.stats.unknown_topic += 1
+            return
+        await self._in_order(address, host or "", batch)
+
+    async def _in_order(self, address: str, host: str, batch: EventBatch) -> None:
+        expected = self.next_seq.get(address)
+        if expected is None and batch.seq == 0:
+            self._apply(address, batch)
+        elif batch.seq == 0 and expected is not None and expected > 0:
+            log.info("KV events from %s start over (its publisher restarted): its view too", address)
+            self.stats.resets += 1
+            self.index.pod(address).clear()  # a restarted vLLM starts empty: nothing to distrust
+            self._apply(address, batch)
+        elif expected is not None and batch.seq < expected:
+            self.stats.duplicates += 1
+        elif expected is not None and batch.seq == expected:
+            self._apply(address, batch)
+        else:  # a gap, or the first message we see of a pod that ran before us
+            self.stats.gaps += 1
+            start = expected if expected is not None else 0
+            if not await self._replay(address, host, start, batch.seq):
+                log.info("KV events from %s: messages %d..%d missing and not replayed; its view starts over",
+                         address, start, batch.seq - 1)
+                self.stats.resets += 1
+                self.index.reset(address, self.clock())
+            self._apply(address, batch)
+
+    def _apply(self, address: str, batch: EventBatch) -> None:
+        self.index.apply(address, batch.events, self.clock())
+        self.next_seq[address] = batch.seq + 1
+        self.stats.batches += 1
+        self.stats.by_pod[address] = self.stats.by_pod.get(address, 0) + 1
+
+    async def _replay(self, address: str, host: str, start: int, stop: int) -> bool:
+        """Messages `start`..`stop - 1` from the pod's replay socket, applied; True if every one came."""
+        if self.replayer is None:
+            return False
+        got = await self.replayer.fetch(host, start, stop)
+        if got is None or [b.seq for b in got] != list(range(start, stop)):
+            return False
+        for batch in got:
+            self._apply(address, batch)
+        self.stats.replayed += len(got)
+        return True
+
+    def _malformed(self, exc: Exception) -> None:
+        self.stats.malformed += 1
+        if self.stats.malformed == 1 or self.stats.malformed % 1000 == 0:
+            log.warning("KV events: malformed message dropped (%s; %d so far)", exc, self.stats.malformed)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._socket is not None:
+                self._socket.close(linger=0)

@@ -1,0 +1,186 @@
+"""What each pod's prefix cache holds, as its own KV events say: the precise view beside the approximate index.
+
+Keys are ours, not vLLM's: block i of a token sequence is `xxh3_64(its token ids, seed=key of block i-1)`, the
+first block seeded by the adapter name (an adapter's blocks differ from the base model's, as in vLLM). So vLLM's
+hash seed and algorithm do not matter, and a request's keys come from its token ids alone. vLLM's own hashes are
+kept only to find a block again when it is removed (engine hash -> our key).
+
+A pick adds the request's keys to the chosen pod as speculative entries for `speculative_s` (closing the gap
+between a pick and the pod's BlockStored); a stored block makes its entry real. A pod's view is trusted only while
+it is `fresh`: its events arrive in order (a gap that could not be filled, or a restart of its publisher, clears
+it and distrusts it for `resync_s`), and its scraped prefix-cache misses have not run ahead of its events (work the
+pod did whose blocks we never heard of: lost events, or traffic on another publisher). An untrusted pod is scored
+from the approximate index instead.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from xxhash import xxh3_64_intdigest
+
+from picker.kvevents.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+
+
+def root_key(adapter: str | None) -> int:
+    """The seed of a chain: the adapter's name (none: the base model)."""
+    return xxh3_64_intdigest(b"picker-precise:" + (adapter or "").encode("utf-8", "surrogatepass"))
+
+
+def token_keys(tokens: Sequence[int], block_size: int, adapter: str | None = None,
+               limit: int | None = None) -> list[int]:
+    """Our key of every full block of `tokens` (a partial last block is never cached by vLLM)."""
+    ids = array("I", tokens) if not isinstance(tokens, array) else tokens
+    raw = ids.tobytes()
+    width = block_size * ids.itemsize
+    blocks = len(ids) // block_size if limit is None else min(limit, len(ids) // block_size)
+    parent = root_key(adapter)
+    out = []
+    for i in range(blocks):
+        parent = xxh3_64_intdigest(raw[i * width:(i + 1) * width], parent)
+        out.append(parent)
+    return out
+
+
+@dataclass(slots=True)
+class PodCache:
+    """One pod's blocks: engine hash -> our key, and how many engine blocks hold each key."""
+
+    keys: dict[BlockHash, int] = field(default_factory=dict)
+    refs: dict[BlockHash, int] = field(default_factory=dict)  # stores of each engine hash not yet removed
+    held: dict[int, int] = field(default_factory=dict)  # our key -> engine hashes that hold it
+    block_size: int = 0
+    speculative: dict[int, float] = field(default_factory=dict)  # our key -> until when it is believed
+    events_at: float = -1.0  # when its last batch was applied (-1: never)
+    distrust_until: float = -1.0  # after a reset we could not follow: not trusted before this
+    misses_at_event: float | None = None  # its scraped prefix-cache misses (tokens) as of its last batch
+    lagging: bool = False  # its scrapes show work its events never told of
+
+    def store(self, event: BlockStored) -> int:
+        """Apply a BlockStored; returns how many of its blocks could be keyed (a parent we never heard of
+        leaves the rest of the chain unknown)."""
+        self.block_size = event.block_size
+        if event.parent_block_hash is None:
+            parent = root_key(event.lora_name)
+        else:
+            known = self.keys.get(event.parent_block_hash)
+            if known is None:
+                return 0
+            parent = known
+        raw = array("I", event.token_ids).tobytes()
+        width = event.block_size * 4
+        for i, engine_hash in enumerate(event.block_hashes):
+            parent = xxh3_64_intdigest(raw[i * width:(i + 1) * width], parent)
+            refs = self.refs.get(engine_hash, 0)
+            if not refs:
+                self.keys[engine_hash] = parent
+                self.held[parent] = self.held.get(parent, 0) + 1
+            self.refs[engine_hash] = refs + 1  # a second physical block of the same hash: removed once per block
+            self.speculative.pop(parent, None)
+        return len(event.block_hashes)
+
+    def remove(self, event: BlockRemoved) -> None:
+        for engine_hash in event.block_hashes:
+            refs = self.refs.get(engine_hash, 0)
+            if refs > 1:
+                self.refs[engine_hash] = refs - 1
+                continue
+            self.refs.pop(engine_hash, None)
+            key = self.keys.pop(engine_hash, None)
+            if key is not None:
+                left = self.held[key] - 1
+                if left:
+                    self.held[key] = left
+                else:
+                    del self.held[key]
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.refs.clear()
+        self.held.clear()
+        self.speculative.clear()
+
+    def matched(self, keys: Sequence[int], now: float) -> int:
+        """Leading keys the pod holds (or is believed to be computing)."""
+        n = 0
+        for key in keys:
+            if key not in self.held:
+                until = self.speculative.get(key)
+                if until is None or until < now:
+                    break
+            n += 1
+        return n
+
+
+class PreciseIndex:
+    """Every pod's PodCache, fed by its KV events; read by the scheduler for pods it trusts."""
+
+    def __init__(self, *, speculative_s: float = 2.0, resync_s: float = 30.0, lag_s: float = 2.0,
+                 lag_blocks: int = 2) -> None:
+        self.pods: dict[str, PodCache] = {}
+        self.speculative_s = speculative_s
+        self.resync_s = resync_s
+        self.lag_s = lag_s  # how far a pod's scrape may run ahead of its events before the view is distrusted
+        self.lag_blocks = lag_blocks  # ... by how many blocks' worth of computed tokens
+
+    def pod(self, address: str) -> PodCache:
+        cache = self.pods.get(address)
+        if cache is None:
+            cache = self.pods[address] = PodCache()
+        return cache
+
+    def apply(self, address: str, events: Iterable[KVEvent], now: float) -> None:
+        """One batch of a pod's events, in its order."""
+        cache = self.pod(address)
+        for event in events:
+            if isinstance(event, BlockStored):
+                cache.store(event)
+            elif isinstance(event, BlockRemoved):
+                cache.remove(event)
+            elif isinstance(event, AllBlocksCleared):
+                cache.clear()
+        cache.events_at = now
+        cache.lagging = False
+
+    def observe_scrape(self, address: str, misses: float, scraped_at: float) -> None:
+        """The pod's scraped prefix-cache misses (tokens it computed, `queries - hits`). A scrape soon after a
+        batch accounts for that batch's work; a later one that shows `lag_blocks` blocks more than that is work
+        whose events never came: the view is distrusted until events flow again."""
+        cache = self.pods.get(address)
+        if cache is None or cache.events_at < 0:
+            return
+        if cache.misses_at_event is None or scraped_at - cache.events_at <= self.lag_s:
+            cache.misses_at_event = misses
+            cache.lagging = False
+        else:
+            cache.lagging = misses - cache.misses_at_event >= self.lag_blocks * max(1, cache.block_size)
+
+    def reset(self, address: str, now: float) -> None:
+        """The pod's stream broke in a way we could not follow (an unfilled gap, a restarted publisher): what we
+        hold may be wrong, so forget it and distrust the pod until its events have rebuilt a view."""
+        cache = self.pod(address)
+        cache.clear()
+        cache.distrust_until = now + self.resync_s
+
+    def forget(self, address: str) -> None:
+        self.pods.pop(address, None)
+
+    def fresh(self, address: str, now: float) -> bool:
+        """Whether the pod's view may be used: its events have come, no reset is being waited out, and its
+        scrapes show no work its events did not tell of."""
+        cache = self.pods.get(address)
+        return cache is not None and cache.events_at >= 0 and now >= cache.distrust_until and not cache.lagging
+
+    def picked(self, address: str, keys: Sequence[int], now: float) -> None:
+        """The request with these keys went to the pod: believe its blocks are there until they are stored."""
+        cache = self.pod(address)
+        until = now + self.speculative_s
+        speculative = cache.speculative
+        for key in keys:
+            if key not in cache.held:
+                speculative[key] = until
+        if len(speculative) > 4 * (len(keys) + 1024):  # drop what has expired, now and then
+            for key in [k for k, t in speculative.items() if t < now]:
+                del speculative[key]
