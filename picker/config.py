@@ -104,6 +104,11 @@ class ServeConfig(Section):
     redis_url: str = ""
     index_namespace: str = ""
     index_hash_key_file: str = ""  # the replicas' shared secret keying what the prefix index stores
+    # Precise prefix routing from the pods' KV events (picker.kvevents): where their publishers connect
+    kv_events_endpoint: str = Field("", pattern=r"^(tcp://.+:\d+)?$")
+    kv_events_replay_port: int = Field(0, ge=0, le=65535)  # each pod's replay socket (vLLM's replay_endpoint)
+    prefix_mode: Literal["approximate", "precise", "auto"] = "auto"
+    tokenize_timeout: Duration = Field(0.1, gt=0)  # a pod's POST /tokenize for a prompt's token ids
     # Kubernetes discovery: an InferencePool (--pool-name with no static endpoints) or a label selector.
     endpoint_selector: str = ""
     endpoint_target_ports: str = ""
@@ -249,6 +254,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")
     a("--redis-url", help="Redis/Valkey for --index-backend redis, e.g. redis://127.0.0.1:6379/0")
     a("--index-namespace", help="replicas with the same namespace share one index (default: pool namespace/name)")
+    a("--kv-events-endpoint", metavar="tcp://HOST:PORT",
+      help="precise prefix routing: bind here for the pods' vLLM KV events (their --kv-events-config endpoint, "
+      "topic kv@<pod ip>:<port>@<model>); default: none, the approximate index alone")
+    a("--kv-events-replay-port", type=int, help="the port of every pod's KV-event replay socket (vLLM's "
+      "replay_endpoint), asked for missed events (default 0: none; a gap then resets that pod's view)")
+    a("--prefix-mode", choices=("approximate", "precise", "auto"),
+      help="with --kv-events-endpoint: auto (default) scores pods whose events flow from them and the rest from "
+      "the approximate index; precise trusts the events alone; approximate ignores them")
+    a("--tokenize-timeout", help="the longest a pod's POST /tokenize may take for a prompt's token ids "
+      "(default 100ms; slower: the request is routed on the approximate index)")
     a("--index-hash-key-file", help="file holding a secret (16+ bytes) shared by the replicas: prefix hashes and "
       "session ids in Redis are keyed with it, so reading Redis confirms no guessed prompt (default: unkeyed, "
       "with a warning when the index is shared)")

@@ -20,6 +20,7 @@ from picker.model_rewrite import ModelRewrites, body_for_target, response_swaps
 from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics, ResponseTrace
 from picker.prefix.hashing import CHARS_PER_TOKEN
+from picker.prefix.tokens import PromptTokenizer
 from picker.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
 from picker.scheduling.types import Scheduler, SchedulingResult
 
@@ -82,6 +83,7 @@ class Director:
         flow: FlowController | None = None,
         models: ModelServing | None = None,
         rewrites: ModelRewrites | None = None,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -95,6 +97,7 @@ class Director:
         self.flow = flow  # flow control: queues what the pool has no room for (replaces the bounded wait)
         self.models = models if models is not None else ModelServing()  # which pods serve which model
         self.rewrites = rewrites if rewrites is not None else ModelRewrites()  # requested model -> served one
+        self.tokenizer = tokenizer  # precise prefix routing: the prompt's token ids before it is scheduled
         pool.subscribe(self._pool_changed)
 
     def _pool_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
@@ -175,6 +178,7 @@ class Director:
             self.candidates(request)  # no endpoint at all: 503 now, not after a wait
             await self.flow.admit(request)
             try:
+                await self._tokenize(request)
                 decision = self.place(request, self.clock())
             finally:
                 self.flow.placed()
@@ -182,7 +186,13 @@ class Director:
             return decision
         if self.admit(request, self.clock()) and self.admission is not None:
             await self.admission.wait_for_capacity(lambda: self.candidates(request), self.clock)
+        await self._tokenize(request)
         return self.place(request, self.clock())
+
+    async def _tokenize(self, request: InferenceRequest) -> None:
+        """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it)."""
+        if self.tokenizer is not None and request.has_body and request.token_ids is None:
+            request.token_ids = await self.tokenizer.token_ids(request, self.candidates(request))
 
     def place(self, request: InferenceRequest, now: float) -> Decision:
         """Schedule an admitted request and account for it: the scheduler learns the pick, the pod's in-flight

@@ -30,6 +30,8 @@ from picker.requests import InferenceRequest, Usage
 
 if TYPE_CHECKING:
     from picker.flowcontrol.controller import FlowController
+    from picker.kvevents.subscriber import SubscriberStats
+    from picker.prefix.precise import PreciseIndex
     from picker.prefix.shared import SyncStats
 
 log = logging.getLogger(__name__)
@@ -506,6 +508,10 @@ class PickerMetrics:
         """Export a shared index's replication counters, read at scrape time."""
         self.registry.register(_IndexSyncCollector(stats))
 
+    def watch_kv_events(self, stats: SubscriberStats, index: PreciseIndex, clock: Callable[[], float]) -> None:
+        """Export the KV-event subscriber's counters and each pod's precise view, read at scrape time."""
+        self.registry.register(_KVEventsCollector(stats, index, clock))
+
     def forget_pod(self, endpoint: Endpoint) -> None:
         for gauge in (self.pod_queue, self.in_flight, self.ttft_predicted, self.ttft_observed):
             with contextlib.suppress(KeyError):
@@ -654,6 +660,36 @@ class _IndexSyncCollector(Collector):
                                 value=s.lag_seconds)
         yield GaugeMetricFamily("picker_prefix_index_sync_connected", "1 while Redis answers, else 0.",
                                 value=1.0 if s.connected else 0.0)
+
+
+class _KVEventsCollector(Collector):
+    def __init__(self, stats: SubscriberStats, index: PreciseIndex, clock: Callable[[], float]) -> None:
+        self.stats, self.index, self.clock = stats, index, clock
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        batches = CounterMetricFamily("picker_kv_events_batches", "KV-event messages applied to a pod's precise "
+                                      "view (replayed ones included).", labels=["model_server_endpoint"])
+        for address, n in sorted(s.by_pod.items()):
+            batches.add_metric([address], n)
+        yield batches
+        problems = CounterMetricFamily("picker_kv_events_problems", "KV-event messages out of the ordinary: gaps "
+                                       "in a pod's sequence, messages replayed to fill them, views reset, "
+                                       "duplicates, malformed messages, topics naming no pod of the pool.",
+                                       labels=["kind"])
+        for kind in ("gaps", "replayed", "resets", "duplicates", "malformed", "unknown_topic"):
+            problems.add_metric([kind], getattr(s, kind))
+        yield problems
+        blocks = GaugeMetricFamily("picker_precise_blocks", "Blocks a pod's cache holds as its KV events tell.",
+                                   labels=["model_server_endpoint"])
+        fresh = GaugeMetricFamily("picker_precise_fresh", "1 while a pod's precise view is trusted (its events "
+                                  "flow and account for its work), else 0.", labels=["model_server_endpoint"])
+        now = self.clock()
+        for address, cache in sorted(self.index.pods.items()):
+            blocks.add_metric([address], len(cache.keys))
+            fresh.add_metric([address], 1.0 if self.index.fresh(address, now) else 0.0)
+        yield blocks
+        yield fresh
 
 
 def _otlp_value(value: object) -> dict[str, object]:

@@ -20,6 +20,7 @@ from picker.endpoints.shared_scrape import SharedScrapes
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowController, FlowSettings
 from picker.observability import PickerMetrics
+from picker.prefix.precise import PreciseIndex, PrecisePrefix
 from picker.prefix.shared import SharedPrefixIndex
 from picker.scheduling.config import INDEXED_STRATEGIES, build_prefix_index, build_strategy
 from picker.scheduling.types import Scheduler
@@ -34,6 +35,7 @@ class Policy:
     admission: AdmissionController
     priorities: Priorities
     shared_index: SharedPrefixIndex | None  # with --index-backend redis: start() it, stop() it
+    precise_index: PreciseIndex | None = None  # with --kv-events-endpoint: fed by the KV-event subscriber
 
 
 def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> Policy:
@@ -46,12 +48,16 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
     if shared is not None and not key.keyed:
         log.warning("the shared prefix index stores unkeyed prefix hashes: whoever reads Redis can confirm a "
                     "guessed prompt; give every replica --index-hash-key-file")
+    precise_index = PreciseIndex() if config.kv_events_endpoint else None
+    precise = (PrecisePrefix(precise_index, config.prefix_mode)
+               if precise_index is not None and config.prefix_mode != "approximate" else None)
     scheduler = build_strategy(config.strategy, config=config.scheduling, rng=random.Random(config.seed),
                                index=shared, saturation=config.admission.thresholds, observer=metrics,
-                               index_key=key, timer=metrics)
+                               index_key=key, timer=metrics, precise=precise)
     if shared is not None:
         shared.peer_listener = scheduler.on_peer_picked
-    return Policy(scheduler, AdmissionController(config.admission), Priorities(config.admission), shared)
+    return Policy(scheduler, AdmissionController(config.admission), Priorities(config.admission), shared,
+                  precise_index)
 
 
 def shared_index(config: ServeConfig) -> SharedPrefixIndex | None:
@@ -76,6 +82,21 @@ def build_flow_control(config: ServeConfig, pool: EndpointPool, metrics: PickerM
     controller = FlowController(settings, a.thresholds, pool.ready, observer=metrics)
     metrics.watch_flow(controller)
     return controller
+
+
+def scrape_listener(flow: FlowController | None, precise: PreciseIndex | None) -> Callable[[Endpoint], None] | None:
+    """What hears of each refreshed pod: flow control (room may have freed), the precise view (whether the
+    pod's events account for the work its metrics show)."""
+    if flow is None and precise is None:
+        return None
+
+    def refreshed(endpoint: Endpoint) -> None:
+        if flow is not None:
+            flow.kick()
+        if precise is not None:
+            m = endpoint.metrics
+            precise.observe_scrape(endpoint.address, m.prefix_queries - m.prefix_hits, m.updated_at)
+    return refreshed
 
 
 def scrape_cadence(config: ServeConfig) -> Cadence:

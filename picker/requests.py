@@ -82,6 +82,10 @@ class InferenceRequest:
     subset: tuple[str, ...] | None = None  # Envoy subset hint: allowed "ip:port" (or "ip") values
     body_bytes: int = 0
     headers: dict[str, str] = field(default_factory=dict)
+    # What a model server's /tokenize needs to give the prompt's token ids (precise prefix routing): the parsed
+    # body's `messages` (chat, Anthropic messages) or `prompt` (completions), references into it, not copies
+    tokenize_input: dict[str, Any] | None = None
+    token_ids: list[int] | None = None  # the prompt's tokens, when a tokenizer gave them
 
     @property
     def has_body(self) -> bool:
@@ -317,6 +321,14 @@ def build_request(
     request.max_tokens = max_tokens if isinstance(max_tokens, int) else None
     salt = data.get("cache_salt")
     request.cache_salt = salt if isinstance(salt, str) else None
+    if api is ApiKind.CHAT:
+        request.tokenize_input = {"messages": data["messages"]}
+    elif api is ApiKind.MESSAGES:  # the system prompt ahead of the turns, as the chat template will put it
+        system = data.get("system")
+        turns = data["messages"]
+        request.tokenize_input = {"messages": [{"role": "system", "content": system}, *turns] if system else turns}
+    elif api is ApiKind.COMPLETIONS:
+        request.tokenize_input = {"prompt": data["prompt"]}
     return request
 
 

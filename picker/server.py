@@ -34,12 +34,16 @@ from picker.endpoints.kubernetes import (
 )
 from picker.endpoints.model_listing import ModelListings
 from picker.endpoints.pool import EndpointPool, PoolEvent
+from picker.endpoints.state import Endpoint
 from picker.extproc.servicer import ExtProcServicer
+from picker.kvevents.subscriber import KVEventSubscriber, ZmqReplayer
 from picker.logformat import configure_logging
 from picker.model_rewrite import ModelRewrites, configured_rules
 from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics
-from picker.policy import build_flow_control, build_policy, start_monitor
+from picker.policy import build_flow_control, build_policy, scrape_listener, start_monitor
+from picker.prefix.precise import PreciseIndex
+from picker.prefix.tokens import PodTokenizer
 from picker.tls import certificate_hosts, server_credentials
 
 log = logging.getLogger("picker")
@@ -131,14 +135,18 @@ class PickerServer:
             self.metrics.watch_index_sync(self.shared_index.stats)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
         self.flow = build_flow_control(c, self.pool, self.metrics)
+        self.tokenizer = (PodTokenizer(timeout=c.tokenize_timeout, scheme=c.model_server_metrics_scheme)
+                          if policy.precise_index is not None and c.prefix_mode != "approximate" else None)
         self.director = Director(self.pool, self.scheduler, admission=policy.admission,
                                  priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
                                  tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,
                                  flow=self.flow, models=ModelServing(models.adapters),
-                                 rewrites=ModelRewrites(configured_rules(models.rewrites)))
-        flow = self.flow
-        wake = (lambda _endpoint: flow.kick()) if flow is not None else None
-        self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics, on_metrics=wake))
+                                 rewrites=ModelRewrites(configured_rules(models.rewrites)),
+                                 tokenizer=self.tokenizer)
+        self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics,
+                                     on_metrics=scrape_listener(self.flow, policy.precise_index)))
+        if policy.precise_index is not None:
+            self._start_kv_events(c, policy.precise_index)
         if c.models_refresh_interval > 0:
             self._start_model_listings(c)
         if self.discovery is not None and self.discovery.pool_name:
@@ -184,6 +192,28 @@ class PickerServer:
             self.supervise(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
             with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
                 await asyncio.wait_for(self.discovery.synced.wait(), 3.0)
+
+    def _start_kv_events(self, c: cfg.ServeConfig, index: PreciseIndex) -> None:
+        """Follow the pods' KV events into the precise view; a pod that leaves is forgotten there too."""
+        hosts: dict[str, str] = {}  # what a topic may name a pod by (ip:port, or its ip) -> its address
+
+        def learn_hosts() -> None:
+            hosts.clear()
+            for e in self.pool.all():
+                hosts[e.address] = e.address
+                hosts.setdefault(e.ip, e.address)
+
+        def pool_changed(event: PoolEvent, endpoint: Endpoint) -> None:
+            learn_hosts()
+            if event is PoolEvent.REMOVED:
+                index.forget(endpoint.address)
+
+        learn_hosts()
+        self.pool.subscribe(pool_changed)
+        replayer = ZmqReplayer(c.kv_events_replay_port) if c.kv_events_replay_port else None
+        self.kv_events = KVEventSubscriber(c.kv_events_endpoint, index, hosts.get, replayer=replayer)
+        self.metrics.watch_kv_events(self.kv_events.stats, index, self.kv_events.clock)
+        self.supervise(asyncio.create_task(self.kv_events.run(), name="kv-events"))
 
     def _start_model_listings(self, c: cfg.ServeConfig) -> None:
         """Read every pod's /v1/models on a slow timer, and a joining pod's at once."""
@@ -279,6 +309,8 @@ class PickerServer:
             self._http_server.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()
+        if self.tokenizer is not None:
+            await self.tokenizer.close()
 
 
 async def serve(config: cfg.ServeConfig) -> None:

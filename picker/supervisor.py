@@ -137,15 +137,17 @@ def set_echo_metrics(address: str, **state: object) -> None:
 
 
 def start_sim(pods: int, logdir: Path, *, model: str | None = None, time_scale: float = 1.0,
-              extra: list[str] | None = None, name: str = "sim", base_port: int | None = None) -> Backends:
-    """A simulated vLLM fleet (`picker sim`), all pods in one process (on `base_port` onwards, else free ports)."""
+              extra: list[str] | None = None, name: str = "sim", base_port: int | None = None,
+              host: str = HOST) -> Backends:
+    """A simulated vLLM fleet (`picker sim`), all pods in one process (on `base_port` onwards, else free ports);
+    `host` may be another loopback address (127.0.0.x), as pods have IPs of their own."""
     base = base_port or free_port_range(pods)
-    args = [sys.executable, "-m", "picker", "sim", "--host", HOST, "--pods", str(pods), "--base-port", str(base),
+    args = [sys.executable, "-m", "picker", "sim", "--host", host, "--pods", str(pods), "--base-port", str(base),
             "--time-scale", str(time_scale), *(["--model", model] if model else []), *(extra or [])]
     process = spawn(name, args, logdir)
-    addresses = [f"{HOST}:{base + i}" for i in range(pods)]
+    addresses = [f"{host}:{base + i}" for i in range(pods)]
     for address in addresses:
-        wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 60, f"sim pod {address}",
+        wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1]), host), 60, f"sim pod {address}",
                    process.proc)
     return Backends(addresses, process)
 

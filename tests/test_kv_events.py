@@ -188,3 +188,33 @@ def test_topics_name_their_pod() -> None:
     assert topic_host("kv@10.0.0.1:8000@meta-llama/Llama-3") == "10.0.0.1:8000"
     assert topic_host("kv@10.0.0.1@llama") == "10.0.0.1"
     assert topic_host("kv-events") is None and topic_host("kv@@x") is None
+
+
+def test_the_scheduler_scores_what_the_pods_events_say_they_hold() -> None:
+    from picker.endpoints.state import Endpoint, EndpointMetrics
+    from picker.prefix.precise import PrecisePrefix
+    from picker.prefix.tokens import given_token_ids
+    from picker.requests import ApiKind, InferenceRequest
+    from picker.scheduling.config import build_scheduler
+
+    index = PreciseIndex()
+    pods = [Endpoint.from_address(f"10.0.0.{i}:8000") for i in (1, 2)]
+    for pod in pods:
+        pod.metrics = EndpointMetrics(block_size=4, updated_at=0.0)
+    tokens = list(range(1000, 1400))  # 100 blocks of 4
+    index.apply(pods[0].address, [], now=0.0)
+    index.apply(pods[1].address, [stored(tokens, 4, list(range(1, 101)))], now=0.0)  # pod 2 holds it all
+    request = InferenceRequest("r", "m", api=ApiKind.COMPLETIONS, prompt_text="x" * 1600, token_ids=tokens)
+    for mode in ("auto", "precise"):
+        scheduler = build_scheduler(precise=PrecisePrefix(index, mode))  # type: ignore[arg-type]
+        result = scheduler.schedule(request, pods, now=1.0)
+        assert result.ranked[0] is pods[1] and result.context is not None
+        assert result.context.matches == {pods[1].address: len(result.context.keys)}
+        scheduler.on_picked(result.context, pods[1], 1.0)
+    # a pod whose view was reset is scored from the approximate index in auto mode (this scheduler's knows nothing)
+    index.reset(pods[1].address, now=1.0)
+    auto = build_scheduler(precise=PrecisePrefix(index, "auto")).schedule(request, pods, now=2.0)
+    assert auto.context is not None and auto.context.precise_keys and auto.context.matches == {}
+    assert not index.fresh(pods[1].address, 2.0) and index.fresh(pods[0].address, 2.0)
+    assert given_token_ids([1, 2, 3]) == [1, 2, 3] and given_token_ids("text") is None
+    assert given_token_ids([True]) is None and given_token_ids([[1, 2]]) is None

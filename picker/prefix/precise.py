@@ -18,9 +18,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from xxhash import xxh3_64_intdigest
 
+from picker.endpoints.state import Endpoint
 from picker.kvevents.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 
@@ -184,3 +186,41 @@ class PreciseIndex:
         if len(speculative) > 4 * (len(keys) + 1024):  # drop what has expired, now and then
             for key in [k for k, t in speculative.items() if t < now]:
                 del speculative[key]
+
+
+PrefixMode = Literal["approximate", "precise", "auto"]
+MAX_PRECISE_BLOCKS = 1024  # blocks of a prompt looked up (64k tokens at vLLM's GPU block size of 64)
+
+
+class PrecisePrefix:
+    """The scheduler's precise source: for the pods it vouches for, how many of the prompt's tokens each one's
+    cache holds. `auto`: the pods whose view is fresh (the rest keep the approximate index's match); `precise`:
+    every pod (one whose events never came holds nothing)."""
+
+    def __init__(self, index: PreciseIndex, mode: PrefixMode = "auto") -> None:
+        self.index = index
+        self.mode = mode
+
+    def matches(self, tokens: Sequence[int], model: str, endpoints: Sequence[Endpoint], now: float
+                ) -> tuple[list[int], dict[str, int]]:
+        """The prompt's block keys and {address: tokens held} of the pods vouched for (nothing: no keys)."""
+        pods = self.index.pods
+        if self.mode == "auto":
+            vouched = [e for e in endpoints if self.index.fresh(e.address, now)]
+        else:
+            vouched = list(endpoints)
+        block_size = next((c.block_size for e in vouched if (c := pods.get(e.address)) is not None and c.block_size),
+                          0) or next((e.metrics.block_size for e in vouched if e.metrics.block_size), 0)
+        if not vouched or not block_size:
+            return [], {}
+        first = vouched[0].metrics
+        adapter = None if not first.models or model in first.models else model  # not a base model: an adapter
+        keys = token_keys(tokens, block_size, adapter, limit=MAX_PRECISE_BLOCKS)
+        held = {}
+        for e in vouched:
+            cache = pods.get(e.address)
+            held[e.address] = cache.matched(keys, now) * block_size if cache is not None else 0
+        return keys, held
+
+    def picked(self, keys: Sequence[int], address: str, now: float) -> None:
+        self.index.picked(address, keys, now)

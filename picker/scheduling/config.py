@@ -40,6 +40,7 @@ from picker.prefix.hashing import (
 )
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
+from picker.prefix.precise import PrecisePrefix
 from picker.saturation import SaturationThresholds
 from picker.scheduling import filters, picker, predicted, profiles, reference_plugins, scorers
 from picker.scheduling.picker import MaxScorePicker
@@ -245,6 +246,7 @@ def build_scheduler(
     observer: PredictionObserver | None = None,
     index_key: IndexKey | None = None,
     timer: PluginTimer | None = None,
+    precise: PrecisePrefix | None = None,
 ) -> PrefixAwareScheduler:
     """The full scheduler from its config (None = defaults). `index` swaps in a shared backend; `saturation`
     is the admission section's definition of a full pod (the saturation filter's default); `observer` hears how
@@ -317,7 +319,7 @@ def build_scheduler(
     if index is None:
         index = build_prefix_index(cfg)
     return PrefixAwareScheduler(built, classifier, index=index, hasher=build_hasher(cfg, index_key),
-                                explain=cfg.explain, timer=timer)
+                                explain=cfg.explain, timer=timer, precise=precise)
 
 
 StrategyName = Literal["picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash"]
@@ -336,13 +338,14 @@ def build_strategy(
     observer: PredictionObserver | None = None,
     index_key: IndexKey | None = None,
     timer: PluginTimer | None = None,
+    precise: PrecisePrefix | None = None,
 ) -> Scheduler:
     """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only,
     prefix-hash. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache);
-    `index_key` keys what their prefix index stores."""
+    `index_key` keys what their prefix index stores; `precise` (KV events) corrects the picker's prefix matches."""
     if name == "picker":
         return build_scheduler(config, rng=rng, index=index, saturation=saturation, observer=observer,
-                               index_key=index_key, timer=timer)
+                               index_key=index_key, timer=timer, precise=precise)
     if name == "round-robin":
         return RoundRobinScheduler()
     if name == "random":

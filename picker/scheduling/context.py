@@ -31,6 +31,7 @@ class SchedulingContext:
     block_chars: int = 64
     matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
     matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored
+    precise_keys: list[int] = field(default_factory=list)  # the prompt's token-block keys (precise prefix mode)
     # With a TTFT objective (request.slo_ttft_s): whether some candidate is predicted to meet it (None: not
     # predicted); the director sheds a sheddable request none can serve in time
     slo_attainable: bool | None = None

@@ -16,6 +16,7 @@ from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import PrefixHasher, prefix_keys
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
+from picker.prefix.precise import PrecisePrefix
 from picker.requests import InferenceRequest, RequestError
 from picker.scheduling.context import SchedulingContext, effective_model
 from picker.scheduling.plugins import PeerPick, Plugin, PluginTimer, Scorer
@@ -35,6 +36,7 @@ class PrefixAwareScheduler:
         hasher: PrefixHasher | None = None,
         explain: bool = True,
         timer: PluginTimer | None = None,
+        precise: PrecisePrefix | None = None,
     ) -> None:
         if not profiles:
             raise ValueError("at least one scheduling profile is needed")
@@ -46,6 +48,7 @@ class PrefixAwareScheduler:
         self.hasher = hasher if hasher is not None else PrefixHasher()
         self.explain = explain  # per-candidate score breakdown in the result (the Explain API reads it)
         self.timer = timer  # times the plugins of some requests (llm_d_epp_plugin_duration_seconds)
+        self.precise = precise  # KV events: what the pods it vouches for really hold, over the approximate match
         self.uses_prefix = any(p.uses_prefix for p in profiles) or self.classifier.needs_prefix
         seen: dict[int, Plugin] = {}
         for profile in profiles:
@@ -81,7 +84,28 @@ class PrefixAwareScheduler:
             ctx.block_chars = self._block_chars(endpoints)
             ctx.keys = self._keys(request, ctx.block_chars)
             ctx.matches = self._index.match(ctx.keys, None, now)
+            if self.precise is not None and request.token_ids:
+                self._overlay_precise(ctx, request.token_ids, endpoints, now)
         return ctx
+
+    def _overlay_precise(self, ctx: SchedulingContext, tokens: Sequence[int], endpoints: Sequence[Endpoint],
+                         now: float) -> None:
+        """Replace the approximate match of the pods the precise view vouches for with what their caches hold,
+        in the approximate index's blocks (tokens x chars per token / block width) so every scorer reads it
+        the same way."""
+        assert self.precise is not None
+        keys, held = self.precise.matches(tokens, ctx.model, endpoints, now)
+        if not keys:
+            return
+        ctx.precise_keys = keys
+        chars_per_token, width, most = self.hasher.chars_per_token, ctx.block_chars, len(ctx.keys)
+        matches = ctx.matches
+        for address, n in held.items():
+            blocks = min(most, n * chars_per_token // width)
+            if blocks:
+                matches[address] = blocks
+            else:
+                matches.pop(address, None)
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
         if not endpoints:
@@ -132,6 +156,8 @@ class PrefixAwareScheduler:
                                session_id=ctx.session)
             if now >= self._next_sweep:
                 self._sweep(now)
+        if ctx.precise_keys and self.precise is not None:
+            self.precise.picked(ctx.precise_keys, endpoint.address, now)
         for plugin in self._stateful:
             plugin.on_picked(ctx, endpoint, now)
 

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="publish KV events to this one endpoint, every pod under its own topic kv@<host>:<port>@<model> (the "
       "consumer binds: give `picker serve --kv-events-endpoint` the same value; default: no KV events)")
     a("--kv-events-endpoint-base", default=None, metavar="tcp://HOST:PORT",
-      help="publish KV events, pod i to PORT + i under the topic kv-events (a consumer per pod)")
+      help="publish KV events, pod i to PORT + i under the topic kv-events (a consumer per pod; default: none)")
     a("--kv-events-replay-port-base", type=int, default=0, metavar="PORT",
       help="pod i serves KV-event replays on PORT + i, as vLLM's replay_endpoint (default: none)")
     a("--num-gpu-blocks", type=int, default=None, help="override the KV cache size (default: the profile's)")
