@@ -13,8 +13,10 @@ from prometheus_client import generate_latest
 
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import FlowController, FlowSettings
+from picker.kvevents.subscriber import SubscriberStats
 from picker.metric_twins import Twin
 from picker.observability import PickerMetrics, ResponseTrace
+from picker.prefix.precise import PreciseIndex
 from picker.prefix.shared import SyncStats
 from picker.requests import InferenceRequest, Usage
 from picker.saturation import SaturationThresholds
@@ -26,7 +28,7 @@ SUFFIX = re.compile(r"_(bucket|sum|count|total|created)$")  # a family's sample 
 
 def exercised(deprecated_names: bool) -> tuple[PickerMetrics, str]:
     """A picker that has routed, refused, scraped a pod, synced an index, compared a predicted TTFT with a measured
-    one and queued a request in flow control, and its /metrics text."""
+    one, queued a request in flow control and followed a pod's KV events, and its /metrics text."""
     metrics = PickerMetrics("pool", deprecated_names=deprecated_names)
     metrics.watch_index_sync(SyncStats())
     request = InferenceRequest(request_id="r", model="m", target_model="m-rewritten", stream=True)
@@ -50,6 +52,10 @@ def exercised(deprecated_names: bool) -> tuple[PickerMetrics, str]:
     flow = FlowController(FlowSettings(), SaturationThresholds(stale=1e9), lambda: [full], clock=lambda: 0.0,
                           observer=metrics)
     metrics.watch_flow(flow)
+    precise = PreciseIndex()
+    precise.apply(pod.address, [], now=0.0)
+    events = SubscriberStats(by_pod={pod.address: 1})
+    metrics.watch_kv_events(events, precise, clock=lambda: 1.0)
     return metrics, asyncio.run(_scraped_while_one_waits(flow, metrics))
 
 
