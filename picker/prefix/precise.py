@@ -31,19 +31,25 @@ def root_key(adapter: str | None) -> int:
     return xxh3_64_intdigest(b"picker-precise:" + (adapter or "").encode("utf-8", "surrogatepass"))
 
 
-def token_keys(tokens: Sequence[int], block_size: int, adapter: str | None = None,
-               limit: int | None = None) -> list[int]:
-    """Our key of every full block of `tokens` (a partial last block is never cached by vLLM)."""
-    ids = array("I", tokens) if not isinstance(tokens, array) else tokens
-    raw = ids.tobytes()
-    width = block_size * ids.itemsize
-    blocks = len(ids) // block_size if limit is None else min(limit, len(ids) // block_size)
-    parent = root_key(adapter)
+_ITEM = array("I").itemsize  # bytes of one token id as hashed
+
+
+def chain(tokens: Sequence[int], block_size: int, parent: int, blocks: int | None = None) -> list[int]:
+    """The chained keys of the first `blocks` full blocks of `tokens` (all of them by default), after `parent`."""
+    raw = (tokens if isinstance(tokens, array) else array("I", tokens)).tobytes()
+    width = block_size * _ITEM
+    count = len(raw) // width if blocks is None else min(blocks, len(raw) // width)
     out = []
-    for i in range(blocks):
+    for i in range(count):
         parent = xxh3_64_intdigest(raw[i * width:(i + 1) * width], parent)
         out.append(parent)
     return out
+
+
+def token_keys(tokens: Sequence[int], block_size: int, adapter: str | None = None,
+               limit: int | None = None) -> list[int]:
+    """Our key of every full block of `tokens` (a partial last block is never cached by vLLM)."""
+    return chain(tokens, block_size, root_key(adapter), limit)
 
 
 @dataclass(slots=True)
@@ -71,16 +77,14 @@ class PodCache:
             if known is None:
                 return 0
             parent = known
-        raw = array("I", event.token_ids).tobytes()
-        width = event.block_size * 4
-        for i, engine_hash in enumerate(event.block_hashes):
-            parent = xxh3_64_intdigest(raw[i * width:(i + 1) * width], parent)
+        for engine_hash, key in zip(event.block_hashes, chain(event.token_ids, event.block_size, parent),
+                                    strict=True):
             refs = self.refs.get(engine_hash, 0)
             if not refs:
-                self.keys[engine_hash] = parent
-                self.held[parent] = self.held.get(parent, 0) + 1
+                self.keys[engine_hash] = key
+                self.held[key] = self.held.get(key, 0) + 1
             self.refs[engine_hash] = refs + 1  # a second physical block of the same hash: removed once per block
-            self.speculative.pop(parent, None)
+            self.speculative.pop(key, None)
         return len(event.block_hashes)
 
     def remove(self, event: BlockRemoved) -> None:
