@@ -7,6 +7,7 @@ Decoded strictly (picker.schema): an unknown key or a wrong type at the top leve
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -314,6 +315,14 @@ def adapt_reference_config(data: dict[str, Any], source: str) -> tuple[dict[str,
     return merged, adapted.warnings
 
 
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeConfig:
     """Merge defaults, the config file and explicit flags; ConfigError naming the offending option. Warnings
     about settings that change nothing here (from a reference picker's config) are appended to `notes`."""
@@ -366,6 +375,9 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
         config.tls.check()
     except TlsError as exc:
         raise ConfigError(str(exc)) from None
+    if config.kv_events_endpoint and not _importable("zmq"):
+        raise ConfigError("kv-events-endpoint: reading KV events needs pyzmq; install it with: "
+                          "pip install 'picker[kv-events]'")
     if config.index_hash_key_file:
         try:
             IndexKey.from_file(config.index_hash_key_file)

@@ -36,7 +36,6 @@ from picker.endpoints.model_listing import ModelListings
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.extproc.servicer import ExtProcServicer
-from picker.kvevents.subscriber import KVEventSubscriber, ZmqReplayer
 from picker.logformat import configure_logging
 from picker.model_rewrite import ModelRewrites, configured_rules
 from picker.model_serving import ModelServing
@@ -195,6 +194,8 @@ class PickerServer:
 
     def _start_kv_events(self, c: cfg.ServeConfig, index: PreciseIndex) -> None:
         """Follow the pods' KV events into the precise view; a pod that leaves is forgotten there too."""
+        from picker.kvevents.subscriber import KVEventSubscriber, ZmqReplayer  # pyzmq: the kv-events extra
+
         hosts: dict[str, str] = {}  # what a topic may name a pod by (ip:port, or its ip) -> its address
 
         def learn_hosts() -> None:

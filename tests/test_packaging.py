@@ -120,8 +120,9 @@ def test_wheel_has_the_stubs_and_a_lean_runtime(built: tuple[Path, Path]) -> Non
     runtime = {_dist_name(r) for r in requires if "extra ==" not in r}
     assert not runtime & RUNTIME_FORBIDDEN, runtime
     assert {"grpcio", "protobuf", "pydantic", "xds-protos"} <= runtime
-    extras = {extra: {_dist_name(r) for r in requires if f'extra == "{extra}"' in r} for extra in ("sim", "bench")}
-    assert "pyzmq" in extras["sim"] and {"pyzmq", "matplotlib"} <= extras["bench"]
+    extras = {extra: {_dist_name(r) for r in requires if f'extra == "{extra}"' in r}
+              for extra in ("sim", "bench", "kv-events")}
+    assert "pyzmq" in extras["sim"] and {"pyzmq", "matplotlib"} <= extras["bench"] and "pyzmq" in extras["kv-events"]
 
 
 def _dist_name(requirement: str) -> str:
@@ -246,6 +247,15 @@ def test_serving_needs_no_extra_nor_simulator(tmp_path: Path) -> None:
         print("ok")
     """, tmp_path)
     assert result.returncode == 0 and result.stdout.rstrip().endswith("ok"), result.stderr
+
+
+def test_kv_events_without_their_extra_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    result = _run_blocked(("zmq",), """
+        from picker.cli import main
+        sys.exit(main(["serve", "--endpoints", "127.0.0.1:1", "--kv-events-endpoint", "tcp://127.0.0.1:1"]))
+    """, tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert "kv-events-endpoint" in result.stderr and "pip install 'picker[kv-events]'" in result.stderr
 
 
 def test_cli_extras_match_pyproject() -> None:
