@@ -59,6 +59,7 @@ class Decision:
     tokens: int
     started_at: float  # when the request came (its duration and TTFT are measured from here)
     released: bool = False
+    expected_cached: int = 0  # prompt tokens the index expected the pod to have cached
     body: bytes | None = None  # the body the pod gets, when it is not the client's (its model rewritten)
     swaps: tuple[tuple[bytes, bytes], ...] = ()  # in response bodies: the pod's model name -> the client's
 
@@ -210,7 +211,9 @@ class Director:
                                         result.prefix_blocks, chosen,
                                         result.context.block_chars if result.context is not None else 0)
         destination = ",".join(e.address for e in ranked)
-        return Decision(request, ranked, destination, result, tokens, now)
+        expected = (result.prefix_matched_blocks * result.context.block_chars // self.chars_per_token
+                    if result.context is not None else 0)
+        return Decision(request, ranked, destination, result, tokens, now, expected_cached=expected)
 
     async def route_http(self, headers: dict[str, str], body: bytes, *, request_id: str,
                          subset: tuple[str, ...] | None = None) -> Decision:
@@ -270,3 +273,6 @@ class Director:
             self.flow.kick()  # room freed
         if self.metrics is not None:
             self.metrics.observe_finished(decision.request, self.clock() - decision.started_at, usage, response)
+            if usage is not None and usage.prompt_tokens:
+                self.metrics.observe_prefix_hit(decision.endpoint, min(decision.expected_cached, usage.prompt_tokens),
+                                                usage.cached_tokens)

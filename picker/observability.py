@@ -285,6 +285,14 @@ class PickerMetrics:
         self.ttft_observed = Gauge("picker_ttft_observed_seconds",
                                    "Mean TTFT the pod measured (vllm:time_to_first_token_seconds) in the same interval.",
                                    ["name", "model_server_pod"], registry=r)
+        self.prefix_expected = Counter("picker_prefix_expected_tokens",
+                                       "Prompt tokens the picker expected the pod to have cached, of the requests "
+                                       "whose response reported its cached tokens.", ["name", "model_server_pod"],
+                                       registry=r)
+        self.prefix_reported = Counter("picker_prefix_reported_tokens",
+                                       "Cached prompt tokens the pod reported (usage.prompt_tokens_details) for the "
+                                       "same requests: against the expected ones, whether to trust the index.",
+                                       ["name", "model_server_pod"], registry=r)
         self.ttft_prediction_ratio = Histogram("picker_ttft_prediction_ratio",
                                                "Predicted / measured mean TTFT per pod and scrape interval "
                                                "(1 = exact; how far to trust the predicted-ttft scorer).",
@@ -442,6 +450,11 @@ class PickerMetrics:
         """PluginTimer: one plugin's time for one (sampled) request."""
         self.plugin_duration.labels(extension_point, plugin_type, plugin_name).observe(seconds)
 
+    def observe_prefix_hit(self, endpoint: Endpoint, expected_tokens: int, reported_tokens: int) -> None:
+        """What the index expected a pod to have cached for a request, and what the pod said it had."""
+        self.prefix_expected.labels(self.pool_name, endpoint.name).inc(expected_tokens)
+        self.prefix_reported.labels(self.pool_name, endpoint.name).inc(reported_tokens)
+
     def observe_prediction(self, endpoint: Endpoint, predicted_s: float, observed_s: float) -> None:
         """PredictionObserver: one pod's predicted and measured mean TTFT over a scrape interval."""
         self.ttft_predicted.labels(self.pool_name, endpoint.name).set(predicted_s)
@@ -516,6 +529,9 @@ class PickerMetrics:
         for gauge in (self.pod_queue, self.in_flight, self.ttft_predicted, self.ttft_observed):
             with contextlib.suppress(KeyError):
                 gauge.remove(self.pool_name, endpoint.name)
+        for counter in (self.prefix_expected, self.prefix_reported):
+            with contextlib.suppress(KeyError):
+                counter.remove(self.pool_name, endpoint.name)
         for result in ("ok", "error"):  # a departed pod's series go with it (pod churn must not grow /metrics)
             with contextlib.suppress(KeyError):
                 self.scrapes.remove(self.pool_name, endpoint.name, result)

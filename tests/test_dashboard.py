@@ -47,6 +47,7 @@ def exercised(deprecated_names: bool) -> tuple[PickerMetrics, str]:
     metrics.observe_pool([pod])
     metrics.observe_scrape(pod, True)
     metrics.observe_prediction(pod, 0.1, 0.12)
+    metrics.observe_prefix_hit(pod, 100, 90)
     full = Endpoint.from_address("10.0.0.2:8000")
     full.metrics = EndpointMetrics(waiting=50, updated_at=0.0)
     flow = FlowController(FlowSettings(), SaturationThresholds(stale=1e9), lambda: [full], clock=lambda: 0.0,

@@ -61,8 +61,9 @@ def stack() -> Iterator[Stack]:
         approximate = start_picker(logdir, endpoints=addresses, name="picker-approximate")
         started.append(approximate.process)
         envoys = []
-        for picker, name in ((precise, "envoy-precise"), (approximate, "envoy-approximate")):
-            envoys.append(start_envoy(logdir, picker, addresses, name=name))
+        for picker, name, mode in ((precise, "envoy-precise", "full-duplex"),
+                                   (approximate, "envoy-approximate", "buffered")):
+            envoys.append(start_envoy(logdir, picker, addresses, name=name, mode=mode))  # full duplex: usage seen
             started.append(envoys[-1].process)
         yield Stack(pods, precise, envoys[0], envoys[1])
 
@@ -78,8 +79,9 @@ def complete(url: str, prompt: str) -> dict[str, int]:
 def series(picker: Picker, name: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{picker.host}:{picker.metrics_port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    return {s.labels.get("model_server_endpoint", s.labels.get("kind", "")): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples if s.name.startswith(name)}
+    return {s.labels.get("model_server_endpoint") or s.labels.get("model_server_pod") or s.labels.get("kind", ""):
+            s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith(name)}
 
 
 def test_traffic_around_the_picker_is_seen_through_the_pods_events(stack: Stack) -> None:
@@ -94,6 +96,10 @@ def test_traffic_around_the_picker_is_seen_through_the_pods_events(stack: Stack)
     served = [complete(stack.envoy.url, prefix + f" question {i}") for i in range(6)]
     # each one served from the warm pod's cache: its prefix hit (a cold pod computes everything)
     assert all(s["cached"] >= 0.8 * (s["prompt"] - 16) for s in served), served
+    # what the picker expected the pod to have cached against what the pod reported (usage), per pod
+    expected = series(stack.precise, "picker_prefix_expected_tokens_total").get(warm, 0.0)
+    reported = series(stack.precise, "picker_prefix_reported_tokens_total").get(warm, 0.0)
+    assert expected > 0 and 0.8 * expected <= reported <= 1.3 * expected, (expected, reported)
     problems = series(stack.precise, "picker_kv_events_problems")
     assert problems.get("malformed") == 0 and problems.get("unknown_topic") == 0
     # The approximate picker never saw the warm-up: its first pick is the load's and the tie-break's (either
