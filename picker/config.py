@@ -110,6 +110,7 @@ class ServeConfig(Section):
     kv_events_replay_port: int = Field(0, ge=0, le=65535)  # each pod's replay socket (vLLM's replay_endpoint)
     prefix_mode: Literal["approximate", "precise", "auto"] = "auto"
     tokenize_timeout: Duration = Field(0.1, gt=0)  # a pod's POST /tokenize for a prompt's token ids
+    tokenizer: str = ""  # a model directory (tokenizer.json + chat template): token ids computed here, not by a pod
     # Kubernetes discovery: an InferencePool (--pool-name with no static endpoints) or a label selector.
     endpoint_selector: str = ""
     endpoint_target_ports: str = ""
@@ -263,6 +264,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--prefix-mode", choices=("approximate", "precise", "auto"),
       help="with --kv-events-endpoint: auto (default) scores pods whose events flow from them and the rest from "
       "the approximate index; precise trusts the events alone; approximate ignores them")
+    a("--tokenizer", metavar="DIR", help="with --kv-events-endpoint: the model's directory (tokenizer.json and "
+      "its chat template, in tokenizer_config.json or chat_template.jinja) to compute prompts' token ids here, "
+      "as vLLM does (the tokenizer extra); default: ask a pod's POST /tokenize")
     a("--tokenize-timeout", help="the longest a pod's POST /tokenize may take for a prompt's token ids "
       "(default 100ms; slower: the request is routed on the approximate index)")
     a("--index-hash-key-file", help="file holding a secret (16+ bytes) shared by the replicas: prefix hashes and "
@@ -375,6 +379,12 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
         config.tls.check()
     except TlsError as exc:
         raise ConfigError(str(exc)) from None
+    if config.tokenizer:
+        from picker.prefix.tokens import LocalTokenizer, TokenizerFilesError
+        try:
+            LocalTokenizer(config.tokenizer)
+        except TokenizerFilesError as exc:
+            raise ConfigError(f"tokenizer: {exc}") from None
     if config.kv_events_endpoint and not _importable("zmq"):
         raise ConfigError("kv-events-endpoint: reading KV events needs pyzmq; install it with: "
                           "pip install 'picker[kv-events]'")

@@ -42,7 +42,7 @@ from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics
 from picker.policy import build_flow_control, build_policy, scrape_listener, start_monitor
 from picker.prefix.precise import PreciseIndex
-from picker.prefix.tokens import PodTokenizer
+from picker.prefix.tokens import LocalTokenizer, PodTokenizer, PromptTokenizer
 from picker.tls import certificate_hosts, server_credentials
 
 log = logging.getLogger("picker")
@@ -134,8 +134,10 @@ class PickerServer:
             self.metrics.watch_index_sync(self.shared_index.stats)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
         self.flow = build_flow_control(c, self.pool, self.metrics)
-        self.tokenizer = (PodTokenizer(timeout=c.tokenize_timeout, scheme=c.model_server_metrics_scheme)
-                          if policy.precise_index is not None and c.prefix_mode != "approximate" else None)
+        self.tokenizer: PromptTokenizer | None = None
+        if policy.precise_index is not None and c.prefix_mode != "approximate":
+            self.tokenizer = (LocalTokenizer(c.tokenizer) if c.tokenizer else
+                              PodTokenizer(timeout=c.tokenize_timeout, scheme=c.model_server_metrics_scheme))
         self.director = Director(self.pool, self.scheduler, admission=policy.admission,
                                  priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
                                  tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,

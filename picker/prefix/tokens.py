@@ -1,11 +1,14 @@
-"""A prompt's token ids, for precise prefix routing: asked of a model server's `POST /tokenize`.
+"""A prompt's token ids, for precise prefix routing: computed here from the model's own files, or asked of a pod.
 
-The pod renders chat messages with its own chat template and tokenizes with its own tokenizer, so the ids are
-exactly those it will cache (vLLM and `picker sim` both serve `/tokenize`; vLLM applies the template with
-`add_generation_prompt`, as for a chat completion). A completions prompt given as token ids needs no call. The
-call is bounded (`timeout`, default 100 ms) and never fails a request: without ids the request is routed on the
-approximate index. What it costs the pod is one tokenization per request in its API server
-(bench/README.md has the figures).
+`LocalTokenizer` (`--tokenizer DIR`: the model directory's tokenizer.json and chat template, read with the
+`tokenizers` library and jinja2; the `tokenizer` extra) renders chat messages as vLLM does (the template with
+`add_generation_prompt`, then the text tokenized without adding special tokens: the template has them) and
+tokenizes completions prompts with the tokenizer's own special tokens. No call leaves the picker.
+`PodTokenizer` asks a pod's `POST /tokenize` instead (vLLM and `picker sim` serve it): the pod renders with its own
+template, so the ids are exactly those it caches, but every request costs the pod a tokenization in its API
+server and the decision a round trip (README, "What the picker costs the pods"); the call is bounded (`timeout`)
+and never fails a request. Either way a completions prompt given as token ids is taken as it is, and without ids
+a request is routed on the approximate index.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -26,6 +30,10 @@ log = logging.getLogger(__name__)
 class PromptTokenizer(Protocol):
     async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
         """The prompt's token ids, or None (then the approximate index routes the request)."""
+        ...
+
+    async def close(self) -> None:
+        """Release what it holds (connections)."""
         ...
 
 
@@ -78,3 +86,88 @@ class PodTokenizer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+class TokenizerFilesError(ValueError):
+    """A --tokenizer directory that cannot be used (says what is missing)."""
+
+
+def _special(config: dict[str, Any], key: str) -> str:
+    value = config.get(key)
+    if isinstance(value, dict):  # {"content": "<s>", ...} in some tokenizer_config.json files
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _text_content(content: Any) -> Any:
+    """Message content as a string-format chat template reads it: text parts joined (vLLM does the same)."""
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content
+
+
+class LocalTokenizer:
+    """The model's tokenizer and chat template, loaded once from its directory."""
+
+    def __init__(self, directory: str | Path) -> None:
+        try:
+            import jinja2.sandbox
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise TokenizerFilesError(f"needs the tokenizer extra ({exc.name}): "
+                                      "pip install 'picker[tokenizer]'") from None
+        root = Path(directory)
+        if not (root / "tokenizer.json").is_file():
+            raise TokenizerFilesError(f"{root}: no tokenizer.json")
+        try:
+            self._tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+            config_path = root / "tokenizer_config.json"
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except Exception as exc:  # OSError, JSON errors, and the bare Exception tokenizers raises for a bad file
+            raise TokenizerFilesError(f"{root}: {exc}") from None
+        template = (root / "chat_template.jinja").read_text() if (root / "chat_template.jinja").is_file() else \
+            config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if isinstance(t, dict)
+                             and t.get("name") == "default"), None)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        try:
+            self._template = env.from_string(template) if isinstance(template, str) else None
+        except jinja2.TemplateError as exc:
+            raise TokenizerFilesError(f"{root}: its chat template does not parse: {exc}") from None
+        self._specials = {"bos_token": _special(config, "bos_token"), "eos_token": _special(config, "eos_token")}
+        self.directory = root
+
+    def ids(self, given: dict[str, Any]) -> list[int] | None:
+        """The token ids of a request's tokenize input, or None when it cannot be rendered."""
+        if "prompt" in given:
+            prompt = given["prompt"]
+            direct = given_token_ids(prompt)
+            if direct is not None:
+                return direct
+            return list(self._tokenizer.encode(prompt, add_special_tokens=True).ids) if isinstance(prompt, str) \
+                else None
+        messages = given.get("messages")
+        if self._template is None or not isinstance(messages, list):
+            return None
+        turns = [{**m, "content": _text_content(m.get("content"))} for m in messages if isinstance(m, dict)]
+        try:
+            text = self._template.render(messages=turns, add_generation_prompt=True, **self._specials)
+        except Exception as exc:  # a template may raise anything on a conversation it does not accept
+            log.debug("chat template failed (%s): routed on the approximate index", exc)
+            return None
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
+        given = request.tokenize_input
+        return self.ids(given) if given is not None else None
+
+    async def close(self) -> None:
+        """Nothing to release: the files were read at start."""
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
