@@ -15,7 +15,8 @@ and measures:
   of every request (as the picker makes it), interleaved over `--rounds` rounds. (Closed loops are no good
   here: the call's delay desynchronises two loops' prefills, which lowers their TTFT.)
 
-Writes bench/out/tokenize_cost.md and .json.
+It also checks the local tokenizer (`--tokenizer` on the model's directory) against the server's ids and times it
+on ~4 KB and ~32 KB chats (the decision's cost with a local tokenizer). Writes bench/out/tokenize_cost.md and .json.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from picker.bench import vllm_engine as engine  # noqa: E402
+from picker.prefix.tokens import LocalTokenizer  # noqa: E402
 
 
 def messages(rng: random.Random, words: int) -> list[dict[str, str]]:
@@ -116,6 +118,43 @@ async def streams(server: engine.VllmServer, seconds: float, rate: float, with_t
             "itl_mean_ms": statistics.fmean(itl) * 1e3 if itl else None}
 
 
+async def local_agrees(session: aiohttp.ClientSession, url: str, local: LocalTokenizer, n: int) -> dict[str, int]:
+    """Chats (a third sharing one long system prompt: the local tokenizer's remembered pieces) and completions of
+    random lengths: do the local ids equal the server's?"""
+    rng = random.Random(7)
+    shared = messages(rng, 400)[0]
+    same = total = 0
+    for i in range(n):
+        chat = messages(rng, rng.randrange(5, 800))
+        if i % 3 == 0:
+            body: dict[str, Any] = {"prompt": chat[0]["content"] + " " + chat[1]["content"]}
+        elif i % 3 == 1:
+            body = {"messages": chat}
+        else:
+            body = {"messages": [shared, chat[1]]}
+        async with session.post(url + "/tokenize", json={"model": engine.MODEL_NAME, **body}) as resp:
+            theirs = (await resp.json())["tokens"]
+        same += local.ids(body) == theirs
+        total += 1
+    return {"equal": same, "prompts": total}
+
+
+def local_cost(local: LocalTokenizer, chars: int, shared: bool, calls: int = 50) -> dict[str, float]:
+    """Time of the local tokenizer (template included) on chats of about `chars` characters, nearly all of them
+    the system prompt: a new one each time, or one they all share (then its tokens are remembered)."""
+    rng = random.Random(chars)
+    system = messages(rng, chars // 6)[0]
+    times, tokens = [], 0
+    for _ in range(calls):
+        chat = [system if shared else messages(rng, chars // 6)[0], {"role": "user", "content": "a short question"}]
+        began = time.perf_counter()
+        tokens = len(local.ids({"messages": chat}) or [])
+        times.append(time.perf_counter() - began)
+    times.sort()
+    return {"chars": len(system["content"]), "tokens": tokens, "p50_ms": times[len(times) // 2] * 1e3,
+            "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3}
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     engine.install()
     engine.build_model()
@@ -131,6 +170,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 result["cpu_ms_per_call"][words] = await cpu_per_call(session, server, words, args.calls) * 1e3
                 engine.log(f"{words} words: {result['latency'][words]}, CPU/call "
                            f"{result['cpu_ms_per_call'][words]:.2f} ms")
+            local = LocalTokenizer(engine.MODEL_DIR)
+            result["local_agrees"] = await local_agrees(session, server.url, local, 100)
+            result["local_cost"] = {f"{chars // 1000} KB {'shared' if shared else 'new'}": local_cost(local, chars, shared)
+                                    for chars in (4_000, 32_000) for shared in (False, True)}
+            engine.log(f"local tokenizer: {result['local_agrees']}, {result['local_cost']}")
         runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
         await streams(server, 5.0, args.rate, False, 99)  # warm-up
         for rnd in range(args.rounds):
@@ -149,6 +193,14 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     for words, lat in result["latency"].items():
         lines.append(f"| {words} words | {lat['tokens']:.0f} | {lat['p50_ms']:.2f} ms | {lat['p99_ms']:.2f} ms | "
                      f"{result['cpu_ms_per_call'][words]:.2f} ms |")
+    agree = result["local_agrees"]
+    lines += ["", f"The local tokenizer (`--tokenizer` on the model's directory) gave the server's ids for "
+              f"{agree['equal']} of {agree['prompts']} prompts (completions and chats of 5-800 words, a third of "
+              "the chats sharing one system prompt). Its cost, in the picker's decision (no call, no pod CPU), on "
+              "chats that are nearly all system prompt, new each time or shared:", "",
+              "| chat prompt | tokens | p50 | p99 |", "|---|---:|---:|---:|"]
+    for name, cost in result["local_cost"].items():
+        lines.append(f"| {name} | {cost['tokens']:.0f} | {cost['p50_ms']:.2f} ms | {cost['p99_ms']:.2f} ms |")
     lines += ["", f"Under traffic (open-loop streaming chats of ~1,070 tokens, {args.rate:g}/s, the same arrivals "
               f"for both, {args.phase_seconds:g} s phases, {args.rounds} rounds interleaved; TTFT counts the "
               "/tokenize call when there is one):", "",

@@ -88,3 +88,21 @@ def test_a_directory_that_cannot_be_used_is_refused(tmp_path: Path, model_dir: P
                              "--kv-events-endpoint", "tcp://127.0.0.1:1", "--tokenizer", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "tokenizer:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_shared_system_prompt_is_tokenized_once_and_the_ids_stay_exact(model_dir: Path) -> None:
+    import random
+
+    local = LocalTokenizer(model_dir)
+    raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rng = random.Random(5)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "system", "prompts", "and", "user", "questions"]
+    system = " ".join(rng.choice(words) for _ in range(200))
+    for i in range(20):
+        question = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 80)))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        text = ("<|begin_of_text|>" + "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n"
+                                             f"{m['content'].strip()}<|eot_id|>" for m in messages)
+                + "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert local.ids({"messages": messages}) == raw.encode(text, add_special_tokens=False).ids, i
+    assert local.segments.misses >= 1 and local.segments.hits >= 19

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -140,6 +142,7 @@ class LocalTokenizer:
             raise TokenizerFilesError(f"{root}: its chat template does not parse: {exc}") from None
         self._specials = {"bos_token": _special(config, "bos_token"), "eos_token": _special(config, "eos_token")}
         self.directory = root
+        self.segments = SegmentCache(self._tokenizer)
 
     def ids(self, given: dict[str, Any]) -> list[int] | None:
         """The token ids of a request's tokenize input, or None when it cannot be rendered."""
@@ -159,7 +162,7 @@ class LocalTokenizer:
         except Exception as exc:  # a template may raise anything on a conversation it does not accept
             log.debug("chat template failed (%s): routed on the approximate index", exc)
             return None
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.segments.encode(text)
 
     async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
         given = request.tokenize_input
@@ -167,6 +170,58 @@ class LocalTokenizer:
 
     async def close(self) -> None:
         """Nothing to release: the files were read at start."""
+
+
+class SegmentCache:
+    """Tokenizes rendered chats piece by piece, remembering the long pieces.
+
+    The tokenizers library cuts a text at its added (special) tokens first and tokenizes each piece between them on
+    its own, so a rendered chat's ids are the concatenation of its pieces' ids and the special tokens' ids. A chat
+    template puts special tokens around every message, so a system prompt that many requests share is one piece:
+    tokenized once, then looked up. Exact only when no added token strips or matches whole words (then every text is
+    tokenized whole), and checked against vLLM by `make tokenize-cost`."""
+
+    MIN_CHARS = 256  # shorter pieces are tokenized each time (cheaper than remembering)
+    BUDGET_CHARS = 8 << 20  # characters of pieces remembered, least recently used out first
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        added = tokenizer.get_added_tokens_decoder()
+        plain = all(not (t.lstrip or t.rstrip or t.single_word) for t in added.values())
+        self.ids = {t.content: i for i, t in added.items()}
+        names = sorted(self.ids, key=len, reverse=True)
+        self.split = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if plain and names else None
+        self.pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self.chars = 0
+        self.hits = self.misses = 0
+
+    def encode(self, text: str) -> list[int]:
+        if self.split is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        out: list[int] = []
+        for i, piece in enumerate(self.split.split(text)):
+            if i % 2:
+                out.append(self.ids[piece])
+            elif piece:
+                out.extend(self._piece(piece))
+        return out
+
+    def _piece(self, piece: str) -> list[int]:
+        if len(piece) < self.MIN_CHARS:
+            return self.tokenizer.encode(piece, add_special_tokens=False).ids  # type: ignore[no-any-return]
+        known = self.pieces.get(piece)
+        if known is not None:
+            self.pieces.move_to_end(piece)
+            self.hits += 1
+            return known
+        self.misses += 1
+        ids: list[int] = self.tokenizer.encode(piece, add_special_tokens=False).ids
+        self.pieces[piece] = ids
+        self.chars += len(piece)
+        while self.chars > self.BUDGET_CHARS:
+            old, _ = self.pieces.popitem(last=False)
+            self.chars -= len(old)
+        return ids
 
 
 def _raise(message: str) -> None:
