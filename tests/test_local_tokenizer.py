@@ -106,3 +106,15 @@ def test_a_shared_system_prompt_is_tokenized_once_and_the_ids_stay_exact(model_d
                 + "<|start_header_id|>assistant<|end_header_id|>\n\n")
         assert local.ids({"messages": messages}) == raw.encode(text, add_special_tokens=False).ids, i
     assert local.segments.misses >= 1 and local.segments.hits >= 19
+
+
+async def test_a_large_prompt_is_tokenized_off_the_event_loop_with_the_same_ids(model_dir: Path) -> None:
+    local = LocalTokenizer(model_dir)
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "the quick brown fox " * 2000}]}
+        request = build_request({":path": "/v1/chat/completions", ":method": "POST"}, json.dumps(body).encode(),
+                                request_id="big")
+        assert request.body_bytes > 16 << 10 and request.tokenize_input is not None
+        assert await local.token_ids(request, []) == local.ids(request.tokenize_input)
+    finally:
+        await local.close()

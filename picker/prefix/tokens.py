@@ -13,11 +13,14 @@ a request is routed on the approximate index.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -90,6 +93,9 @@ class PodTokenizer:
             self._session = None
 
 
+OFFLOAD_BYTES = 16 << 10  # bodies this large are tokenized off the event loop
+
+
 class TokenizerFilesError(ValueError):
     """A --tokenizer directory that cannot be used (says what is missing)."""
 
@@ -143,6 +149,7 @@ class LocalTokenizer:
         self._specials = {"bos_token": _special(config, "bos_token"), "eos_token": _special(config, "eos_token")}
         self.directory = root
         self.segments = SegmentCache(self._tokenizer)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     def ids(self, given: dict[str, Any]) -> list[int] | None:
         """The token ids of a request's tokenize input, or None when it cannot be rendered."""
@@ -165,11 +172,17 @@ class LocalTokenizer:
         return self.segments.encode(text)
 
     async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
+        """Small prompts here; large ones on the tokenizer's own thread (the tokenizers library releases the
+        GIL while it encodes, so other streams go on: a new 34 KB chat takes ~15 ms)."""
         given = request.tokenize_input
-        return self.ids(given) if given is not None else None
+        if given is None:
+            return None
+        if request.body_bytes < OFFLOAD_BYTES:
+            return self.ids(given)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self.ids, given)
 
     async def close(self) -> None:
-        """Nothing to release: the files were read at start."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
 
 class SegmentCache:
@@ -192,6 +205,7 @@ class SegmentCache:
         names = sorted(self.ids, key=len, reverse=True)
         self.split = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if plain and names else None
         self.pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self.lock = threading.Lock()
         self.chars = 0
         self.hits = self.misses = 0
 
@@ -209,18 +223,21 @@ class SegmentCache:
     def _piece(self, piece: str) -> list[int]:
         if len(piece) < self.MIN_CHARS:
             return self.tokenizer.encode(piece, add_special_tokens=False).ids  # type: ignore[no-any-return]
-        known = self.pieces.get(piece)
-        if known is not None:
-            self.pieces.move_to_end(piece)
-            self.hits += 1
-            return known
-        self.misses += 1
+        with self.lock:  # the event loop's thread and the tokenizer's worker both come here
+            known = self.pieces.get(piece)
+            if known is not None:
+                self.pieces.move_to_end(piece)
+                self.hits += 1
+                return known
         ids: list[int] = self.tokenizer.encode(piece, add_special_tokens=False).ids
-        self.pieces[piece] = ids
-        self.chars += len(piece)
-        while self.chars > self.BUDGET_CHARS:
-            old, _ = self.pieces.popitem(last=False)
-            self.chars -= len(old)
+        with self.lock:
+            self.misses += 1
+            if piece not in self.pieces:
+                self.pieces[piece] = ids
+                self.chars += len(piece)
+            while self.chars > self.BUDGET_CHARS:
+                old, _ = self.pieces.popitem(last=False)
+                self.chars -= len(old)
         return ids
 
 
