@@ -143,10 +143,11 @@ def local_cost(local: LocalTokenizer, chars: int, shared: bool, calls: int = 50)
     """Time of the local tokenizer (template included) on chats of about `chars` characters, nearly all of them
     the system prompt: a new one each time, or one they all share (then its tokens are remembered)."""
     rng = random.Random(chars)
-    system = messages(rng, chars // 6)[0]
+    words = chars // 3  # ~6.5 characters a word, half of them in the system turn
+    system = messages(rng, words)[0]
     times, tokens = [], 0
     for _ in range(calls):
-        chat = [system if shared else messages(rng, chars // 6)[0], {"role": "user", "content": "a short question"}]
+        chat = [system if shared else messages(rng, words)[0], {"role": "user", "content": "a short question"}]
         began = time.perf_counter()
         tokens = len(local.ids({"messages": chat}) or [])
         times.append(time.perf_counter() - began)
@@ -172,8 +173,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                            f"{result['cpu_ms_per_call'][words]:.2f} ms")
             local = LocalTokenizer(engine.MODEL_DIR)
             result["local_agrees"] = await local_agrees(session, server.url, local, 100)
-            result["local_cost"] = {f"{chars // 1000} KB {'shared' if shared else 'new'}": local_cost(local, chars, shared)
-                                    for chars in (4_000, 32_000) for shared in (False, True)}
+            result["local_cost"] = {f"{chars >> 10} KB, {'shared' if shared else 'new'}": local_cost(local, chars, shared)
+                                    for chars in (4 << 10, 32 << 10) for shared in (False, True)}
             engine.log(f"local tokenizer: {result['local_agrees']}, {result['local_cost']}")
         runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
         await streams(server, 5.0, args.rate, False, 99)  # warm-up
@@ -200,7 +201,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
               "chats that are nearly all system prompt, new each time or shared:", "",
               "| chat prompt | tokens | p50 | p99 |", "|---|---:|---:|---:|"]
     for name, cost in result["local_cost"].items():
-        lines.append(f"| {name} | {cost['tokens']:.0f} | {cost['p50_ms']:.2f} ms | {cost['p99_ms']:.2f} ms |")
+        lines.append(f"| {name} ({cost['chars']:,} characters) | {cost['tokens']:.0f} | {cost['p50_ms']:.2f} ms | "
+                     f"{cost['p99_ms']:.2f} ms |")
     lines += ["", f"Under traffic (open-loop streaming chats of ~1,070 tokens, {args.rate:g}/s, the same arrivals "
               f"for both, {args.phase_seconds:g} s phases, {args.rounds} rounds interleaved; TTFT counts the "
               "/tokenize call when there is one):", "",
