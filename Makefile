@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost tokenize-cost validate-sim overhead soak overload mixed-models clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost tokenize-cost validate-sim overhead soak overload mixed-models precise-scenarios clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -51,6 +51,10 @@ bench-real: install
 # CPU and token delay one /metrics scrape costs a real vLLM server, ~8 minutes.
 scrape-cost: install
 	$(BIN)/python bench/scrape_cost.py
+
+# Where the approximate prefix index is wrong (bypass, two pickers, misreported KV) and what KV events buy (fast, ~3 min).
+precise-scenarios: install
+	$(BIN)/python bench/precise_scenarios.py $(ARGS)
 
 # What precise routing's POST /tokenize per request costs a real vLLM server, ~5 minutes.
 tokenize-cost: install

@@ -94,3 +94,25 @@ def test_exact_cache_view_runs_the_same_trace(trace: Trace) -> None:
     exact = summarize(run_fast(trace, "picker", FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1,
                                                            exact_index=True)))
     assert exact["completed"] == N and exact["hit_rate"] > summarize(run_fast(trace, "round-robin", _cfg()))["hit_rate"]
+
+
+def test_kv_events_give_two_replicas_with_own_indexes_the_hits_of_one(trace: Trace) -> None:
+    """Fast mode's precise view (the pods' KV events): two replicas that each follow every pod's events route as
+    well as one that sees everything, where their own approximate indexes lose hits; with events and nothing
+    wrong, precise routing is the approximate one."""
+    one = summarize(run_fast(trace, "picker", _cfg()))
+    own = summarize(run_fast(trace, "picker", _cfg(replicas=2)))
+    precise = FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1, replicas=2, precise=True)
+    both = summarize(run_fast(trace, "picker", precise))
+    assert own["hit_rate"] < one["hit_rate"] - 0.05
+    assert both["hit_rate"] >= one["hit_rate"] - 0.01 and both["completed"] == N
+    alone = summarize(run_fast(trace, "picker", FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1,
+                                                           precise=True)))
+    assert alone["hit_rate"] == pytest.approx(one["hit_rate"], abs=0.01)
+
+
+def test_bypassed_requests_reach_a_pod_without_the_picker(trace: Trace) -> None:
+    cfg = FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1, bypass=0.3)
+    res = run_fast(trace, "picker", cfg)
+    assert 0.2 * N < len(res.bypassed) < 0.4 * N
+    assert all(res.status[i] == OK for i in range(N)) and all(res.pod[i] >= 0 for i in res.bypassed)

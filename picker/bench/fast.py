@@ -47,6 +47,7 @@ from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
+from picker.prefix.precise import PreciseIndex, PrecisePrefix
 from picker.requests import ApiKind, InferenceRequest, RequestError
 from picker.scheduling.config import build_hasher, build_prefix_index, build_strategy, scheduling_config
 from picker.scheduling.types import Scheduler
@@ -76,14 +77,17 @@ class FastConfig:
     shared_index: bool = False  # replicas share one prefix index (Redis-shared index with zero replication lag)
     peer_picks: bool = True  # with shared_index: replicas also learn each other's picks (load, stickiness), as serve does
     exact_index: bool = False  # prefix matches read from the pods' real caches: the bound of KV-event routing
+    precise: bool = False  # the pods' KV events feed a precise view (--kv-events-endpoint, --prefix-mode auto)
+    bypass: float = 0.0  # share of requests sent to a random pod around the picker (it never sees them)
+    kv_reported: float = 1.0  # the KV cache the pods report (num_gpu_blocks) as a multiple of their real one
 
 
 def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None, *,
-                   index: PrefixIndex | None = None) -> Scheduler:
+                   index: PrefixIndex | None = None, precise: PrecisePrefix | None = None) -> Scheduler:
     """The scheduler `picker serve --strategy` would run (scheduling config only applies to the full picker);
-    `index` replaces its own prefix index (strategies without one ignore it)."""
+    `index` replaces its own prefix index (strategies without one ignore it); `precise`: KV events correct it."""
     config = scheduling if strategy == "picker" else None
-    return build_strategy(strategy, config=config, rng=random.Random(seed), index=index)
+    return build_strategy(strategy, config=config, rng=random.Random(seed), index=index, precise=precise)
 
 
 def shared_prefix_index(strategy: str, scheduling: Mapping[str, Any] | None = None) -> InMemoryPrefixIndex:
@@ -162,8 +166,8 @@ class _FastRun:
         profile = cfg.profile
         self.res = RunResult("fast", trace.workload, strategy, cfg.pods, len(trace))
         self.res.allocate()
-        self.engines = [Engine(profile, seed=cfg.seed, enable_prefix_caching=cfg.prefix_caching)
-                        for _ in range(cfg.pods)]
+        self.engines = [Engine(profile, seed=cfg.seed, enable_prefix_caching=cfg.prefix_caching,
+                               record_kv_events=cfg.precise) for _ in range(cfg.pods)]
         if cfg.replicas < 1:
             raise ValueError("replicas must be >= 1")
         # Per replica: its own Endpoint objects (same addresses), scheduler and admission controller.
@@ -174,7 +178,13 @@ class _FastRun:
         self.exact = ExactCacheIndex(self.engines, [e.address for e in self.endpoints]) if cfg.exact_index else None
         if self.exact is not None:
             index = self.exact
-        schedulers = [make_scheduler(strategy, cfg.seed + r, scheduling, index=index) for r in range(cfg.replicas)]
+        # Every replica follows every pod's events (each its own subscriber), so they hold the same precise view:
+        # applied at the end of the engine step that raised them (no transport lag).
+        self.precise = PreciseIndex() if cfg.precise else None
+        prefix = PrecisePrefix(self.precise) if self.precise is not None else None
+        schedulers = [make_scheduler(strategy, cfg.seed + r, scheduling, index=index, precise=prefix)
+                      for r in range(cfg.replicas)]
+        self.bypass_rng = random.Random(f"bypass:{cfg.seed}")
         use_admission = cfg.admission and strategy != "round-robin"
         own_config = scheduling_config(scheduling if strategy == "picker" else None)
         # The director `picker serve` runs, one per replica, called synchronously in simulated time.
@@ -227,7 +237,7 @@ class _FastRun:
                      for k in range(self.cfg.pods)]
         for ep in endpoints:
             ep.metrics.block_size = self.cfg.profile.block_size
-            ep.metrics.num_gpu_blocks = self.cfg.profile.num_gpu_blocks
+            ep.metrics.num_gpu_blocks = max(2, round(self.cfg.profile.num_gpu_blocks * self.cfg.kv_reported))
         return endpoints
 
     def push(self, t: float, kind: int, payload: Any) -> None:
@@ -313,6 +323,11 @@ class _FastRun:
             prompt_text=prompt_text(messages, r.prompt), stream=True, max_tokens=r.max_tokens, session_id=r.session)
         if self.exact is not None:
             self.exact.prepare(ids, len(request.prompt_text), self.hasher.block_chars(self.cfg.profile.block_size))
+        if self.precise is not None:
+            request.token_ids = ids  # what `--tokenizer` or the pod's /tokenize would give
+        if self.cfg.bypass and self.bypass_rng.random() < self.cfg.bypass:
+            self.around_the_picker(i, ids, hashes, r.max_tokens, now)
+            return
         replica = self.arrivals % self.cfg.replicas  # Envoy round-robins ext_proc streams over the replicas
         self.arrivals += 1
         director = self.directors[replica]
@@ -341,6 +356,17 @@ class _FastRun:
         else:
             self.wake(k, now)
 
+    def around_the_picker(self, i: int, ids: list[int], hashes: list[int], max_tokens: int, now: float) -> None:
+        """A request sent straight to a random pod (another gateway, a batch job): no picker sees it."""
+        k = self.bypass_rng.randrange(self.cfg.pods)
+        if not self.hand_over(k, SimRequest(str(i), ids, max_tokens, ignore_eos=True), now):
+            return
+        self.res.pod[i] = k
+        self.res.bypassed.append(i)
+        self.served[k] += 1
+        self.live[i] = (ids, hashes, 0, -1)  # replica -1: no picker counts it in flight
+        self.wake(k, now)
+
     def hand_over(self, k: int, request: SimRequest, now: float) -> bool:
         """Give the request to pod k's engine; a refused one (vLLM's 400) ends at once."""
         try:
@@ -359,13 +385,16 @@ class _FastRun:
             return
         i = int(request.request_id)
         _, _, tokens, replica = self.live.pop(i)
-        self.replica_endpoints[replica][k].finish_request(tokens)
+        if replica >= 0:
+            self.replica_endpoints[replica][k].finish_request(tokens)
         self.served[k] -= 1
         self.res.pod[i] = -1
 
     def deliver(self, k: int, result: StepResult, now: float) -> None:
         """Outputs of one batch at its end: first tokens, finished requests and their follow-ups."""
         res = self.res
+        if self.precise is not None and result.kv_events:
+            self.precise.apply(self.endpoints[k].address, result.kv_events, now)
         streamed = max(now, self.api_busy_until[k])  # the first token leaves through the pod's API server
         for rid in result.first_tokens:
             i = int(rid)
@@ -380,7 +409,8 @@ class _FastRun:
             if fin.ttft is not None:
                 self.ttft_seconds[k] += fin.ttft
                 self.ttft_count[k] += 1
-            self.replica_endpoints[replica][k].finish_request(tokens)
+            if replica >= 0:
+                self.replica_endpoints[replica][k].finish_request(tokens)
             res.e2e[i] = now - res.sent[i]
             out = len(fin.output_token_ids)
             res.output_tokens[i] = out

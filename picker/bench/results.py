@@ -48,6 +48,7 @@ class RunResult:
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    bypassed: list[int] = field(default_factory=list)  # requests sent around the picker (fast mode's bypass)
 
     def allocate(self) -> None:
         """Size the per-request columns for `n` requests."""
