@@ -107,6 +107,7 @@ class ServeConfig(Section):
     index_hash_key_file: str = ""  # the replicas' shared secret keying what the prefix index stores
     # Precise prefix routing from the pods' KV events (picker.kvevents): where their publishers connect
     kv_events_endpoint: str = Field("", pattern=r"^(tcp://.+:\d+)?$")
+    kv_events_port: int = Field(0, ge=0, le=65535)  # or: each pod binds its publisher here, the picker connects
     kv_events_replay_port: int = Field(0, ge=0, le=65535)  # each pod's replay socket (vLLM's replay_endpoint)
     prefix_mode: Literal["approximate", "precise", "auto"] = "auto"
     tokenize_timeout: Duration = Field(0.1, gt=0)  # a pod's POST /tokenize for a prompt's token ids
@@ -259,6 +260,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-events-endpoint", metavar="tcp://HOST:PORT",
       help="precise prefix routing: bind here for the pods' vLLM KV events (their --kv-events-config endpoint, "
       "topic kv@<pod ip>:<port>@<model>); default: none, the approximate index alone")
+    a("--kv-events-port", type=int, help="precise prefix routing, the other way round: every pod's vLLM binds its "
+      "KV-event publisher on this port (endpoint tcp://*:PORT) and the picker connects to each pod of its pool; "
+      "every replica can (default 0: not this way)")
     a("--kv-events-replay-port", type=int, help="the port of every pod's KV-event replay socket (vLLM's "
       "replay_endpoint), asked for missed events (default 0: none; a gap then resets that pod's view)")
     a("--prefix-mode", choices=("approximate", "precise", "auto"),
@@ -385,9 +389,12 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
             LocalTokenizer(config.tokenizer)
         except TokenizerFilesError as exc:
             raise ConfigError(f"tokenizer: {exc}") from None
-    if config.kv_events_endpoint and not _importable("zmq"):
-        raise ConfigError("kv-events-endpoint: reading KV events needs pyzmq; install it with: "
-                          "pip install 'picker[kv-events]'")
+    if config.kv_events_endpoint and config.kv_events_port:
+        raise ConfigError("kv-events-port: give --kv-events-endpoint (the pods connect to the picker) or "
+                          "--kv-events-port (the picker connects to the pods), not both")
+    if (config.kv_events_endpoint or config.kv_events_port) and not _importable("zmq"):
+        key = "kv-events-endpoint" if config.kv_events_endpoint else "kv-events-port"
+        raise ConfigError(f"{key}: reading KV events needs pyzmq; install it with: pip install 'picker[kv-events]'")
     if config.index_hash_key_file:
         try:
             IndexKey.from_file(config.index_hash_key_file)

@@ -48,7 +48,7 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
     if shared is not None and not key.keyed:
         log.warning("the shared prefix index stores unkeyed prefix hashes: whoever reads Redis can confirm a "
                     "guessed prompt; give every replica --index-hash-key-file")
-    precise_index = PreciseIndex() if config.kv_events_endpoint else None
+    precise_index = PreciseIndex() if config.kv_events_endpoint or config.kv_events_port else None
     precise = (PrecisePrefix(precise_index, config.prefix_mode)
                if precise_index is not None and config.prefix_mode != "approximate" else None)
     scheduler = build_strategy(config.strategy, config=config.scheduling, rng=random.Random(config.seed),

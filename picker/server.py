@@ -14,6 +14,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -44,6 +45,9 @@ from picker.policy import build_flow_control, build_policy, scrape_listener, sta
 from picker.prefix.precise import PreciseIndex
 from picker.prefix.tokens import LocalTokenizer, PodTokenizer, PromptTokenizer
 from picker.tls import certificate_hosts, server_credentials
+
+if TYPE_CHECKING:
+    from picker.kvevents.subscriber import KVEventSubscriber
 
 log = logging.getLogger("picker")
 
@@ -125,6 +129,7 @@ class PickerServer:
         self._stopping = False
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view
         self._http_server: WSGIServer | None = None
+        self.kv_events: KVEventSubscriber | None = None
         await self._start_endpoint_sources(c)
         policy = build_policy(c, self.metrics)
         self.scheduler = policy.scheduler
@@ -206,17 +211,25 @@ class PickerServer:
                 hosts[e.address] = e.address
                 hosts.setdefault(e.ip, e.address)
 
+        replayer = ZmqReplayer(c.kv_events_replay_port) if c.kv_events_replay_port else None
+        events = self.kv_events = KVEventSubscriber(c.kv_events_endpoint, index, hosts.get, replayer=replayer)
+
         def pool_changed(event: PoolEvent, endpoint: Endpoint) -> None:
             learn_hosts()
             if event is PoolEvent.REMOVED:
                 index.forget(endpoint.address)
+                events.unfollow(endpoint.address)
+            elif c.kv_events_port:
+                events.follow(endpoint.address, endpoint.ip, c.kv_events_port)
 
         learn_hosts()
         self.pool.subscribe(pool_changed)
-        replayer = ZmqReplayer(c.kv_events_replay_port) if c.kv_events_replay_port else None
-        self.kv_events = KVEventSubscriber(c.kv_events_endpoint, index, hosts.get, replayer=replayer)
-        self.metrics.watch_kv_events(self.kv_events.stats, index, self.kv_events.clock)
-        self.supervise(asyncio.create_task(self.kv_events.run(), name="kv-events"))
+        self.metrics.watch_kv_events(events.stats, index, events.clock)
+        if c.kv_events_port:  # connect mode: one reader per pod of the pool
+            for endpoint in self.pool.all():
+                events.follow(endpoint.address, endpoint.ip, c.kv_events_port)
+        else:
+            self.supervise(asyncio.create_task(events.run(), name="kv-events"))
 
     def _start_model_listings(self, c: cfg.ServeConfig) -> None:
         """Read every pod's /v1/models on a slow timer, and a joining pod's at once."""
@@ -314,6 +327,8 @@ class PickerServer:
             self.tracer.shutdown()
         if self.tokenizer is not None:
             await self.tokenizer.close()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
 
 
 async def serve(config: cfg.ServeConfig) -> None:

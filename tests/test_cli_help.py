@@ -39,7 +39,8 @@ def option_entries(text: str) -> dict[str, str]:
                       "--picker-health-port", "--pool", "--fail-closed", "--message-timeout", "--out",
                       "--validate"}),
     ("sim", {"--pods", "--base-port", "--host", "--profile", "--model", "--time-scale", "--seed", "--lora-modules",
-             "--kv-events-endpoint", "--kv-events-endpoint-base", "--kv-events-replay-port-base", "--num-gpu-blocks", "--scrape-cost", "--eos-mean-tokens"}),
+             "--kv-events-endpoint", "--kv-events-endpoint-base", "--kv-events-bind-port",
+             "--kv-events-replay-port-base", "--num-gpu-blocks", "--scrape-cost", "--eos-mean-tokens"}),
 ])
 def test_every_option_says_its_default(capsys: pytest.CaptureFixture[str], command: str, expected: set[str]) -> None:
     entries = option_entries(help_text(capsys, command))

@@ -7,6 +7,7 @@ endpoint the picker binds, under `kv@<ip>:<port>@<model>`, with its replay socke
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import urllib.request
@@ -25,6 +26,7 @@ from picker.supervisor import (
     process_scope,
     start_envoy,
     start_picker,
+    start_picker_fleet,
     start_sim,
     wait_until,
 )
@@ -105,3 +107,35 @@ def test_traffic_around_the_picker_is_seen_through_the_pods_events(stack: Stack)
     # The approximate picker never saw the warm-up: its first pick is the load's and the tie-break's (either
     # pod), later ones follow its own history; nothing is asserted of it but that it serves.
     assert complete(stack.approximate.url, prefix + " other")["prompt"] > 0
+
+
+def test_every_replica_follows_every_pod_when_the_pods_bind() -> None:
+    """Connect mode (`--kv-events-port`): the pods bind their publishers (vLLM's tcp://*:PORT), each replica
+    connects to each pod, so two replicas behind one Envoy hold the same view: a prefix warmed around them is
+    found by whichever replica routes the request."""
+    rng = random.Random(4)
+    with process_scope("precise-replicas") as (logdir, started):
+        port, replay = free_port(), free_port()
+        pods = []
+        for i in range(2):
+            sim = start_sim(1, logdir, host=f"127.0.0.{30 + i}", name=f"sim-{i}", extra=[
+                *SIM_FLAGS, "--kv-events-bind-port", str(port), "--kv-events-replay-port-base", str(replay)])
+            started.append(sim.process)
+            pods.append(sim)
+        addresses = [a for p in pods for a in p.addresses]
+        fleet = start_picker_fleet(logdir, addresses, replicas=2, first_host=40, name="picker-connect", flags=[
+            "--kv-events-port", str(port), "--kv-events-replay-port", str(replay)])
+        started.extend(fleet.processes)
+        warm = addresses[1]
+        prefix = " ".join(rng.choice(WORDS) for _ in range(600))
+        def warmed(replica: Picker) -> bool:
+            complete(f"http://{warm}", prefix + " warm-up")
+            return series(replica, "picker_precise_blocks").get(warm, 0) > 20
+
+        for replica in fleet.pickers:
+            wait_until(functools.partial(warmed, replica), 20, f"the warm pod's KV events in {replica.host}'s view",
+                       replica.process.proc)
+        served = [complete(fleet.envoy.url, prefix + f" question {i}") for i in range(8)]
+        assert all(s["cached"] >= 0.8 * (s["prompt"] - 16) for s in served), served
+        routed = [series(r, "llm_d_epp_request_total").get("", 0.0) for r in fleet.pickers]
+        assert all(n > 0 for n in routed), routed  # both replicas routed some of them

@@ -110,12 +110,46 @@ class KVEventSubscriber:
         self._ctx = zmq.asyncio.Context.instance()
         self._socket: zmq.asyncio.Socket | None = None
         self.bound = asyncio.Event()  # set once the socket listens (tests wait on it)
+        self._followed: dict[str, asyncio.Task[None]] = {}  # connect mode: pod address -> its reader
 
-    async def run(self) -> None:
-        socket = self._socket = self._ctx.socket(zmq.SUB)
+    def _sub_socket(self) -> zmq.asyncio.Socket:
+        socket = self._ctx.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 100_000)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
+        return socket
+
+    def follow(self, address: str, host: str, port: int) -> None:
+        """Connect mode: read the pod's own publisher at host:port (from the running loop)."""
+        if address in self._followed:
+            return
+        socket = self._sub_socket()
+        socket.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        self._followed[address] = asyncio.get_running_loop().create_task(self._follow(address, host, socket),
+                                                                         name=f"kv-events {address}")
+
+    def unfollow(self, address: str) -> None:
+        task = self._followed.pop(address, None)
+        if task is not None:
+            task.cancel()
+        self.next_seq.pop(address, None)
+
+    async def _follow(self, address: str, host: str, socket: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                frames = await socket.recv_multipart()
+                try:
+                    batch = decode_message(frames)
+                except MalformedEvent as exc:
+                    self._malformed(exc)
+                    continue
+                await self._in_order(address, host, batch)
+        finally:
+            socket.close(linger=0)
+
+    async def run(self) -> None:
+        """Bind mode: listen on the endpoint for every pod's publisher."""
+        socket = self._socket = self._sub_socket()
         socket.bind(self.endpoint)
         self.bound.set()
         log.info("KV events: listening on %s", self.endpoint)
@@ -188,6 +222,8 @@ class KVEventSubscriber:
             log.warning("KV events: malformed message dropped (%s; %d so far)", exc, self.stats.malformed)
 
     async def stop(self) -> None:
+        for address in list(self._followed):
+            self.unfollow(address)
         with contextlib.suppress(Exception):
             if self._socket is not None:
                 self._socket.close(linger=0)

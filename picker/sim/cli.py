@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "consumer binds: give `picker serve --kv-events-endpoint` the same value; default: no KV events)")
     a("--kv-events-endpoint-base", default=None, metavar="tcp://HOST:PORT",
       help="publish KV events, pod i to PORT + i under the topic kv-events (a consumer per pod; default: none)")
+    a("--kv-events-bind-port", type=int, default=0, metavar="PORT",
+      help="each pod binds its KV-event publisher on tcp://<--host>:PORT, as vLLM's tcp://*:PORT on a pod; for "
+      "`picker serve --kv-events-port PORT` (one pod per host address; default: 0, none)")
     a("--kv-events-replay-port-base", type=int, default=0, metavar="PORT",
       help="pod i serves KV-event replays on PORT + i, as vLLM's replay_endpoint (default: none)")
     a("--num-gpu-blocks", type=int, default=None, help="override the KV cache size (default: the profile's)")
@@ -87,6 +90,7 @@ async def _serve(args: argparse.Namespace) -> int:
         kv_events_endpoint_base=args.kv_events_endpoint_base,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_port_base=args.kv_events_replay_port_base,
+        kv_events_bind_port=args.kv_events_bind_port,
         engine=args.engine,
     )
     stop = asyncio.Event()

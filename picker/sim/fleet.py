@@ -15,7 +15,9 @@ Sync (code without an event loop, e.g. a benchmark driving Envoy with blocking c
 `base_port=0` picks free ports; otherwise pod i listens on base_port + i. With `kv_events_endpoint`
 ("tcp://127.0.0.1:Q") every pod publishes KV events to that one endpoint, under the topic `kv@<host>:<port>@<model>`
 (the picker's `--kv-events-endpoint` binds it); with `kv_events_endpoint_base` pod i publishes to port Q + i under
-the topic "kv-events". `kv_events_replay_port_base` R: pod i serves replays (vLLM's replay socket) on port R + i. `engine` ("vllm", "sglang", "trtllm") is whose metric
+the topic "kv-events". `kv_events_replay_port_base` R: pod i serves replays (vLLM's replay socket) on port R + i.
+`kv_events_bind_port` P instead: each pod binds its publisher on tcp://<host>:P, as vLLM's tcp://*:P on a pod (the
+picker's `--kv-events-port` connects to it; one pod per host address). `engine` ("vllm", "sglang", "trtllm") is whose metric
 pages the pods serve.
 """
 
@@ -62,6 +64,7 @@ class SimFleet:
         kv_events_endpoint_base: str | None = None,
         kv_events_endpoint: str | None = None,
         kv_events_replay_port_base: int = 0,
+        kv_events_bind_port: int = 0,
         name_prefix: str = "sim",
         process_metrics: bool = True,
         profile_overrides: dict[str, object] | None = None,
@@ -88,6 +91,7 @@ class SimFleet:
                     kv_events_topic=None if kv_events_endpoint else DEFAULT_TOPIC,
                     kv_events_replay=(f"tcp://{host}:{kv_events_replay_port_base + i}"
                                       if kv_events_replay_port_base else None),
+                    kv_events_bind_port=kv_events_bind_port,
                     process_metrics=process_metrics,
                     engine=engine,
                 )

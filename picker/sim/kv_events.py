@@ -74,7 +74,10 @@ class KVEventPublisher:
     request `[start seq]` gets every buffered message from it, then an end marker of sequence -1)."""
 
     def __init__(self, endpoint: str, topic: str = DEFAULT_TOPIC, replay_endpoint: str | None = None,
-                 buffer_steps: int = 10_000) -> None:
+                 buffer_steps: int = 10_000, bind: bool | None = None) -> None:
+        """`bind`: None follows vLLM's rule (bind wildcard and ipc endpoints, connect to the rest); True binds a
+        concrete address, as `tcp://*:PORT` would on a pod with an IP of its own (a fleet on one host's loopback
+        addresses)."""
         import zmq
         import zmq.asyncio
 
@@ -84,7 +87,7 @@ class KVEventPublisher:
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 100_000)
-        if "*" in endpoint or endpoint.startswith("ipc://"):
+        if bind or (bind is None and ("*" in endpoint or endpoint.startswith("ipc://"))):
             self._socket.bind(endpoint)  # vLLM binds wildcard and ipc endpoints
         else:
             self._socket.connect(endpoint)

@@ -88,6 +88,7 @@ class PodConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str | None = DEFAULT_TOPIC  # None: kv@<host>:<port>@<model>, told apart on a shared endpoint
     kv_events_replay: str | None = None  # where its replay socket binds (vLLM's replay_endpoint)
+    kv_events_bind_port: int = 0  # or: its publisher binds tcp://<its host>:PORT (vLLM's tcp://*:PORT on a pod)
     enable_prefix_caching: bool = True
     enable_prompt_tokens_details: bool = True
     prefix_caching_hash_algo: str = "sha256"
@@ -106,7 +107,7 @@ class SimPod:
             config.profile,
             seed=config.seed,
             lora_modules=config.lora_modules,
-            record_kv_events=config.kv_events_endpoint is not None,
+            record_kv_events=config.kv_events_endpoint is not None or config.kv_events_bind_port > 0,
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.metrics = SimMetrics(
@@ -165,6 +166,10 @@ class SimPod:
         if self.config.kv_events_endpoint:  # after the bind: the topic may name the port
             topic = self.config.kv_events_topic or pod_topic(self.config.host, self.port, self.model_name)
             self.publisher = KVEventPublisher(self.config.kv_events_endpoint, topic, self.config.kv_events_replay)
+        elif self.config.kv_events_bind_port:
+            own = f"tcp://{self.config.host}:{self.config.kv_events_bind_port}"
+            self.publisher = KVEventPublisher(own, self.config.kv_events_topic or DEFAULT_TOPIC,
+                                              self.config.kv_events_replay, bind=True)
 
     async def stop(self) -> None:
         """Stop serving; pending requests get an error."""
