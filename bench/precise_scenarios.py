@@ -9,6 +9,8 @@ bound: the pods' real caches read at each decision):
   - sees everything: the baseline (precise must be no worse);
   - 30 % bypass: that share of requests reaches a random pod around the picker (another gateway, batch jobs);
   - two pickers, own indexes: two replicas behind Envoy, no shared index;
+  - a pod restarts every 5 s (one after the other, its cache emptied, too fast for a failed scrape to tell the
+    picker; these traces last 30-50 s, so 5 s rather than the 60 s of a longer run);
   - KV reported 2x / 0.5x: the pods' `num_gpu_blocks` says twice / half the cache they have (offload tiers,
     other tenants), which sizes the approximate index's per-pod LRU.
 
@@ -43,12 +45,14 @@ class Scenario:
     replicas: int = 1
     bypass: float = 0.0
     kv_reported: float = 1.0
+    restart_every: float = 0.0
 
 
 SCENARIOS = (
     Scenario("sees everything"),
     Scenario("30 % bypass", bypass=0.3),
     Scenario("two pickers, own indexes", replicas=2),
+    Scenario("a pod restarts every 5 s", restart_every=5.0),
     Scenario("KV reported 2x", kv_reported=2.0),
     Scenario("KV reported 0.5x", kv_reported=0.5),
 )
@@ -57,7 +61,8 @@ MODES = ("approximate", "precise", "exact")
 
 def run(spec: FastSpec, workload: str, rate: float, scenario: Scenario, mode: str) -> dict[str, Any]:
     cfg = FastConfig(spec.get_profile(), spec.pods, seed=spec.seed, replicas=scenario.replicas,
-                     bypass=scenario.bypass, kv_reported=scenario.kv_reported, precise=mode == "precise",
+                     bypass=scenario.bypass, kv_reported=scenario.kv_reported,
+                     restart_every=scenario.restart_every, precise=mode == "precise",
                      exact_index=mode == "exact")
     res = run_fast(_trace(spec, workload, rate), "picker", cfg, scheduling=spec.scheduling_config())
     figures = summarize(res)

@@ -116,3 +116,13 @@ def test_bypassed_requests_reach_a_pod_without_the_picker(trace: Trace) -> None:
     res = run_fast(trace, "picker", cfg)
     assert 0.2 * N < len(res.bypassed) < 0.4 * N
     assert all(res.status[i] == OK for i in range(N)) and all(res.pod[i] >= 0 for i in res.bypassed)
+
+
+def test_a_restarted_pods_empty_cache_is_seen_through_its_events(trace: Trace) -> None:
+    base = FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1, restart_every=2.0)
+    approximate = summarize(run_fast(trace, "picker", base))
+    precise = summarize(run_fast(trace, "picker", FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1,
+                                                             restart_every=2.0, precise=True)))
+    calm = summarize(run_fast(trace, "picker", _cfg()))
+    assert approximate["hit_rate"] < calm["hit_rate"]  # restarts cost hits
+    assert precise["hit_rate"] >= approximate["hit_rate"] and precise["completed"] == N

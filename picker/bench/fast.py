@@ -55,7 +55,7 @@ from picker.sim.engine import Engine, SimRequest, StepResult
 from picker.sim.kvcache import block_hashes
 from picker.sim.profiles import Profile
 
-_DELIVER, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE = 0, 1, 2, 3, 4, 5
+_DELIVER, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE, _RESTART = 0, 1, 2, 3, 4, 5, 6
 Progress = Callable[[int], None]
 
 
@@ -80,6 +80,7 @@ class FastConfig:
     precise: bool = False  # the pods' KV events feed a precise view (--kv-events-endpoint, --prefix-mode auto)
     bypass: float = 0.0  # share of requests sent to a random pod around the picker (it never sees them)
     kv_reported: float = 1.0  # the KV cache the pods report (num_gpu_blocks) as a multiple of their real one
+    restart_every: float = 0.0  # seconds between pod restarts, one pod at a time in turn, its cache emptied
 
 
 def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None, *,
@@ -252,6 +253,8 @@ class _FastRun:
         for k in range(self.cfg.pods if self.cfg.scraping else 0):
             self.push(0.0, _SCRAPE, k)
         self.push(0.0, _SAMPLE, 0)
+        if self.cfg.restart_every > 0:
+            self.push(self.cfg.restart_every, _RESTART, 0)
         heap = self.heap
         pop = heapq.heappop
         while heap:
@@ -266,6 +269,9 @@ class _FastRun:
                 self.intake(payload[0], payload[1], now)
             elif kind == _SCRAPE:
                 self.scrape(payload, now)
+                continue
+            elif kind == _RESTART:
+                self.restart(payload, now)
                 continue
             else:
                 self.sample(now)
@@ -452,6 +458,17 @@ class _FastRun:
             self.api_busy_until[k] = max(now, self.api_busy_until[k]) + self.cfg.scrape_cost * self.scrapers
         if self.outstanding > 0:
             self.push(now + interval, _SCRAPE, k)
+
+    def restart(self, n: int, now: float) -> None:
+        """Pod n % pods comes back with an empty cache, too fast for a failed scrape to tell the picker (requests
+        in flight run on: a simplification). Its publisher says AllBlocksCleared."""
+        k = n % self.cfg.pods
+        kv = self.engines[k].kv
+        kv.wipe()
+        if self.precise is not None:
+            self.precise.apply(self.endpoints[k].address, kv.drain_events(), now)
+        if self.outstanding > 0:
+            self.push(now + self.cfg.restart_every, _RESTART, n + 1)
 
     def sample(self, now: float) -> None:
         if self.outstanding <= 0:

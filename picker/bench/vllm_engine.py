@@ -222,10 +222,14 @@ def start_server(logdir: Path, *, block_size: int, num_blocks: int, name: str = 
     return VllmServer(port, proc, log_path)
 
 
-def kv_events_flags(endpoint: str, topic: str = "kv-events") -> list[str]:
-    """`--kv-events-config` publishing this server's KV-cache events over ZMQ to `endpoint`."""
-    return ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                              "endpoint": endpoint, "topic": topic})]
+def kv_events_flags(endpoint: str, topic: str = "kv-events", replay_endpoint: str | None = None) -> list[str]:
+    """`--kv-events-config` publishing this server's KV-cache events over ZMQ to `endpoint` (and serving replays
+    on `replay_endpoint`)."""
+    config: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                 "topic": topic}
+    if replay_endpoint:
+        config["replay_endpoint"] = replay_endpoint
+    return ["--kv-events-config", json.dumps(config)]
 
 
 def group_cpu_seconds(pgid: int) -> dict[int, float]:

@@ -240,6 +240,13 @@ class KVCache:
             self.events.append(AllBlocksCleared())
         return True
 
+    def wipe(self) -> None:
+        """A restart's empty cache: every cached hash forgotten, also of blocks in use (they free uncached)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        if self.record_events:
+            self.events.append(AllBlocksCleared())
+
     def drain_events(self) -> list[KVEvent]:
         """Events since the last call."""
         events, self.events = self.events, []
