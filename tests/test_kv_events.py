@@ -210,6 +210,11 @@ def test_the_scheduler_scores_what_the_pods_events_say_they_hold() -> None:
         result = scheduler.schedule(request, pods, now=1.0)
         assert result.ranked[0] is pods[1] and result.context is not None
         assert result.context.matches == {pods[1].address: len(result.context.keys)}
+        explained = {c.endpoint.address: c.details for c in result.candidates}  # what Explain shows of each
+        assert explained[pods[1].address]["prefix.precise"] == 1.0
+        assert explained[pods[1].address]["prefix.expected_chars"] == len(result.context.keys) * \
+            result.context.block_chars
+        assert explained[pods[0].address]["prefix.expected_chars"] == 0.0
         scheduler.on_picked(result.context, pods[1], 1.0)
     # a pod whose view was reset is scored from the approximate index in auto mode (this scheduler's knows nothing)
     index.reset(pods[1].address, now=1.0)

@@ -32,6 +32,7 @@ class SchedulingContext:
     matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
     matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored
     precise_keys: list[int] = field(default_factory=list)  # the prompt's token-block keys (precise prefix mode)
+    precise_pods: frozenset[str] = frozenset()  # the pods whose match came from their KV events
     # With a TTFT objective (request.slo_ttft_s): whether some candidate is predicted to meet it (None: not
     # predicted); the director sheds a sheddable request none can serve in time
     slo_attainable: bool | None = None

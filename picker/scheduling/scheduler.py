@@ -98,6 +98,7 @@ class PrefixAwareScheduler:
         if not keys:
             return
         ctx.precise_keys = keys
+        ctx.precise_pods = frozenset(held)
         chars_per_token, width, most = self.hasher.chars_per_token, ctx.block_chars, len(ctx.keys)
         matches = ctx.matches
         for address, n in held.items():
@@ -256,7 +257,13 @@ class ExplainedResult(SchedulingResult):
                 CandidateScore(e, dict(zip(names, row, strict=True)), t)
                 for e, row, t in zip(endpoints, rows, totals, strict=True)
             ]
-            notes = self.context.details if self.context is not None else None
+            ctx = self.context
+            if ctx is not None and ctx.keys:  # what the index expects each candidate to hold of this prompt
+                for candidate in built:
+                    address = candidate.endpoint.address
+                    candidate.details["prefix.expected_chars"] = float(ctx.matches.get(address, 0) * ctx.block_chars)
+                    candidate.details["prefix.precise"] = 1.0 if address in ctx.precise_pods else 0.0
+            notes = ctx.details if ctx is not None else None
             for plugin, per_candidate in (notes or {}).items():
                 for candidate, detail in zip(built, per_candidate, strict=True):
                     candidate.details.update({f"{plugin}.{k}": v for k, v in detail.explain().items()})
