@@ -99,6 +99,20 @@ def test_the_index_mirrors_stores_removals_and_clears_keyed_by_token_ids() -> No
     assert cache.matched(token_keys(lora, 4, adapter="sql-lora"), 3.0) == 2
 
 
+def test_a_cache_salt_makes_its_own_chain() -> None:
+    """vLLM puts the salt in the first block's extra keys (after the adapter's name): only requests with the same
+    salt hit those blocks."""
+    index = PreciseIndex()
+    tokens = list(range(8))
+    salted = BlockStored([1, 2], None, tokens, 4, 1, "sql-lora", [["sql-lora", "tenant-a"], ["sql-lora"]])
+    index.apply("pod", [salted, stored(tokens, 4, [3, 4])], now=0.0)
+    cache = index.pod("pod")
+    assert cache.matched(token_keys(tokens, 4, "sql-lora", salt="tenant-a"), 0.0) == 2
+    assert cache.matched(token_keys(tokens, 4, "sql-lora"), 0.0) == 0
+    assert cache.matched(token_keys(tokens, 4, "sql-lora", salt="tenant-b"), 0.0) == 0
+    assert cache.matched(token_keys(tokens, 4), 0.0) == 2  # the unsalted base-model blocks
+
+
 def test_speculative_entries_hold_until_stored_or_expired() -> None:
     index = PreciseIndex(speculative_s=2.0)
     tokens = list(range(12))

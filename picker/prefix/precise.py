@@ -26,9 +26,13 @@ from picker.endpoints.state import Endpoint
 from picker.kvevents.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 
-def root_key(adapter: str | None) -> int:
-    """The seed of a chain: the adapter's name (none: the base model)."""
-    return xxh3_64_intdigest(b"picker-precise:" + (adapter or "").encode("utf-8", "surrogatepass"))
+def root_key(adapter: str | None, salt: str | None = None) -> int:
+    """The seed of a chain: the adapter's name (none: the base model) and the request's cache_salt (vLLM puts it
+    in the first block's extra keys: blocks of another salt, or of none, are another chain)."""
+    material = (adapter or "").encode("utf-8", "surrogatepass")
+    if salt:
+        material += b"\x00" + salt.encode("utf-8", "surrogatepass")
+    return xxh3_64_intdigest(b"picker-precise:" + material)
 
 
 _ITEM = array("I").itemsize  # bytes of one token id as hashed
@@ -47,9 +51,18 @@ def chain(tokens: Sequence[int], block_size: int, parent: int, blocks: int | Non
 
 
 def token_keys(tokens: Sequence[int], block_size: int, adapter: str | None = None,
-               limit: int | None = None) -> list[int]:
+               limit: int | None = None, salt: str | None = None) -> list[int]:
     """Our key of every full block of `tokens` (a partial last block is never cached by vLLM)."""
-    return chain(tokens, block_size, root_key(adapter), limit)
+    return chain(tokens, block_size, root_key(adapter, salt), limit)
+
+
+def _salt_of(event: BlockStored) -> str | None:
+    """The cache_salt of a chain's first block: its extra keys beyond the adapter's name."""
+    first = event.extra_keys[0] if event.extra_keys else None
+    if not isinstance(first, list):
+        return None
+    extra = [k for k in first if isinstance(k, str) and k != event.lora_name]
+    return extra[-1] if extra else None
 
 
 @dataclass(slots=True)
@@ -71,7 +84,7 @@ class PodCache:
         leaves the rest of the chain unknown)."""
         self.block_size = event.block_size
         if event.parent_block_hash is None:
-            parent = root_key(event.lora_name)
+            parent = root_key(event.lora_name, _salt_of(event))
         else:
             known = self.keys.get(event.parent_block_hash)
             if known is None:
@@ -205,8 +218,8 @@ class PrecisePrefix:
         self.index = index
         self.mode = mode
 
-    def matches(self, tokens: Sequence[int], model: str, endpoints: Sequence[Endpoint], now: float
-                ) -> tuple[list[int], dict[str, int]]:
+    def matches(self, tokens: Sequence[int], model: str, endpoints: Sequence[Endpoint], now: float,
+                salt: str | None = None) -> tuple[list[int], dict[str, int]]:
         """The prompt's block keys and {address: tokens held} of the pods vouched for (nothing: no keys)."""
         pods = self.index.pods
         if self.mode == "auto":
@@ -219,7 +232,7 @@ class PrecisePrefix:
             return [], {}
         first = vouched[0].metrics
         adapter = None if not first.models or model in first.models else model  # not a base model: an adapter
-        keys = token_keys(tokens, block_size, adapter, limit=MAX_PRECISE_BLOCKS)
+        keys = token_keys(tokens, block_size, adapter, limit=MAX_PRECISE_BLOCKS, salt=salt)
         held = {}
         for e in vouched:
             cache = pods.get(e.address)

@@ -94,7 +94,7 @@ class PrefixAwareScheduler:
         in the approximate index's blocks (tokens x chars per token / block width) so every scorer reads it
         the same way."""
         assert self.precise is not None
-        keys, held = self.precise.matches(tokens, ctx.model, endpoints, now)
+        keys, held = self.precise.matches(tokens, ctx.model, endpoints, now, ctx.request.cache_salt)
         if not keys:
             return
         ctx.precise_keys = keys
