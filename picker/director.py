@@ -173,6 +173,8 @@ class Director:
     async def route(self, request: InferenceRequest) -> Decision:
         """Route a parsed request in real time: with flow control it waits its turn while the pool has no room;
         without, a standard request in a saturated pool first waits (bounded)."""
+        if self.tokenizer is None:
+            request.parsed = None  # nothing will tokenize it: a waiting request does not keep its parsed body
         if self.flow is not None:
             arrived = self.clock()
             self.resolve(request)
@@ -191,9 +193,11 @@ class Director:
         return self.place(request, self.clock())
 
     async def _tokenize(self, request: InferenceRequest) -> None:
-        """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it)."""
+        """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it); then
+        the parsed body is let go, so a request in flight does not keep it."""
         if self.tokenizer is not None and request.has_body and request.token_ids is None:
             request.token_ids = await self.tokenizer.token_ids(request, self.candidates(request))
+        request.parsed = None
 
     def place(self, request: InferenceRequest, now: float) -> Decision:
         """Schedule an admitted request and account for it: the scheduler learns the pick, the pod's in-flight

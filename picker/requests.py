@@ -82,9 +82,9 @@ class InferenceRequest:
     subset: tuple[str, ...] | None = None  # Envoy subset hint: allowed "ip:port" (or "ip") values
     body_bytes: int = 0
     headers: dict[str, str] = field(default_factory=dict)
-    # What a model server's /tokenize needs to give the prompt's token ids (precise prefix routing): the parsed
-    # body's `messages` (chat, Anthropic messages) or `prompt` (completions), references into it, not copies
-    tokenize_input: dict[str, Any] | None = None
+    # The validated body, kept (a reference, no copy) until the director has had it tokenized or knows it will
+    # not be: precise prefix routing renders its messages or prompt as the pod will (`tokenize_input`)
+    parsed: dict[str, Any] | None = None
     token_ids: list[int] | None = None  # the prompt's tokens, when a tokenizer gave them
 
     @property
@@ -321,15 +321,25 @@ def build_request(
     request.max_tokens = max_tokens if isinstance(max_tokens, int) else None
     salt = data.get("cache_salt")
     request.cache_salt = salt if isinstance(salt, str) else None
-    if api is ApiKind.CHAT:
-        request.tokenize_input = {"messages": data["messages"]}
-    elif api is ApiKind.MESSAGES:  # the system prompt ahead of the turns, as the chat template will put it
+    request.parsed = data
+    return request
+
+
+def tokenize_input(request: InferenceRequest) -> dict[str, Any] | None:
+    """What a tokenizer renders for the request as its pod will (`messages`, or `prompt`), from the kept body;
+    None for an API without a prompt to tokenize, or once the body was let go."""
+    data = request.parsed
+    if data is None:
+        return None
+    if request.api is ApiKind.CHAT:
+        return {"messages": data["messages"]}
+    if request.api is ApiKind.MESSAGES:  # the system prompt ahead of the turns, as the chat template will put it
         system = data.get("system")
         turns = data["messages"]
-        request.tokenize_input = {"messages": [{"role": "system", "content": system}, *turns] if system else turns}
-    elif api is ApiKind.COMPLETIONS:
-        request.tokenize_input = {"prompt": data["prompt"]}
-    return request
+        return {"messages": [{"role": "system", "content": system}, *turns] if system else turns}
+    if request.api is ApiKind.COMPLETIONS:
+        return {"prompt": data["prompt"]}
+    return None
 
 
 @dataclass(slots=True)

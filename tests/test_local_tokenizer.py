@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from picker.prefix.tokens import LocalTokenizer, TokenizerFilesError
-from picker.requests import build_request
+from picker.requests import build_request, tokenize_input
 
 TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
             "'<|end_header_id|>\\n\\n' + (message['content'] | trim) + '<|eot_id|>' }}{% endfor %}"
@@ -39,10 +39,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def tokenize_input(body: dict[str, object], path: str) -> dict[str, object]:
+def rendered_input(body: dict[str, object], path: str) -> dict[str, object]:
     request = build_request({":path": path, ":method": "POST"}, json.dumps(body).encode(), request_id="r")
-    assert request.tokenize_input is not None
-    return request.tokenize_input
+    given = tokenize_input(request)
+    assert given is not None
+    return given
 
 
 def test_chat_is_rendered_with_the_template_and_tokenized_as_vllm_does(model_dir: Path) -> None:
@@ -53,11 +54,11 @@ def test_chat_is_rendered_with_the_template_and_tokenized_as_vllm_does(model_dir
     expected = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nthe lazy dog<|eot_id|>"
                 "<|start_header_id|>user<|end_header_id|>\n\nquick brown fox<|eot_id|>"
                 "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    ids = local.ids(tokenize_input({"model": "m", "messages": messages}, "/v1/chat/completions"))
+    ids = local.ids(rendered_input({"model": "m", "messages": messages}, "/v1/chat/completions"))
     assert ids == raw.encode(expected, add_special_tokens=False).ids
     assert ids is not None and ids[0] == raw.token_to_id("<|begin_of_text|>") and ids.count(ids[0]) == 1
     # Anthropic's system prompt goes first, as a system turn
-    anthropic = local.ids(tokenize_input({"model": "m", "system": "the lazy dog", "max_tokens": 4,
+    anthropic = local.ids(rendered_input({"model": "m", "system": "the lazy dog", "max_tokens": 4,
                                           "messages": [{"role": "user", "content": "quick brown fox"}]},
                                          "/v1/messages"))
     assert anthropic == ids
@@ -66,7 +67,7 @@ def test_chat_is_rendered_with_the_template_and_tokenized_as_vllm_does(model_dir
 def test_completions_get_the_tokenizers_special_tokens_and_token_ids_pass_through(model_dir: Path) -> None:
     local = LocalTokenizer(model_dir)
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    text = local.ids(tokenize_input({"model": "m", "prompt": "the quick brown fox"}, "/v1/completions"))
+    text = local.ids(rendered_input({"model": "m", "prompt": "the quick brown fox"}, "/v1/completions"))
     assert text == raw.encode("the quick brown fox", add_special_tokens=True).ids and text[0] == 1
     assert local.ids({"prompt": [5, 6, 7]}) == [5, 6, 7]
     assert local.ids({"prompt": ["two", "prompts"]}) is None  # a batch: not routed precisely
@@ -114,7 +115,8 @@ async def test_a_large_prompt_is_tokenized_off_the_event_loop_with_the_same_ids(
         body = {"model": "m", "messages": [{"role": "user", "content": "the quick brown fox " * 2000}]}
         request = build_request({":path": "/v1/chat/completions", ":method": "POST"}, json.dumps(body).encode(),
                                 request_id="big")
-        assert request.body_bytes > 16 << 10 and request.tokenize_input is not None
-        assert await local.token_ids(request, []) == local.ids(request.tokenize_input)
+        given = tokenize_input(request)
+        assert request.body_bytes > 16 << 10 and given is not None
+        assert await local.token_ids(request, []) == local.ids(given)
     finally:
         await local.close()

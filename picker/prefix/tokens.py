@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from picker.endpoints.state import Endpoint
-from picker.requests import InferenceRequest
+from picker.requests import InferenceRequest, tokenize_input
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,10 @@ class PodTokenizer:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.scheme = scheme
         self._session: aiohttp.ClientSession | None = None
-        self.calls = 0
         self.failures = 0
 
     async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
-        given = request.tokenize_input
+        given = tokenize_input(request)
         if given is None or not candidates:
             return None
         direct = given_token_ids(given.get("prompt"))
@@ -70,7 +69,6 @@ class PodTokenizer:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         pod = min(candidates, key=lambda e: e.in_flight)
         body = json.dumps({"model": request.target_model or request.model, **given}).encode()
-        self.calls += 1
         try:
             async with self._session.post(f"{self.scheme}://{pod.address}/tokenize", data=body, timeout=self.timeout,
                                           headers={"content-type": "application/json"}) as response:
@@ -174,7 +172,7 @@ class LocalTokenizer:
     async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
         """Small prompts here; large ones on the tokenizer's own thread (the tokenizers library releases the
         GIL while it encodes, so other streams go on: a new 34 KB chat takes ~15 ms)."""
-        given = request.tokenize_input
+        given = tokenize_input(request)
         if given is None:
             return None
         if request.body_bytes < OFFLOAD_BYTES:
