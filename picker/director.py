@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from picker.admission import Priorities
+from picker.endpoints.model_listing import MODELS_PATH
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowController
@@ -43,9 +44,6 @@ def match_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...]) -> lis
     """Endpoints named by Envoy's subset hint, by "ip:port" or by "ip"."""
     wanted = set(subset)
     return [e for e in candidates if e.address in wanted or e.ip in wanted]
-
-
-MODELS_PATH = "/v1/models"
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from picker.endpoints.state import Endpoint
 
 log = logging.getLogger(__name__)
 
-MODELS_PATH = "/v1/models"
+MODELS_PATH = "/v1/models"  # OpenAI's model list: read of pods here, answered for the pool by the director
 MAX_LISTED = 1024  # ids kept per pod: more is no model server's listing
 MAX_ID_CHARS = 512
 RECHECK_S = 1.0  # how often pods are checked for a model swap their metrics show
@@ -61,7 +61,6 @@ class ModelListings:
         self._read_at: dict[str, float] = {}  # address -> loop time of its last attempt
         self._failing: set[str] = set()  # addresses whose last attempt failed (logged once per outage)
         self._wakeup = asyncio.Event()
-        self.reads = 0  # attempts, for tests
 
     def pod_joined(self) -> None:
         """A pod joined (or came back): read its listing now rather than at the next round."""
@@ -103,7 +102,6 @@ class ModelListings:
         """One read of one pod's listing; True when it was read and understood."""
         assert self._session is not None, "run() opens the session"
         self._read_at[endpoint.address] = asyncio.get_running_loop().time()
-        self.reads += 1
         url = f"{self.scheme}://{endpoint.address}{MODELS_PATH}"
         try:
             async with self._session.get(url, timeout=self.timeout) as response:

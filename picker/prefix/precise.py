@@ -79,16 +79,15 @@ class PodCache:
     misses_at_event: float | None = None  # its scraped prefix-cache misses (tokens) as of its last batch
     lagging: bool = False  # its scrapes show work its events never told of
 
-    def store(self, event: BlockStored) -> int:
-        """Apply a BlockStored; returns how many of its blocks could be keyed (a parent we never heard of
-        leaves the rest of the chain unknown)."""
+    def store(self, event: BlockStored) -> None:
+        """Apply a BlockStored (a parent we never heard of leaves that chain unknown: its blocks are not keyed)."""
         self.block_size = event.block_size
         if event.parent_block_hash is None:
             parent = root_key(event.lora_name, _salt_of(event))
         else:
             known = self.keys.get(event.parent_block_hash)
             if known is None:
-                return 0
+                return
             parent = known
         for engine_hash, key in zip(event.block_hashes, chain(event.token_ids, event.block_size, parent),
                                     strict=True):
@@ -98,7 +97,6 @@ class PodCache:
                 self.held[key] = self.held.get(key, 0) + 1
             self.refs[engine_hash] = refs + 1  # a second physical block of the same hash: removed once per block
             self.speculative.pop(key, None)
-        return len(event.block_hashes)
 
     def remove(self, event: BlockRemoved) -> None:
         for engine_hash in event.block_hashes:

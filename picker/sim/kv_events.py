@@ -105,9 +105,8 @@ class KVEventPublisher:
         """Queue one message without blocking the event loop (a PUB socket drops rather than blocks)."""
         if not events:
             return
-        payload = encode_payload(events)
-        frames = [self.topic.encode(), self._seq.to_bytes(8, "big"), payload]
-        self._buffer.append((self._seq, payload))
+        frames = encode_message(events, self._seq, self.topic)
+        self._buffer.append((self._seq, frames[2]))
         self._seq += 1
         future: Any = self._socket.send_multipart(frames)
         future.add_done_callback(_retrieve_exception)
