@@ -115,11 +115,7 @@ def main() -> int:
             f"malformed; {result['blocks_in_view']} blocks in the view at the end (the server has {BLOCKS}).\n")
     if result["disagreements"]:
         text += "\nDisagreements (first 10): " + json.dumps(result["disagreements"]) + "\n"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_events_real.json").write_text(json.dumps(result, indent=1))
-    (out / "kv_events_real.md").write_text(text)
-    print(text)
+    engine.write_outputs(args.out, "kv_events_real", result, text)
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import statistics
 import sys
@@ -234,12 +233,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(engine.OUT))
     args = parser.parse_args()
     summary, meta = asyncio.run(measure(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scrape_cost.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
-    text = report(summary, meta)
-    (out / "scrape_cost.md").write_text(text)
-    print(text)
+    engine.write_outputs(args.out, "scrape_cost", {"meta": meta, "summary": summary}, report(summary, meta))
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -223,12 +222,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(engine.OUT))
     args = parser.parse_args()
     result = asyncio.run(measure(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenize_cost.json").write_text(json.dumps(result, indent=1))
-    text = report(result, args)
-    (out / "tokenize_cost.md").write_text(text)
-    print(text)
+    engine.write_outputs(args.out, "tokenize_cost", result, report(result, args))
     return 0
 
 

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from picker.sim.tokenizer import LLAMA3_JINJA_TEMPLATE
 from picker.supervisor import HOST, free_port
@@ -230,6 +231,15 @@ def kv_events_flags(endpoint: str, topic: str = "kv-events", replay_endpoint: st
     if replay_endpoint:
         config["replay_endpoint"] = replay_endpoint
     return ["--kv-events-config", json.dumps(config)]
+
+
+def write_outputs(out: str | Path, stem: str, data: Any, text: str) -> None:
+    """A real-engine measurement's figures (`stem`.json) and report (`stem`.md) in `out`; the report printed."""
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    (directory / f"{stem}.md").write_text(text)
+    print(text)
 
 
 def group_cpu_seconds(pgid: int) -> dict[int, float]:
