@@ -20,8 +20,7 @@ from picker.supervisor import (
     process_scope,
     set_echo_metrics,
     start_backends,
-    start_envoy,
-    start_picker,
+    start_picker_fleet,
 )
 from tests.waiting import eventually_async
 
@@ -41,11 +40,9 @@ def flow() -> Iterator[FlowStack]:
     with process_scope("flow-control") as (logdir, started):
         backends = start_backends(1, logdir)
         started.append(backends.process)
-        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--config-text", CONFIG])
-        started.append(picker.process)
-        envoy = start_envoy(logdir, picker, backends.addresses)
-        started.append(envoy.process)
-        yield FlowStack(backends, picker, envoy)
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", CONFIG])
+        started.extend(fleet.processes)
+        yield FlowStack(backends, fleet.pickers[0], fleet.envoy)
 
 
 def set_pod(stack: FlowStack, **state: object) -> None:
@@ -124,10 +121,9 @@ async def test_a_tenant_past_its_token_budget_gets_429_and_another_tenant_does_n
     with process_scope("token-budget") as (logdir, started):
         backends = start_backends(1, logdir)
         started.append(backends.process)
-        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--config-text", config])
-        started.append(picker.process)
-        envoy = start_envoy(logdir, picker, backends.addresses)
-        started.append(envoy.process)
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", config])
+        started.extend(fleet.processes)
+        envoy = fleet.envoy
         async with aiohttp.ClientSession() as session:
 
             async def send(tenant: str) -> tuple[int, dict[str, str]]:

@@ -17,8 +17,7 @@ from picker.supervisor import (
     process_scope,
     set_echo_metrics,
     start_backends,
-    start_envoy,
-    start_picker,
+    start_picker_fleet,
 )
 from tests.waiting import eventually_async
 
@@ -38,12 +37,10 @@ def two_models() -> Iterator[TwoModels]:
             set_echo_metrics(address, models=["llama" if i < 2 else "qwen"],
                              running_loras=["sql-lora"] if i == 3 else [],
                              adapters=["chat-lora"] if i == 1 else [])  # loaded, idle: only /v1/models says
-        picker = start_picker(logdir, endpoints=pods.addresses, extra=["--metrics-fast-interval", "50ms",
-                                                                       "--metrics-slow-interval", "100ms"])
-        started.append(picker.process)
-        envoy = start_envoy(logdir, picker, pods.addresses)
-        started.append(envoy.process)
-        yield TwoModels(pods, envoy)
+        fleet = start_picker_fleet(logdir, pods.addresses, flags=["--metrics-fast-interval", "50ms",
+                                                                 "--metrics-slow-interval", "100ms"])
+        started.extend(fleet.processes)
+        yield TwoModels(pods, fleet.envoy)
 
 
 async def served_by(session: aiohttp.ClientSession, envoy: Envoy, model: str, text: str) -> tuple[int, object]:
