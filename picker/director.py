@@ -194,7 +194,7 @@ class Director:
         """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it); then
         the parsed body is let go, so a request in flight does not keep it."""
         if self.tokenizer is not None and request.has_body and request.token_ids is None:
-            request.token_ids = await self.tokenizer.token_ids(request, self.candidates(request))
+            request.token_ids = await self.tokenizer.token_ids(request, lambda: self.candidates(request))
         request.parsed = None
 
     def place(self, request: InferenceRequest, now: float) -> Decision:

@@ -19,7 +19,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class PromptTokenizer(Protocol):
-    async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
-        """The prompt's token ids, or None (then the approximate index routes the request)."""
+    async def token_ids(self, request: InferenceRequest,
+                        candidates: Callable[[], Sequence[Endpoint]]) -> list[int] | None:
+        """The prompt's token ids, or None (then the approximate index routes the request); `candidates` gives
+        the pods that serve its model, for a tokenizer that asks one (computed only then)."""
         ...
 
     async def close(self) -> None:
@@ -58,16 +60,20 @@ class PodTokenizer:
         self._session: aiohttp.ClientSession | None = None
         self.failures = 0
 
-    async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
+    async def token_ids(self, request: InferenceRequest,
+                        candidates: Callable[[], Sequence[Endpoint]]) -> list[int] | None:
         given = tokenize_input(request)
-        if given is None or not candidates:
+        if given is None:
             return None
         direct = given_token_ids(given.get("prompt"))
         if direct is not None:
             return direct
+        pods = candidates()
+        if not pods:
+            return None
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        pod = min(candidates, key=lambda e: e.in_flight)
+        pod = min(pods, key=lambda e: e.in_flight)
         body = json.dumps({"model": request.target_model or request.model, **given}).encode()
         try:
             async with self._session.post(f"{self.scheme}://{pod.address}/tokenize", data=body, timeout=self.timeout,
@@ -169,7 +175,8 @@ class LocalTokenizer:
             return None
         return self.segments.encode(text)
 
-    async def token_ids(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
+    async def token_ids(self, request: InferenceRequest,
+                        candidates: Callable[[], Sequence[Endpoint]]) -> list[int] | None:
         """Small prompts here; large ones on the tokenizer's own thread (the tokenizers library releases the
         GIL while it encodes, so other streams go on: a new 34 KB chat takes ~15 ms)."""
         given = tokenize_input(request)
