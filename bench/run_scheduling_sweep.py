@@ -112,6 +112,9 @@ VARIANTS["predicted-ttft"] = predicted_ttft()
 VARIANTS["predicted-ttft decode 0"] = predicted_ttft(decodeTokens=0)
 VARIANTS["predicted-ttft decode 32"] = predicted_ttft(decodeTokens=32)
 VARIANTS["predicted-ttft per-pod rate"] = predicted_ttft(perPodRate=True)
+# The first predicted-TTFT model: a cost per token alone (no fixed cost per prefill), 10,000 tokens/s, decode 8.
+VARIANTS["predicted-ttft per-token only"] = predicted_ttft(prefillFixedSeconds=0.0, prefillTokensPerSecond=10_000,
+                                                           decodeTokens=8)
 
 
 def hybrid() -> dict[str, Any]:

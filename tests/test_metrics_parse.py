@@ -27,6 +27,8 @@ def test_idle_sample() -> None:
     assert (m.waiting, m.running, m.kv_usage) == (0.0, 0.0, 0.0)
     assert (m.block_size, m.num_gpu_blocks) == (128, 8192)
     assert (m.prefix_queries, m.prefix_hits) == (71.0, 0.0)
+    # the predicted-TTFT scorer's cost fit: 4 prefills, 71 tokens, 24.8 ms in all
+    assert (m.prefill_count, m.prefill_tokens, round(m.prefill_seconds, 4)) == (4.0, 71.0, 0.0248)
     assert (m.max_lora, m.running_loras, m.waiting_loras) == (0, frozenset(), frozenset())
     assert m.updated_at == 12.5
 

@@ -28,7 +28,8 @@ from picker.supervisor import process_scope, start_envoy, start_picker, start_si
 from tests.test_scheduling_grpc import Scene, running_scene
 from tests.waiting import eventually_async
 
-RATE = 10_000.0  # prefill tokens per second (the prior)
+RATE = 10_000.0  # prefill tokens per second (the prior's slope)
+FIXED = 0.005  # seconds any prefill costs (the prior's intercept)
 
 
 def pod(i: int, waiting: float = 0.0, running: float = 0.0) -> Endpoint:
@@ -50,63 +51,111 @@ def ctx(prompt_tokens: int, matched_blocks: list[int], now: float = 0.0, block_t
     return c
 
 
+def cost(tokens: float) -> float:
+    return FIXED + tokens / RATE
+
+
+def send(s: PredictedTTFTScorer, request: SchedulingContext, endpoint: Endpoint) -> None:
+    """The director's part of a pick: the request counts in flight on the pod, then the scorer hears of it."""
+    endpoint.start_request(0, request.now)
+    s.on_picked(request, endpoint, request.now)
+
+
 def scorer(decode_tokens: float = 0.0, queued_request_tokens: float = 1024.0, rate_smoothing: float = 0.2,
-           min_rate_sample_tokens: float = 256.0) -> PredictedTTFTScorer:
-    return PredictedTTFTScorer(prefill_tokens_per_second=RATE, decode_tokens=decode_tokens,
-                               queued_request_tokens=queued_request_tokens, rate_smoothing=rate_smoothing,
-                               min_rate_sample_tokens=min_rate_sample_tokens)
+           min_rate_sample_tokens: float = 256.0, fixed: float = FIXED) -> PredictedTTFTScorer:
+    return PredictedTTFTScorer(prefill_tokens_per_second=RATE, prefill_fixed_seconds=fixed,
+                               decode_tokens=decode_tokens, queued_request_tokens=queued_request_tokens,
+                               rate_smoothing=rate_smoothing, min_rate_sample_tokens=min_rate_sample_tokens)
 
 
-def test_prediction_is_wait_plus_uncached_plus_decode_over_the_rate() -> None:
+def test_prediction_is_wait_plus_an_affine_prefill_plus_decode() -> None:
     s = scorer(decode_tokens=8.0)
     holder, idle = pod(1, running=2), pod(2)
     predicted = s.predict(ctx(2048, [96, 0]), [holder, idle])  # holder has 96 x 16 = 1536 of 2048 tokens
-    assert predicted[0].uncached_tokens == pytest.approx(512) and predicted[0].decode_tokens == pytest.approx(16)
-    assert predicted[0].seconds == pytest.approx((512 + 16) / RATE)
-    assert predicted[1].seconds == pytest.approx(2048 / RATE)
+    assert predicted[0].uncached_tokens == pytest.approx(512) and predicted[0].decode_s == pytest.approx(16 / RATE)
+    assert predicted[0].prefill_s == pytest.approx(cost(512))
+    assert predicted[0].seconds == pytest.approx(cost(512) + 16 / RATE)
+    assert predicted[1].seconds == pytest.approx(cost(2048))
     scores = s.score(ctx(2048, [96, 0]), [holder, idle])
-    assert scores[0] == 1.0 and scores[1] == pytest.approx(528 / 2048)  # min / predicted, in [0, 1]
+    assert scores[0] == 1.0 and scores[1] == pytest.approx((cost(512) + 16 / RATE) / cost(2048))  # in [0, 1]
+    assert predicted[0].explain()["predicted_ms"] == pytest.approx(predicted[0].seconds * 1e3)
 
 
 def test_a_cached_prefix_behind_a_queue_loses_to_a_cold_idle_pod_when_the_wait_costs_more() -> None:
     """Spilling is decided by cost: the holder's backlog against the idle pod's uncached prefill."""
-    s = scorer()
+    s = scorer(fixed=0.0)
     holder, idle = pod(1), pod(2)
     addresses = [holder.address, idle.address]
     request = ctx(2048, [120, 0], addresses=addresses)  # 1920 of 2048 tokens cached on the holder
     assert s.score(request, [holder, idle])[0] == 1.0
-    s.on_picked(ctx(1000, [0, 0], addresses=addresses), holder, 0.0)  # 1,000 tokens of work queued on it
+    send(s, ctx(1000, [0, 0], addresses=addresses), holder)  # 1,000 tokens of work queued on it
     assert s.score(ctx(2048, [120, 0], addresses=addresses), [holder, idle])[0] == 1.0  # 1128 < 2048: wait
-    s.on_picked(ctx(1500, [0, 0], addresses=addresses), holder, 0.0)  # 2,500 queued: more than a cold prefill
+    send(s, ctx(1500, [0, 0], addresses=addresses), holder)  # 2,500 queued: more than a cold prefill
     late = s.score(ctx(2048, [120, 0], addresses=addresses), [holder, idle])
     assert late[1] == 1.0 and late[0] < 1.0
     drained = s.score(ctx(2048, [120, 0], now=0.2, addresses=addresses), [holder, idle])  # 2,000 tokens done
     assert drained[0] == 1.0
+    holder.finish_request(0)
+    holder.finish_request(0)  # both answered: their prefills are done, however fast the pod was
+    assert s.predict(ctx(2048, [120, 0], now=0.01, addresses=addresses), [holder, idle])[0].wait_s == 0.0
+
+
+def test_two_short_prompts_a_moment_apart_go_to_different_pods() -> None:
+    """The fixed part of a prefill: a pod just handed a short prompt is busy for an engine step, which a cost per
+    token alone would price at almost nothing (and pile short prompts onto one pod)."""
+    s = scorer()
+    a, b = pod(1), pod(2)
+    addresses = [a.address, b.address]
+    send(s, ctx(50, [0, 0], addresses=addresses), a)
+    predicted = s.predict(ctx(50, [0, 0], now=0.001), [a, b])
+    assert predicted[0].wait_s == pytest.approx(cost(50) - 0.001) and predicted[1].wait_s == 0.0
+    assert s.score(ctx(50, [0, 0], now=0.001), [a, b]) == [pytest.approx(cost(50) / (2 * cost(50) - 0.001)), 1.0]
 
 
 def test_a_reported_queue_longer_than_what_we_routed_counts() -> None:
-    """Traffic from elsewhere: the pod's waiting requests, each worth the mean uncached prompt we route."""
+    """Traffic from elsewhere: the pod's waiting requests, each worth a prefill of the mean uncached prompt."""
     s = scorer(queued_request_tokens=500.0)
     busy, idle = pod(1, waiting=4), pod(2)
     predicted = s.predict(ctx(100, [0, 0]), [busy, idle])
-    assert predicted[0].wait_tokens == pytest.approx(2000) and predicted[1].wait_tokens == 0.0
+    assert predicted[0].wait_s == pytest.approx(4 * cost(500)) and predicted[1].wait_s == 0.0
 
 
-def test_the_rate_is_learned_from_the_pods_prefill_counters() -> None:
+def window(e: Endpoint, at: float, count: float, tokens: float, seconds: float) -> None:
+    e.metrics = EndpointMetrics(updated_at=at, prefill_count=count, prefill_tokens=tokens, prefill_seconds=seconds)
+
+
+def test_the_cost_is_fitted_to_the_pods_prefill_counters() -> None:
+    s = scorer(rate_smoothing=0.1, min_rate_sample_tokens=100.0)
+    a, b = pod(1), pod(2)
+    s.predict(ctx(100, [0, 0]), [a, b])  # first read: the baselines
+    # The pods' truth: 20 ms per prefill + 50 us per token. Windows of short and long prompts, from both pods.
+    count = tokens = seconds = 0.0
+    for i in range(1, 200):
+        n, x = 4.0, (100.0 if i % 2 else 2000.0)
+        count, tokens, seconds = count + n, tokens + n * x, seconds + n * (0.020 + 50e-6 * x)
+        window(a if i % 3 else b, float(i), count, tokens, seconds)
+        s.predict(ctx(100, [0, 0]), [a, b])
+    fit = s.pool_cost
+    assert fit.fixed == pytest.approx(0.020, rel=0.05) and fit.per_token == pytest.approx(50e-6, rel=0.05)
+
+
+def test_alike_windows_leave_the_slope_near_its_prior_and_small_ones_wait() -> None:
     s = scorer(rate_smoothing=0.5, min_rate_sample_tokens=100.0)
     e = pod(1)
-    s.predict(ctx(100, [0]), [e])  # first read: the baseline
-    e.metrics = EndpointMetrics(updated_at=1.0, prefill_tokens=20_000.0, prefill_seconds=1.0)
     s.predict(ctx(100, [0]), [e])
-    assert s.pool_rate == pytest.approx(15_000.0)  # halfway from 10k to the 20k/s sample
-    e.metrics = EndpointMetrics(updated_at=2.0, prefill_tokens=20_050.0, prefill_seconds=1.01)
+    window(e, 1.0, 10, 10 * 60, 10 * 0.012)  # ten 60-token prefills of 12 ms: the same x every time
     s.predict(ctx(100, [0]), [e])
-    assert s.pool_rate == pytest.approx(15_000.0)  # 50 tokens: too small a sample, kept for later
-    e.metrics = EndpointMetrics(updated_at=3.0, prefill_tokens=30.0, prefill_seconds=0.01)  # the pod restarted
+    window(e, 2.0, 20, 20 * 60, 20 * 0.012)
     s.predict(ctx(100, [0]), [e])
-    e.metrics = EndpointMetrics(updated_at=4.0, prefill_tokens=5_030.0, prefill_seconds=1.01)
+    fit = s.pool_cost
+    assert fit.seconds(60) == pytest.approx(0.012, rel=0.05)  # the data's point is met
+    assert fit.per_token == pytest.approx(1 / RATE, rel=0.3)  # the slope stays near the prior's
+    window(e, 3.0, 21, 20 * 60 + 50, 20 * 0.012 + 0.5)  # 50 tokens: too small a sample, kept for later
     s.predict(ctx(100, [0]), [e])
-    assert s.pool_rate == pytest.approx(10_000.0)  # 5,000 tokens in 1 s after the restart: halfway to 5k
+    assert s.pool_cost.seconds(60) == pytest.approx(0.012, rel=0.05)
+    window(e, 4.0, 1, 30, 0.01)  # the pod restarted: counters went back, a new baseline
+    s.predict(ctx(100, [0]), [e])
+    assert s.pool_cost.seconds(60) == pytest.approx(0.012, rel=0.05)
 
 
 def test_peer_picks_queue_work_and_removal_forgets_the_pod() -> None:
@@ -115,9 +164,11 @@ def test_peer_picks_queue_work_and_removal_forgets_the_pod() -> None:
     s = scorer()
     a, b = pod(1), pod(2)
     s.on_peer_picked(PeerPick(a.address, 4000 * 4), 0.0)
-    assert s.predict(ctx(100, [0, 0]), [a, b])[0].wait_tokens == pytest.approx(4000)
+    assert s.predict(ctx(100, [0, 0]), [a, b])[0].wait_s == pytest.approx(cost(4000))
     s.on_endpoint_removed(a)
-    assert s.predict(ctx(100, [0, 0]), [a, b])[0].wait_tokens == 0.0
+    assert s.predict(ctx(100, [0, 0]), [a, b])[0].wait_s == 0.0
+    s.on_peer_picked(PeerPick(b.address, 100 * 4), 0.0)  # a peer's request: not in our in-flight count, still waited on
+    assert s.predict(ctx(100, [0, 0], now=0.001), [a, b])[1].wait_s == pytest.approx(cost(100) - 0.001)
 
 
 def test_the_documented_config_builds_and_routes_to_the_least_predicted() -> None:
@@ -129,7 +180,8 @@ def test_the_documented_config_builds_and_routes_to_the_least_predicted() -> Non
     scores = {c.endpoint.address: c.scores["predicted-ttft-scorer"] for c in result.candidates}
     assert scores[b.address] == 1.0 and 0.0 <= scores[a.address] < 1.0
     details = {c.endpoint.address: c.details for c in result.candidates}
-    assert details[a.address]["predicted-ttft-scorer.wait_tokens"] == pytest.approx(3 * 1024)  # 3 queued x prior
+    # 3 queued, each a prefill of the prior's 1,024 tokens at the priors' cost (7.5 ms + 1,024 / 25,000 s)
+    assert details[a.address]["predicted-ttft-scorer.wait_ms"] == pytest.approx(3 * (7.5 + 1024 / 25))
     assert details[b.address]["predicted-ttft-scorer.predicted_ms"] < details[a.address][
         "predicted-ttft-scorer.predicted_ms"]
     with pytest.raises(ConfigError, match=r"parameters\.decodeTokenz: unknown key"):
@@ -174,7 +226,7 @@ async def test_through_envoy_a_prefix_stays_until_its_pods_queue_costs_more_than
     parts = {c.address: c.details for c in explained.candidates}
     assert explained.ranked[0] == holder
     assert all(f"predicted-ttft-scorer.{k}" in parts[a] for a in parts
-               for k in ("predicted_ms", "wait_tokens", "uncached_tokens", "decode_tokens"))
+               for k in ("predicted_ms", "wait_ms", "uncached_tokens", "prefill_ms", "decode_ms"))
     assert parts[holder]["predicted-ttft-scorer.uncached_tokens"] < min(
         d["predicted-ttft-scorer.uncached_tokens"] for a, d in parts.items() if a != holder)
     await scene.set(**{f"p{index}": {"waiting": 1}})  # one request queued: still cheaper than a cold prefill
@@ -203,11 +255,12 @@ class Recorder:
 
 def test_predictions_are_compared_with_the_ttft_the_pod_measured() -> None:
     recorder = Recorder()
-    s = PredictedTTFTScorer(prefill_tokens_per_second=RATE, decode_tokens=0.0, observer=recorder)
+    s = PredictedTTFTScorer(prefill_tokens_per_second=RATE, prefill_fixed_seconds=0.0, decode_tokens=0.0,
+                            observer=recorder)
     e = pod(1)
     s.predict(ctx(100, [0]), [e])  # the pod's first scrape: the baseline of its TTFT counters
-    s.on_picked(ctx(1000, [0], addresses=[e.address]), e, 0.0)  # predicted 0.1 s (1,000 cold tokens, idle pod)
-    s.on_picked(ctx(1000, [0], addresses=[e.address]), e, 0.0)  # 0.2 s: behind the first one
+    send(s, ctx(1000, [0], addresses=[e.address]), e)  # predicted 0.1 s (1,000 cold tokens, idle pod)
+    send(s, ctx(1000, [0], addresses=[e.address]), e)  # 0.2 s: behind the first one
     e.metrics = EndpointMetrics(updated_at=1.0, ttft_seconds=0.5, ttft_count=2)  # the pod measured 0.25 s each
     s.predict(ctx(100, [0]), [e])
     assert recorder.seen == [(e.address, pytest.approx(0.15), pytest.approx(0.25))]
@@ -259,8 +312,8 @@ def test_a_ttft_objective_makes_every_pod_that_meets_it_equal_and_says_when_none
     s = scorer()
     holder, idle = pod(1), pod(2)
     addresses = [holder.address, idle.address]
-    s.on_picked(ctx(3000, [0, 0], addresses=addresses), holder, 0.0)  # 0.3 s of work queued on the holder
-    request = ctx(2048, [120, 0], addresses=addresses)  # holder: 0.3 + 0.0128 s, idle: 0.2048 s
+    send(s, ctx(3000, [0, 0], addresses=addresses), holder)  # 0.305 s of work queued on the holder
+    request = ctx(2048, [120, 0], addresses=addresses)  # holder: 0.305 + 0.0178 s, idle: 0.2098 s
     request.request.slo_ttft_s = 0.5
     assert s.score(request, [holder, idle]) == [1.0, 1.0] and request.slo_attainable is True
     request = ctx(2048, [120, 0], addresses=addresses)

@@ -73,7 +73,7 @@ async def _replicas(n: int, pods: list[FakePod], url: str, cadence: Cadence) -> 
 
 def test_record_round_trip() -> None:
     m = EndpointMetrics(waiting=2, running=3, kv_usage=0.5, block_size=64, num_gpu_blocks=160, prefix_queries=1000,
-                        prefix_hits=500, prefill_tokens=7000, prefill_seconds=0.7, max_lora=2,
+                        prefix_hits=500, prefill_tokens=7000, prefill_seconds=0.7, prefill_count=9, max_lora=2,
                         running_loras=frozenset({"a"}), waiting_loras=frozenset())
     back = _decode(_encode(SharedSample("r1", 12.5, 0.1, m)))
     assert back.metrics == m and (back.replica, back.at, back.interval) == ("r1", 12.5, 0.1)

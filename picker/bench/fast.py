@@ -214,6 +214,7 @@ class _FastRun:
         # vllm:request_prefill_kv_computed_tokens_sum and _prefill_time_seconds_sum per pod (at request finish)
         self.prefill_tokens = [0.0] * cfg.pods
         self.prefill_seconds = [0.0] * cfg.pods
+        self.prefill_count = [0] * cfg.pods
         self.ttft_seconds = [0.0] * cfg.pods  # vllm:time_to_first_token_seconds sum and count, engine time
         self.ttft_count = [0] * cfg.pods
         self.history: dict[int, tuple[Message, ...]] = {}  # full messages (+ answer) of requests with follow-ups
@@ -412,6 +413,7 @@ class _FastRun:
             if fin.first_scheduled_time is not None and fin.first_token_time is not None:
                 self.prefill_tokens[k] += fin.prompt_tokens - fin.num_cached_tokens
                 self.prefill_seconds[k] += fin.first_token_time - fin.first_scheduled_time
+                self.prefill_count[k] += 1
             if fin.ttft is not None:
                 self.ttft_seconds[k] += fin.ttft
                 self.ttft_count[k] += 1
@@ -447,6 +449,7 @@ class _FastRun:
             m.kv_usage = kv_usage
             m.prefill_tokens = self.prefill_tokens[k]
             m.prefill_seconds = self.prefill_seconds[k]
+            m.prefill_count = self.prefill_count[k]
             m.ttft_seconds = self.ttft_seconds[k]
             m.ttft_count = self.ttft_count[k]
             m.updated_at = now

@@ -26,6 +26,7 @@ _SUMMED = {
     "prefix_cache_hits_total": "prefix_hits",
     "request_prefill_kv_computed_tokens_sum": "prefill_tokens",
     "request_prefill_time_seconds_sum": "prefill_seconds",
+    "request_prefill_time_seconds_count": "prefill_count",
     "time_to_first_token_seconds_sum": "ttft_seconds",
     "time_to_first_token_seconds_count": "ttft_count",
 }
@@ -124,6 +125,7 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
     m.prefix_hits = sums["prefix_hits"]
     m.prefill_tokens = sums["prefill_tokens"]
     m.prefill_seconds = sums["prefill_seconds"]
+    m.prefill_count = sums["prefill_count"]
     m.ttft_seconds = sums["ttft_seconds"]
     m.ttft_count = sums["ttft_count"]
     if kv_count:

@@ -63,7 +63,7 @@ def _encode(sample: SharedSample) -> bytes:
     fields = None if m is None else [
         m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks, m.prefix_queries, m.prefix_hits,
         m.max_lora, sorted(m.running_loras), sorted(m.waiting_loras), m.prefill_tokens, m.prefill_seconds,
-        m.ttft_seconds, m.ttft_count, sorted(m.models)]  # fmt: skip
+        m.ttft_seconds, m.ttft_count, sorted(m.models), m.prefill_count]  # fmt: skip
     return msgpack.packb([sample.replica, sample.at, sample.interval, fields])
 
 
@@ -75,10 +75,12 @@ def _decode(data: bytes) -> SharedSample:
         # a replica of an earlier release writes 10 fields (no prefill or TTFT counters): read as zeros
         prefill_tokens, prefill_seconds, ttft_seconds, ttft_count = (*fields[10:14], 0.0, 0.0, 0.0, 0.0)[:4]
         models = fields[14] if len(fields) > 14 else ()  # and 14 before the served models were shared
+        prefill_count = fields[15] if len(fields) > 15 else 0.0  # and 15 before the prefill count was
         metrics = EndpointMetrics(
             waiting=float(waiting), running=float(running), kv_usage=float(kv), block_size=block,
             num_gpu_blocks=blocks, prefix_queries=float(queries), prefix_hits=float(hits),
             prefill_tokens=float(prefill_tokens), prefill_seconds=float(prefill_seconds),
+            prefill_count=float(prefill_count),
             ttft_seconds=float(ttft_seconds), ttft_count=float(ttft_count), max_lora=int(max_lora),
             running_loras=frozenset(running_loras), waiting_loras=frozenset(waiting_loras),
             models=frozenset(models))

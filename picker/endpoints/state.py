@@ -37,6 +37,7 @@ class EndpointMetrics:
     prefix_hits: float = 0.0  # vllm:prefix_cache_hits_total (tokens)
     prefill_tokens: float = 0.0  # vllm:request_prefill_kv_computed_tokens_sum (tokens prefilled, finished requests)
     prefill_seconds: float = 0.0  # vllm:request_prefill_time_seconds_sum (their time in the prefill phase)
+    prefill_count: float = 0.0  # vllm:request_prefill_time_seconds_count (how many requests those are)
     ttft_seconds: float = 0.0  # vllm:time_to_first_token_seconds_sum (the pod's own view of TTFT)
     ttft_count: float = 0.0  # vllm:time_to_first_token_seconds_count
     max_lora: int = 0

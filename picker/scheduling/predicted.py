@@ -1,20 +1,24 @@
 """Predicted time to first token: route to the pod expected to start streaming this request soonest.
 
-For each candidate pod the scorer predicts
+For each candidate pod the scorer predicts, in seconds,
 
-    TTFT = (wait + uncached + decode) / rate
+    TTFT = wait + prefill(uncached) + decode,    prefill(n) = fixed + per_token x n
 
-in tokens of prefill work and the pod's prefill rate (tokens per second):
 - `uncached`: this request's prompt tokens minus the prefix the index says the pod holds;
-- `wait`: prefill work ahead of it on that pod: what we routed there and it has not yet computed (each pick adds
-  its uncached tokens, the pod works them off at `rate`), or, when the pod reports a longer queue than that
-  (traffic from elsewhere), its waiting requests times the mean uncached prompt we route;
+- `wait`: prefill work ahead of it on that pod: each pick we route there keeps it busy for prefill(its uncached
+  tokens) after the work before it, or, when the pod reports a longer queue (traffic from elsewhere), its
+  waiting requests each worth prefill(the mean uncached prompt we route);
 - `decode`: every step that computes a prefill chunk also runs the pod's running requests' decodes, so each one
-  costs the prefill `decodeTokens` tokens' worth of time.
-`rate` is learned per pod from what vLLM itself reports (the deltas of `vllm:request_prefill_kv_computed_tokens`
-over `vllm:request_prefill_time_seconds` between scrapes, smoothed), starting from `prefillTokensPerSecond`. The
-ranking is mostly free of the prior (wait and uncached are in the same unit); the rate sets how fast routed work
-drains and the figures Explain shows in milliseconds.
+  costs `decodeTokens` prefill tokens' worth of time.
+The affine cost matters for short prompts: a prefill of 50 tokens takes an engine step however few its tokens,
+so two short prompts sent to one pod a moment apart queue behind each other's step, which a cost per token alone
+prices at almost nothing (round-robin beat such a model on short chat prompts). `fixed` and `per_token` are fitted
+to what vLLM reports between scrapes (`vllm:request_prefill_time_seconds` sum and count against
+`vllm:request_prefill_kv_computed_tokens`; `PrefillCost`), one fit for the pool (its pods are alike; per pod with
+`perPodRate`), starting from the priors `prefillFixedSeconds` and `prefillTokensPerSecond`. When every request
+is alike the slope cannot be told from the data and stays near its prior, which then sets how much a cached
+prefix is worth against a wait: the defaults (7.5 ms, 25,000 tokens/s, an 8B model on one GPU) were chosen on
+the fast-mode sweep (bench/README.md, "Predicted TTFT").
 
 The score is min(predicted) / predicted, in (0, 1]: the pod predicted fastest scores 1, one predicted twice as slow
 0.5, so a profile that weighs this scorer alone picks the minimum, and small weights on the prefix and load scorers
@@ -37,24 +41,68 @@ from picker.scheduling.plugins import PeerPick, Plugin, PluginDeps, PluginFactor
 from picker.schema import Section
 
 
+class PrefillCost:
+    """Seconds a pod spends prefilling one request: `fixed` + `per_token` x its uncached tokens.
+
+    The fixed part is what a prefill costs however short it is (the engine step that carries it: weights read once,
+    the running requests' decodes in the same step); the per-token part is the matmuls. Fitted by weighted least
+    squares on what the pods report between two scrapes (requests prefilled, their uncached tokens, their prefill
+    seconds: one point per window at the window's mean), old windows fading by `forget`, and two pseudo-points of
+    the prior (a short and a `prior_tokens` prefill) that never fade, so windows that all look alike do not
+    leave the slope undetermined."""
+
+    __slots__ = ("forget", "fixed", "per_token", "_w", "_wx", "_wxx", "_wy", "_wxy", "_prior")
+
+    def __init__(self, fixed: float, per_token: float, *, forget: float, prior_weight: float = 1.0,
+                 prior_tokens: float = 1024.0) -> None:
+        self.forget = forget
+        self.fixed = fixed
+        self.per_token = per_token
+        # (sum w, sum w x, sum w x^2, sum w y, sum w x y) of the prior's two points, added to every fit
+        pts = ((0.0, fixed), (prior_tokens, fixed + per_token * prior_tokens))
+        self._prior = (2 * prior_weight, prior_weight * sum(x for x, _ in pts), prior_weight * sum(x * x for x, _ in pts),
+                       prior_weight * sum(y for _, y in pts), prior_weight * sum(x * y for x, y in pts))
+        self._w = self._wx = self._wxx = self._wy = self._wxy = 0.0
+
+    def seconds(self, tokens: float) -> float:
+        return self.fixed + self.per_token * tokens
+
+    def learn(self, requests: float, tokens: float, seconds: float) -> None:
+        """One window: `requests` prefills of `tokens` uncached tokens in all took `seconds`."""
+        x, y, w = tokens / requests, seconds / requests, requests
+        keep = 1.0 - self.forget
+        self._w = keep * self._w + w
+        self._wx = keep * self._wx + w * x
+        self._wxx = keep * self._wxx + w * x * x
+        self._wy = keep * self._wy + w * y
+        self._wxy = keep * self._wxy + w * x * y
+        pw, pwx, pwxx, pwy, pwxy = self._prior
+        sw, swx, swxx, swy, swxy = self._w + pw, self._wx + pwx, self._wxx + pwxx, self._wy + pwy, self._wxy + pwxy
+        det = sw * swxx - swx * swx
+        slope = (sw * swxy - swx * swy) / det if det > 0.0 else 0.0
+        if slope <= 0.0:  # no visible per-token cost: all of it fixed, at least a sliver per token
+            slope = 1e-9
+        fixed = (swy - slope * swx) / sw
+        if fixed < 0.0:  # a line through the origin instead
+            fixed, slope = 0.0, max(swxy / swxx, 1e-9)
+        self.fixed, self.per_token = fixed, slope
+
+
 @dataclass(slots=True)
 class _Pod:
     """What the scorer knows of one pod's prefill pipeline."""
 
-    rate: float  # prefill tokens per second (learned)
-    backlog: float = 0.0  # tokens of prefill routed here and not yet computed, as of `at`
-    at: float = 0.0
+    cost: PrefillCost  # its own (perPodRate), else the pool's shared one
+    busy_until: float = 0.0  # when the prefills we routed here should be done (our clock)
+    peer_until: float = 0.0  # the same for other replicas' picks, which our in-flight counts do not hold
     seen_tokens: float = -1.0  # vllm:request_prefill_kv_computed_tokens_sum at the last scrape read
-    seen_seconds: float = 0.0  # vllm:request_prefill_time_seconds_sum at the last scrape read
+    seen_seconds: float = 0.0  # vllm:request_prefill_time_seconds sum and count at the last scrape read
+    seen_count: float = 0.0
     seen_at: float = -1.0  # the scrape's updated_at
     seen_ttft_seconds: float = -1.0  # vllm:time_to_first_token_seconds sum and count at the last scrape read
     seen_ttft_count: float = 0.0
     predicted_sum: float = 0.0  # predictions of the requests picked for this pod since that scrape
     predicted_n: int = 0
-
-    def backlog_at(self, now: float, rate: float) -> float:
-        left = self.backlog - rate * (now - self.at)
-        return left if left > 0.0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,15 +110,15 @@ class Prediction:
     """One candidate's predicted TTFT and its parts, for Explain and traces."""
 
     seconds: float
-    wait_tokens: float
+    wait_s: float
     uncached_tokens: float
-    decode_tokens: float
-    rate: float
+    prefill_s: float
+    decode_s: float
 
     def explain(self) -> dict[str, float]:
-        return {"predicted_ms": self.seconds * 1e3, "wait_tokens": self.wait_tokens,
-                "uncached_tokens": self.uncached_tokens, "decode_tokens": self.decode_tokens,
-                "prefill_tokens_per_s": self.rate}
+        return {"predicted_ms": self.seconds * 1e3, "wait_ms": self.wait_s * 1e3,
+                "uncached_tokens": self.uncached_tokens, "prefill_ms": self.prefill_s * 1e3,
+                "decode_ms": self.decode_s * 1e3}
 
 
 class PredictedTTFTScorer(Plugin):
@@ -79,35 +127,43 @@ class PredictedTTFTScorer(Plugin):
     type_name = "predicted-ttft-scorer"
     needs_prefix = True
 
-    def __init__(self, name: str | None = None, *, prefill_tokens_per_second: float = 10_000.0,
-                 decode_tokens: float = 8.0, queued_request_tokens: float = 1024.0, rate_smoothing: float = 0.2,
-                 min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False, chars_per_token: int = CHARS_PER_TOKEN,
-                 observer: PredictionObserver | None = None) -> None:
+    def __init__(self, name: str | None = None, *, prefill_tokens_per_second: float = 25_000.0,
+                 prefill_fixed_seconds: float = 0.0075, decode_tokens: float = 4.0, queued_request_tokens: float = 1024.0,
+                 rate_smoothing: float = 0.2, min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False,
+                 chars_per_token: int = CHARS_PER_TOKEN, observer: PredictionObserver | None = None) -> None:
         super().__init__(name)
         if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0 or chars_per_token <= 0:
             raise ValueError("prefillTokensPerSecond and queuedRequestTokens must be positive")
-        if decode_tokens < 0 or not 0 < rate_smoothing <= 1 or min_rate_sample_tokens < 0:
-            raise ValueError("decodeTokens >= 0, rateSmoothing within (0, 1], minRateSampleTokens >= 0")
-        self.prior_rate = prefill_tokens_per_second
+        if decode_tokens < 0 or not 0 < rate_smoothing <= 1 or min_rate_sample_tokens < 0 or prefill_fixed_seconds < 0:
+            raise ValueError("decodeTokens >= 0, rateSmoothing within (0, 1], minRateSampleTokens >= 0, "
+                             "prefillFixedSeconds >= 0")
+        self.prior = (prefill_fixed_seconds, 1.0 / prefill_tokens_per_second)
         self.decode_tokens = decode_tokens
         self.rate_smoothing = rate_smoothing
         self.min_rate_sample_tokens = min_rate_sample_tokens
         self.chars_per_token = chars_per_token
         self.mean_uncached = queued_request_tokens  # tokens a queued request will need (learned from our picks)
-        # Pods of one pool run the same model on the same hardware: by default they share one learned rate, so
+        # Pods of one pool run the same model on the same hardware: by default they share one learned cost, so
         # one pod's noisy samples do not make it look faster than its twins (and draw their traffic).
         self.per_pod_rate = per_pod_rate
-        self.pool_rate = prefill_tokens_per_second
+        self.pool_cost = self._new_cost()
         self.observer = observer
         self._pods: dict[str, _Pod] = {}
 
-    def _pod(self, endpoint: Endpoint) -> _Pod:
-        pod = self._pods.get(endpoint.address)
+    def _new_cost(self) -> PrefillCost:
+        return PrefillCost(*self.prior, forget=self.rate_smoothing)
+
+    def _pod_state(self, address: str) -> _Pod:
+        pod = self._pods.get(address)
         if pod is None:
-            pod = self._pods[endpoint.address] = _Pod(self.prior_rate)
+            pod = self._pods[address] = _Pod(self._new_cost() if self.per_pod_rate else self.pool_cost)
+        return pod
+
+    def _pod(self, endpoint: Endpoint) -> _Pod:
+        pod = self._pod_state(endpoint.address)
         m = endpoint.metrics
         if m.updated_at != pod.seen_at:
-            self._learn_rate(pod, m.prefill_tokens, m.prefill_seconds)
+            self._learn(pod, m.prefill_count, m.prefill_tokens, m.prefill_seconds)
             self._compare(endpoint, pod, m.ttft_seconds, m.ttft_count)
             pod.seen_at = m.updated_at
         return pod
@@ -123,19 +179,17 @@ class PredictedTTFTScorer(Plugin):
             pod.seen_ttft_seconds, pod.seen_ttft_count = ttft_seconds, ttft_count
             pod.predicted_sum, pod.predicted_n = 0.0, 0
 
-    def _learn_rate(self, pod: _Pod, tokens: float, seconds: float) -> None:
-        """Fold the prefill work finished since the last sample into the pod's rate. Increments smaller than
-        `min_rate_sample_tokens` accumulate into a later sample; a counter that went back (the pod restarted)
-        starts over."""
-        if pod.seen_tokens < 0 or tokens < pod.seen_tokens or seconds < pod.seen_seconds:
-            pod.seen_tokens, pod.seen_seconds = tokens, seconds
+    def _learn(self, pod: _Pod, count: float, tokens: float, seconds: float) -> None:
+        """Fold the prefills finished since the last sample into the cost model. Windows with fewer than
+        `min_rate_sample_tokens` accumulate into a later one; counters that went back (the pod restarted) start
+        over."""
+        if pod.seen_tokens < 0 or tokens < pod.seen_tokens or seconds < pod.seen_seconds or count < pod.seen_count:
+            pod.seen_tokens, pod.seen_seconds, pod.seen_count = tokens, seconds, count
             return
-        d_tokens, d_seconds = tokens - pod.seen_tokens, seconds - pod.seen_seconds
-        if d_tokens >= self.min_rate_sample_tokens and d_seconds > 0:
-            sample = d_tokens / d_seconds
-            pod.rate += self.rate_smoothing * (sample - pod.rate)
-            self.pool_rate += self.rate_smoothing * (sample - self.pool_rate)
-            pod.seen_tokens, pod.seen_seconds = tokens, seconds
+        d_count, d_tokens, d_seconds = count - pod.seen_count, tokens - pod.seen_tokens, seconds - pod.seen_seconds
+        if d_tokens >= self.min_rate_sample_tokens and d_seconds > 0 and d_count > 0:
+            pod.cost.learn(d_count, d_tokens, d_seconds)
+            pod.seen_tokens, pod.seen_seconds, pod.seen_count = tokens, seconds, count
 
     def _prompt_tokens(self, ctx: SchedulingContext) -> float:
         return len(ctx.request.prompt_text) / self.chars_per_token
@@ -151,14 +205,19 @@ class PredictedTTFTScorer(Plugin):
     def _predict_one(self, e: Endpoint, pod: _Pod, uncached: float, now: float) -> Prediction:
         if uncached < 0.0:
             uncached = 0.0
-        queued = e.metrics.waiting * self.mean_uncached
-        rate = pod.rate if self.per_pod_rate else self.pool_rate
-        wait = pod.backlog_at(now, rate)
+        cost = pod.cost
+        if e.in_flight == 0 and pod.busy_until > now:  # everything we sent it has been answered: prefilled too
+            pod.busy_until = now
+        wait = (pod.busy_until if pod.busy_until > pod.peer_until else pod.peer_until) - now
+        if wait < 0.0:
+            wait = 0.0
+        queued = e.metrics.waiting * cost.seconds(self.mean_uncached)
         if queued > wait:
             wait = queued
         running = e.metrics.running if e.metrics.running > e.in_flight else e.in_flight
-        decode = running * self.decode_tokens
-        return Prediction((wait + uncached + decode) / rate, wait, uncached, decode, rate)
+        decode = running * self.decode_tokens * cost.per_token
+        prefill = cost.seconds(uncached)
+        return Prediction(wait + prefill + decode, wait, uncached, prefill, decode)
 
     def _uncached(self, ctx: SchedulingContext, endpoint: Endpoint) -> float:
         """This request's prompt tokens the index does not place on `endpoint`."""
@@ -187,31 +246,28 @@ class PredictedTTFTScorer(Plugin):
         if self.observer is not None:  # what we expected of this pick, before it joins the pod's queue
             pod.predicted_sum += self._predict_one(endpoint, pod, uncached, now).seconds
             pod.predicted_n += 1
-        self._add(pod, uncached, now)
+        pod.busy_until = self._queue_behind(pod, uncached, now)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
-        """A peer's pick carries no match length: count its whole prompt (an overestimate the drain corrects)."""
-        pod = self._pods.get(pick.address)
-        if pod is None:
-            pod = self._pods[pick.address] = _Pod(self.prior_rate)
-        self._add(pod, pick.prompt_chars / self.chars_per_token, now)
+        """A peer's pick carries no match length: count its whole prompt (an overestimate, as long as it lasts)."""
+        pod = self._pod_state(pick.address)
+        pod.peer_until = self._queue_behind(pod, pick.prompt_chars / self.chars_per_token, now)
 
-    def _add(self, pod: _Pod, tokens: float, now: float) -> None:
-        if now < pod.at:  # a peer's pick may be a moment older than our last
-            now = pod.at
-        pod.backlog = pod.backlog_at(now, pod.rate if self.per_pod_rate else self.pool_rate) + tokens
-        pod.at = now
+    def _queue_behind(self, pod: _Pod, tokens: float, now: float) -> float:
+        """When a prefill of `tokens` sent now should be done: after the work already routed there."""
         self.mean_uncached += 0.05 * (tokens - self.mean_uncached)
+        return max(now, pod.busy_until, pod.peer_until) + pod.cost.seconds(tokens)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self._pods.pop(endpoint.address, None)
 
 
 class PredictedTTFTParams(Section):
-    prefill_tokens_per_second: float = Field(10_000.0, gt=0)  # the prior, until the pod's own figures arrive
-    decode_tokens: float = Field(8.0, ge=0)  # prefill tokens' worth of time one running request adds
+    prefill_tokens_per_second: float = Field(25_000.0, gt=0)  # priors of the cost model, until the pods report
+    prefill_fixed_seconds: float = Field(0.0075, ge=0)  # what any prefill costs however short (an engine step)
+    decode_tokens: float = Field(4.0, ge=0)  # prefill tokens' worth of time one running request adds
     queued_request_tokens: float = Field(1024.0, gt=0)  # prior for a queued request's uncached prompt
-    rate_smoothing: float = Field(0.2, gt=0, le=1)
+    rate_smoothing: float = Field(0.2, gt=0, le=1)  # how much of the fit each new window replaces
     min_rate_sample_tokens: float = Field(256.0, ge=0)
     per_pod_rate: bool = False  # learn each pod's rate apart (a pool of unlike pods) instead of one for all
 
