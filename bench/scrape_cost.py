@@ -22,7 +22,6 @@ import contextlib
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,10 +199,7 @@ def report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    engine.install()
-    engine.build_model()
-    logdir = Path(tempfile.mkdtemp(prefix="picker-scrape-cost-"))
-    server = engine.start_server(logdir, block_size=64, num_blocks=160, cpu=0)
+    server = engine.fresh_server("scrape-cost", block_size=64, num_blocks=160, cpu=0)
     try:
         await asyncio.to_thread(server.wait_healthy)
         async with aiohttp.ClientSession() as session, session.get(server.url + "/metrics") as resp:

@@ -26,7 +26,6 @@ import asyncio
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -156,10 +155,7 @@ def local_cost(local: LocalTokenizer, chars: int, shared: bool, calls: int = 50)
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    engine.install()
-    engine.build_model()
-    logdir = Path(tempfile.mkdtemp(prefix="picker-tokenize-cost-"))
-    server = engine.start_server(logdir, block_size=64, num_blocks=160, cpu=0)
+    server = engine.fresh_server("tokenize-cost", block_size=64, num_blocks=160, cpu=0)
     try:
         await asyncio.to_thread(server.wait_healthy)
         async with aiohttp.ClientSession() as session:

@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
@@ -221,6 +222,15 @@ def start_server(logdir: Path, *, block_size: int, num_blocks: int, name: str = 
     with open(log_path, "wb") as handle:
         proc = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
     return VllmServer(port, proc, log_path)
+
+
+def fresh_server(tag: str, *, block_size: int, num_blocks: int, cpu: int | None = None) -> VllmServer:
+    """vLLM installed and the model built (each once), then one server logging under a new temporary
+    directory named after `tag`: what every single-server measurement in bench/ starts with."""
+    install()
+    build_model()
+    logdir = Path(tempfile.mkdtemp(prefix=f"picker-{tag}-"))
+    return start_server(logdir, block_size=block_size, num_blocks=num_blocks, cpu=cpu)
 
 
 def kv_events_flags(endpoint: str, topic: str = "kv-events", replay_endpoint: str | None = None) -> list[str]:
