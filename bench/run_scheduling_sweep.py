@@ -132,8 +132,34 @@ VARIANTS["hybrid: long prompts predicted"] = hybrid()
 BASELINES = ("round-robin", "prefix-hash")
 
 
+def scheduling_spec(cfg: dict[str, Any] | None) -> str:
+    """A variant's config as FastSpec carries it ("": the defaults)."""
+    return json.dumps(cfg) if cfg else ""
+
+
 def _run(args: tuple[FastSpec, Cell]) -> dict[str, Any]:
     return run_cell(*args)["figures"]
+
+
+def sweep(base: FastSpec, variants: list[str], variant_configs: Mapping[str, dict[str, Any] | None] | None = None,
+          ) -> dict[tuple[str, str], dict[str, Any]]:
+    """Figures of every (variant, workload) and of the baselines, the same traces for all, on every core.
+    `variant_configs` adds variants beyond VARIANTS."""
+    configs = {**VARIANTS, **(variant_configs or {})}
+    cal = calibrate(base)
+    jobs: list[tuple[str, str, tuple[FastSpec, Cell]]] = []
+    for w in base.workloads:
+        c = cal[w]
+        for baseline in BASELINES:
+            jobs.append((baseline, w, (base, Cell("main", w, baseline, base.requests, c["rate_rps"], c["load"],
+                                                  base.pods))))
+        for name in variants:
+            spec = FastSpec(**{**base.__dict__, "scheduling": scheduling_spec(configs[name])})
+            jobs.append((name, w, (spec, Cell("main", w, "picker", base.requests, c["rate_rps"], c["load"],
+                                              base.pods))))
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(_run, [j[2] for j in jobs]))
+    return {(j[0], j[1]): r for j, r in zip(jobs, results, strict=True)}
 
 
 def main() -> int:
@@ -149,21 +175,7 @@ def main() -> int:
     workloads = tuple(w for w in args.workloads.split(",") if w)
     base = FastSpec(pods=args.pods, workloads=workloads, load=args.load, requests=args.requests, seed=args.seed,
                     sweep_workloads=(), capacity_workload=None)
-    cal = calibrate(base)
-    jobs: list[tuple[str, str, tuple[FastSpec, Cell]]] = []
-    for w in workloads:
-        c = cal[w]
-        for baseline in BASELINES:
-            jobs.append((baseline, w, (base, Cell("main", w, baseline, args.requests, c["rate_rps"], c["load"],
-                                                  args.pods))))
-        for name in args.variants.split(","):
-            cfg = VARIANTS[name]
-            spec = FastSpec(**{**base.__dict__, "scheduling": json.dumps(cfg) if cfg else ""})
-            jobs.append((name, w, (spec, Cell("main", w, "picker", args.requests, c["rate_rps"], c["load"],
-                                              args.pods))))
-    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = list(pool.map(_run, [j[2] for j in jobs]))
-    rows: dict[tuple[str, str], dict[str, Any]] = {(j[0], j[1]): r for j, r in zip(jobs, results, strict=True)}
+    rows = sweep(base, args.variants.split(","))
     lines = [f"Fast mode, {args.pods} pods, load {args.load}, {args.requests} requests, seed {args.seed}. "
              "Cells: TTFT mean / p90 / p95 ms, hit rate, share served cold (oracle's).", "",
              "| variant | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]

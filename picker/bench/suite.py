@@ -133,11 +133,16 @@ def _thin_series(res: RunResult, points: int = 150) -> dict[str, Any]:
     return {"t": [round(t, 3) for t in res.load_times[::step]], "per_pod": res.load_per_pod[::step]}
 
 
+def replay(spec: FastSpec, cell: Cell) -> RunResult:
+    """One cell's trace replayed in fast mode, every request's columns kept (for analyses beyond the figures)."""
+    trace = _trace(spec, cell.workload, cell.n, cell.rate)
+    return run_fast(trace, cell.strategy, _fast_config(spec, cell.run_pods), scheduling=spec.scheduling_config(),
+                    progress=_report_progress)
+
+
 def run_cell(spec: FastSpec, cell: Cell) -> dict[str, Any]:
     """Run one cell in this process; returns its figures (and CDF/series extras)."""
-    trace = _trace(spec, cell.workload, cell.n, cell.rate)
-    res = run_fast(trace, cell.strategy, _fast_config(spec, cell.run_pods), scheduling=spec.scheduling_config(),
-                   progress=_report_progress)
+    res = replay(spec, cell)
     out: dict[str, Any] = {"figures": summarize(res), "wall_s": res.wall_s, "notes": res.notes}
     if cell.kind == "main":
         out["cdf"] = _quantiles(res)
