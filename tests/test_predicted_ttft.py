@@ -112,6 +112,23 @@ def test_two_short_prompts_a_moment_apart_go_to_different_pods() -> None:
     assert s.score(ctx(50, [0, 0], now=0.001), [a, b]) == [pytest.approx(cost(50) / (2 * cost(50) - 0.001)), 1.0]
 
 
+def test_cold_tokens_on_a_full_cache_are_priced_for_what_they_evict() -> None:
+    """A pod whose cache we have filled evicts a cached token for every one a cold prefill writes, and a later
+    request pays to prefill those again: on a full pod the uncached part costs (1 + evictionCost) times as much."""
+    s = PredictedTTFTScorer(prefill_tokens_per_second=RATE, prefill_fixed_seconds=FIXED, eviction_cost=2.0)
+    fresh, filled = pod(1), pod(2)
+    for e in (fresh, filled):
+        e.metrics.num_gpu_blocks, e.metrics.block_size = 10, 16  # 160 tokens of KV cache
+    send(s, ctx(80, [0, 0], addresses=[fresh.address, filled.address]), filled)  # half full
+    half = s.predict(ctx(100, [0, 0], now=1.0), [fresh, filled])
+    assert half[0].prefill_s == pytest.approx(cost(100))
+    assert half[1].prefill_s == pytest.approx(cost(100) + 2.0 * 0.5 * 100 / RATE)
+    send(s, ctx(400, [0, 0], now=1.0, addresses=[fresh.address, filled.address]), filled)  # more than it holds
+    full = s.predict(ctx(100, [6, 6], now=2.0), [fresh, filled])  # 96 of 100 tokens cached on both
+    assert full[1].prefill_s == pytest.approx(cost(4) + 2.0 * 4 / RATE)  # a warm request evicts little
+    assert s.predict(ctx(100, [0, 0], now=2.0), [fresh, filled])[1].prefill_s == pytest.approx(3 * 100 / RATE + FIXED)
+
+
 def test_a_reported_queue_longer_than_what_we_routed_counts() -> None:
     """Traffic from elsewhere: the pod's waiting requests, each worth a prefill of the mean uncached prompt."""
     s = scorer(queued_request_tokens=500.0)

@@ -20,6 +20,11 @@ is alike the slope cannot be told from the data and stays near its prior, which 
 prefix is worth against a wait: the defaults (7.5 ms, 25,000 tokens/s, an 8B model on one GPU) were chosen on
 the fast-mode sweep (bench/README.md, "Predicted TTFT").
 
+A cold prefill also costs the future: once we have had a pod prefill as many tokens as its KV cache holds, each
+uncached token it writes evicts a cached one that a later request will prefill again, so the uncached part is
+priced `evictionCost` times more in proportion to how full we have made that cache. Without it the model copied
+prefixes onto pods whose caches could not hold them twice (two real vLLM pods, bench/README.md) and lost hits.
+
 The score is min(predicted) / predicted, in (0, 1]: the pod predicted fastest scores 1, one predicted twice as slow
 0.5, so a profile that weighs this scorer alone picks the minimum, and small weights on the prefix and load scorers
 only break its ties. A cold prefill on an idle pod and a wait behind a long queue on the pod that holds the prefix
@@ -95,6 +100,7 @@ class _Pod:
     cost: PrefillCost  # its own (perPodRate), else the pool's shared one
     busy_until: float = 0.0  # when the prefills we routed here should be done (our clock)
     peer_until: float = 0.0  # the same for other replicas' picks, which our in-flight counts do not hold
+    written: float = 0.0  # prompt tokens we had it prefill (and cache) since it joined
     seen_tokens: float = -1.0  # vllm:request_prefill_kv_computed_tokens_sum at the last scrape read
     seen_seconds: float = 0.0  # vllm:request_prefill_time_seconds sum and count at the last scrape read
     seen_count: float = 0.0
@@ -130,7 +136,8 @@ class PredictedTTFTScorer(Plugin):
     def __init__(self, name: str | None = None, *, prefill_tokens_per_second: float = 25_000.0,
                  prefill_fixed_seconds: float = 0.0075, decode_tokens: float = 4.0, queued_request_tokens: float = 1024.0,
                  rate_smoothing: float = 0.2, min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False,
-                 chars_per_token: int = CHARS_PER_TOKEN, observer: PredictionObserver | None = None) -> None:
+                 eviction_cost: float = 2.0, chars_per_token: int = CHARS_PER_TOKEN,
+                 observer: PredictionObserver | None = None) -> None:
         super().__init__(name)
         if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0 or chars_per_token <= 0:
             raise ValueError("prefillTokensPerSecond and queuedRequestTokens must be positive")
@@ -139,6 +146,7 @@ class PredictedTTFTScorer(Plugin):
                              "prefillFixedSeconds >= 0")
         self.prior = (prefill_fixed_seconds, 1.0 / prefill_tokens_per_second)
         self.decode_tokens = decode_tokens
+        self.eviction_cost = eviction_cost
         self.rate_smoothing = rate_smoothing
         self.min_rate_sample_tokens = min_rate_sample_tokens
         self.chars_per_token = chars_per_token
@@ -217,6 +225,11 @@ class PredictedTTFTScorer(Plugin):
         running = e.metrics.running if e.metrics.running > e.in_flight else e.in_flight
         decode = running * self.decode_tokens * cost.per_token
         prefill = cost.seconds(uncached)
+        if self.eviction_cost and uncached:
+            m = e.metrics
+            if m.num_gpu_blocks and m.block_size:
+                full = pod.written / (m.num_gpu_blocks * m.block_size)
+                prefill += self.eviction_cost * (full if full < 1.0 else 1.0) * cost.per_token * uncached
         return Prediction(wait + prefill + decode, wait, uncached, prefill, decode)
 
     def _uncached(self, ctx: SchedulingContext, endpoint: Endpoint) -> float:
@@ -247,6 +260,7 @@ class PredictedTTFTScorer(Plugin):
             pod.predicted_sum += self._predict_one(endpoint, pod, uncached, now).seconds
             pod.predicted_n += 1
         pod.busy_until = self._queue_behind(pod, uncached, now)
+        pod.written += uncached
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         """A peer's pick carries no match length: count its whole prompt (an overestimate, as long as it lasts)."""
@@ -270,6 +284,7 @@ class PredictedTTFTParams(Section):
     rate_smoothing: float = Field(0.2, gt=0, le=1)  # how much of the fit each new window replaces
     min_rate_sample_tokens: float = Field(256.0, ge=0)
     per_pod_rate: bool = False  # learn each pod's rate apart (a pool of unlike pods) instead of one for all
+    eviction_cost: float = Field(2.0, ge=0)  # cold tokens on a full cache evict as many: priced this many times
 
 
 def _predicted(name: str, p: PredictedTTFTParams, deps: PluginDeps) -> Plugin:
