@@ -3,7 +3,8 @@ of the best of today's defaults, GIE's emulated defaults and prefix-hash, on TTF
 
     .venv/bin/python bench/predicted_priors.py [--seed 1] [--grid] [--loads 0.5,0.8,1.0]
 
-Without `--grid`: the shipped priors (`predicted-ttft`) and the first, per-token-only model. With it, also the
+Without `--grid`: the shipped priors (`predicted-ttft`), the same without the eviction price, and the first,
+per-token-only model. With it, also the
 priors around the shipped ones (fixed 5 / 7.5 / 10 ms x 25,000 / 35,000 tokens/s x decode 4 / 8), to show how
 narrow the optimum is. Fast mode, 8 pods, 3,000 requests per cell, the seven workloads; ~1 minute per load
 without the grid on 2 cores.
@@ -53,7 +54,7 @@ def main() -> int:
     parser.add_argument("--grid", action="store_true", help="also the priors around the shipped ones")
     args = parser.parse_args()
     extra = grid() if args.grid else {}
-    names = ["predicted-ttft", "predicted-ttft per-token only", *extra]
+    names = ["predicted-ttft", "predicted-ttft no eviction price", "predicted-ttft per-token only", *extra]
     loads = [float(x) for x in args.loads.split(",")]
     missed: dict[str, list[str]] = {n: [] for n in names}
     for load in loads:
