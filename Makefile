@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost tokenize-cost validate-sim overhead soak overload mixed-models precise-scenarios kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios kv-events-real clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -72,6 +72,10 @@ validate-sim: install
 # E.g. `make soak ARGS="--duration 5m"` or ARGS="--picker-env MALLOC_ARENA_MAX=2 --out bench/out/soak-arena2".
 soak: install
 	$(BIN)/python bench/soak.py $(ARGS)
+
+# Unfinished uploads against --max-buffered-bytes: refusals and the picker's RSS growth (~3 minutes).
+upload-memory: install
+	$(BIN)/python bench/upload_memory.py $(ARGS)
 
 overload: install
 	$(BIN)/python bench/overload.py $(ARGS)

@@ -41,7 +41,7 @@ class EnvoySettings:
     failure_mode_allow: bool = True
     message_timeout: str = "5s"
     route_timeout: str = "600s"
-    buffer_bytes: int = 16 * 2**20
+    buffer_bytes: int = 16 * 2**20  # the buffered template holds whole bodies; full-duplex streams them (1 MiB)
     # Several picker replicas (IPs or DNS names, e.g. compose services); empty: just `picker_host`.
     # Any DNS name makes the picker cluster STRICT_DNS (every address a name resolves to is one host).
     picker_hosts: tuple[str, ...] = ()

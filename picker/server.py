@@ -243,8 +243,11 @@ class PickerServer:
     async def _start_servers(self, c: cfg.ServeConfig) -> None:
         """ext_proc + picker.v1 on the gRPC port, health on its own port, Prometheus; then report health."""
         limit = c.max_body_bytes + 2**20  # headroom for the protobuf envelope
+        # Flow-control windows sized by what a stream reads, not grown by bandwidth probes: otherwise Envoy may push
+        # slow uploads' bodies far ahead of the picker (hundreds of MiB with 40 of them), which both fills our
+        # memory and trips Envoy's own outbound-frame flood limit, resetting every stream on the connection.
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-                   ("grpc.so_reuseport", 0)]
+                   ("grpc.so_reuseport", 0), ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 2**16)]
         # Every server object exists before the first bind, so stop() can undo a start that failed half-way.
         self.server = grpc.aio.server(options=options)
         extproc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.director, c.stream_limits,

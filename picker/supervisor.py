@@ -103,6 +103,13 @@ class Managed:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def rss_bytes(self) -> int:
+        """Resident memory now (VmRSS, Linux)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise ProcessLookupError(f"{self.name} ({self.proc.pid}) has no VmRSS: it exited")
+
 
 def spawn(name: str, args: list[str], logdir: Path, env: dict[str, str] | None = None) -> Managed:
     """Start `args` with output to logdir/<name>.log, in the caller's working directory."""

@@ -11,17 +11,9 @@ import aiohttp
 from tests.conftest import Stack
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 async def test_ten_thousand_made_up_model_names_leave_metrics_and_memory_bounded(stack: Stack) -> None:
     envoy, metrics_url = stack.envoys["buffered"], f"http://127.0.0.1:{stack.picker.metrics_port}/metrics"
-    pid = stack.picker.process.proc.pid
+    picker = stack.picker.process
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32)) as session:
 
         async def send(i: int) -> int:
@@ -31,7 +23,7 @@ async def test_ten_thousand_made_up_model_names_leave_metrics_and_memory_bounded
                 return response.status
 
         await asyncio.gather(*(send(i) for i in range(200)))  # warm: allocator arenas, caches, connections
-        before = rss_bytes(pid)
+        before = picker.rss_bytes()
         statuses: list[int] = []
         for start in range(0, 10_000, 500):
             statuses += await asyncio.gather(*(send(i) for i in range(start, start + 500)))
@@ -41,5 +33,5 @@ async def test_ten_thousand_made_up_model_names_leave_metrics_and_memory_bounded
             text = await response.text()
     assert len(text.encode()) < 100_000, len(text)
     assert "made-up-" not in text and 'model_name="other"' in text
-    assert rss_bytes(pid) - before < 20 * 2**20, (before, rss_bytes(pid))
+    assert picker.rss_bytes() - before < 20 * 2**20, (before, picker.rss_bytes())
     stack.check_alive()

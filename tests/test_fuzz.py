@@ -24,6 +24,7 @@ from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.extproc.limits import BodyBudget
 from picker.extproc.servicer import ProtocolViolation, _Stream
+from picker.memory import AllocatorTrim
 from picker.requests import RequestError, build_request
 from picker.scheduling.config import build_scheduler
 
@@ -147,7 +148,7 @@ def fleet() -> tuple[Director, list[Endpoint]]:
 async def test_any_message_sequence_is_answered_or_a_protocol_violation(messages: list[pb.ProcessingRequest]) -> None:
     director, endpoints = fleet()
     budget = BodyBudget(8192)
-    stream = _Stream(director, 4096, budget)
+    stream = _Stream(director, 4096, budget, AllocatorTrim(None))
     try:
         for message in messages:
             try:

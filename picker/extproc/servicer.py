@@ -26,6 +26,7 @@ from picker.director import Decision, Director
 from picker.extproc import protocol as p
 from picker.extproc.limits import BodyBudget, StreamLimits
 from picker.extproc.usage import UsageReader
+from picker.memory import AllocatorTrim
 from picker.model_rewrite import swap_models
 from picker.observability import PickerMetrics, ResponseTrace
 from picker.quietlog import QuietLog
@@ -63,14 +64,15 @@ def _subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
 class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
-    __slots__ = ("director", "max_body", "budget", "request_mode", "response_mode", "headers", "subset", "body",
+    __slots__ = ("director", "max_body", "budget", "trim", "request_mode", "response_mode", "headers", "subset", "body",
                  "body_len", "held", "decision", "phase", "request_id", "generated_id", "usage",
                  "response")
 
-    def __init__(self, director: Director, max_body: int, budget: BodyBudget) -> None:
+    def __init__(self, director: Director, max_body: int, budget: BodyBudget, trim: AllocatorTrim) -> None:
         self.director = director
         self.max_body = max_body
         self.budget = budget
+        self.trim = trim
         self.held = 0  # bytes of body taken from the shared budget
         self.request_mode = p.BUFFERED
         self.response_mode = p.NONE
@@ -170,6 +172,7 @@ class _Stream:
         if chunk:
             size = len(chunk)
             self.body_len += size
+            self.trim.body_bytes(size)
             if self.body_len > self.max_body:
                 return [self._reject(self._too_large(self.body_len))]
             if not self.budget.take(size):
@@ -269,6 +272,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.director = director
         self.limits = limits
         self.budget = BodyBudget(limits.max_buffered)
+        self.trim = AllocatorTrim.from_libc()
         self.metrics = metrics
         if metrics is not None:
             metrics.buffered_bytes.set_function(lambda: self.budget.held)
@@ -278,7 +282,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> None:
         # context.read()/write() instead of an async generator: fewer tasks and wake-ups per message.
-        stream = _Stream(self.director, self.limits.max_body, self.budget)
+        stream = _Stream(self.director, self.limits.max_body, self.budget, self.trim)
         loop = asyncio.get_running_loop()
         idle, routed_at, opened_at = self.limits.idle_timeout, 0.0, loop.time()
         series = self.metrics.streams if self.metrics is not None else None
@@ -294,7 +298,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     if message is grpc.aio.EOF:
                         code = grpc.StatusCode.OK
                         return
-                    for response in await stream.handle(message):
+                    responses = await stream.handle(message)
+                    del message  # a body chunk's parsed copy: not held while this stream waits for its next one
+                    for response in responses:
                         await context.write(response)
                     if stream.phase == "done":
                         code = grpc.StatusCode.OK
