@@ -46,7 +46,11 @@ OBJECTIVES = "admission:\n  objectives: [{name: critical, priority: 5}, {name: b
 FLOW_CONFIG = OBJECTIVES + "  flowControl: {enabled: true}\n"
 # standard and sheddable let through only while pods' queues hold under 1 on average: room held back for critical
 HOLDBACK_CONFIG = OBJECTIVES + "  flowControl: {enabled: true, standardCeiling: 0.2}\n"
+# a quarter (a half) of the pods' running slots, their capacity learned from the pods' metrics, kept for critical
+SLOTS_CONFIG = OBJECTIVES + "  flowControl: {enabled: true, criticalSlotShare: 0.25}\n"
+SLOTS_HALF_CONFIG = OBJECTIVES + "  flowControl: {enabled: true, criticalSlotShare: 0.5}\n"
 PICKERS = (("flow-control", FLOW_CONFIG), ("flow-control-holdback", HOLDBACK_CONFIG),
+           ("flow-control-slots", SLOTS_CONFIG), ("flow-control-slots-half", SLOTS_HALF_CONFIG),
            ("default-admission", OBJECTIVES))
 MIX = (("critical", 0.2), ("standard", 0.5), ("sheddable", 0.3))
 PRIORITY_OBJECTIVE = {"critical": "critical", "standard": None, "sheddable": "batch"}
@@ -172,7 +176,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         sim = start_sim(args.pods, logdir, time_scale=0.5, extra=["--max-num-seqs", str(MAX_NUM_SEQS)])
         started.append(sim.process)
         results: dict[str, Any] = {"pods": args.pods, "phase_s": args.phase, "max_num_seqs": MAX_NUM_SEQS}
-        for name, config in PICKERS:
+        for name, config in chosen(args):
             picker = start_picker(logdir, endpoints=sim.addresses, name=f"picker-{name}",
                                   extra=["--config-text", config])
             started.append(picker.process)
@@ -204,23 +208,33 @@ def main() -> int:
     parser.add_argument("--calibrate", type=parse_duration, default=15.0, help="capacity measurement (default 15s)")
     parser.add_argument("--pods", type=int, default=2)
     parser.add_argument("--out", default=str(HERE / "out" / "overload"))
+    parser.add_argument("--pickers", default=",".join(name for name, _ in PICKERS),
+                        help="comma-separated, from: %(default)s")
     args = parser.parse_args()
+    unknown = set(args.pickers.split(",")) - {name for name, _ in PICKERS}
+    if unknown:
+        parser.error(f"--pickers: unknown {', '.join(sorted(unknown))}")
     results = asyncio.run(run(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overload.json").write_text(json.dumps(results, indent=2))
-    for name, _ in PICKERS:
+    for name, _ in chosen(args):
         for phase, s in results[name].items():
             print(f"{name:18} {phase:9} statuses={s['statuses']} crit p95={_ms(s['critical_ttft_p95_s'])} "
                   f"std p95={_ms(s['standard_ttft_p95_s'])} 429 p99={_ms(s['answer_429_p99_s'])} "
                   f"hung={s['hung_or_timed_out']} {s.get('fairness', '')}")
-    for name, _ in PICKERS:
+    for name, _ in chosen(args):
         base = results[name]["nominal"]["critical_ttft_p95_s"]
         over = results[name]["overload"]["critical_ttft_p95_s"]
         if base and over:
             print(f"{name}: critical p95 at 2x / at 0.5x = {over / base:.2f} (target <= 1.5)")
     print(f"capacity {results['capacity_rps']:.2f} req/s")
     return 0
+
+
+def chosen(args: argparse.Namespace) -> list[tuple[str, str]]:
+    names = args.pickers.split(",")
+    return [(name, config) for name, config in PICKERS if name in names]
 
 
 def _ms(value: float | None) -> str:

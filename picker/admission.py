@@ -32,6 +32,8 @@ class FlowControlSection(Section):
     max_tokens_per_band: int = Field(4_000_000, gt=0)  # estimated prompt tokens waiting per priority
     standard_ceiling: float = Field(1.0, gt=0, le=1)  # priority <= 0 let through below this share of the limit
     tokens_per_minute_per_flow: int = Field(0, ge=0)  # each flow's budget of estimated prompt tokens (0: none)
+    critical_slot_share: float = Field(0.0, ge=0, lt=1)  # running slots kept free for critical requests
+    max_running_per_pod: int = Field(0, ge=0)  # the pods' --max-num-seqs; 0: learned from their metrics
 
 
 class AdmissionConfig(Section):

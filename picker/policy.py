@@ -78,7 +78,8 @@ def build_flow_control(config: ServeConfig, pool: EndpointPool, metrics: PickerM
         return None
     settings = FlowSettings(fc.queue_ttl, fc.max_requests_per_band, fc.max_tokens_per_band, a.saturation_limit,
                             fc.standard_ceiling, a.retry_after, config.scheduling.prefix_cache.chars_per_token,
-                            fc.tokens_per_minute_per_flow)
+                            fc.tokens_per_minute_per_flow, critical_slot_share=fc.critical_slot_share,
+                            max_running_per_pod=fc.max_running_per_pod)
     controller = FlowController(settings, a.thresholds, pool.ready, observer=metrics)
     metrics.watch_flow(controller)
     return controller
@@ -92,7 +93,7 @@ def scrape_listener(flow: FlowController | None, precise: PreciseIndex | None) -
 
     def refreshed(endpoint: Endpoint) -> None:
         if flow is not None:
-            flow.kick()
+            flow.pod_refreshed(endpoint)
         if precise is not None:
             m = endpoint.metrics
             precise.observe_scrape(endpoint.address, m.prefix_queries - m.prefix_hits, m.updated_at)

@@ -11,6 +11,7 @@ import pytest
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import DROPPED_REASON_HEADER, FlowController, FlowSettings
 from picker.flowcontrol.queues import FlowQueues, QueueFull
+from picker.flowcontrol.slots import RunningSlots
 from picker.requests import InferenceRequest, RequestError
 from picker.saturation import SaturationThresholds, dispatch_level
 
@@ -277,3 +278,89 @@ async def test_a_flow_over_its_budget_is_refused_and_others_are_not() -> None:
     assert refused.value.headers["retry-after"] == "30" and \
         refused.value.headers[DROPPED_REASON_HEADER] == "rejected-token-budget"
     await fc.admit(request("other", flow="tenant-b"))  # its own budget
+
+
+def test_a_pods_running_capacity_is_learned_once_it_has_shown_a_queue() -> None:
+    slots = RunningSlots()
+    a = pod(1, running=4)
+    slots.observe(a)
+    assert slots.capacity(a) is None  # running 4 with nothing waiting: maybe it could run more
+    a.metrics = EndpointMetrics(running=3, waiting=2, updated_at=0.0)  # caught between two requests
+    slots.observe(a)
+    assert slots.capacity(a) == 4
+    a.metrics = EndpointMetrics(running=6, updated_at=0.0)  # ran more later (its KV cache had room): it can
+    slots.observe(a)
+    assert slots.capacity(a) == 6
+    a.metrics = EndpointMetrics(running=1, updated_at=0.0)
+    slots.observe(a)
+    assert slots.capacity(a) == 6
+    b = pod(2)
+    assert slots.free([a, b], 0) is None  # b's capacity unknown: nothing can be held back
+    assert RunningSlots(per_pod=8).free([a, b], 0) == (7 + 8, 16)
+
+
+def test_a_pods_use_is_what_it_reports_or_what_we_sent_it_whichever_is_more() -> None:
+    slots = RunningSlots(per_pod=4)
+    a, b = pod(1, running=2, waiting=1), pod(2, running=1)
+    b.in_flight = 3  # our sends show before the next scrape does
+    assert slots.free([a, b], 0) == (1 + 1, 8)
+    assert slots.free([a, b], 1) == (1, 8)  # let through, not yet placed
+
+
+async def test_slots_held_back_for_critical_requests() -> None:
+    clock = Clock()
+    a, b = pod(1), pod(2)
+    fc = FlowController(FlowSettings(critical_slot_share=0.25, max_running_per_pod=4),
+                        SaturationThresholds(queue=5, stale=1e9), lambda: [a, b], clock=clock)
+    a.in_flight, b.in_flight = 4, 2  # 2 of 8 slots free: the 2 held back (25 %)
+    standard = asyncio.create_task(fc.admit(request("std")))
+    await asyncio.sleep(0)
+    assert not standard.done()
+    with pytest.raises(RequestError) as refused:  # sheddable: no room for it, at once
+        await fc.admit(request("shed", priority=-1))
+    assert refused.value.status == 429
+    await fc.admit(request("crit", priority=3))  # takes a held slot at once
+    fc.placed()
+    b.in_flight = 3
+    await fc.admit(request("crit2", priority=3))
+    fc.placed()
+    b.in_flight = 4  # every slot taken: critical requests wait too, here rather than in a pod's queue
+    critical = asyncio.create_task(fc.admit(request("crit3", priority=3)))
+    await asyncio.sleep(0)
+    assert not critical.done()
+    a.in_flight = 3  # one finished
+    fc.kick()
+    await critical  # the critical one first
+    fc.placed()
+    assert not standard.done()
+    a.in_flight, b.in_flight = 1, 2  # 5 free: above the 2 held back
+    fc.kick()
+    await standard
+
+
+async def test_without_known_capacities_nothing_is_held_back() -> None:
+    clock = Clock()
+    a = pod(1, running=2)
+    fc = FlowController(FlowSettings(critical_slot_share=0.5), SaturationThresholds(queue=5, stale=1e9),
+                        lambda: [a], clock=clock)
+    await fc.admit(request("std"))  # capacity unknown: the level alone decides
+    fc.placed()
+    a.metrics = EndpointMetrics(running=2, waiting=1, updated_at=0.0)  # a queue: it runs 2 at most
+    fc.pod_refreshed(a)
+    a.metrics = EndpointMetrics(running=1, updated_at=0.0)
+    a.in_flight = 1
+    standard = asyncio.create_task(fc.admit(request("std2")))
+    await asyncio.sleep(0)
+    assert not standard.done()  # 1 of 2 slots free, and that one is held back
+    standard.cancel()
+
+
+def test_requests_that_ended_since_the_scrape_free_their_slots() -> None:
+    slots = RunningSlots(per_pod=4)
+    a = pod(1, running=4)
+    a.in_flight = 4
+    slots.observe(a)
+    assert slots.free([a], 0) == (0, 4)
+    a.finish_request(0)
+    a.finish_request(0)  # two answered: the scrape still says 4 running
+    assert slots.free([a], 0) == (2, 4)

@@ -137,3 +137,31 @@ async def test_a_tenant_past_its_token_budget_gets_429_and_another_tenant_does_n
     assert [s for s, _ in statuses[:2]] == [200, 200] and statuses[-1][0] == 429
     assert statuses[-1][1]["x-llm-d-request-dropped-reason"] == "rejected-token-budget"
     assert int(statuses[-1][1]["retry-after"]) >= 1 and other[0] == 200
+
+
+async def test_running_slots_held_back_let_a_critical_request_past_waiting_standard_ones() -> None:
+    """`criticalSlotShare`: the pod runs 2 at most and 1 now; its last slot is held for critical requests, so a
+    standard request waits (in the picker, not the pod) while a critical one goes at once."""
+    config = ("admission:\n  flowControl: {enabled: true, criticalSlotShare: 0.5, maxRunningPerPod: 2}\n"
+              "  objectives: [{name: interactive, priority: 5}]\n")
+    with process_scope("slots") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", config])
+        started.extend(fleet.processes)
+        stack = FlowStack(backends, fleet.pickers[0], fleet.envoy)
+        set_pod(stack, running=1)
+
+        async def busy() -> bool:
+            return (await series(stack)).get("llm_d_epp_average_running_requests", -1) == 1
+        await eventually_async(busy, "the picker scraped the pod's running request", within=10)
+        async with aiohttp.ClientSession() as session:
+            standard = asyncio.create_task(post(session, stack, None, "standard"))
+
+            async def queued() -> bool:
+                return (await series(stack)).get("llm_d_epp_flow_control_queue_size", 0) == 1
+            await eventually_async(queued, "the standard request queued", within=5)
+            status, _, _ = await post(session, stack, "interactive", "critical")
+            assert status == 200 and not standard.done()
+            set_pod(stack, running=0)  # the running request ended: a slot above the held one is free
+            assert (await standard)[0] == 200

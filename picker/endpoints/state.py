@@ -61,6 +61,7 @@ class Endpoint:
     # Our own view, updated from the ext_proc stream lifecycle because scraped metrics lag.
     in_flight: int = 0
     in_flight_tokens: int = 0
+    finished: int = 0  # requests we sent it that have ended, ever (what ended since a scrape: its count then)
     last_picked_at: float = -1.0
     consecutive_failures: int = 0
     scrape_interval: float = 0.0  # seconds until the scraper refreshes `metrics` again (its current cadence)
@@ -92,5 +93,6 @@ class Endpoint:
         self.last_picked_at = now
 
     def finish_request(self, tokens: int) -> None:
+        self.finished += 1
         self.in_flight = max(0, self.in_flight - 1)
         self.in_flight_tokens = max(0, self.in_flight_tokens - tokens)

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.queues import FlowQueues, QueueFull, Waiter
+from picker.flowcontrol.slots import RunningSlots
 from picker.requests import InferenceRequest, RequestError, estimated_tokens
 from picker.saturation import SaturationThresholds, dispatch_level
 
@@ -48,6 +49,10 @@ class FlowSettings:
     retry_after: str = "1"
     chars_per_token: int = 4
     tokens_per_minute_per_flow: int = 0  # a flow's budget of estimated prompt tokens (0: none)
+    # This share of the pool's running slots is kept free for critical requests (0: none), so one starts at once
+    # instead of queueing inside a pod behind a full batch; critical requests, too, wait here, not in a pod.
+    critical_slot_share: float = 0.0
+    max_running_per_pod: int = 0  # the pods' capacity (vLLM --max-num-seqs); 0: learned from their metrics
 
 
 class FlowObserver(Protocol):
@@ -113,6 +118,7 @@ class FlowController:
         self.queues: FlowQueues[_Ticket] = FlowQueues(settings.max_requests_per_band, settings.max_tokens_per_band)
         self.budgets = TokenBudgets(settings.tokens_per_minute_per_flow) if settings.tokens_per_minute_per_flow else None
         self.unplaced = 0  # dispatched, not yet placed on a pod: load the pool's metrics cannot show yet
+        self.slots = RunningSlots(settings.max_running_per_pod)
 
     def level(self, now: float) -> float:
         return dispatch_level(self.pool(), now, self.thresholds, self.unplaced)
@@ -123,7 +129,22 @@ class FlowController:
         return limit if priority > 0 else limit * self.settings.standard_ceiling
 
     def has_room(self, now: float, priority: int = 1) -> bool:
-        return self.level(now) < self.ceiling(priority)
+        if self.level(now) >= self.ceiling(priority):
+            return False
+        share = self.settings.critical_slot_share
+        if not share:
+            return True
+        slots = self.slots.free(self.pool(), self.unplaced)
+        if slots is None:  # some pod's capacity not known yet: nothing to hold back
+            return True
+        free, total = slots
+        return free > (0 if priority > 0 else math.ceil(share * total))
+
+    def pod_refreshed(self, endpoint: Endpoint) -> None:
+        """A pod's metrics were refreshed: learn its capacity; room may have freed."""
+        self.slots.observe(endpoint)
+        self.slots.forget_absent(self.pool())
+        self.kick()
 
     async def admit(self, request: InferenceRequest) -> None:
         """Return when the request may be placed (the caller then calls `placed`); RequestError when refused.
