@@ -6,9 +6,10 @@ hang in Envoy?
     make overload
 
 The stack: `picker sim` pods (llama3-8b-h100 profile, --max-num-seqs 4 so a pod queues early, time scale 0.5),
-three `picker serve` (flow control on; flow control holding room back for critical requests, standardCeiling 0.2;
-the default admission: sheddable shed when saturated, the rest routed),
-each behind its own Envoy (buffered ext_proc, message_timeout 5 s), on free 127.0.0.1 ports. The fleet's capacity
+five `picker serve` (--pickers chooses): flow control on; flow control holding room back for critical requests
+(standardCeiling 0.2); flow control holding a quarter, or half, of the pods' running slots for critical requests
+(criticalSlotShare 0.25 / 0.5, capacity learned from the pods' metrics); the default admission (sheddable shed
+when saturated, the rest routed); each behind its own Envoy (buffered ext_proc, message_timeout 5 s), on free 127.0.0.1 ports. The fleet's capacity
 is measured first (a closed loop of 3 x max-num-seqs streams per pod), then for each picker in turn:
   - nominal: 0.5 x capacity, 20 % critical (objective priority 5), 50 % standard (0), 30 % sheddable (-1);
   - overload: 2 x capacity, the same mix;
