@@ -372,3 +372,18 @@ async def test_through_envoy_a_ttft_objective_keeps_the_cache_and_sheds_only_she
             scene.envoy.url + "/v1/completions", json={"model": "tiny", "prompt": "x"},
             headers={"x-slo-ttft-ms": "soon"}) as response:
         assert response.status == 400 and (await response.json())["error"]["code"] == "invalid_header"
+
+
+def test_the_benchmarks_config_file_is_the_documented_config_and_serve_accepts_it(tmp_path: Path) -> None:
+    """`picker bench` (live and real-engine) runs picker-predicted-ttft from this file."""
+    import argparse
+
+    from picker.bench.live import predicted_ttft_config
+    from picker.config import add_arguments, resolve
+
+    path = predicted_ttft_config(tmp_path)
+    assert yaml.safe_load(path.read_text()) == {"scheduling": PREDICTED_TTFT_CONFIG}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-file", str(path)]))
+    assert config.scheduling.plugins[0].type == "predicted-ttft-scorer"

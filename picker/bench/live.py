@@ -2,7 +2,8 @@
 
 Routers, one at a time on the same pods (prefix caches reset in between):
 - round-robin: Envoy with the ext_proc filter removed (the no-picker baseline);
-- random, least-load, prefix-only, picker: Envoy + `picker serve --strategy NAME`;
+- random, least-load, prefix-only, picker: Envoy + `picker serve --strategy NAME`; picker-predicted-ttft: the
+  picker with PREDICTED_TTFT_CONFIG as its scheduler;
 - sglang-router and vllm-router in cache_aware mode (peers.py), skipped with the reason when unavailable.
 Hit rates come from the pods' own counters (/metrics before and after), latencies from the client.
 
@@ -40,6 +41,7 @@ from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
 from picker.endpoints.metrics import parse_metrics
 from picker.envoyconfig import EnvoySettings, envoy_binary, render
+from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.tokenizer import Tokenizer
 from picker.supervisor import (
@@ -54,7 +56,8 @@ from picker.supervisor import (
     wait_until,
 )
 
-PICKER_STRATEGIES = ("random", "least-load", "prefix-only", "picker")
+PREDICTED_TTFT = "picker-predicted-ttft"  # the picker with PREDICTED_TTFT_CONFIG as its scheduler
+PICKER_STRATEGIES = ("random", "least-load", "prefix-only", "picker", PREDICTED_TTFT)
 
 
 @dataclass(frozen=True)
@@ -199,11 +202,22 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
     if strategy in peers.PEERS:
         proc, url = peers.start(peers.PEERS[strategy], urls, logdir)
         return [proc], url
-    extra = ["--strategy", strategy, "--log-level", "WARNING"]
+    if strategy == PREDICTED_TTFT:
+        extra = ["--strategy", "picker", "--config-file", str(predicted_ttft_config(logdir)), "--log-level", "WARNING"]
+    else:
+        extra = ["--strategy", strategy, "--log-level", "WARNING"]
     if spec.scheduling_file and strategy == "picker":
         extra += ["--config-file", _serve_config(spec.scheduling_file, logdir)]
     fleet = start_picker_fleet(logdir, pool, flags=extra, name=f"picker-{strategy}")
     return fleet.processes, fleet.envoy.url
+
+
+def predicted_ttft_config(logdir: Path) -> Path:
+    """A `picker serve --config-file` with PREDICTED_TTFT_CONFIG as its scheduler (the picker-predicted-ttft
+    router)."""
+    path = logdir / "predicted-ttft.yaml"
+    path.write_text(yaml.safe_dump({"scheduling": PREDICTED_TTFT_CONFIG}))
+    return path
 
 
 def _serve_config(path: str, logdir: Path) -> str:

@@ -40,13 +40,12 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.bench import vllm_engine as engine
 from picker.bench.client import stream_request
 from picker.bench.fast import FastConfig, run_fast
-from picker.bench.live import parse_counters, start_direct_envoy
+from picker.bench.live import parse_counters, predicted_ttft_config, start_direct_envoy
 from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, shared_prefix
 from picker.endpoints.scraper import Cadence
@@ -166,9 +165,7 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -
     elif strategy in ("picker", "picker-4-replicas"):
         flags = list(spec.picker_args)
     elif strategy == "picker-predicted-ttft":
-        config = logdir / "predicted-ttft.yaml"
-        config.write_text(yaml.safe_dump({"scheduling": PREDICTED_TTFT_CONFIG}))
-        flags = [*spec.picker_args, "--config-file", str(config)]
+        flags = [*spec.picker_args, "--config-file", str(predicted_ttft_config(logdir))]
     else:
         raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     flags += ["--log-level", "WARNING"]

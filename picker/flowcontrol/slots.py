@@ -54,8 +54,9 @@ class RunningSlots:
 
     def free(self, pods: Sequence[Endpoint], pending: int) -> tuple[int, int] | None:
         """(free slots, all slots) over `pods`, the `pending` requests let through and not yet placed taking
-        free ones; None while some pod's capacity is unknown. A pod's use is what it reports running and
-        waiting, or what we have sent it and not seen answered, whichever is more (scrapes lag our sends)."""
+        free ones; None while some pod's capacity is unknown. A pod's use is what it reported running and
+        waiting less what we have seen end since, or what we sent it and has not ended, whichever is more (a
+        scrape lags both our sends and the ends: counted busy until the next one, a slot would sit idle)."""
         free = total = 0
         for e in pods:
             capacity = self.capacity(e)
