@@ -133,6 +133,8 @@ class Director:
     def rank(self, request: InferenceRequest, now: float) -> SchedulingResult:
         """Schedule without side effects on the index or counters (used by Explain)."""
         candidates = self.candidates(request)
+        if self.flow is not None:
+            candidates = self.flow.with_room(candidates)
         if not request.has_body:
             # Header-only requests (GET /v1/models, ...) carry no prompt: least loaded healthy endpoint.
             ranked = sorted(candidates, key=lambda e: (e.in_flight, e.last_picked_at))

@@ -364,3 +364,37 @@ def test_requests_that_ended_since_the_scrape_free_their_slots() -> None:
     a.finish_request(0)
     a.finish_request(0)  # two answered: the scrape still says 4 running
     assert slots.free([a], 0) == (2, 4)
+
+
+async def test_a_request_let_through_for_a_free_slot_goes_to_a_pod_that_has_one() -> None:
+    """The pods differ only in load the scheduler might not weigh first (here: the busy pod holds the prompt's
+    prefix); with slots held back the request still lands where a slot is free, not in the full pod's queue."""
+    import random
+
+    from picker.admission import AdmissionConfig, Priorities
+    from picker.director import Director
+    from picker.endpoints.pool import EndpointPool
+    from picker.requests import ApiKind
+    from picker.scheduling.config import build_scheduler
+
+    clock = Clock()
+    busy, idle = pod(1), pod(2)
+    pool = EndpointPool()
+    pool.set_endpoints([busy, idle])
+    fc = FlowController(FlowSettings(critical_slot_share=0.25, max_running_per_pod=2),
+                        SaturationThresholds(queue=5, stale=1e9), pool.ready, clock=clock)
+    critical = Priorities(AdmissionConfig.model_validate({"defaultPriority": 3}))  # every request critical
+    director = Director(pool, build_scheduler(rng=random.Random(0)), priorities=critical, clock=clock, flow=fc)
+    warm = request("warm", priority=3)
+    warm.api, warm.prompt_text = ApiKind.COMPLETIONS, "a long shared system prompt " * 40
+    first = await director.route(warm)
+    assert fc.slots.open_on([busy, idle]) == [busy, idle]
+    director.release(first)
+    held = first.endpoint
+    other = idle if held is busy else busy
+    held.in_flight, other.in_flight = 2, 1  # the pod that holds the prefix is full, the other has a slot
+    again = request("again", priority=3)
+    again.api, again.prompt_text = ApiKind.COMPLETIONS, warm.prompt_text
+    decision = await director.route(again)
+    assert again.priority == 3 and decision.endpoint is other
+    assert fc.with_room([held]) == [held]  # no pod with room: the candidates stay as they were

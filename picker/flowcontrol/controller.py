@@ -140,6 +140,14 @@ class FlowController:
         free, total = slots
         return free > (0 if priority > 0 else math.ceil(share * total))
 
+    def with_room(self, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """Where a request let through may go: with slots held back, the candidates with a free slot (a request
+        let through for a free slot must not queue in a full pod); all of them when none has one or capacities are
+        unknown."""
+        if not self.settings.critical_slot_share:
+            return candidates
+        return self.slots.open_on(candidates) or candidates
+
     def pod_refreshed(self, endpoint: Endpoint) -> None:
         """A pod's metrics were refreshed: learn its capacity; room may have freed."""
         self.slots.observe(endpoint)

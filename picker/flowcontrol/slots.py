@@ -52,6 +52,22 @@ class RunningSlots:
             return self.per_pod
         return self._most[endpoint.address] if endpoint.address in self._queued else None
 
+    def open_on(self, pods: Sequence[Endpoint]) -> list[Endpoint] | None:
+        """The pods with a free slot, in order; None while some pod's capacity is unknown."""
+        out = []
+        for e in pods:
+            capacity = self.capacity(e)
+            if capacity is None:
+                return None
+            if self._use(e) < capacity:
+                out.append(e)
+        return out
+
+    def _use(self, e: Endpoint) -> int:
+        m = e.metrics
+        reported = math.ceil(m.running + m.waiting) - (e.finished - self._finished_then.get(e.address, e.finished))
+        return max(reported, e.in_flight)
+
     def free(self, pods: Sequence[Endpoint], pending: int) -> tuple[int, int] | None:
         """(free slots, all slots) over `pods`, the `pending` requests let through and not yet placed taking
         free ones; None while some pod's capacity is unknown. A pod's use is what it reported running and
@@ -62,8 +78,6 @@ class RunningSlots:
             capacity = self.capacity(e)
             if capacity is None:
                 return None
-            m = e.metrics
             total += capacity
-            reported = math.ceil(m.running + m.waiting) - (e.finished - self._finished_then.get(e.address, e.finished))
-            free += max(0, capacity - max(reported, e.in_flight))
+            free += max(0, capacity - self._use(e))
         return free - pending, total
