@@ -2,11 +2,10 @@
 
 Every body chunk the picker receives is copied a few times on its way in (gRPC's receive buffers, the protobuf
 message, the `bytes` we keep), mostly by gRPC's own threads. glibc keeps what they free in per-thread arenas and
-returns it only from the top of each, so after a burst of large uploads the picker's RSS stays two to three times
-what it ever held at once (measured through Envoy: 40 unfinished 15 MiB uploads against a 64 MiB cap left
-128 MiB free inside the arenas). `malloc_trim(0)` hands whole free pages back; it costs time in proportion to what
-it returns (about 18 ms for 150 MiB), so it runs in a worker thread, once enough body bytes have passed since the
-last one, and never twice at once. On a C library without `malloc_trim` (musl) it does nothing.
+returns it only from the top of each, so after a burst of large uploads the picker's RSS stays well above what it
+ever held at once. `malloc_trim(0)` hands whole free pages back; it costs time in proportion to what it returns, so
+it runs in a worker thread, once enough body bytes have passed since the last one, and never twice at once. On a C
+library without `malloc_trim` (musl) it does nothing.
 """
 
 from __future__ import annotations

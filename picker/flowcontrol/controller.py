@@ -120,8 +120,8 @@ class FlowController:
         self.unplaced = 0  # dispatched, not yet placed on a pod: load the pool's metrics cannot show yet
         self.slots = RunningSlots(settings.max_running_per_pod)
 
-    def level(self, now: float) -> float:
-        return dispatch_level(self.pool(), now, self.thresholds, self.unplaced)
+    def level(self, now: float, pods: Sequence[Endpoint] | None = None) -> float:
+        return dispatch_level(self.pool() if pods is None else pods, now, self.thresholds, self.unplaced)
 
     def ceiling(self, priority: int) -> float:
         """The level below which requests of `priority` are let through."""
@@ -129,12 +129,13 @@ class FlowController:
         return limit if priority > 0 else limit * self.settings.standard_ceiling
 
     def has_room(self, now: float, priority: int = 1) -> bool:
-        if self.level(now) >= self.ceiling(priority):
+        pods = self.pool()
+        if self.level(now, pods) >= self.ceiling(priority):
             return False
         share = self.settings.critical_slot_share
         if not share:
             return True
-        slots = self.slots.free(self.pool(), self.unplaced)
+        slots = self.slots.free(pods, self.unplaced)
         if slots is None:  # some pod's capacity not known yet: nothing to hold back
             return True
         free, total = slots
@@ -149,9 +150,10 @@ class FlowController:
         return self.slots.open_on(candidates) or candidates
 
     def pod_refreshed(self, endpoint: Endpoint) -> None:
-        """A pod's metrics were refreshed: learn its capacity; room may have freed."""
-        self.slots.observe(endpoint)
-        self.slots.forget_absent(self.pool())
+        """A pod's metrics were refreshed: learn its capacity (when slots are held back); room may have freed."""
+        if self.settings.critical_slot_share:
+            self.slots.observe(endpoint)
+            self.slots.forget_absent(self.pool())
         self.kick()
 
     async def admit(self, request: InferenceRequest) -> None:
