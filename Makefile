@@ -77,8 +77,9 @@ soak: install
 upload-memory: install
 	$(BIN)/python bench/upload_memory.py $(ARGS)
 
+# Flow control under overload, fast (seconds) then live (~20 min): 5 pickers x 3 phases on 2 sim pods.
 overload: install
-	$(BIN)/python bench/overload.py $(ARGS)
+	$(BIN)/picker bench --scenario overload --mode both --out bench/out/overload $(ARGS)
 
 # Two base models x 4 sim pods + 2 adapters: round-robin (one pool, per model) vs prefix-hash vs the picker (~12 min).
 mixed-models: install

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from picker.admission import AdmissionController, Priorities
+from picker.admission import AdmissionConfig, AdmissionController, Priorities
 from picker.config import ConfigError, ServeConfig
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper
@@ -72,17 +72,22 @@ def shared_index(config: ServeConfig) -> SharedPrefixIndex | None:
 
 def build_flow_control(config: ServeConfig, pool: EndpointPool, metrics: PickerMetrics) -> FlowController | None:
     """The flow controller `admission.flowControl` asks for (None: off, the bounded wait applies)."""
-    a = config.admission
-    fc = a.flow_control
-    if not fc.enabled:
+    settings = flow_settings(config.admission, config.scheduling.prefix_cache.chars_per_token)
+    if settings is None:
         return None
-    settings = FlowSettings(fc.queue_ttl, fc.max_requests_per_band, fc.max_tokens_per_band, a.saturation_limit,
-                            fc.standard_ceiling, a.retry_after, config.scheduling.prefix_cache.chars_per_token,
-                            fc.tokens_per_minute_per_flow, critical_slot_share=fc.critical_slot_share,
-                            max_running_per_pod=fc.max_running_per_pod)
-    controller = FlowController(settings, a.thresholds, pool.ready, observer=metrics)
+    controller = FlowController(settings, config.admission.thresholds, pool.ready, observer=metrics)
     metrics.watch_flow(controller)
     return controller
+
+
+def flow_settings(admission: AdmissionConfig, chars_per_token: int) -> FlowSettings | None:
+    """What `admission.flowControl` sets (None: off); the benchmark's fast mode runs the same."""
+    fc = admission.flow_control
+    if not fc.enabled:
+        return None
+    return FlowSettings(fc.queue_ttl, fc.max_requests_per_band, fc.max_tokens_per_band, admission.saturation_limit,
+                        fc.standard_ceiling, admission.retry_after, chars_per_token, fc.tokens_per_minute_per_flow,
+                        critical_slot_share=fc.critical_slot_share, max_running_per_pod=fc.max_running_per_pod)
 
 
 def scrape_listener(flow: FlowController | None, precise: PreciseIndex | None) -> Callable[[Endpoint], None] | None:

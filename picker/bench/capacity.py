@@ -16,15 +16,14 @@ from dataclasses import replace
 from typing import Any
 
 from picker.bench.fast import FastConfig, run_fast
-from picker.bench.trace import Trace, TraceRequest
+from picker.bench.trace import Trace
 from picker.bench.workloads import FleetSpec, generate
 from picker.sim.profiles import Profile
 
 
 def saturating(trace: Trace) -> Trace:
     """The same requests, all sent at time 0 and follow-ups sent at once (a closed, saturating batch)."""
-    reqs = tuple(TraceRequest(r.index, 0.0, r.max_tokens, r.group, r.messages, r.prompt, r.parent, r.session)
-                 for r in trace.requests)
+    reqs = tuple(replace(r, at=0.0) for r in trace.requests)
     return Trace(trace.workload, trace.seed, trace.rate, reqs, dict(trace.params))
 
 

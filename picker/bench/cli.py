@@ -33,13 +33,16 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker bench`."""
     a = parser.add_argument
-    a("--scenario", choices=("routing", "mixed-models"), default="routing",
+    a("--scenario", choices=("routing", "mixed-models", "overload"), default="routing",
       help="routing: the workloads and strategies below (default); mixed-models: two base models on disjoint sim "
-      "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply)")
+      "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply); "
+      "overload: flow control at 0.5x, 2x and 6.6x the fleet's capacity (--mode fast: seconds, live: ~20 min; "
+      "--strategies picks the pickers, --phase, --pods, --seed and --repeats apply)")
+    a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
     a("--engine", choices=("sim", "vllm"), default="sim",
       help="sim: the simulator (default); vllm: real vLLM CPU servers (make bench-real; ~40 minutes)")
     a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers (default 3); "
-      "--scenario mixed-models: runs per router (default 2)")
+      "--scenario mixed-models: runs per router (default 2); --scenario overload: fast-mode seeds (default 10)")
     a("--picker-args", default=None, help="--engine vllm: extra `picker serve` flags for the picker strategies")
     a("--mode", choices=("fast", "live", "both"), default=None,
       help="fast: in-process discrete-event simulation (default); live: real sim fleet + Envoy + routers")
@@ -142,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         return run_real(args, out)
     if args.scenario == "mixed-models":
         return run_mixed_models(args, out)
+    if args.scenario == "overload":
+        return run_overload(args, mode, out)
     fast = None
     live = None
     try:
@@ -201,6 +206,21 @@ def run_mixed_models(args: argparse.Namespace, out: Path) -> int:
                      **({"rate": args.rate} if args.rate else {}))
     run_mixed(spec, out)
     print((out / "mixed.md").read_text())
+    return 0
+
+
+def run_overload(args: argparse.Namespace, mode: str, out: Path) -> int:
+    """`--scenario overload` (picker.bench.overload)."""
+    from picker.bench.overload import PICKERS, OverloadSpec, run_overload
+
+    spec = OverloadSpec(pods=args.pods or 2, phase_s=args.phase or 40.0, seed=args.seed, repeats=args.repeats or 10,
+                        pickers=args.strategies or tuple(name for name, _ in PICKERS))
+    try:
+        run_overload(spec, ("fast", "live") if mode == "both" else (mode,), out)
+    except ValueError as exc:
+        print(f"picker bench: {exc}", file=sys.stderr)
+        return 2
+    print((out / "overload.md").read_text())
     return 0
 
 

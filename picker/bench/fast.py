@@ -15,7 +15,9 @@ Events, in time order (ties: deliveries, then arrivals, then intakes, then steps
 - step: the pod runs one batch; its outputs are delivered when the batch ends;
 - deliver: first tokens, finished requests (in-flight released, follow-ups scheduled);
 - scrape: refresh one pod's metrics in every replica's view and schedule its next scrape;
-- sample: every `sample_interval`, record per-pod load.
+- sample: every `sample_interval`, record per-pod load;
+- with flow control (`admission_config` with `flowControl` on): place, a request let through the queue is scheduled;
+  expire, a queued request's TTL has passed (503).
 
 Several picker replicas (`replicas` > 1) stand for N `picker serve` processes behind one Envoy, which round-robins
 ext_proc streams over them: the n-th arriving request goes to replica n % N. Each replica has its own scheduler
@@ -23,6 +25,11 @@ ext_proc streams over them: the n-th arriving request goes to replica n % N. Eac
 replica's copy of a pod's metrics with the same values. Each replica keeps its own prefix index, or with
 `shared_index` all share one `InMemoryPrefixIndex`: the Redis/Valkey-shared index (`--index-backend redis`) with
 zero replication lag.
+
+`admission_config` is the picker's `admission:` section as `picker serve` reads it: its objectives give requests their
+priority (a trace request names its objective and tenant), and with `flowControl` each replica runs the flow
+controller `picker serve` runs, on simulated time: requests wait in it, are let through as finishes and scrapes free
+room, and are refused as they would be.
 """
 
 from __future__ import annotations
@@ -35,15 +42,18 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from picker.admission import AdmissionController
+from picker.admission import AdmissionConfig, AdmissionController, Priorities
 from picker.bench.oracle import InfiniteCacheOracle
 from picker.bench.prompts import PromptBuilder, prompt_text
 from picker.bench.results import OK, SHED, RunResult
 from picker.bench.trace import Message, Trace
-from picker.director import Director
+from picker.director import Decision, Director
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence
 from picker.endpoints.state import Endpoint
+from picker.flowcontrol.controller import FlowController
+from picker.flowcontrol.queues import Waiter
+from picker.policy import flow_settings
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -55,7 +65,7 @@ from picker.sim.engine import Engine, SimRequest, StepResult
 from picker.sim.kvcache import block_hashes
 from picker.sim.profiles import Profile
 
-_DELIVER, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE, _RESTART = 0, 1, 2, 3, 4, 5, 6
+_DELIVER, _PLACE, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE, _RESTART, _EXPIRE = range(9)
 Progress = Callable[[int], None]
 
 
@@ -81,6 +91,7 @@ class FastConfig:
     bypass: float = 0.0  # share of requests sent to a random pod around the picker (it never sees them)
     kv_reported: float = 1.0  # the KV cache the pods report (num_gpu_blocks) as a multiple of their real one
     restart_every: float = 0.0  # seconds between pod restarts, one pod at a time in turn, its cache emptied
+    admission_config: AdmissionConfig | None = None  # the picker's admission section (None: its defaults)
 
 
 def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None, *,
@@ -188,11 +199,19 @@ class _FastRun:
         self.bypass_rng = random.Random(f"bypass:{cfg.seed}")
         use_admission = cfg.admission and strategy != "round-robin"
         own_config = scheduling_config(scheduling if strategy == "picker" else None)
+        chars_per_token = own_config.prefix_cache.chars_per_token
+        admission = cfg.admission_config if cfg.admission_config is not None else AdmissionConfig()
+        flow = flow_settings(admission, chars_per_token) if use_admission else None
+        self.now = 0.0  # the simulated clock flow control reads
         # The director `picker serve` runs, one per replica, called synchronously in simulated time.
-        self.directors = [Director(_pool_of(endpoints), scheduler,
-                                   admission=AdmissionController() if use_admission else None,
-                                   chars_per_token=own_config.prefix_cache.chars_per_token)
-                          for endpoints, scheduler in zip(self.replica_endpoints, schedulers, strict=True)]
+        self.directors = []
+        for endpoints, scheduler in zip(self.replica_endpoints, schedulers, strict=True):
+            pool = _pool_of(endpoints)
+            controller = (FlowController(flow, admission.thresholds, pool.ready, clock=lambda: self.now)
+                          if flow is not None else None)
+            self.directors.append(Director(pool, scheduler, priorities=Priorities(admission), flow=controller,
+                                           admission=AdmissionController(admission) if use_admission else None,
+                                           chars_per_token=chars_per_token))
         self.hasher: PrefixHasher = build_hasher(own_config)
         self.arrivals = 0  # requests dealt to replicas so far
         use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks
@@ -260,6 +279,7 @@ class _FastRun:
         pop = heapq.heappop
         while heap:
             now, kind, _, payload = pop(heap)
+            self.now = now
             if kind == _STEP:
                 self.step(payload, now)
             elif kind == _DELIVER:
@@ -274,6 +294,11 @@ class _FastRun:
             elif kind == _RESTART:
                 self.restart(payload, now)
                 continue
+            elif kind == _PLACE:
+                i, request, ids, hashes, replica = payload
+                self.place(i, request, ids, hashes, replica, now)
+            elif kind == _EXPIRE:
+                self.expire(payload[0], payload[1], payload[2], now)
             else:
                 self.sample(now)
                 continue
@@ -327,7 +352,8 @@ class _FastRun:
         request = InferenceRequest(
             request_id=str(i), model=self.cfg.profile.model, api=ApiKind.CHAT if r.is_chat else ApiKind.COMPLETIONS,
             path="/v1/chat/completions" if r.is_chat else "/v1/completions",
-            prompt_text=prompt_text(messages, r.prompt), stream=True, max_tokens=r.max_tokens, session_id=r.session)
+            prompt_text=prompt_text(messages, r.prompt), stream=True, max_tokens=r.max_tokens, session_id=r.session,
+            objective=r.objective, fairness_id=r.tenant)
         if self.exact is not None:
             self.exact.prepare(ids, len(request.prompt_text), self.hasher.block_chars(self.cfg.profile.block_size))
         if self.precise is not None:
@@ -338,21 +364,79 @@ class _FastRun:
         replica = self.arrivals % self.cfg.replicas  # Envoy round-robins ext_proc streams over the replicas
         self.arrivals += 1
         director = self.directors[replica]
+        if director.flow is not None:
+            self.offer(director.flow, i, request, ids, hashes, replica, now)
+            return
         try:
             decision = director.decide(request, now)
-            chosen = decision.endpoint
-            if self.peers:
-                self.tell_peers(replica, request, chosen.address, now)
         except RequestError as err:
-            if err.status == 429:
-                res.status[i] = SHED
-            self.done()
+            self.refused(i, err, now)
             return
+        self.send(i, decision, ids, hashes, replica, now)
+
+    def offer(self, flow: FlowController, i: int, request: InferenceRequest, ids: list[int], hashes: list[int],
+              replica: int, now: float) -> None:
+        """Flow control admits the request, queues it (placed when let through, refused when its TTL passes) or
+        refuses it, as `Director.route` has it do in `picker serve`."""
+        director = self.directors[replica]
+
+        def go() -> bool:
+            self.push(self.now, _PLACE, (i, request, ids, hashes, replica))
+            return True
+        try:
+            director.resolve(request)
+            director.candidates(request)
+            waiter = flow.offer(request, go)
+        except RequestError as err:
+            self.refused(i, err, now)
+            return
+        if waiter is None:
+            self.place(i, request, ids, hashes, replica, now)
+        elif not waiter.item.dispatched:
+            self.push(now + flow.settings.queue_ttl, _EXPIRE, (i, waiter, replica))
+
+    def place(self, i: int, request: InferenceRequest, ids: list[int], hashes: list[int], replica: int,
+              now: float) -> None:
+        """A request flow control let through is scheduled now; the next may go once it is placed."""
+        director = self.directors[replica]
+        flow = director.flow
+        assert flow is not None
+        try:
+            decision = director.place(request, now)
+        except RequestError as err:
+            self.refused(i, err, now)
+            return
+        finally:
+            flow.placed()
+        self.send(i, decision, ids, hashes, replica, now)
+
+    def expire(self, i: int, waiter: Waiter[Any], replica: int, now: float) -> None:
+        flow = self.directors[replica].flow
+        assert flow is not None
+        refusal = flow.expire(waiter)
+        if refusal is not None:
+            self.refused(i, refusal, now)
+
+    def refused(self, i: int, err: RequestError, now: float) -> None:
+        """The picker answered the request itself: 429 counts as shed, anything else as failed; its e2e is the
+        time to that answer."""
+        if err.status == 429:
+            self.res.status[i] = SHED
+        self.res.e2e[i] = now - self.res.sent[i]
+        self.done()
+
+    def send(self, i: int, decision: Decision, ids: list[int], hashes: list[int], replica: int, now: float) -> None:
+        """Hand a routed request to its pod (through the pod's API server, which scrapes may hold)."""
+        chosen = decision.endpoint
+        r = self.trace.requests[i]
+        res = self.res
+        if self.peers:
+            self.tell_peers(replica, decision.request, chosen.address, now)
         k = self.pod_of[chosen.address]
         sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
         delayed = self.api_busy_until[k] > now  # scrapes hold the pod's API server: the engine gets it later
         if not delayed and not self.hand_over(k, sim_request, now):
-            director.release(decision)
+            self.directors[replica].release(decision)
             return
         tokens = decision.tokens
         res.pod[i] = k
@@ -392,10 +476,18 @@ class _FastRun:
             return
         i = int(request.request_id)
         _, _, tokens, replica = self.live.pop(i)
-        if replica >= 0:
-            self.replica_endpoints[replica][k].finish_request(tokens)
+        self.ended(replica, k, tokens)
         self.served[k] -= 1
         self.res.pod[i] = -1
+
+    def ended(self, replica: int, k: int, tokens: int) -> None:
+        """A request routed by `replica` (-1: none) to pod k has ended: its in-flight count drops, room frees."""
+        if replica < 0:
+            return
+        self.replica_endpoints[replica][k].finish_request(tokens)
+        flow = self.directors[replica].flow
+        if flow is not None:
+            flow.kick()
 
     def deliver(self, k: int, result: StepResult, now: float) -> None:
         """Outputs of one batch at its end: first tokens, finished requests and their follow-ups."""
@@ -417,8 +509,7 @@ class _FastRun:
             if fin.ttft is not None:
                 self.ttft_seconds[k] += fin.ttft
                 self.ttft_count[k] += 1
-            if replica >= 0:
-                self.replica_endpoints[replica][k].finish_request(tokens)
+            self.ended(replica, k, tokens)
             res.e2e[i] = now - res.sent[i]
             out = len(fin.output_token_ids)
             res.output_tokens[i] = out
@@ -454,8 +545,10 @@ class _FastRun:
             m.ttft_count = self.ttft_count[k]
             m.updated_at = now
         interval = self.cadence.interval(self.endpoints[k], ok=True)
-        for endpoints in self.replica_endpoints:
+        for endpoints, director in zip(self.replica_endpoints, self.directors, strict=True):
             endpoints[k].scrape_interval = interval
+            if director.flow is not None:
+                director.flow.pod_refreshed(endpoints[k])
         self.scrapes[k] += self.scrapers
         if self.cfg.scrape_cost > 0:
             self.api_busy_until[k] = max(now, self.api_busy_until[k]) + self.cfg.scrape_cost * self.scrapers

@@ -7,7 +7,7 @@ follow-up names its `parent` and is completed with the parent's answer when it i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 Message = tuple[str, str]  # (role, content)
@@ -26,6 +26,8 @@ class TraceRequest:
     prompt: tuple[str, ...] | None = None  # completions: the prompt as parts (shared context, then suffix)
     parent: int = -1  # multi-turn: full messages = parent's messages + parent's answer + these messages
     session: str | None = None
+    objective: str | None = None  # x-gateway-inference-objective (its priority comes from the picker's config)
+    tenant: str | None = None  # x-llm-d-inference-fairness-id (flow control's flow)
 
     @property
     def is_chat(self) -> bool:
@@ -56,8 +58,7 @@ class Trace:
     def with_rate(self, scale: float) -> Trace:
         """The same requests with open-loop send times divided by `scale` (follow-up think times kept)."""
         reqs = tuple(
-            r if r.parent >= 0 else TraceRequest(r.index, r.at / scale, r.max_tokens, r.group, r.messages,
-                                                 r.prompt, r.parent, r.session)
+            r if r.parent >= 0 else replace(r, at=r.at / scale)
             for r in self.requests
         )
         return Trace(self.workload, self.seed, self.rate * scale, reqs, dict(self.params))

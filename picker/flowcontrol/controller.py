@@ -1,4 +1,4 @@
-"""The flow controller on the event loop: a request goes at once while the pool has room and nobody of its
+"""The flow controller: a request goes at once while the pool has room and nobody of its
 priority or higher waits; otherwise it waits in its band and flow (`queues`) and is dispatched when room frees, or
 refused.
 
@@ -94,18 +94,21 @@ class TokenBudgets:
 
 
 class _Ticket:
-    """What a waiter holds: the future its request awaits, whether it was dispatched."""
+    """What a waiter holds: its request, how to let it go, whether it was let go."""
 
-    __slots__ = ("request", "future", "dispatched")
+    __slots__ = ("request", "go", "dispatched")
 
-    def __init__(self, request: InferenceRequest, future: asyncio.Future[None]) -> None:
+    def __init__(self, request: InferenceRequest, go: Callable[[], bool]) -> None:
         self.request = request
-        self.future = future
+        self.go = go  # lets the request through; False when its client has left meanwhile
         self.dispatched = False
 
 
 class FlowController:
-    """Admits, queues and dispatches requests; `kick` whenever room may have freed."""
+    """Admits, queues and dispatches requests; `kick` whenever room may have freed.
+
+    The decisions are synchronous (`offer`, `kick`, `expire`, `withdraw`: every time read from `clock`), so the
+    benchmark's fast mode runs them in simulated time; `admit` is the event loop's way to wait on them."""
 
     def __init__(self, settings: FlowSettings, thresholds: SaturationThresholds,
                  pool: Callable[[], Sequence[Endpoint]], clock: Callable[[], float] = time.monotonic,
@@ -156,9 +159,11 @@ class FlowController:
             self.slots.forget_absent(self.pool())
         self.kick()
 
-    async def admit(self, request: InferenceRequest) -> None:
-        """Return when the request may be placed (the caller then calls `placed`); RequestError when refused.
-        Its priority is resolved already."""
+    def offer(self, request: InferenceRequest, go: Callable[[], bool]) -> Waiter[_Ticket] | None:
+        """Admit `request` (its priority resolved): None when it may be placed now (the caller then calls
+        `placed`); else its place in the queue, and `go` is called when `kick` lets it through (the caller then
+        places it and calls `placed`), or `expire` refuses it once its TTL has passed. RequestError when
+        refused at once."""
         now = self.clock()
         priority = request.priority
         if self.budgets is not None:
@@ -173,16 +178,15 @@ class FlowController:
         if not self.queues.has_waiting_at_or_above(priority) and self.has_room(now, priority):
             self.unplaced += 1
             self._observe(request, "Dispatched", 0.0)
-            return
+            return None
         if priority < 0:
             self._observe(request, "RejectedCapacity", 0.0)
             raise self._refusal(429, "saturated", "rejected-saturated", f"the pool has no room; request priority "
                                 f"{priority} is sheddable")
-        loop = asyncio.get_running_loop()
-        ticket = _Ticket(request, loop.create_future())
         began = time.perf_counter()
         try:
-            waiter = self.queues.push(ticket, priority=priority, flow=request.fairness_id or DEFAULT_FLOW,
+            waiter = self.queues.push(_Ticket(request, go), priority=priority,
+                                      flow=request.fairness_id or DEFAULT_FLOW,
                                       tokens=estimated_tokens(request, self.settings.chars_per_token),
                                       size_bytes=request.body_bytes, now=now, ttl=self.settings.queue_ttl)
         except QueueFull as exc:
@@ -192,19 +196,57 @@ class FlowController:
             raise self._refusal(429, "queue_full", "rejected-saturated", f"the queue is full: {exc}") from None
         if self.observer is not None:
             self.observer.observe_enqueue(request, "Enqueued", time.perf_counter() - began)
-        timer = loop.call_later(self.settings.queue_ttl, self._expire, waiter)
         self.kick()
+        return waiter
+
+    async def admit(self, request: InferenceRequest) -> None:
+        """Return when the request may be placed (the caller then calls `placed`); RequestError when refused,
+        at once or when its queue TTL passes. Its priority is resolved already."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def go() -> bool:
+            if future.done():  # cancelled while queued: withdrawn already, never counted
+                return False
+            future.set_result(None)
+            return True
+
+        waiter = self.offer(request, go)
+        if waiter is None:
+            return
+        if waiter.item.dispatched:  # let through by the offer's own kick
+            return
+
+        def expired() -> None:
+            refusal = self.expire(waiter)
+            if refusal is not None and not future.done():
+                future.set_exception(refusal)
+
+        timer = asyncio.get_running_loop().call_later(self.settings.queue_ttl, expired)
         try:
-            await ticket.future
+            await future
         except asyncio.CancelledError:
-            if ticket.dispatched:  # let through but its client left before it was placed
-                self.unplaced -= 1
-                self.kick()
-            elif self.queues.remove(waiter):
-                self._observe(request, "EvictedContextCancelled", self.clock() - waiter.enqueued_at)
+            self.withdraw(waiter)
             raise
         finally:
             timer.cancel()
+
+    def withdraw(self, waiter: Waiter[_Ticket]) -> None:
+        """The client of a queued or let-through (not yet placed) request has left."""
+        if waiter.item.dispatched:
+            self.unplaced -= 1
+            self.kick()
+        elif self.queues.remove(waiter):
+            self._observe(waiter.item.request, "EvictedContextCancelled", self.clock() - waiter.enqueued_at)
+
+    def expire(self, waiter: Waiter[_Ticket]) -> RequestError | None:
+        """The waiter's TTL has passed: withdraw it and return its 503; None when it is gone already."""
+        if not self.queues.remove(waiter):
+            return None
+        waited = self.clock() - waiter.enqueued_at
+        self._observe(waiter.item.request, "EvictedTTL", waited)
+        return self._refusal(503, "queue_ttl_expired", "rejected-ttl-expired",
+                             f"no room in the pool within the queue TTL ({self.settings.queue_ttl:g}s, "
+                             f"waited {waited:.2f}s)")
 
     def placed(self) -> None:
         """A dispatched request is on a pod now (its in-flight count shows it): let the next one through."""
@@ -222,23 +264,13 @@ class FlowController:
             if waiter is None:
                 break
             ticket = waiter.item
-            if ticket.future.done():  # cancelled while queued: withdrawn already, never counted
+            if not ticket.go():
                 continue
             ticket.dispatched = True
             self.unplaced += 1
-            ticket.future.set_result(None)
             self._observe(ticket.request, "Dispatched", now - waiter.enqueued_at)
         if self.observer is not None:
             self.observer.observe_dispatch_cycle(time.perf_counter() - began)
-
-    def _expire(self, waiter: Waiter[_Ticket]) -> None:
-        if not self.queues.remove(waiter) or waiter.item.future.done():
-            return
-        waited = self.clock() - waiter.enqueued_at
-        self._observe(waiter.item.request, "EvictedTTL", waited)
-        waiter.item.future.set_exception(self._refusal(
-            503, "queue_ttl_expired", "rejected-ttl-expired",
-            f"no room in the pool within the queue TTL ({self.settings.queue_ttl:g}s, waited {waited:.2f}s)"))
 
     def _refusal(self, status: int, code: str, reason: str, message: str) -> RequestError:
         return RequestError(status, code, message,
