@@ -61,9 +61,12 @@ HOLDBACK_CONFIG = OBJECTIVES + "  flowControl: {enabled: true, standardCeiling: 
 # a quarter (a half) of the pods' running slots, their capacity learned from the pods' metrics, kept for critical
 SLOTS_CONFIG = OBJECTIVES + "  flowControl: {enabled: true, criticalSlotShare: 0.25}\n"
 SLOTS_HALF_CONFIG = OBJECTIVES + "  flowControl: {enabled: true, criticalSlotShare: 0.5}\n"
+# the same with the pods' capacity given (their --max-num-seqs), not learned
+SLOTS_HALF_KNOWN_CONFIG = OBJECTIVES + ("  flowControl: {enabled: true, criticalSlotShare: 0.5, "
+                                        "maxRunningPerPod: MAX_NUM_SEQS}\n")
 PICKERS = (("flow-control", FLOW_CONFIG), ("flow-control-holdback", HOLDBACK_CONFIG),
            ("flow-control-slots", SLOTS_CONFIG), ("flow-control-slots-half", SLOTS_HALF_CONFIG),
-           ("default-admission", OBJECTIVES))
+           ("flow-control-slots-half-known", SLOTS_HALF_KNOWN_CONFIG), ("default-admission", OBJECTIVES))
 MIX = (("critical", "", 0.2), ("standard", "", 0.5), ("sheddable", "", 0.3))
 # 10:1, both above half the capacity (each backlogged: fair turns can only show when both wait)
 TENANTS = (("standard", "tenant-a", 10.0), ("standard", "tenant-b", 1.0))
@@ -71,7 +74,7 @@ PHASES = (("nominal", 0.5, MIX), ("overload", 2.0, MIX), ("tenants", 6.6, TENANT
 PRIORITY_OBJECTIVE = {"critical": "critical", "standard": None, "sheddable": "batch"}
 OBJECTIVE_KIND = {objective: kind for kind, objective in PRIORITY_OBJECTIVE.items()}
 PROFILE = "llama3-8b-h100"
-MAX_NUM_SEQS = 4
+MAX_NUM_SEQS = 8
 PROMPT_WORDS, MAX_TOKENS = 200, 96
 TIME_SCALE = 0.5  # model seconds per reported second, in both modes
 DRAIN_S = 3.0  # live: pause between phases
@@ -85,13 +88,15 @@ class OverloadSpec:
     pickers: tuple[str, ...] = tuple(name for name, _ in PICKERS)
     seed: int = 0
     repeats: int = 10  # fast: seeds run (the first one's figures in full, the spread of all)
+    max_num_seqs: int = MAX_NUM_SEQS  # each pod's batch (vLLM --max-num-seqs)
 
     def chosen(self) -> list[tuple[str, str]]:
         unknown = set(self.pickers) - {name for name, _ in PICKERS}
         if unknown:
             raise ValueError(f"unknown overload picker(s) {', '.join(sorted(unknown))}; choose from "
                              f"{', '.join(name for name, _ in PICKERS)}")
-        return [(name, config) for name, config in PICKERS if name in self.pickers]
+        return [(name, config.replace("MAX_NUM_SEQS", str(self.max_num_seqs))) for name, config in PICKERS
+                if name in self.pickers]
 
 
 @dataclass
@@ -172,19 +177,22 @@ def admission_section(config_text: str) -> AdmissionConfig:
 
 # --- fast mode --------------------------------------------------------------------------------------------------
 
-def fast_trace(rate: float, seconds: float, kinds: Sequence[tuple[str, str, float]], seed: int) -> Trace:
-    """The phase's arrivals in model time (rate and duration in reported seconds)."""
+def fast_trace(rate: float, seconds: float, kinds: Sequence[tuple[str, str, float]], seed: int, *,
+               start: float = 0.0, before: tuple[TraceRequest, ...] = ()) -> Trace:
+    """The phase's arrivals in model time (rate, duration and `start` in reported seconds), after the requests
+    of the phases `before` it."""
     requests = tuple(
-        TraceRequest(i, at * TIME_SCALE, MAX_TOKENS, messages=(("user", text),), objective=PRIORITY_OBJECTIVE[kind],
-                     tenant=tenant or None)
+        TraceRequest(len(before) + i, (start + at) * TIME_SCALE, MAX_TOKENS, messages=(("user", text),),
+                     objective=PRIORITY_OBJECTIVE[kind], tenant=tenant or None)
         for i, (at, kind, tenant, text) in enumerate(arrivals(rate, seconds, kinds, seed)))
-    return Trace("overload", seed, rate / TIME_SCALE, requests)
+    return Trace("overload", seed, rate / TIME_SCALE, before + requests)
 
 
-def fast_config(pods: int, admission: AdmissionConfig | None, seed: int) -> FastConfig:
+def fast_config(pods: int, admission: AdmissionConfig | None, seed: int,
+                max_num_seqs: int = MAX_NUM_SEQS) -> FastConfig:
     """The live fleet in simulated time: its pods, picker serve's adaptive scrape cadence and the queue TTL in
     model seconds."""
-    profile = replace(get_profile(PROFILE), max_num_seqs=MAX_NUM_SEQS)
+    profile = replace(get_profile(PROFILE), max_num_seqs=max_num_seqs)
     if admission is not None:
         flow = admission.flow_control.model_copy(update={"queue_ttl": admission.flow_control.queue_ttl * TIME_SCALE})
         admission = admission.model_copy(update={"flow_control": flow})
@@ -194,16 +202,17 @@ def fast_config(pods: int, admission: AdmissionConfig | None, seed: int) -> Fast
                       admission_config=admission)
 
 
-def fast_capacity(pods: int, seed: int, requests: int = 400) -> float:
+def fast_capacity(pods: int, seed: int, requests: int = 400, max_num_seqs: int = MAX_NUM_SEQS) -> float:
     """Completions per reported second of the fleet when every request is there at once (round-robin)."""
-    trace = saturating(fast_trace(1.0, requests, MIX, seed))
-    res = run_fast(trace, "round-robin", fast_config(pods, None, seed))
+    trace = saturating(fast_trace(1.0, max(requests, 25 * pods * max_num_seqs), MIX, seed))
+    res = run_fast(trace, "round-robin", fast_config(pods, None, seed, max_num_seqs))
     served = sum(1 for s in res.status if s == OK)
     return served / (res.duration_s / TIME_SCALE)
 
 
-def fast_shots(trace: Trace, strategy_config: str, pods: int, seed: int) -> list[Shot]:
-    res = run_fast(trace, "picker", fast_config(pods, admission_section(strategy_config), seed))
+def fast_shots(trace: Trace, strategy_config: str, pods: int, seed: int,
+               max_num_seqs: int = MAX_NUM_SEQS) -> list[Shot]:
+    res = run_fast(trace, "picker", fast_config(pods, admission_section(strategy_config), seed, max_num_seqs))
     shots = []
     for r in trace.requests:
         i = r.index
@@ -231,15 +240,29 @@ def run_fast_overload(spec: OverloadSpec) -> dict[str, Any]:
 
 
 def fast_overload_once(spec: OverloadSpec, seed: int) -> dict[str, Any]:
-    cap = fast_capacity(spec.pods, seed)
-    results: dict[str, Any] = {"seed": seed, "pods": spec.pods, "phase_s": spec.phase_s, "max_num_seqs": MAX_NUM_SEQS,
-                               "capacity_rps": cap}
+    cap = fast_capacity(spec.pods, seed, max_num_seqs=spec.max_num_seqs)
+    results: dict[str, Any] = {"seed": seed, "pods": spec.pods, "phase_s": spec.phase_s,
+                               "max_num_seqs": spec.max_num_seqs, "capacity_rps": cap}
     for name, config in spec.chosen():
-        results[name] = {
-            phase: phase_result(fast_shots(fast_trace(load * cap, spec.phase_s, kinds, seed + n), config,
-                                           spec.pods, seed), phase)
-            for n, (phase, load, kinds) in enumerate(PHASES)}
+        results[name] = fast_phases(spec, config, cap, seed)
     return results
+
+
+def fast_phases(spec: OverloadSpec, config: str, cap: float, seed: int) -> dict[str, Any]:
+    """The phases one after another on one fleet and one picker, as the live run has them (what the picker
+    learned in one phase, pods' capacities included, carries into the next): a phase begins DRAIN_S after the
+    last answer of the one before, found by replaying the phases so far (each replay repeats the last exactly)."""
+    requests: tuple[TraceRequest, ...] = ()
+    spans: list[tuple[str, int, int]] = []
+    start = 0.0
+    shots: list[Shot] = []
+    for n, (phase, load, kinds) in enumerate(PHASES):
+        trace = fast_trace(load * cap, spec.phase_s, kinds, seed + n, start=start, before=requests)
+        spans.append((phase, len(requests), len(trace.requests)))
+        requests = trace.requests
+        shots = fast_shots(trace, config, spec.pods, seed, spec.max_num_seqs)
+        start = max(s.done or s.sent for s in shots) + DRAIN_S
+    return {phase: phase_result(shots[first:end], phase) for phase, first, end in spans}
 
 
 def critical_ratio(phases: dict[str, Any]) -> float | None:
@@ -294,7 +317,7 @@ async def open_loop(url: str, rate: float, seconds: float, kinds: Sequence[tuple
     return shots
 
 
-async def live_capacity(url: str, pods: int, seconds: float) -> float:
+async def live_capacity(url: str, slots: int, seconds: float) -> float:
     """Completions per second of a closed loop that keeps every pod's batch full and a queue behind it."""
     rng = random.Random(0)
     done = 0
@@ -308,7 +331,7 @@ async def live_capacity(url: str, pods: int, seconds: float) -> float:
             done += shot.status == 200
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         began = time.monotonic()
-        await asyncio.gather(*(worker(session) for _ in range(pods * MAX_NUM_SEQS * 3)))
+        await asyncio.gather(*(worker(session) for _ in range(slots * 3)))
         return done / (time.monotonic() - began)
 
 
@@ -316,9 +339,9 @@ async def run_live_overload(spec: OverloadSpec) -> dict[str, Any]:
     from picker.supervisor import process_scope, start_envoy, start_picker, start_sim
 
     with process_scope("overload") as (logdir, started):
-        sim = start_sim(spec.pods, logdir, time_scale=TIME_SCALE, extra=["--max-num-seqs", str(MAX_NUM_SEQS)])
+        sim = start_sim(spec.pods, logdir, time_scale=TIME_SCALE, extra=["--max-num-seqs", str(spec.max_num_seqs)])
         started.append(sim.process)
-        results: dict[str, Any] = {"pods": spec.pods, "phase_s": spec.phase_s, "max_num_seqs": MAX_NUM_SEQS}
+        results: dict[str, Any] = {"pods": spec.pods, "phase_s": spec.phase_s, "max_num_seqs": spec.max_num_seqs}
         for name, config in spec.chosen():
             picker = start_picker(logdir, endpoints=sim.addresses, name=f"picker-{name}",
                                   extra=["--config-text", config])
@@ -326,7 +349,8 @@ async def run_live_overload(spec: OverloadSpec) -> dict[str, Any]:
             envoy = start_envoy(logdir, picker, sim.addresses, name=f"envoy-{name}")
             started.append(envoy.process)
             url = envoy.url + "/v1/chat/completions"
-            cap = results.setdefault("capacity_rps", await live_capacity(url, spec.pods, spec.calibrate_s))
+            cap = results.setdefault("capacity_rps", await live_capacity(url, spec.pods * spec.max_num_seqs,
+                                                                         spec.calibrate_s))
             phases = {}
             for n, (phase, load, kinds) in enumerate(PHASES):
                 print(f"overload live: {name}: {phase} at {load:g} x {cap:.1f} req/s for {spec.phase_s:g} s",
@@ -357,7 +381,7 @@ def run_overload(spec: OverloadSpec, modes: Sequence[str], out: Path) -> dict[st
 def report(spec: OverloadSpec, results: dict[str, Any]) -> str:
     lines = ["# Overload", ""]
     for mode, r in results.items():
-        lines += [f"## {mode}: capacity {r['capacity_rps']:.2f} req/s, {spec.pods} pods x {MAX_NUM_SEQS} sequences, "
+        lines += [f"## {mode}: capacity {r['capacity_rps']:.2f} req/s, {spec.pods} pods x {spec.max_num_seqs} sequences, "
                   f"{spec.phase_s:g} s phases", "",
                   "| picker | phase | critical TTFT p95 | standard TTFT p95 | 429 answered p99 | statuses | hung |",
                   "|---|---|---|---|---|---|---|"]
