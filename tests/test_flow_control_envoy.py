@@ -72,10 +72,15 @@ async def post(session: aiohttp.ClientSession, stack: FlowStack, objective: str 
 
 
 async def saturate(stack: FlowStack, waiting: int) -> None:
+    """Set the pod's queue and wait until the picker has scraped it: two scrapes after the change (the first may
+    have begun before it), and the pool gauge (refreshed every second) showing it."""
+    scrapes = (await series(stack)).get("picker_model_server_scrapes_total", 0)
     set_pod(stack, waiting=waiting)
 
     async def seen() -> bool:
-        return (await series(stack)).get("llm_d_epp_average_queue_size", -1) == waiting
+        now = await series(stack)
+        return (now.get("picker_model_server_scrapes_total", 0) >= scrapes + 2
+                and now.get("llm_d_epp_average_queue_size", -1) == waiting)
     await eventually_async(seen, "the picker scraped the pod's queue", within=10)
 
 
@@ -114,6 +119,48 @@ async def test_queued_requests_are_served_when_the_pod_shows_room(flow: FlowStac
     dispatched = "llm_d_epp_flow_control_requests_total{Dispatched}"
     assert after[dispatched] - before.get(dispatched, 0) == 5
     assert after.get("llm_d_epp_flow_control_queue_size", 0) == 0
+
+
+async def test_waiters_go_by_priority_then_by_turns_between_tenants(flow: FlowStack) -> None:
+    """Queued on a full pod: 20 standard requests of tenant-a, then 4 of tenant-b, then 3 critical ones. Once the
+    pod shows room, the critical ones are served first, then the tenants take turns: tenant-b's four come among
+    the first eight standard ones (first come first served would put them last), and nothing outwaits the TTL."""
+    await saturate(flow, 20)
+    order: list[str] = []
+
+    async def send(session: aiohttp.ClientSession, label: str, headers: dict[str, str]) -> int:
+        async with session.post(flow.envoy.url + "/v1/completions", json={"model": "tiny", "prompt": label},
+                                headers=headers) as response:
+            await response.read()
+            order.append(label)
+            return response.status
+
+    async with aiohttp.ClientSession() as session:
+        tasks = []
+        for tenant, count in (("tenant-a", 20), ("tenant-b", 4)):
+            for i in range(count):
+                tasks.append(asyncio.create_task(send(session, f"{tenant} {i}",
+                                                      {"x-llm-d-inference-fairness-id": tenant})))
+            size = len(tasks)
+
+            async def queued(size: int = size) -> bool:  # in this order: tenant-a's first
+                return (await series(flow)).get("llm_d_epp_flow_control_queue_size", 0) == size
+            await eventually_async(queued, f"{size} queued", within=5)
+        for i in range(3):
+            tasks.append(asyncio.create_task(send(session, f"critical {i}",
+                                                  {"x-gateway-inference-objective": "interactive"})))
+
+        async def all_queued() -> bool:
+            return (await series(flow)).get("llm_d_epp_flow_control_queue_size", 0) == 27
+        await eventually_async(all_queued, "27 queued", within=5)
+        set_pod(flow, waiting=0)
+        statuses = await asyncio.gather(*tasks)
+    assert statuses == [200] * 27  # served, none past the 1.5 s TTL
+    # a wave of dispatches may finish in any order: the first three answers are the critical ones, give or take
+    # the wave they went in (the pool lets about five through before its level is full again)
+    assert sum(label.startswith("critical") for label in order[:5]) == 3, order
+    standard = [label for label in order if not label.startswith("critical")]
+    assert sum(label.startswith("tenant-b") for label in standard[:10]) == 4, order
 
 
 async def test_a_tenant_past_its_token_budget_gets_429_and_another_tenant_does_not() -> None:

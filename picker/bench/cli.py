@@ -37,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="routing: the workloads and strategies below (default); mixed-models: two base models on disjoint sim "
       "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply); "
       "overload: flow control at 0.5x, 2x and 6.6x the fleet's capacity (--mode fast: seconds, live: ~20 min; "
-      "--strategies picks the pickers, --phase, --pods, --seed and --repeats apply)")
+      "--strategies picks the pickers, --phase, --pods, --max-num-seqs, --seed and --repeats apply)")
     a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
+    a("--max-num-seqs", type=int, default=None, help="--scenario overload: sequences per pod (default 8)")
     a("--engine", choices=("sim", "vllm"), default="sim",
       help="sim: the simulator (default); vllm: real vLLM CPU servers (make bench-real; ~40 minutes)")
     a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers (default 3); "
@@ -211,10 +212,11 @@ def run_mixed_models(args: argparse.Namespace, out: Path) -> int:
 
 def run_overload(args: argparse.Namespace, mode: str, out: Path) -> int:
     """`--scenario overload` (picker.bench.overload)."""
-    from picker.bench.overload import PICKERS, OverloadSpec, run_overload
+    from picker.bench.overload import MAX_NUM_SEQS, PICKERS, OverloadSpec, run_overload
 
     spec = OverloadSpec(pods=args.pods or 2, phase_s=args.phase or 40.0, seed=args.seed, repeats=args.repeats or 10,
-                        pickers=args.strategies or tuple(name for name, _ in PICKERS))
+                        pickers=args.strategies or tuple(name for name, _ in PICKERS),
+                        max_num_seqs=args.max_num_seqs or MAX_NUM_SEQS)
     try:
         run_overload(spec, ("fast", "live") if mode == "both" else (mode,), out)
     except ValueError as exc:
