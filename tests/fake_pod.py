@@ -22,6 +22,7 @@ class FakePod:
         self.waiting = 0
         self.running = 0
         self.hits = 0
+        self.tokenized = 0  # POST /tokenize calls
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -35,9 +36,17 @@ class FakePod:
             f'vllm:num_requests_running{{engine="1",model_name="tiny"}} {self.running}\n'
         return web.Response(text=text, content_type="text/plain")
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """A word per token, its id the word's length (enough to tell prompts apart)."""
+        self.tokenized += 1
+        body = await request.json()
+        text = body.get("prompt") or " ".join(m["content"] for m in body.get("messages", []))
+        return web.json_response({"tokens": [len(w) for w in text.split()], "count": len(text.split())})
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)

@@ -7,17 +7,20 @@ tokenizes completions prompts with the tokenizer's own special tokens. No call l
 `PodTokenizer` asks a pod's `POST /tokenize` instead (vLLM and `picker sim` serve it): the pod renders with its own
 template, so the ids are exactly those it caches, but every request costs the pod a tokenization in its API
 server and the decision a round trip (README, "What the picker costs the pods"); the call is bounded (`timeout`)
-and never fails a request. Either way a completions prompt given as token ids is taken as it is, and without ids
+and never fails a request, and its answers are kept (`TokenCache`), so a request the picker has seen before (a
+retry, a fixed prompt) costs the pod nothing. Either way a completions prompt given as token ids is taken as it is, and without ids
 a request is routed on the approximate index.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,14 +54,49 @@ def given_token_ids(prompt: Any) -> list[int] | None:
     return None
 
 
+class TokenCache:
+    """Token ids by a digest of what was tokenized, least recently used first out, bounded by the tokens held
+    (4 bytes each)."""
+
+    def __init__(self, max_tokens: int = 1 << 21) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._entries: OrderedDict[bytes, array[int]] = OrderedDict()
+
+    @staticmethod
+    def key(body: bytes) -> bytes:
+        return hashlib.blake2b(body, digest_size=16).digest()
+
+    def get(self, key: bytes) -> list[int] | None:
+        ids = self._entries.get(key)
+        if ids is None:
+            return None
+        self._entries.move_to_end(key)
+        return ids.tolist()
+
+    def put(self, key: bytes, ids: list[int]) -> None:
+        if len(ids) > self.max_tokens or key in self._entries:
+            return
+        try:
+            packed = array("I", ids)
+        except OverflowError:  # an id past 32 bits (none known): not kept
+            return
+        self._entries[key] = packed
+        self.tokens += len(packed)
+        while self.tokens > self.max_tokens:
+            _, old = self._entries.popitem(last=False)
+            self.tokens -= len(old)
+
+
 class PodTokenizer:
     """`POST /tokenize` on the least busy candidate (the pods of a model share its tokenizer)."""
 
-    def __init__(self, *, timeout: float = 0.1, scheme: str = "http") -> None:
+    def __init__(self, *, timeout: float = 0.1, scheme: str = "http", cache: TokenCache | None = None) -> None:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.scheme = scheme
         self._session: aiohttp.ClientSession | None = None
         self.failures = 0
+        self.cache = cache if cache is not None else TokenCache()
 
     async def token_ids(self, request: InferenceRequest,
                         candidates: Callable[[], Sequence[Endpoint]]) -> list[int] | None:
@@ -68,13 +106,17 @@ class PodTokenizer:
         direct = given_token_ids(given.get("prompt"))
         if direct is not None:
             return direct
+        body = json.dumps({"model": request.target_model or request.model, **given}).encode()
+        key = self.cache.key(body)
+        known = self.cache.get(key)
+        if known is not None:
+            return known
         pods = candidates()
         if not pods:
             return None
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         pod = min(pods, key=lambda e: e.in_flight)
-        body = json.dumps({"model": request.target_model or request.model, **given}).encode()
         try:
             async with self._session.post(f"{self.scheme}://{pod.address}/tokenize", data=body, timeout=self.timeout,
                                           headers={"content-type": "application/json"}) as response:
@@ -87,8 +129,9 @@ class PodTokenizer:
                 log.info("tokenizing on %s failed (%s; %d so far): routed on the approximate index",
                          pod.address, exc or type(exc).__name__, self.failures)
             return None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
             return None
+        self.cache.put(key, tokens)
         return tokens
 
     async def close(self) -> None:
