@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -55,6 +55,10 @@ scrape-cost: install
 # Where the approximate prefix index is wrong (bypass, two pickers, misreported KV) and what KV events buy (fast, ~3 min).
 precise-scenarios: install
 	$(BIN)/python bench/precise_scenarios.py $(ARGS)
+
+# Fuzzy prefix matching (MinHash-LSH) with and without, prompts differing early and late (fast mode, ~20 s).
+fuzzy-prefix: install
+	$(BIN)/python bench/fuzzy_prefix.py $(ARGS)
 
 # The precise view against one real vLLM CPU server's KV events (~3 minutes).
 kv-events-real: install

@@ -42,7 +42,7 @@ from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
 from picker.prefix.precise import PrecisePrefix
 from picker.saturation import SaturationThresholds
-from picker.scheduling import filters, picker, predicted, profiles, reference_plugins, scorers
+from picker.scheduling import filters, fuzzy, picker, predicted, profiles, reference_plugins, scorers
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import (
     Filter,
@@ -128,6 +128,19 @@ DEFAULT_CONFIG: dict[str, Any] = {
     ],
 }
 
+def with_scorer(config: dict[str, Any], plugin_type: str, weight: float,
+                parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of `config` with one more scorer, of `plugin_type`, at `weight` in every profile (before the
+    picker): how an opt-in scorer is tried on top of the defaults."""
+    out = copy.deepcopy(config)
+    out["plugins"].append({"type": plugin_type, "name": plugin_type, **({"parameters": parameters} if parameters
+                                                                        else {})})
+    for profile in out["schedulingProfiles"]:
+        plugins = profile["plugins"]
+        plugins.insert(len(plugins) - 1, {"pluginRef": plugin_type, "weight": weight})
+    return out
+
+
 # Route on predicted time to first token (picker/scheduling/predicted.py): the pod predicted to start streaming
 # soonest wins; the prefix and load scorers, with small weights, only break its ties; LoRA affinity still counts.
 # Opt-in for now (`scheduling:` in --config-file); bench/README.md has it against the defaults.
@@ -150,8 +163,8 @@ PREDICTED_TTFT_CONFIG: dict[str, Any] = {
 
 # Every plugin type a config may name, each with the factory that decodes its parameters.
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
-    f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *picker.FACTORIES,
-                             *profiles.FACTORIES, *reference_plugins.FACTORIES)
+    f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
+                             *picker.FACTORIES, *profiles.FACTORIES, *reference_plugins.FACTORIES)
 }
 
 
