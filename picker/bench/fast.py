@@ -9,7 +9,8 @@ A scrape is not free for a real vLLM: it holds the pod's API server for `scrape_
 measures ~5-7 ms of CPU per scrape on vLLM 0.32), and that loop is the one that takes in requests and streams
 tokens. So each scrape delays the pod's next request intake and first token by that much (0: a free scrape).
 
-Events, in time order (ties: deliveries, then arrivals, then intakes, then steps, then scrapes, then samples):
+Events, in time order (ties: deliveries, placements, arrivals, intakes, steps, scrapes, samples, restarts,
+expiries):
 - arrival: build the request (a follow-up gets its parent's answer), admit, schedule, hand it to the pod;
 - intake: the pod's API server passes a request on to its engine (at once unless scrapes hold it);
 - step: the pod runs one batch; its outputs are delivered when the batch ends;

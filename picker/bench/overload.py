@@ -2,11 +2,12 @@
 requests' first tokens fast, refuse sheddable ones at once, share the pool fairly between tenants, and never let a
 request hang?
 
-The fleet: 2 pods of the llama3-8b-h100 profile with `--max-num-seqs 4` (a pod queues early). The pickers, each in
-turn on the same phases: flow control on; flow control holding room back for critical requests (standardCeiling
-0.2); flow control holding a quarter, or half, of the pods' running slots for critical requests (criticalSlotShare
-0.25 / 0.5, capacities learned from the pods' metrics); the default admission (sheddable shed when saturated, the
-rest routed). The fleet's capacity is measured first (a saturating load), then for each picker:
+The fleet: 2 pods of the llama3-8b-h100 profile with 8 sequences each (`--pods`, `--max-num-seqs`). The pickers,
+each in turn on the same phases: flow control on; flow control holding room back for critical requests
+(standardCeiling 0.2); flow control holding a quarter, or half, of the pods' running slots for critical requests
+(criticalSlotShare 0.25 / 0.5, capacities learned from the pods' metrics); the half with the pods' capacity given
+(maxRunningPerPod = their sequences); the default admission (sheddable shed when saturated, the rest routed). The
+fleet's capacity is measured first (a saturating load), then each picker gets, in this order on the same fleet:
   - nominal: 0.5 x capacity, 20 % critical (objective priority 5), 50 % standard (0), 30 % sheddable (-1);
   - overload: 2 x capacity, the same mix;
   - tenants: 6.6 x capacity of standard requests from two fairness ids at 10:1 (6 x and 0.6 x: both above the
