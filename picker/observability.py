@@ -30,6 +30,7 @@ from picker.requests import InferenceRequest, Usage
 
 if TYPE_CHECKING:
     from picker.flowcontrol.controller import FlowController
+    from picker.kvevents.relay import RelayStats
     from picker.kvevents.subscriber import SubscriberStats
     from picker.prefix.precise import PreciseIndex
     from picker.prefix.shared import SyncStats
@@ -525,6 +526,10 @@ class PickerMetrics:
         """Export the KV-event subscriber's counters and each pod's precise view, read at scrape time."""
         self.registry.register(_KVEventsCollector(stats, index, clock))
 
+    def watch_kv_relay(self, stats: RelayStats) -> None:
+        """Export the KV-event relay's counters (bind mode with a shared index), read at scrape time."""
+        self.registry.register(_KVRelayCollector(stats))
+
     def forget_pod(self, endpoint: Endpoint) -> None:
         for gauge in (self.pod_queue, self.in_flight, self.ttft_predicted, self.ttft_observed):
             with contextlib.suppress(KeyError):
@@ -706,6 +711,21 @@ class _KVEventsCollector(Collector):
             fresh.add_metric([address], 1.0 if self.index.fresh(address, now) else 0.0)
         yield blocks
         yield fresh
+
+
+class _KVRelayCollector(Collector):
+    def __init__(self, stats: RelayStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        relayed = CounterMetricFamily("picker_kv_events_relayed", "KV-event messages shared with the other replicas "
+                                      "through Redis: sent (heard by this replica's socket), received (another's), "
+                                      "dropped (queued while Redis was away, past the bound).", labels=["direction"])
+        for direction in ("sent", "received", "dropped"):
+            relayed.add_metric([direction], getattr(self.stats, direction))
+        yield relayed
+        yield CounterMetricFamily("picker_kv_events_relay_errors", "Failed reads and writes of the KV-event relay's "
+                                  "Redis stream (each retried).", value=self.stats.errors)
 
 
 def _otlp_value(value: object) -> dict[str, object]:

@@ -37,11 +37,12 @@ from picker.endpoints.model_listing import ModelListings
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.extproc.servicer import ExtProcServicer
+from picker.kvevents.relay import EventRelay
 from picker.logformat import configure_logging
 from picker.model_rewrite import ModelRewrites, configured_rules
 from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics
-from picker.policy import build_flow_control, build_policy, scrape_listener, start_monitor
+from picker.policy import build_flow_control, build_policy, index_namespace, scrape_listener, start_monitor
 from picker.prefix.precise import PreciseIndex
 from picker.prefix.tokens import LocalTokenizer, PodTokenizer, PromptTokenizer
 from picker.tls import certificate_hosts, server_credentials
@@ -130,6 +131,7 @@ class PickerServer:
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view
         self._http_server: WSGIServer | None = None
         self.kv_events: KVEventSubscriber | None = None
+        self.kv_relay: EventRelay | None = None
         await self._start_endpoint_sources(c)
         policy = build_policy(c, self.metrics)
         self.scheduler = policy.scheduler
@@ -228,8 +230,13 @@ class PickerServer:
         if c.kv_events_port:  # connect mode: one reader per pod of the pool
             for endpoint in self.pool.all():
                 events.follow(endpoint.address, endpoint.ip, c.kv_events_port)
-        else:
-            self.supervise(asyncio.create_task(events.run(), name="kv-events"))
+            return
+        self.supervise(asyncio.create_task(events.run(), name="kv-events"))
+        if c.index_backend == "redis":  # bind mode with replicas: each hears some pods, the relay gives it all
+            relay = self.kv_relay = EventRelay(c.redis_url, index_namespace(c), events.receive_relayed)
+            events.relay = relay.relay
+            self.metrics.watch_kv_relay(relay.stats)
+            relay.start()
 
     def _start_model_listings(self, c: cfg.ServeConfig) -> None:
         """Read every pod's /v1/models on a slow timer, and a joining pod's at once."""
@@ -332,6 +339,8 @@ class PickerServer:
             await self.tokenizer.close()
         if self.kv_events is not None:
             await self.kv_events.stop()
+        if self.kv_relay is not None:
+            await self.kv_relay.stop()
 
 
 async def serve(config: cfg.ServeConfig) -> None:

@@ -22,6 +22,7 @@ from picker.supervisor import (
     Backends,
     Envoy,
     Picker,
+    Valkey,
     free_port,
     process_scope,
     start_envoy,
@@ -146,4 +147,52 @@ def test_every_replica_follows_every_pod_when_the_pods_bind() -> None:
         served = [complete(fleet.envoy.url, prefix + f" question {i}") for i in range(8)]
         assert all(s["cached"] >= 0.8 * (s["prompt"] - 16) for s in served), served
         routed = [routed_requests(r) for r in fleet.pickers]
+        assert all(n > 0 for n in routed), routed  # both replicas routed some of them
+
+
+def test_replicas_bound_for_events_share_them_through_redis(valkey: Valkey) -> None:
+    """Bind mode with two replicas and `--index-backend redis`: the pods' publishers reach replica A alone (as a
+    Service would send each to one replica); A relays what it hears through Valkey, so B's view has the prefix
+    warmed around both, and whichever replica routes a request finds it."""
+    rng = random.Random(6)
+    with process_scope("precise-relay") as (logdir, started):
+        grpc_port, health_port, events_port, replay = free_port(), free_port(), free_port(), free_port()
+        hosts = ("127.0.0.50", "127.0.0.51")
+        pods = []
+        for i in range(2):
+            sim = start_sim(1, logdir, host=f"127.0.0.{60 + i}", name=f"sim-{i}", extra=[
+                *SIM_FLAGS, "--kv-events-endpoint", f"tcp://{hosts[0]}:{events_port}",
+                "--kv-events-replay-port-base", str(replay)])
+            started.append(sim.process)
+            pods.append(sim)
+        addresses = [a for p in pods for a in p.addresses]
+        replicas = []
+        for i, host in enumerate(hosts):
+            replicas.append(start_picker(logdir, endpoints=addresses, name=f"picker-relay-{i}", host=host,
+                                         grpc_port=grpc_port, health_port=health_port, extra=[
+                                             "--kv-events-endpoint", f"tcp://{host}:{events_port}",
+                                             "--kv-events-replay-port", str(replay), "--index-backend", "redis",
+                                             "--redis-url", valkey.url, "--index-namespace", "relay-test"]))
+            started.append(replicas[-1].process)
+        envoy = start_envoy(logdir, replicas, addresses, name="envoy-relay")
+        started.append(envoy.process)
+        warm = addresses[1]
+        prefix = " ".join(rng.choice(WORDS) for _ in range(600))
+
+        def warmed(replica: Picker) -> bool:
+            complete(f"http://{warm}", prefix + " warm-up")
+            return series(replica, "picker_precise_blocks").get(warm, 0) > 20
+
+        for replica in replicas:  # B hears nothing itself: its view comes through the relay
+            wait_until(functools.partial(warmed, replica), 20, f"the warm pod's KV events in {replica.host}'s view",
+                       replica.process.proc)
+        assert series(replicas[1], "picker_kv_events_batches").get(warm, 0) > 0
+        relayed = [{s.labels["direction"]: s.value for family in text_string_to_metric_families(
+            urllib.request.urlopen(f"http://{r.host}:{r.metrics_port}/metrics", timeout=5).read().decode())
+            for s in family.samples if s.name == "picker_kv_events_relayed_total"} for r in replicas]
+        # A's view came from its socket and went on to B; B's socket heard nothing
+        assert relayed[0]["sent"] > 0 and relayed[1]["received"] > 0 and relayed[1]["sent"] == 0, relayed
+        served = [complete(envoy.url, prefix + f" question {i}") for i in range(8)]
+        assert all(s["cached"] >= 0.8 * (s["prompt"] - 16) for s in served), served
+        routed = [routed_requests(r) for r in replicas]
         assert all(n > 0 for n in routed), routed  # both replicas routed some of them

@@ -111,6 +111,8 @@ class KVEventSubscriber:
         self._socket: zmq.asyncio.Socket | None = None
         self.bound = asyncio.Event()  # set once the socket listens (tests wait on it)
         self._followed: dict[str, asyncio.Task[None]] = {}  # connect mode: pod address -> its reader
+        # bind mode with replicas: where the messages this socket receives go for the other replicas (relay.py)
+        self.relay: Callable[[list[bytes]], None] | None = None
 
     def _sub_socket(self) -> zmq.asyncio.Socket:
         socket = self._ctx.socket(zmq.SUB)
@@ -162,18 +164,28 @@ class KVEventSubscriber:
             self._socket = None
 
     async def receive(self, frames: list[bytes]) -> None:
-        """One message as it came off the socket."""
+        """One message as it came off the socket; the other replicas get it too (with a relay)."""
+        if await self._receive(frames) and self.relay is not None:
+            self.relay(frames)
+
+    async def receive_relayed(self, frames: list[bytes]) -> None:
+        """One message another replica's socket received."""
+        await self._receive(frames)
+
+    async def _receive(self, frames: list[bytes]) -> bool:
+        """Apply a message in its pod's order; False when it is malformed or names no pod of the pool."""
         try:
             batch = decode_message(frames)
         except MalformedEvent as exc:
             self._malformed(exc)
-            return
+            return False
         host = topic_host(batch.topic)
         address = self.pod_of(host) if host is not None else None
         if address is None:
             self.stats.unknown_topic += 1
-            return
+            return False
         await self._in_order(address, host or "", batch)
+        return True
 
     async def _in_order(self, address: str, host: str, batch: EventBatch) -> None:
         expected = self.next_seq.get(address)
