@@ -8,8 +8,8 @@ tokenizes completions prompts with the tokenizer's own special tokens. No call l
 template, so the ids are exactly those it caches, but every request costs the pod a tokenization in its API
 server and the decision a round trip (README, "What the picker costs the pods"); the call is bounded (`timeout`)
 and never fails a request, and its answers are kept (`TokenCache`), so a request the picker has seen before (a
-retry, a fixed prompt) costs the pod nothing. Either way a completions prompt given as token ids is taken as it is, and without ids
-a request is routed on the approximate index.
+retry, a fixed prompt) costs the pod nothing. Either way a completions prompt given as token ids is taken as it
+is, and without ids a request is routed on the approximate index.
 """
 
 from __future__ import annotations
