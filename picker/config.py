@@ -405,6 +405,10 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
         notes.append(f"admission.flowControl.queueTtl {fc.queue_ttl:g}s is not below the {TEMPLATE_MESSAGE_TIMEOUT:g}s "
                      "ext_proc message_timeout of our Envoy templates: render Envoy with a longer one "
                      "(picker envoy-config --message-timeout, --queue-ttl) or queued requests fail open")
+    if fc.enabled and fc.critical_slot_share and not fc.max_running_per_pod and notes is not None:
+        notes.append("admission.flowControl.criticalSlotShare without maxRunningPerPod: the pods' capacities are "
+                     "learned from their queues, which can take a partly used pod for full; give maxRunningPerPod "
+                     "(the pods' --max-num-seqs)")
     if config.index_backend == "redis" and not config.redis_url:
         raise ConfigError("--index-backend redis needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
     return config

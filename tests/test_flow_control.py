@@ -210,6 +210,14 @@ def test_envoy_config_and_the_picker_keep_the_queue_ttl_below_envoys_message_tim
     resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-text",
                                "admission: {flowControl: {enabled: true, queueTtl: 6s}}"]), notes)
     assert len(notes) == 1 and "queueTtl 6s is not below the 5s ext_proc message_timeout" in notes[0]
+    notes.clear()
+    resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-text",
+                               "admission: {flowControl: {enabled: true, criticalSlotShare: 0.5}}"]), notes)
+    assert len(notes) == 1 and "criticalSlotShare without maxRunningPerPod" in notes[0]
+    notes.clear()
+    resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-text", "admission: {flowControl: "
+                               "{enabled: true, criticalSlotShare: 0.5, maxRunningPerPod: 8}}"]), notes)
+    assert notes == []
 
 
 async def test_room_above_the_standard_ceiling_is_held_back_for_critical_requests() -> None:
