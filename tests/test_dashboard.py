@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import FlowController, FlowSettings
+from picker.kvevents.relay import RelayStats
 from picker.kvevents.subscriber import SubscriberStats
 from picker.metric_twins import Twin
 from picker.observability import PickerMetrics, ResponseTrace
@@ -57,6 +58,7 @@ def exercised(deprecated_names: bool) -> tuple[PickerMetrics, str]:
     precise.apply(pod.address, [], now=0.0)
     events = SubscriberStats(by_pod={pod.address: 1})
     metrics.watch_kv_events(events, precise, clock=lambda: 1.0)
+    metrics.watch_kv_relay(RelayStats(sent=1))
     return metrics, asyncio.run(_scraped_while_one_waits(flow, metrics))
 
 
