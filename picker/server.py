@@ -38,6 +38,7 @@ from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.extproc.servicer import ExtProcServicer
 from picker.kvevents.relay import EventRelay
+from picker.lifecycle import cancel_all
 from picker.logformat import configure_logging
 from picker.model_rewrite import ModelRewrites, configured_rules
 from picker.model_serving import ModelServing
@@ -320,11 +321,7 @@ class PickerServer:
         self._stopping = True
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(self._tasks)
         await self.server.stop(grace)
         await self.health_server.stop(0)
         if self.shared_index is not None:

@@ -16,7 +16,6 @@ pod unready; the first successful poll asks for it to be ready again. The scrape
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -29,6 +28,7 @@ import aiohttp
 from picker.endpoints.metrics import parse_metrics
 from picker.endpoints.shared_scrape import SharedScrapes, grace
 from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.lifecycle import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +156,7 @@ class MetricsScraper:
         """Stop polling, cancel scrapes in flight, close the session if we opened it."""
         tasks = [t for t in (self._loop_task, *self._inflight.values()) if t is not None]
         self._loop_task = None
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(tasks)
         self._inflight.clear()
         if self._owns_session and self._session is not None:
             await self._session.close()

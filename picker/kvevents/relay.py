@@ -14,7 +14,6 @@ in a bounded queue.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections import deque
@@ -26,6 +25,7 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from picker.lifecycle import cancel_all, close_clients
 from picker.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,9 @@ class EventRelay:
                        asyncio.create_task(self._write_loop(), name="kv-events-relay-write")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(self._tasks)
         self._tasks = []
-        for client in (self._writer, self._reader):
-            with contextlib.suppress(RedisError, OSError):
-                await client.aclose()
+        await close_clients(self._writer, self._reader)
 
     async def _write_loop(self) -> None:
         backoff = Backoff(0.05, 2.0)

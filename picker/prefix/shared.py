@@ -26,6 +26,7 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from picker.lifecycle import cancel_all, close_clients
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.retry import Backoff
 
@@ -203,15 +204,9 @@ class SharedPrefixIndex:
             reader.cancel()
         with contextlib.suppress(TimeoutError, RedisError, OSError):
             await asyncio.wait_for(self._flush_all(), flush_timeout)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(self._tasks)
         self._tasks = []
-        for client in (self._writer, self._reader):
-            with contextlib.suppress(RedisError, OSError):
-                await client.aclose()
+        await close_clients(self._writer, self._reader)
 
     # Publishing ---------------------------------------------------------------------------------------
 
