@@ -36,8 +36,9 @@ class SchedulingContext:
     # With a TTFT objective (request.slo_ttft_s): whether some candidate is predicted to meet it (None: not
     # predicted); the director sheds a sheddable request none can serve in time
     slo_attainable: bool | None = None
-    # plugin name -> what that plugin computed for this request and reads again at `on_picked`
-    state: dict[str, object] = field(default_factory=dict)
+    # plugin name -> what that plugin computed for this request and reads again at `on_picked` (None until a
+    # plugin keeps something: most requests need no dict)
+    state: dict[str, object] | None = None
     # plugin name -> one Detail per scored candidate (aligned with them), read only by Explain and traces
     details: dict[str, Sequence[Detail]] | None = None
 

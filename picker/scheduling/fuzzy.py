@@ -71,9 +71,13 @@ class FuzzyPrefixScorer(Plugin):
         self._pods: OrderedDict[int, str] = OrderedDict()  # band key -> the pod that last took a prompt with it
 
     def _keys(self, ctx: SchedulingContext) -> list[int]:
-        keys = ctx.state.get(self.name)
+        """The request's band keys, computed once (scoring and the pick both need them)."""
+        state = ctx.state
+        if state is None:
+            state = ctx.state = {}
+        keys = state.get(self.name)
         if keys is None:
-            keys = ctx.state[self.name] = self.hasher.band_keys(ctx.request.prompt_text)
+            keys = state[self.name] = self.hasher.band_keys(ctx.request.prompt_text)
         return keys  # type: ignore[return-value]
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
