@@ -22,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replicas import _commit, _ms, _trace, run_parallel, write_report  # noqa: E402
+from replicas import _commit, _trace, oracle_ttft_cells, run_parallel, write_report  # noqa: E402
 
 from picker.bench.fast import FastConfig, run_fast  # noqa: E402
 from picker.bench.prompts import prompt_text  # noqa: E402
@@ -77,9 +77,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     base = {r["variant"]: r["figures"] for r in rows if r["scheduler"] == "defaults"}
     for r in rows:
         f, b = r["figures"], base[r["variant"]]
-        lines.append(f"| {r['variant']} | {r['scheduler']} | {f['hit_rate'] * 100:.1f} % | "
-                     f"{f['oracle_hit_rate'] * 100:.1f} % | {_ms(f['ttft_mean'])} | {_ms(f['ttft_p90'])} | "
-                     f"{f['ttft_p90'] / b['ttft_p90']:.2f} |")
+        lines.append(f"| {r['variant']} | {r['scheduler']} | {f['hit_rate'] * 100:.1f} % | {oracle_ttft_cells(f, b)}")
     return "\n".join(lines) + "\n"
 
 

@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replicas import _commit, _ms, _trace, run_parallel, write_report  # noqa: E402
+from replicas import _commit, _trace, oracle_ttft_cells, run_parallel, write_report  # noqa: E402
 
 from picker.bench.fast import FastConfig, run_fast  # noqa: E402
 from picker.bench.suite import FastSpec, calibrate  # noqa: E402
@@ -85,9 +85,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         f, b = r["figures"], base[(r["workload"], r["scenario"])]
         lines.append(f"| {r['workload']} | {r['scenario']} | {r['mode']} | {f['hit_rate'] * 100:.1f} % "
-                     f"({f['routed_hit_rate'] * 100:.1f} %) | "
-                     f"{f['oracle_hit_rate'] * 100:.1f} % | {_ms(f['ttft_mean'])} | {_ms(f['ttft_p90'])} | "
-                     f"{f['ttft_p90'] / b['ttft_p90']:.2f} |")
+                     f"({f['routed_hit_rate'] * 100:.1f} %) | {oracle_ttft_cells(f, b)}")
     return "\n".join(lines) + "\n"
 
 
