@@ -118,6 +118,26 @@ def test_traffic_around_the_picker_is_seen_through_the_pods_events(stack: Stack)
     assert complete(stack.approximate.url, prefix + " other")["prompt"] > 0
 
 
+def every_replica_finds_a_prefix_warmed_around_it(replicas: list[Picker], url: str, warm: str,
+                                                  rng: random.Random) -> None:
+    """Warm a 600-word prefix on pod `warm` by requests sent straight to it, wait until every replica's view of
+    the pod holds it, then send 8 requests with it through Envoy: each served from the warm cache, and both
+    replicas routed some."""
+    prefix = " ".join(rng.choice(WORDS) for _ in range(600))
+
+    def warmed(replica: Picker) -> bool:
+        complete(f"http://{warm}", prefix + " warm-up")
+        return series(replica, "picker_precise_blocks").get(warm, 0) > 20
+
+    for replica in replicas:
+        wait_until(functools.partial(warmed, replica), 20, f"the warm pod's KV events in {replica.host}'s view",
+                   replica.process.proc)
+    served = [complete(url, prefix + f" question {i}") for i in range(8)]
+    assert all(s["cached"] >= 0.8 * (s["prompt"] - 16) for s in served), served
+    routed = [routed_requests(r) for r in replicas]
+    assert all(n > 0 for n in routed), routed  # both replicas routed some of them
+
+
 def test_every_replica_follows_every_pod_when_the_pods_bind() -> None:
     """Connect mode (`--kv-events-port`): the pods bind their publishers (vLLM's tcp://*:PORT), each replica
     connects to each pod, so two replicas behind one Envoy hold the same view: a prefix warmed around them is
@@ -135,19 +155,7 @@ def test_every_replica_follows_every_pod_when_the_pods_bind() -> None:
         fleet = start_picker_fleet(logdir, addresses, replicas=2, first_host=40, name="picker-connect", flags=[
             "--kv-events-port", str(port), "--kv-events-replay-port", str(replay)])
         started.extend(fleet.processes)
-        warm = addresses[1]
-        prefix = " ".join(rng.choice(WORDS) for _ in range(600))
-        def warmed(replica: Picker) -> bool:
-            complete(f"http://{warm}", prefix + " warm-up")
-            return series(replica, "picker_precise_blocks").get(warm, 0) > 20
-
-        for replica in fleet.pickers:
-            wait_until(functools.partial(warmed, replica), 20, f"the warm pod's KV events in {replica.host}'s view",
-                       replica.process.proc)
-        served = [complete(fleet.envoy.url, prefix + f" question {i}") for i in range(8)]
-        assert all(s["cached"] >= 0.8 * (s["prompt"] - 16) for s in served), served
-        routed = [routed_requests(r) for r in fleet.pickers]
-        assert all(n > 0 for n in routed), routed  # both replicas routed some of them
+        every_replica_finds_a_prefix_warmed_around_it(fleet.pickers, fleet.envoy.url, addresses[1], rng)
 
 
 def test_replicas_bound_for_events_share_them_through_redis(valkey: Valkey) -> None:
@@ -177,22 +185,11 @@ def test_replicas_bound_for_events_share_them_through_redis(valkey: Valkey) -> N
         envoy = start_envoy(logdir, replicas, addresses, name="envoy-relay")
         started.append(envoy.process)
         warm = addresses[1]
-        prefix = " ".join(rng.choice(WORDS) for _ in range(600))
-
-        def warmed(replica: Picker) -> bool:
-            complete(f"http://{warm}", prefix + " warm-up")
-            return series(replica, "picker_precise_blocks").get(warm, 0) > 20
-
-        for replica in replicas:  # B hears nothing itself: its view comes through the relay
-            wait_until(functools.partial(warmed, replica), 20, f"the warm pod's KV events in {replica.host}'s view",
-                       replica.process.proc)
+        # B hears nothing itself: its view comes through the relay
+        every_replica_finds_a_prefix_warmed_around_it(replicas, envoy.url, warm, rng)
         assert series(replicas[1], "picker_kv_events_batches").get(warm, 0) > 0
         relayed = [{s.labels["direction"]: s.value for family in text_string_to_metric_families(
             urllib.request.urlopen(f"http://{r.host}:{r.metrics_port}/metrics", timeout=5).read().decode())
             for s in family.samples if s.name == "picker_kv_events_relayed_total"} for r in replicas]
         # A's view came from its socket and went on to B; B's socket heard nothing
         assert relayed[0]["sent"] > 0 and relayed[1]["received"] > 0 and relayed[1]["sent"] == 0, relayed
-        served = [complete(envoy.url, prefix + f" question {i}") for i in range(8)]
-        assert all(s["cached"] >= 0.8 * (s["prompt"] - 16) for s in served), served
-        routed = [routed_requests(r) for r in replicas]
-        assert all(n > 0 for n in routed), routed  # both replicas routed some of them
