@@ -117,6 +117,7 @@ VARIANTS["predicted-ttft per-pod rate"] = predicted_ttft(perPodRate=True)
 VARIANTS["predicted-ttft per-token only"] = predicted_ttft(prefillFixedSeconds=0.0, prefillTokensPerSecond=10_000,
                                                            decodeTokens=8, evictionCost=0.0)
 VARIANTS["predicted-ttft no eviction price"] = predicted_ttft(evictionCost=0.0)
+VARIANTS["predicted-ttft no copy demand"] = predicted_ttft(demandWindowSeconds=0.0)
 
 
 def hybrid() -> dict[str, Any]:

@@ -3,6 +3,7 @@ learns from vLLM's own prefill counters; the configuration that selects it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from collections.abc import Iterator
@@ -254,6 +255,39 @@ async def test_through_envoy_a_prefix_stays_until_its_pods_queue_costs_more_than
     await scene.set()
 
 
+@pytest.fixture(scope="module")
+def copying() -> Iterator[Scene]:
+    """PREDICTED_TTFT_CONFIG whose demand lasts minutes (so the test's pace does not matter), floor 2."""
+    config = copy.deepcopy(PREDICTED_TTFT_CONFIG)
+    config["plugins"][0]["parameters"] = {"demandWindowSeconds": 600, "demandFloor": 2}
+    with running_scene("predicted-ttft-copy", yaml.safe_dump({"refresh-metrics-interval": "50ms",
+                                                               "scheduling": config})) as started:
+        yield started
+
+
+async def test_through_envoy_a_prefix_many_requests_want_is_copied_when_its_pod_queues(copying: Scene) -> None:
+    """The same queue on the holder: kept while the prefix has had 4 requests, copied to another pod once it has had
+    12 (each then pays a fifth of the copy)."""
+    document = " ".join(f"article{i} of the shared handbook" for i in range(220))
+    asked = {"model": "tiny", "max_tokens": 4}
+    await copying.set()
+    holder = await _via_envoy(copying, {**asked, "prompt": document + " question 0"})
+    for i in range(1, 3):
+        assert await _via_envoy(copying, {**asked, "prompt": document + f" question {i}"}) == holder
+    index = copying.pods.addresses.index(holder)
+    await copying.set(**{f"p{index}": {"waiting": 1}})
+    assert await _via_envoy(copying, {**asked, "prompt": document + " question 3"}) == holder  # 4 picks: wait
+    await copying.set()
+    for i in range(4, 12):
+        assert await _via_envoy(copying, {**asked, "prompt": document + f" question {i}"}) == holder
+    await copying.set(**{f"p{index}": {"waiting": 1}})
+    explained = await _explain(copying, {**asked, "prompt": document + " question 12"})
+    shares = {c.address: c.details["predicted-ttft-scorer.copy_share"] for c in explained.candidates}
+    assert shares[holder] == 1.0 and all(0.0 < v < 0.5 for a, v in shares.items() if a != holder)
+    assert await _via_envoy(copying, {**asked, "prompt": document + " question 12"}) != holder  # copied
+    await copying.set()
+
+
 def test_the_readme_yaml_is_the_documented_config() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("  scheduling:          # PREDICTED_TTFT_CONFIG\n", 1)[1].split("  ```", 1)[0]
@@ -387,3 +421,63 @@ def test_the_benchmarks_config_file_is_the_documented_config_and_serve_accepts_i
     add_arguments(parser)
     config = resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-file", str(path)]))
     assert config.scheduling.plugins[0].type == "predicted-ttft-scorer"
+
+
+def demand_scorer(window: float, floor: float = 2.0) -> PredictedTTFTScorer:
+    return PredictedTTFTScorer(prefill_tokens_per_second=RATE, prefill_fixed_seconds=FIXED, eviction_cost=0.0,
+                               demand_window_seconds=window, demand_floor=floor)
+
+
+def wanted(s: PredictedTTFTScorer, holder: Endpoint, idle: Endpoint, picks: int, start: float = 0.0) -> float:
+    """`picks` requests for one 1,920-token prefix, 20 ms apart, each answered before the next: demand without a
+    queue. Returns the time after the last."""
+    addresses = [holder.address, idle.address]
+    now = start
+    for i in range(picks):
+        send(s, ctx(2048, [120 + i % 3, 0], now=now, addresses=addresses), holder)  # they diverge a block apart
+        holder.finish_request(0)
+        now += 0.02
+    return now
+
+
+def test_a_prefix_many_requests_want_is_copied_once_its_holder_queues() -> None:
+    """A cold copy is paid once and then serves its share of the requests that want the prefix: with demand
+    counted, the copy's tokens are charged to this request only in part, so a queue that the one request would sit
+    out (pricing the whole copy) moves the prefix to a second pod; a short burst or old demand does not."""
+    outcomes = {}
+    for window, picks in ((0.0, 20), (1.0, 20), (1.0, 3)):
+        s = demand_scorer(window)
+        holder, idle = pod(1), pod(2)
+        addresses = [holder.address, idle.address]
+        now = wanted(s, holder, idle, picks)
+        send(s, ctx(500, [0, 0], now=now, addresses=addresses), holder)  # 55 ms of other work queued on it
+        predicted = s.predict(ctx(2048, [120, 0], now=now, addresses=addresses), [holder, idle])
+        outcomes[(window, picks)] = predicted
+        if window and picks == 20:  # the demand fades: a second later the copy is not worth it any more
+            later = s.predict(ctx(2048, [120, 0], now=now + 5.0, addresses=addresses), [holder, idle])
+            assert later[1].copy_share > 0.99
+    alone, wanted_often, burst = outcomes[(0.0, 20)], outcomes[(1.0, 20)], outcomes[(1.0, 3)]
+    assert alone[0].seconds < alone[1].seconds and alone[1].copy_share == 1.0  # no demand counted: stay and wait
+    assert burst[0].seconds < burst[1].seconds and burst[1].copy_share == 1.0  # 3 picks: under the floor
+    assert wanted_often[1].seconds < wanted_often[0].seconds  # 20 picks in 0.4 s: copy it
+    share = wanted_often[1].copy_share
+    assert 0.0 < share < 0.25 and wanted_often[0].copy_share == 1.0  # the holder copies nothing
+    assert wanted_often[1].uncached_tokens == pytest.approx(2048)  # what the pod computes is unchanged
+    assert wanted_often[1].prefill_s == pytest.approx(cost(2048 - (1 - share) * 1920))
+    assert wanted_often[1].explain()["copy_share"] == share
+
+
+def test_demand_is_counted_per_prefix_and_bounded() -> None:
+    s = demand_scorer(10.0, floor=0.0)
+    s.demand_keys = 4
+    holder, idle = pod(1), pod(2)
+    wanted(s, holder, idle, 5)
+    assert s.predict(ctx(2048, [120, 0], now=0.1), [holder, idle])[1].copy_share < 0.5
+    other = ctx(2048, [120, 0], now=0.1)
+    other.keys = [k + 1000 for k in other.keys]  # another prefix: no demand of its own
+    assert s.predict(other, [holder, idle])[1].copy_share == 1.0
+    for k in range(4):  # four other prefixes wanted since: the first is forgotten
+        request = ctx(2048, [120, 0], now=0.2, addresses=[holder.address, idle.address])
+        request.keys = [x + 10_000 * (k + 1) for x in request.keys]
+        s.on_picked(request, holder, 0.2)
+    assert s.predict(ctx(2048, [120, 0], now=0.2), [holder, idle])[1].copy_share == 1.0

@@ -25,6 +25,16 @@ uncached token it writes evicts a cached one that a later request will prefill a
 priced `evictionCost` times more in proportion to how full we have made that cache. Without it the model copied
 prefixes onto pods whose caches could not hold them twice (two real vLLM pods, bench/README.md) and lost hits.
 
+A copy of a prefix another pod holds is an investment: its prefill and what it evicts are paid once, and from
+then on the requests that want the prefix have one more pod to go to. Charged whole to the request that makes it,
+it is never worth one request's wait, so a prefix most of the traffic wants stayed on the two pods that first got
+it, its requests queueing and batching behind each other (`hot-prefix` p90 5-14 % behind the weighted defaults,
+which spread it to six). So the tokens a candidate lacks of the longest prefix some pod holds are charged only in
+share, 1 / (1 + F), where F, the requests the new copy can expect, is this prefix's picks (each fading with time
+constant `demandWindowSeconds`) divided among its holders and the new one, less `demandFloor` (a short burst, such
+as one file's completions in an editor, is not worth a copy). A prefix wanted by a few requests is priced as
+before; only sustained demand copies it, and a holder that does not queue is still preferred.
+
 The score is min(predicted) / predicted, in (0, 1]: the pod predicted fastest scores 1, one predicted twice as slow
 0.5, so a profile that weighs this scorer alone picks the minimum, and small weights on the prefix and load scorers
 only break its ties. A cold prefill on an idle pod and a wait behind a long queue on the pod that holds the prefix
@@ -33,6 +43,8 @@ are compared in the same currency: seconds.
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +56,12 @@ from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.plugins import PeerPick, Plugin, PluginDeps, PluginFactory, PredictionObserver
 from picker.schema import Section
+
+# Demand is counted per prefix at a depth rounded down to this many blocks: requests sharing a system prompt part
+# inside the block where it ends, and some match a block further by chance (a common first word); counting at the
+# exact depth would split one prefix's demand over many keys.
+DEMAND_DEPTH = 8
+DEMAND_KEYS = 4096  # prefixes whose demand is remembered (least recently picked forgotten first)
 
 
 class PrefillCost:
@@ -120,11 +138,12 @@ class Prediction:
     uncached_tokens: float
     prefill_s: float
     decode_s: float
+    copy_share: float = 1.0  # the part of copying the prefix held elsewhere charged to this request
 
     def explain(self) -> dict[str, float]:
         return {"predicted_ms": self.seconds * 1e3, "wait_ms": self.wait_s * 1e3,
                 "uncached_tokens": self.uncached_tokens, "prefill_ms": self.prefill_s * 1e3,
-                "decode_ms": self.decode_s * 1e3}
+                "decode_ms": self.decode_s * 1e3, "copy_share": self.copy_share}
 
 
 class PredictedTTFTScorer(Plugin):
@@ -136,7 +155,8 @@ class PredictedTTFTScorer(Plugin):
     def __init__(self, name: str | None = None, *, prefill_tokens_per_second: float = 25_000.0,
                  prefill_fixed_seconds: float = 0.0075, decode_tokens: float = 4.0, queued_request_tokens: float = 1024.0,
                  rate_smoothing: float = 0.2, min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False,
-                 eviction_cost: float = 2.0, chars_per_token: int = CHARS_PER_TOKEN,
+                 eviction_cost: float = 2.0, demand_window_seconds: float = 1.0, demand_floor: float = 4.0,
+                 chars_per_token: int = CHARS_PER_TOKEN,
                  observer: PredictionObserver | None = None) -> None:
         super().__init__(name)
         if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0 or chars_per_token <= 0:
@@ -157,6 +177,12 @@ class PredictedTTFTScorer(Plugin):
         self.pool_cost = self._new_cost()
         self.observer = observer
         self._pods: dict[str, _Pod] = {}
+        if demand_window_seconds < 0 or demand_floor < 0:
+            raise ValueError("demandWindowSeconds and demandFloor must be >= 0")
+        self.demand_window_seconds = demand_window_seconds  # 0: every cold copy is charged whole
+        self.demand_floor = demand_floor
+        self.demand_keys = DEMAND_KEYS
+        self._demand: OrderedDict[int, list[float]] = OrderedDict()  # prefix key -> [picks, decayed to when]
 
     def _new_cost(self) -> PrefillCost:
         return PrefillCost(*self.prior, forget=self.rate_smoothing)
@@ -207,10 +233,41 @@ class PredictedTTFTScorer(Plugin):
         prompt = self._prompt_tokens(ctx)
         block_tokens = ctx.block_chars / self.chars_per_token
         matched = ctx.matched or [0] * len(candidates)
-        return [self._predict_one(e, self._pod(e), prompt - blocks * block_tokens, ctx.now)
+        best = max(matched) if matched else 0
+        share = 1.0
+        depth = best - best % DEMAND_DEPTH
+        if self.demand_window_seconds and depth and len(ctx.keys) >= depth:
+            # the requests a new copy can expect: recent picks of this prefix shared with the holders and it
+            holders = sum(1 for m in matched if m >= depth)
+            future = self._demand_of(ctx.keys[depth - 1], ctx.now) / (holders + 1) - self.demand_floor
+            if future > 0.0:
+                share = 1.0 / (1.0 + future)
+        return [self._predict_one(e, self._pod(e), prompt - blocks * block_tokens, ctx.now,
+                                  (best - blocks) * block_tokens, share)
                 for e, blocks in zip(candidates, matched, strict=True)]
 
-    def _predict_one(self, e: Endpoint, pod: _Pod, uncached: float, now: float) -> Prediction:
+    def _demand_of(self, key: int, now: float) -> float:
+        """Picks of the prefix `key`, each fading with time constant `demand_window_seconds`."""
+        entry = self._demand.get(key)
+        if entry is None:
+            return 0.0
+        return entry[0] * math.exp(-(now - entry[1]) / self.demand_window_seconds)
+
+    def _note_demand(self, ctx: SchedulingContext) -> None:
+        """Count this pick for the longest prefix it shares with what the pods hold (module docstring)."""
+        best = max(ctx.matches.values()) if ctx.matches else 0
+        depth = best - best % DEMAND_DEPTH
+        if not depth or len(ctx.keys) < depth:
+            return
+        key = ctx.keys[depth - 1]
+        count = self._demand_of(key, ctx.now) + 1.0
+        self._demand[key] = [count, ctx.now]
+        self._demand.move_to_end(key)
+        if len(self._demand) > self.demand_keys:
+            self._demand.popitem(last=False)
+
+    def _predict_one(self, e: Endpoint, pod: _Pod, uncached: float, now: float, replicable: float = 0.0,
+                     share: float = 1.0) -> Prediction:
         if uncached < 0.0:
             uncached = 0.0
         cost = pod.cost
@@ -224,13 +281,18 @@ class PredictedTTFTScorer(Plugin):
             wait = queued
         running = e.metrics.running if e.metrics.running > e.in_flight else e.in_flight
         decode = running * self.decode_tokens * cost.per_token
-        prefill = cost.seconds(uncached)
-        if self.eviction_cost and uncached:
+        priced = uncached
+        if share < 1.0 and replicable > 0.0:
+            priced -= (1.0 - share) * (replicable if replicable < uncached else uncached)
+        else:
+            share = 1.0
+        prefill = cost.seconds(priced)
+        if self.eviction_cost and priced:
             m = e.metrics
             if m.num_gpu_blocks and m.block_size:
                 full = pod.written / (m.num_gpu_blocks * m.block_size)
-                prefill += self.eviction_cost * (full if full < 1.0 else 1.0) * cost.per_token * uncached
-        return Prediction(wait + prefill + decode, wait, uncached, prefill, decode)
+                prefill += self.eviction_cost * (full if full < 1.0 else 1.0) * cost.per_token * priced
+        return Prediction(wait + prefill + decode, wait, uncached, prefill, decode, share)
 
     def _uncached(self, ctx: SchedulingContext, endpoint: Endpoint) -> float:
         """This request's prompt tokens the index does not place on `endpoint`."""
@@ -261,6 +323,8 @@ class PredictedTTFTScorer(Plugin):
             pod.predicted_n += 1
         pod.busy_until = self._queue_behind(pod, uncached, now)
         pod.written += uncached
+        if self.demand_window_seconds:
+            self._note_demand(ctx)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         """A peer's pick carries no match length: count its whole prompt (an overestimate, as long as it lasts)."""
@@ -285,6 +349,8 @@ class PredictedTTFTParams(Section):
     min_rate_sample_tokens: float = Field(256.0, ge=0)
     per_pod_rate: bool = False  # learn each pod's rate apart (a pool of unlike pods) instead of one for all
     eviction_cost: float = Field(2.0, ge=0)  # cold tokens on a full cache evict as many: priced this many times
+    demand_window_seconds: float = Field(1.0, ge=0)  # how long a pick counts as demand for its prefix (0: off)
+    demand_floor: float = Field(4.0, ge=0)  # requests per holder a prefix needs before a copy is worth it
 
 
 def _predicted(name: str, p: PredictedTTFTParams, deps: PluginDeps) -> Plugin:
