@@ -57,7 +57,7 @@ def cells_table(rows_by_load: dict[float, dict[tuple[str, str], dict[str, Any]]]
             mine = rows[(name, w)]
             best_mean = min(rows[(r, w)]["ttft_mean"] for r in REFERENCES)
             best_p90 = min(rows[(r, w)]["ttft_p90"] for r in REFERENCES)
-            cells.append(f"{mine['ttft_mean']:.1f} / {mine['ttft_p90']:.1f} "
+            cells.append(f"{mine['ttft_mean'] * 1e3:.1f} / {mine['ttft_p90'] * 1e3:.1f} "
                          f"({mine['ttft_mean'] / best_mean:.2f} / {mine['ttft_p90'] / best_p90:.2f})")
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

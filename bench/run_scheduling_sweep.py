@@ -112,10 +112,10 @@ VARIANTS["predicted-ttft"] = predicted_ttft()
 VARIANTS["predicted-ttft decode 0"] = predicted_ttft(decodeTokens=0)
 VARIANTS["predicted-ttft decode 32"] = predicted_ttft(decodeTokens=32)
 VARIANTS["predicted-ttft per-pod rate"] = predicted_ttft(perPodRate=True)
-# The first predicted-TTFT model: a cost per token alone (no fixed cost per prefill, no eviction price), 10,000
-# tokens/s, decode 8; and today's without the eviction price.
+# The first predicted-TTFT model: a cost per token alone (no fixed cost per prefill, no eviction price, no copy
+# demand), 10,000 tokens/s, decode 8; and today's without the eviction price, or without copy demand.
 VARIANTS["predicted-ttft per-token only"] = predicted_ttft(prefillFixedSeconds=0.0, prefillTokensPerSecond=10_000,
-                                                           decodeTokens=8, evictionCost=0.0)
+                                                           decodeTokens=8, evictionCost=0.0, demandWindowSeconds=0.0)
 VARIANTS["predicted-ttft no eviction price"] = predicted_ttft(evictionCost=0.0)
 VARIANTS["predicted-ttft no copy demand"] = predicted_ttft(demandWindowSeconds=0.0)
 

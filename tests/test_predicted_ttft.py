@@ -423,9 +423,9 @@ def test_the_benchmarks_config_file_is_the_documented_config_and_serve_accepts_i
     assert config.scheduling.plugins[0].type == "predicted-ttft-scorer"
 
 
-def demand_scorer(window: float, floor: float = 2.0) -> PredictedTTFTScorer:
+def demand_scorer(window: float, floor: float = 2.0, keys: int = 4096) -> PredictedTTFTScorer:
     return PredictedTTFTScorer(prefill_tokens_per_second=RATE, prefill_fixed_seconds=FIXED, eviction_cost=0.0,
-                               demand_window_seconds=window, demand_floor=floor)
+                               demand_window_seconds=window, demand_floor=floor, demand_keys=keys)
 
 
 def wanted(s: PredictedTTFTScorer, holder: Endpoint, idle: Endpoint, picks: int, start: float = 0.0) -> float:
@@ -468,8 +468,7 @@ def test_a_prefix_many_requests_want_is_copied_once_its_holder_queues() -> None:
 
 
 def test_demand_is_counted_per_prefix_and_bounded() -> None:
-    s = demand_scorer(10.0, floor=0.0)
-    s.demand_keys = 4
+    s = demand_scorer(10.0, floor=0.0, keys=4)
     holder, idle = pod(1), pod(2)
     wanted(s, holder, idle, 5)
     assert s.predict(ctx(2048, [120, 0], now=0.1), [holder, idle])[1].copy_share < 0.5
@@ -481,3 +480,15 @@ def test_demand_is_counted_per_prefix_and_bounded() -> None:
         request.keys = [x + 10_000 * (k + 1) for x in request.keys]
         s.on_picked(request, holder, 0.2)
     assert s.predict(ctx(2048, [120, 0], now=0.2), [holder, idle])[1].copy_share == 1.0
+
+
+def test_copy_demand_settings_are_checked() -> None:
+    for key in ("demandWindowSeconds", "demandFloor"):
+        with pytest.raises(ConfigError, match=rf"parameters\.{key}"):
+            build_scheduler({**PREDICTED_TTFT_CONFIG, "plugins": [
+                {"type": "predicted-ttft-scorer", "parameters": {key: -1}}]})
+    config = copy.deepcopy(PREDICTED_TTFT_CONFIG)
+    config["plugins"][0]["parameters"] = {"demandWindowSeconds": 0}  # off: every copy charged whole
+    scheduler = build_scheduler(config, rng=random.Random(0))
+    result = scheduler.schedule(InferenceRequest("r", "m", prompt_text="hello " * 200), [pod(1), pod(2)], 0.0)
+    assert all(c.details["predicted-ttft-scorer.copy_share"] == 1.0 for c in result.candidates)

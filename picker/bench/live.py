@@ -2,8 +2,8 @@
 
 Routers, one at a time on the same pods (prefix caches reset in between):
 - round-robin: Envoy with the ext_proc filter removed (the no-picker baseline);
-- random, least-load, prefix-only, picker: Envoy + `picker serve --strategy NAME`; picker-predicted-ttft: the
-  picker with PREDICTED_TTFT_CONFIG as its scheduler;
+- random, least-load, prefix-only, prefix-hash, picker: Envoy + `picker serve --strategy NAME`;
+  picker-predicted-ttft: the picker with PREDICTED_TTFT_CONFIG as its scheduler;
 - sglang-router and vllm-router in cache_aware mode (peers.py), skipped with the reason when unavailable.
 Hit rates come from the pods' own counters (/metrics before and after), latencies from the client.
 
@@ -57,7 +57,7 @@ from picker.supervisor import (
 )
 
 PREDICTED_TTFT = "picker-predicted-ttft"  # the picker with PREDICTED_TTFT_CONFIG as its scheduler
-PICKER_STRATEGIES = ("random", "least-load", "prefix-only", "picker", PREDICTED_TTFT)
+PICKER_STRATEGIES = ("random", "least-load", "prefix-only", "prefix-hash", "picker", PREDICTED_TTFT)
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,14 @@ prefixes onto pods whose caches could not hold them twice (two real vLLM pods, b
 
 A copy of a prefix another pod holds is an investment: its prefill and what it evicts are paid once, and from
 then on the requests that want the prefix have one more pod to go to. Charged whole to the request that makes it,
-it is never worth one request's wait, so a prefix most of the traffic wants stayed on the two pods that first got
-it, its requests queueing and batching behind each other (`hot-prefix` p90 5-14 % behind the weighted defaults,
-which spread it to six). So the tokens a candidate lacks of the longest prefix some pod holds are charged only in
+it is never worth one request's wait, so a prefix most of the traffic wants stayed on the pods that first got it,
+its requests queueing and batching behind each other (`hot-prefix` p90 5-14 % behind the weighted defaults,
+which spread it further). So the tokens a candidate lacks of the longest prefix some pod holds are charged only in
 share, 1 / (1 + F), where F, the requests the new copy can expect, is this prefix's picks (each fading with time
 constant `demandWindowSeconds`) divided among its holders and the new one, less `demandFloor` (a short burst, such
 as one file's completions in an editor, is not worth a copy). A prefix wanted by a few requests is priced as
-before; only sustained demand copies it, and a holder that does not queue is still preferred.
+before; only sustained demand copies it, and a holder that does not queue is still preferred. Demand is counted
+from this replica's own picks (a peer's pick carries no prefix keys), so N replicas each see about 1/N of it.
 
 The score is min(predicted) / predicted, in (0, 1]: the pod predicted fastest scores 1, one predicted twice as slow
 0.5, so a profile that weighs this scorer alone picks the minimum, and small weights on the prefix and load scorers
@@ -156,7 +157,7 @@ class PredictedTTFTScorer(Plugin):
                  prefill_fixed_seconds: float = 0.0075, decode_tokens: float = 4.0, queued_request_tokens: float = 1024.0,
                  rate_smoothing: float = 0.2, min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False,
                  eviction_cost: float = 2.0, demand_window_seconds: float = 1.0, demand_floor: float = 4.0,
-                 chars_per_token: int = CHARS_PER_TOKEN,
+                 demand_keys: int = DEMAND_KEYS, chars_per_token: int = CHARS_PER_TOKEN,
                  observer: PredictionObserver | None = None) -> None:
         super().__init__(name)
         if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0 or chars_per_token <= 0:
@@ -177,11 +178,11 @@ class PredictedTTFTScorer(Plugin):
         self.pool_cost = self._new_cost()
         self.observer = observer
         self._pods: dict[str, _Pod] = {}
-        if demand_window_seconds < 0 or demand_floor < 0:
+        if demand_window_seconds < 0 or demand_floor < 0 or demand_keys < 1:
             raise ValueError("demandWindowSeconds and demandFloor must be >= 0")
         self.demand_window_seconds = demand_window_seconds  # 0: every cold copy is charged whole
         self.demand_floor = demand_floor
-        self.demand_keys = DEMAND_KEYS
+        self.demand_keys = demand_keys
         self._demand: OrderedDict[int, list[float]] = OrderedDict()  # prefix key -> [picks, decayed to when]
 
     def _new_cost(self) -> PrefillCost:
@@ -235,8 +236,8 @@ class PredictedTTFTScorer(Plugin):
         matched = ctx.matched or [0] * len(candidates)
         best = max(matched) if matched else 0
         share = 1.0
-        depth = best - best % DEMAND_DEPTH
-        if self.demand_window_seconds and depth and len(ctx.keys) >= depth:
+        depth = self._demand_depth(ctx, best)
+        if depth:
             # the requests a new copy can expect: recent picks of this prefix shared with the holders and it
             holders = sum(1 for m in matched if m >= depth)
             future = self._demand_of(ctx.keys[depth - 1], ctx.now) / (holders + 1) - self.demand_floor
@@ -245,6 +246,14 @@ class PredictedTTFTScorer(Plugin):
         return [self._predict_one(e, self._pod(e), prompt - blocks * block_tokens, ctx.now,
                                   (best - blocks) * block_tokens, share)
                 for e, blocks in zip(candidates, matched, strict=True)]
+
+    def _demand_depth(self, ctx: SchedulingContext, best: int) -> int:
+        """The depth, in blocks, at which demand for a prefix matched `best` blocks deep is counted; 0: not counted
+        (copy demand off, or a prefix shorter than DEMAND_DEPTH blocks)."""
+        if not self.demand_window_seconds:
+            return 0
+        depth = best - best % DEMAND_DEPTH
+        return depth if len(ctx.keys) >= depth else 0
 
     def _demand_of(self, key: int, now: float) -> float:
         """Picks of the prefix `key`, each fading with time constant `demand_window_seconds`."""
@@ -255,16 +264,21 @@ class PredictedTTFTScorer(Plugin):
 
     def _note_demand(self, ctx: SchedulingContext) -> None:
         """Count this pick for the longest prefix it shares with what the pods hold (module docstring)."""
-        best = max(ctx.matches.values()) if ctx.matches else 0
-        depth = best - best % DEMAND_DEPTH
-        if not depth or len(ctx.keys) < depth:
+        if not self.demand_window_seconds or not ctx.matches:
+            return
+        depth = self._demand_depth(ctx, max(ctx.matches.values()))
+        if not depth:
             return
         key = ctx.keys[depth - 1]
-        count = self._demand_of(key, ctx.now) + 1.0
-        self._demand[key] = [count, ctx.now]
+        entry = self._demand.get(key)
+        if entry is None:
+            self._demand[key] = [1.0, ctx.now]
+            if len(self._demand) > self.demand_keys:
+                self._demand.popitem(last=False)
+            return
+        entry[0] = self._demand_of(key, ctx.now) + 1.0
+        entry[1] = ctx.now
         self._demand.move_to_end(key)
-        if len(self._demand) > self.demand_keys:
-            self._demand.popitem(last=False)
 
     def _predict_one(self, e: Endpoint, pod: _Pod, uncached: float, now: float, replicable: float = 0.0,
                      share: float = 1.0) -> Prediction:
@@ -323,8 +337,7 @@ class PredictedTTFTScorer(Plugin):
             pod.predicted_n += 1
         pod.busy_until = self._queue_behind(pod, uncached, now)
         pod.written += uncached
-        if self.demand_window_seconds:
-            self._note_demand(ctx)
+        self._note_demand(ctx)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         """A peer's pick carries no match length: count its whole prompt (an overestimate, as long as it lasts)."""
