@@ -7,6 +7,7 @@ in-process and single-threaded; numbers are wall-clock per call (time.perf_count
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import random
 import sys
@@ -14,6 +15,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +26,7 @@ from picker.endpoints.state import Endpoint, EndpointMetrics  # noqa: E402
 from picker.prefix.hashing import prefix_keys, prefix_seed  # noqa: E402
 from picker.prefix.memory import InMemoryPrefixIndex  # noqa: E402
 from picker.requests import InferenceRequest  # noqa: E402
-from picker.scheduling.config import build_scheduler  # noqa: E402
+from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler  # noqa: E402
 
 WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "or", "an", "at", "from", "model", "cache", "token"]
 
@@ -54,11 +56,13 @@ def percentiles(samples_ns: list[int]) -> tuple[float, float]:
     return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
 
 
-def bench_schedule(n_endpoints: int, prompt_chars: int, iterations: int, explain: bool) -> tuple[float, float, float]:
-    """p50/p99 µs of schedule()+on_picked() on a workload of 32 shared prefixes (75 %) + unique tails."""
+def bench_schedule(n_endpoints: int, prompt_chars: int, iterations: int, explain: bool,
+                   scheduling: dict[str, Any] | None = None) -> tuple[float, float, float]:
+    """p50/p99 µs of schedule()+on_picked() on a workload of 32 shared prefixes (75 %) + unique tails, with the
+    default scheduling config or `scheduling`."""
     rng = random.Random(n_endpoints * 7919 + prompt_chars)
     pool = endpoints(n_endpoints, rng)
-    scheduler = build_scheduler({"explain": explain}, rng=random.Random(1))
+    scheduler = build_scheduler({**(scheduling or {}), "explain": explain}, rng=random.Random(1))
     prefixes = [text(rng, prompt_chars * 3 // 4) for _ in range(32)]
     prompts = [rng.choice(prefixes) + text(rng, prompt_chars // 4) for _ in range(256)]
     in_flight: list[tuple[Endpoint, int]] = []
@@ -191,6 +195,18 @@ def main() -> None:
     for n in (8, 64, 512):
         py, npy = bench_numpy_vs_python(n, 2000)
         print(f"| {n} endpoints | {py:.1f} | {npy:.1f} |")
+    no_demand = copy.deepcopy(PREDICTED_TTFT_CONFIG)
+    no_demand["plugins"][0]["parameters"] = {"demandWindowSeconds": 0}
+    print("\n| endpoints | prompt | defaults p50 / p99 (µs) | predicted TTFT p50 / p99 (µs) | p50 ratio | "
+          "predicted TTFT without copy demand p50 / p99 (µs) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in (8, 64):
+        for chars in (1024, 32 * 1024):
+            d50, d99, _ = bench_schedule(n, chars, it, explain=True)
+            p50, p99, _ = bench_schedule(n, chars, it, explain=True, scheduling=PREDICTED_TTFT_CONFIG)
+            n50, n99, _ = bench_schedule(n, chars, it, explain=True, scheduling=no_demand)
+            print(f"| {n} | {chars // 1024} KB | {d50:.0f} / {d99:.0f} | {p50:.0f} / {p99:.0f} | {p50 / d50:.2f} | "
+                  f"{n50:.0f} / {n99:.0f} |")
     print(f"\n(total bench time {time.perf_counter() - started:.1f} s)")
 
 
