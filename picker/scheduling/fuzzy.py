@@ -16,7 +16,6 @@ scorer stays silent. `bench/fuzzy_prefix.py` measures both cases (README, "Fuzzy
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from pydantic import Field
 
 from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
+from picker.scheduling.memory import PodMemory
 from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory
 from picker.schema import Section
 
@@ -67,8 +67,7 @@ class FuzzyPrefixScorer(Plugin):
                  shingle_words: int = 4, max_keys: int = 200_000) -> None:
         super().__init__(name)
         self.hasher = MinHasher(bands, rows, window_chars, shingle_words)
-        self.max_keys = max_keys
-        self._pods: OrderedDict[int, str] = OrderedDict()  # band key -> the pod that last took a prompt with it
+        self._pods: PodMemory[int] = PodMemory(max_keys)  # band key -> the pod that last took a prompt with it
 
     def _keys(self, ctx: SchedulingContext) -> list[int]:
         """The request's band keys, computed once (scoring and the pick both need them)."""
@@ -98,17 +97,12 @@ class FuzzyPrefixScorer(Plugin):
         return [votes.get(e.address, 0) / bands for e in candidates]
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
-        pods = self._pods
+        remember = self._pods.remember
         for key in self._keys(ctx):
-            pods[key] = endpoint.address
-            pods.move_to_end(key)
-        while len(pods) > self.max_keys:
-            pods.popitem(last=False)
+            remember(key, endpoint.address)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        gone = [k for k, a in self._pods.items() if a == endpoint.address]
-        for key in gone:
-            del self._pods[key]
+        self._pods.forget_pod(endpoint.address)
 
 
 class FuzzyPrefixParams(Section):

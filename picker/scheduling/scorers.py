@@ -6,7 +6,6 @@ arrays costs as much as the arithmetic it would speed up (bench/decision_cost.py
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ from pydantic import Field
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
+from picker.scheduling.memory import PodMemory
 from picker.scheduling.plugins import (
     NoParams,
     PeerPick,
@@ -217,8 +217,7 @@ class SessionAffinityScorer(Plugin):
         super().__init__(name)
         if max_sessions <= 0:
             raise ValueError("maxSessions must be positive")
-        self.max_sessions = max_sessions
-        self._last: OrderedDict[str, str] = OrderedDict()
+        self._last: PodMemory[str] = PodMemory(max_sessions)
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         session = ctx.session
@@ -234,18 +233,11 @@ class SessionAffinityScorer(Plugin):
         self._remember(pick.session_id, pick.address)
 
     def _remember(self, session: str | None, address: str) -> None:
-        if not session:
-            return
-        last = self._last
-        last[session] = address
-        last.move_to_end(session)
-        if len(last) > self.max_sessions:
-            last.popitem(last=False)
+        if session:
+            self._last.remember(session, address)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        gone = [s for s, a in self._last.items() if a == endpoint.address]
-        for session in gone:
-            del self._last[session]
+        self._last.forget_pod(endpoint.address)
 
     def __len__(self) -> int:
         return len(self._last)
