@@ -23,7 +23,7 @@ from picker.observability import PickerMetrics
 from picker.requests import InferenceRequest
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler
 from picker.scheduling.context import SchedulingContext
-from picker.scheduling.predicted import PredictedTTFTScorer
+from picker.scheduling.predicted import PredictedTTFTScorer, Prediction
 from picker.schema import ConfigError
 from picker.supervisor import process_scope, start_envoy, start_picker, start_sim
 from tests.test_scheduling_grpc import Scene, running_scene
@@ -415,8 +415,10 @@ def test_the_benchmarks_config_file_is_the_documented_config_and_serve_accepts_i
     from picker.bench.live import predicted_ttft_config
     from picker.config import add_arguments, resolve
 
-    path = predicted_ttft_config(tmp_path)
-    assert yaml.safe_load(path.read_text()) == {"scheduling": PREDICTED_TTFT_CONFIG}
+    path = predicted_ttft_config(tmp_path, 0.5)
+    expected = copy.deepcopy(PREDICTED_TTFT_CONFIG)
+    expected["plugins"][0]["parameters"] = {"podTimeScale": 0.5}  # the sim pods' clock, which they report on
+    assert yaml.safe_load(path.read_text()) == {"scheduling": expected}
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     config = resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-file", str(path)]))
@@ -483,12 +485,39 @@ def test_demand_is_counted_per_prefix_and_bounded() -> None:
 
 
 def test_copy_demand_settings_are_checked() -> None:
-    for key in ("demandWindowSeconds", "demandFloor"):
+    for key, bad in (("demandWindowSeconds", -1), ("demandFloor", -1), ("podTimeScale", 0)):
         with pytest.raises(ConfigError, match=rf"parameters\.{key}"):
             build_scheduler({**PREDICTED_TTFT_CONFIG, "plugins": [
-                {"type": "predicted-ttft-scorer", "parameters": {key: -1}}]})
+                {"type": "predicted-ttft-scorer", "parameters": {key: bad}}]})
     config = copy.deepcopy(PREDICTED_TTFT_CONFIG)
     config["plugins"][0]["parameters"] = {"demandWindowSeconds": 0}  # off: every copy charged whole
     scheduler = build_scheduler(config, rng=random.Random(0))
     result = scheduler.schedule(InferenceRequest("r", "m", prompt_text="hello " * 200), [pod(1), pod(2)], 0.0)
     assert all(c.details["predicted-ttft-scorer.copy_share"] == 1.0 for c in result.candidates)
+
+
+def test_queues_and_demand_are_kept_on_the_pods_clock() -> None:
+    """Pods simulated at a time scale report model seconds: a prefill they report as 10 ms keeps one busy for
+    40 ms of our clock at podTimeScale 0.25. The same history at 4x our times predicts exactly what a scorer on the
+    pods' clock predicts; a scorer that ignores the scale sees the queue drained and the demand faded too soon."""
+    def history(scale: float) -> tuple[PredictedTTFTScorer, list[Prediction]]:
+        s = PredictedTTFTScorer(prefill_tokens_per_second=RATE, prefill_fixed_seconds=FIXED, eviction_cost=0.0,
+                                demand_window_seconds=0.5, demand_floor=1.0, pod_time_scale=scale)
+        holder, idle = pod(1), pod(2)
+        addresses = [holder.address, idle.address]
+        for i in range(6):  # six requests for one prefix, 10 ms of pod time apart, queueing on the holder
+            send(s, ctx(2048, [120, 0], now=0.01 * i / scale, addresses=addresses), holder)
+        return s, s.predict(ctx(2048, [120, 0], now=0.06 / scale, addresses=addresses), [holder, idle])
+
+    _, on_pod_clock = history(1.0)
+    _, scaled = history(0.25)
+    assert [p.seconds for p in scaled] == pytest.approx([p.seconds for p in on_pod_clock])
+    assert [p.copy_share for p in scaled] == pytest.approx([p.copy_share for p in on_pod_clock])
+    assert scaled[0].wait_s > 0.0 and scaled[1].copy_share < 1.0  # a queue, and enough demand for a copy
+    unscaled = PredictedTTFTScorer(prefill_tokens_per_second=RATE, prefill_fixed_seconds=FIXED, eviction_cost=0.0,
+                                   demand_window_seconds=0.5, demand_floor=1.0)
+    holder, idle = pod(1), pod(2)
+    for i in range(6):
+        send(unscaled, ctx(2048, [120, 0], now=0.04 * i, addresses=[holder.address, idle.address]), holder)
+    blind = unscaled.predict(ctx(2048, [120, 0], now=0.24, addresses=[holder.address, idle.address]), [holder, idle])
+    assert blind[0].wait_s < scaled[0].wait_s and blind[1].copy_share > scaled[1].copy_share

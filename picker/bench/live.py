@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import math
 import re
@@ -42,6 +43,7 @@ from picker.bench.workloads import FleetSpec, generate
 from picker.endpoints.metrics import parse_metrics
 from picker.envoyconfig import EnvoySettings, envoy_binary, render
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG
+from picker.scheduling.predicted import PredictedTTFTScorer
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.tokenizer import Tokenizer
 from picker.supervisor import (
@@ -203,7 +205,8 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
         proc, url = peers.start(peers.PEERS[strategy], urls, logdir)
         return [proc], url
     if strategy == PREDICTED_TTFT:
-        extra = ["--strategy", "picker", "--config-file", str(predicted_ttft_config(logdir)), "--log-level", "WARNING"]
+        extra = ["--strategy", "picker", "--config-file", str(predicted_ttft_config(logdir, spec.time_scale)),
+                 "--log-level", "WARNING"]
     else:
         extra = ["--strategy", strategy, "--log-level", "WARNING"]
     if spec.scheduling_file and strategy == "picker":
@@ -212,11 +215,16 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
     return fleet.processes, fleet.envoy.url
 
 
-def predicted_ttft_config(logdir: Path) -> Path:
+def predicted_ttft_config(logdir: Path, time_scale: float) -> Path:
     """A `picker serve --config-file` with PREDICTED_TTFT_CONFIG as its scheduler (the picker-predicted-ttft
-    router)."""
+    router), its scorer told the sim pods' time scale (they report model seconds; it keeps its queues on their
+    clock)."""
+    config = copy.deepcopy(PREDICTED_TTFT_CONFIG)
+    for plugin in config["plugins"]:
+        if plugin["type"] == PredictedTTFTScorer.type_name:
+            plugin["parameters"] = {**plugin.get("parameters", {}), "podTimeScale": time_scale}
     path = logdir / "predicted-ttft.yaml"
-    path.write_text(yaml.safe_dump({"scheduling": PREDICTED_TTFT_CONFIG}))
+    path.write_text(yaml.safe_dump({"scheduling": config}))
     return path
 
 

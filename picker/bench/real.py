@@ -165,7 +165,7 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -
     elif strategy in ("picker", "picker-4-replicas"):
         flags = list(spec.picker_args)
     elif strategy == "picker-predicted-ttft":
-        flags = [*spec.picker_args, "--config-file", str(predicted_ttft_config(logdir))]
+        flags = [*spec.picker_args, "--config-file", str(predicted_ttft_config(logdir, 1.0))]
     else:
         raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     flags += ["--log-level", "WARNING"]

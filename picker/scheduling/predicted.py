@@ -36,6 +36,12 @@ as one file's completions in an editor, is not worth a copy). A prefix wanted by
 before; only sustained demand copies it, and a holder that does not queue is still preferred. Demand is counted
 from this replica's own picks (a peer's pick carries no prefix keys), so N replicas each see about 1/N of it.
 
+Times are kept on the pods' clock: the costs are learned from the seconds they report, and a pod's queue drains
+at their pace. For real engines that is ours; pods simulated at a time scale (`picker sim --time-scale 0.5`: half
+a model second per wall second) report model seconds, and `podTimeScale` must be that scale, or every queue looks
+drained too soon and waits are priced too low against prefills (live `chat` 1-6 % behind the defaults at
+`podTimeScale` 1, level at the sim's scale: bench/README.md).
+
 The score is min(predicted) / predicted, in (0, 1]: the pod predicted fastest scores 1, one predicted twice as slow
 0.5, so a profile that weighs this scorer alone picks the minimum, and small weights on the prefix and load scorers
 only break its ties. A cold prefill on an idle pod and a wait behind a long queue on the pod that holds the prefix
@@ -157,7 +163,7 @@ class PredictedTTFTScorer(Plugin):
                  prefill_fixed_seconds: float = 0.0075, decode_tokens: float = 4.0, queued_request_tokens: float = 1024.0,
                  rate_smoothing: float = 0.2, min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False,
                  eviction_cost: float = 2.0, demand_window_seconds: float = 1.0, demand_floor: float = 4.0,
-                 demand_keys: int = DEMAND_KEYS, chars_per_token: int = CHARS_PER_TOKEN,
+                 demand_keys: int = DEMAND_KEYS, pod_time_scale: float = 1.0, chars_per_token: int = CHARS_PER_TOKEN,
                  observer: PredictionObserver | None = None) -> None:
         super().__init__(name)
         if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0 or chars_per_token <= 0:
@@ -184,6 +190,11 @@ class PredictedTTFTScorer(Plugin):
         self.demand_floor = demand_floor
         self.demand_keys = demand_keys
         self._demand: OrderedDict[int, list[float]] = OrderedDict()  # prefix key -> [picks, decayed to when]
+        if pod_time_scale <= 0:
+            raise ValueError("podTimeScale must be positive")
+        # The pods report prefill seconds on their clock; our queue and demand times are kept on it too (module
+        # docstring): its seconds per second of ours, 1 for real engines.
+        self.pod_time_scale = pod_time_scale
 
     def _new_cost(self) -> PrefillCost:
         return PrefillCost(*self.prior, forget=self.rate_smoothing)
@@ -232,6 +243,7 @@ class PredictedTTFTScorer(Plugin):
     def predict(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[Prediction]:
         """Each candidate's predicted TTFT (needs `ctx.matched` aligned with `candidates`)."""
         prompt = self._prompt_tokens(ctx)
+        now = ctx.now * self.pod_time_scale
         block_tokens = ctx.block_chars / self.chars_per_token
         matched = ctx.matched or [0] * len(candidates)
         best = max(matched) if matched else 0
@@ -240,10 +252,10 @@ class PredictedTTFTScorer(Plugin):
         if depth:
             # the requests a new copy can expect: recent picks of this prefix shared with the holders and it
             holders = sum(1 for m in matched if m >= depth)
-            future = self._demand_of(ctx.keys[depth - 1], ctx.now) / (holders + 1) - self.demand_floor
+            future = self._demand_of(ctx.keys[depth - 1], now) / (holders + 1) - self.demand_floor
             if future > 0.0:
                 share = 1.0 / (1.0 + future)
-        return [self._predict_one(e, self._pod(e), prompt - blocks * block_tokens, ctx.now,
+        return [self._predict_one(e, self._pod(e), prompt - blocks * block_tokens, now,
                                   (best - blocks) * block_tokens, share)
                 for e, blocks in zip(candidates, matched, strict=True)]
 
@@ -269,15 +281,15 @@ class PredictedTTFTScorer(Plugin):
         depth = self._demand_depth(ctx, max(ctx.matches.values()))
         if not depth:
             return
-        key = ctx.keys[depth - 1]
+        key, now = ctx.keys[depth - 1], ctx.now * self.pod_time_scale
         entry = self._demand.get(key)
         if entry is None:
-            self._demand[key] = [1.0, ctx.now]
+            self._demand[key] = [1.0, now]
             if len(self._demand) > self.demand_keys:
                 self._demand.popitem(last=False)
             return
-        entry[0] = self._demand_of(key, ctx.now) + 1.0
-        entry[1] = ctx.now
+        entry[0] = self._demand_of(key, now) + 1.0
+        entry[1] = now
         self._demand.move_to_end(key)
 
     def _predict_one(self, e: Endpoint, pod: _Pod, uncached: float, now: float, replicable: float = 0.0,
@@ -330,6 +342,7 @@ class PredictedTTFTScorer(Plugin):
         return [best / s for s in seconds]
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        now *= self.pod_time_scale
         pod = self._pod(endpoint)
         uncached = self._uncached(ctx, endpoint)
         if self.observer is not None:  # what we expected of this pick, before it joins the pod's queue
@@ -342,6 +355,7 @@ class PredictedTTFTScorer(Plugin):
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         """A peer's pick carries no match length: count its whole prompt (an overestimate, as long as it lasts)."""
         pod = self._pod_state(pick.address)
+        now *= self.pod_time_scale
         pod.peer_until = self._queue_behind(pod, pick.prompt_chars / self.chars_per_token, now)
 
     def _queue_behind(self, pod: _Pod, tokens: float, now: float) -> float:
@@ -364,6 +378,7 @@ class PredictedTTFTParams(Section):
     eviction_cost: float = Field(2.0, ge=0)  # cold tokens on a full cache evict as many: priced this many times
     demand_window_seconds: float = Field(1.0, ge=0)  # how long a pick counts as demand for its prefix (0: off)
     demand_floor: float = Field(4.0, ge=0)  # requests per holder a prefix needs before a copy is worth it
+    pod_time_scale: float = Field(1.0, gt=0)  # the pods' clock against ours: 1, or `picker sim --time-scale`
 
 
 def _predicted(name: str, p: PredictedTTFTParams, deps: PluginDeps) -> Plugin:
