@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -342,13 +343,24 @@ def start_picker_fleet(logdir: Path, pool: list[str], *, flags: list[str] | None
     return PickerFleet(pickers, envoy)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def process_scope(prefix: str) -> Iterator[tuple[Path, list[Managed]]]:
-    """A log directory and a list of processes that are all stopped on exit, even on failure."""
+    """A log directory and a list of processes that are all stopped on exit, even on failure. A SIGTERM to this
+    process (a benchmark stopped by `kill`) exits through the same path instead of orphaning them, when no one
+    else handles SIGTERM."""
     logdir = Path(tempfile.mkdtemp(prefix=f"picker-{prefix}-"))
     started: list[Managed] = []
+    previous = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         yield logdir, started
     finally:
         for managed in reversed(started):
             managed.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
