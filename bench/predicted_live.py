@@ -1,33 +1,96 @@
 """Issue 10's live target, counted: the predicted-TTFT picker beside the defaults and prefix-hash, live, on each
-(workload, load): TTFT mean and p90, and its ratio to the better of the two.
+(workload, load): TTFT mean and p90 (medians over repeats), and its ratio to the better of the two.
 
     .venv/bin/python bench/predicted_live.py [--workloads chat,code] [--loads 0.5,1.0] [--requests 400]
+                                             [--repeats 3] [--time-scale 0.25]
 
-Each cell is one `picker bench --mode live` run (4 `picker sim` pods, Envoy, the three pickers one after another
-on the same trace; ~2-3 minutes); reports land in bench/out/predicted-live/<workload>-<load>/. Live runs on a
-shared machine are noisy: each report has the bootstrap intervals to judge a difference by.
+Each repeat of a cell is one `picker bench --mode live` run (4 `picker sim` pods, Envoy, the three pickers one after
+another on the same trace, on a fresh fleet); odd repeats run the pickers in reverse order, so neither warm-up nor a
+neighbour's burst on this shared machine favours one of them. Two runs of one picker on one cell differ by far more
+than 2 % here, so the table gives each picker's spread over its repeats, (max - min) / median: a ratio within that
+spread of 1 is a tie, not a win or a loss. Runs of one cell share the machine's mood, so the ratio is also given per
+run (the lowest and highest over the repeats): a ratio on the same side of 1 in every run is a difference. `--time-scale` slows the simulated pods' clock against the wall (fewer
+requests a wall second): on a slow machine at load 1.0 the host, not the pods, can be the bottleneck (model-time
+TTFT then grows with the time scale); figures that do not change when it is halved are the pods'. Reports land in
+bench/out/predicted-live/<workload>-<load>-<repeat>/; `--tabulate` prints the table from them without running.
+
+`--pod-clock` runs, instead, predicted TTFT told the sim pods' time scale (`podTimeScale`, as `picker bench` sets it)
+against the same profile left at 1, side by side on each cell: what keeping its queues on the pods' clock is worth
+(reports in bench/out/predicted-live/pod-clock-<workload>-<load>-<repeat>/).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
+
+from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 
 WORKLOADS = ("chat", "code", "multi-turn", "summarize", "shared-prefix", "bursty", "hot-prefix")
 PICKERS = ("prefix-hash", "picker", "picker-predicted-ttft")
+METRICS = ("ttft_mean", "ttft_p90")
 OUT = Path("bench") / "out" / "predicted-live"
 
 
-def run_cell(workload: str, load: float, requests: int) -> dict[str, dict[str, float]]:
-    out = OUT / f"{workload}-{load:g}"
-    subprocess.run([sys.executable, "-m", "picker", "bench", "--mode", "live", "--strategies", ",".join(PICKERS),
-                    "--live-requests", str(requests), "--live-load", str(load), "--live-workload", workload,
-                    "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+def run_once(workload: str, load: float, requests: int, repeat: int, time_scale: float | None,
+             tabulate: bool, pickers: tuple[str, ...] = PICKERS, scheduling: str | None = None,
+             name: str = "") -> dict[str, dict[str, float]]:
+    out = OUT / f"{name}{workload}-{load:g}-{repeat}"
+    if tabulate:
+        return read(out)
+    order = pickers if repeat % 2 == 0 else pickers[::-1]
+    cmd = [sys.executable, "-m", "picker", "bench", "--mode", "live", "--strategies", ",".join(order),
+           "--live-requests", str(requests), "--live-load", str(load), "--live-workload", workload, "--out", str(out)]
+    if time_scale:
+        cmd += ["--live-time-scale", str(time_scale)]
+    if scheduling:
+        cmd += ["--scheduling", scheduling]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return read(out)
+
+
+def read(out: Path) -> dict[str, dict[str, float]]:
     strategies: dict[str, dict[str, float]] = json.loads((out / "report.json").read_text())["live"]["strategies"]
     return strategies
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median of one picker's repeats: how far apart two runs of the same thing land."""
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+
+
+def lowest_highest(per_run: list[list[float]]) -> str:
+    """The lowest and highest per-run ratio of mean, then of p90."""
+    return " / ".join(f"{min(r):.2f}-{max(r):.2f}" for r in per_run)
+
+
+def pod_clock(args: argparse.Namespace) -> None:
+    """Predicted TTFT at podTimeScale 1 (run as the `picker` strategy) against the same at the pods' scale."""
+    print(f"Live, 4 sim pods, {args.repeats} run(s) per cell, time scale {args.time_scale or 0.5}: predicted TTFT's "
+          "TTFT mean / p90 ms (medians over the runs) left at podTimeScale 1 and told the pods' scale; the ratio of "
+          "the second to the first, of the medians and the lowest and highest of one run\n")
+    print("| workload | load | podTimeScale 1 | the pods' scale | ratio | ratio per run |\n|---|---:|---|---|---:|---:|")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as config:
+        yaml.safe_dump({"scheduling": PREDICTED_TTFT_CONFIG}, config)
+        config.flush()
+        pair = ("picker", "picker-predicted-ttft")
+        for load in (float(x) for x in args.loads.split(",")):
+            for w in args.workloads.split(","):
+                runs = [run_once(w, load, args.requests, r, args.time_scale, args.tabulate, pair, config.name,
+                                 "pod-clock-") for r in range(args.repeats)]
+                med = {p: {m: statistics.median(run[p][m] for run in runs) for m in METRICS} for p in pair}
+                per_run = [[run[pair[1]][m] / run[pair[0]][m] for run in runs] for m in METRICS]
+                cells = [f"{med[p]['ttft_mean'] * 1e3:.1f} / {med[p]['ttft_p90'] * 1e3:.1f}" for p in pair]
+                ratio = [med[pair[1]][m] / med[pair[0]][m] for m in METRICS]
+                print(f"| {w} | {load:g} | {' | '.join(cells)} | {ratio[0]:.2f} / {ratio[1]:.2f} | "
+                      f"{lowest_highest(per_run)} |", flush=True)
 
 
 def main() -> int:
@@ -35,19 +98,30 @@ def main() -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--loads", default="0.5,1.0")
     parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--time-scale", type=float, default=None, help="picker bench --live-time-scale (default 0.5)")
+    parser.add_argument("--tabulate", action="store_true", help="print the table from the reports of an earlier run")
+    parser.add_argument("--pod-clock", action="store_true", help="predicted TTFT at podTimeScale 1 against the pods'")
     args = parser.parse_args()
-    print("Live, 4 sim pods, one run per cell: TTFT mean / p90 ms for prefix-hash, the defaults and predicted TTFT; "
-          "the last column is predicted TTFT's mean / p90 over the better of the other two\n")
-    print("| workload | load | prefix-hash | defaults | predicted TTFT | ratio |\n|---|---:|---|---|---|---:|")
+    if args.pod_clock:
+        pod_clock(args)
+        return 0
+    print(f"Live, 4 sim pods, {args.repeats} run(s) per cell, time scale {args.time_scale or 0.5}: TTFT mean / p90 ms "
+          "(medians over the runs) for prefix-hash, the defaults and predicted TTFT; predicted TTFT's medians over "
+          "the better of the other two; the spread of the runs of each picker, mean / p90 (max - min over median, "
+          "the largest of the three pickers); the lowest and highest ratio of one run, mean / p90\n")
+    print("| workload | load | prefix-hash | defaults | predicted TTFT | ratio | spread | ratio per run |\n"
+          "|---|---:|---|---|---|---:|---:|---:|")
     for load in (float(x) for x in args.loads.split(",")):
         for w in args.workloads.split(","):
-            s = run_cell(w, load, args.requests)
-            cells = [f"{s[p]['ttft_mean'] * 1e3:.1f} / {s[p]['ttft_p90'] * 1e3:.1f}" for p in PICKERS]
-            mine = s["picker-predicted-ttft"]
-            best_mean = min(s[p]["ttft_mean"] for p in PICKERS[:2])
-            best_p90 = min(s[p]["ttft_p90"] for p in PICKERS[:2])
-            print(f"| {w} | {load:g} | {' | '.join(cells)} | {mine['ttft_mean'] / best_mean:.2f} / "
-                  f"{mine['ttft_p90'] / best_p90:.2f} |", flush=True)
+            runs = [run_once(w, load, args.requests, r, args.time_scale, args.tabulate) for r in range(args.repeats)]
+            med = {p: {m: statistics.median(run[p][m] for run in runs) for m in METRICS} for p in PICKERS}
+            noise = [max(spread([run[p][m] for run in runs]) for p in PICKERS) for m in METRICS]
+            cells = [f"{med[p]['ttft_mean'] * 1e3:.1f} / {med[p]['ttft_p90'] * 1e3:.1f}" for p in PICKERS]
+            ratio = [med[PICKERS[2]][m] / min(med[p][m] for p in PICKERS[:2]) for m in METRICS]
+            per_run = [[run[PICKERS[2]][m] / min(run[p][m] for p in PICKERS[:2]) for run in runs] for m in METRICS]
+            print(f"| {w} | {load:g} | {' | '.join(cells)} | {ratio[0]:.2f} / {ratio[1]:.2f} | "
+                  f"{noise[0]:.2f} / {noise[1]:.2f} | {lowest_highest(per_run)} |", flush=True)
     return 0
 
 
