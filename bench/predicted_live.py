@@ -5,14 +5,15 @@
                                              [--repeats 3] [--time-scale 0.25]
 
 Each repeat of a cell is one `picker bench --mode live` run (4 `picker sim` pods, Envoy, the three pickers one after
-another on the same trace, on a fresh fleet); odd repeats run the pickers in reverse order, so neither warm-up nor a
-neighbour's burst on this shared machine favours one of them. Two runs of one picker on one cell differ by far more
-than 2 % here, so the table gives each picker's spread over its repeats, (max - min) / median: a ratio within that
-spread of 1 is a tie, not a win or a loss. Runs of one cell share the machine's mood, so the ratio is also given per
-run (the lowest and highest over the repeats): a ratio on the same side of 1 in every run is a difference. `--time-scale` slows the simulated pods' clock against the wall (fewer
-requests a wall second): on a slow machine at load 1.0 the host, not the pods, can be the bottleneck (model-time
-TTFT then grows with the time scale); figures that do not change when it is halved are the pods'. Reports land in
-bench/out/predicted-live/<workload>-<load>-<repeat>/; `--tabulate` prints the table from them without running.
+another on the same trace, on a fresh fleet); odd repeats run the pickers in reverse order, so no picker always
+goes first. Two runs of one picker on one cell differ by far more than 2 % on a shared machine, so the table gives
+each picker's spread over its repeats, (max - min) / median: a ratio within that spread of 1 is a tie, not a win
+or a loss. The pickers of one run share the machine's mood, so the ratio is also given run by run (the lowest and
+highest over the repeats): a ratio on the same side of 1 in every run is a difference. `--time-scale` slows the
+simulated pods' clock against the wall (fewer requests a wall second): on a slow machine at load 1.0 the host, not
+the pods, can be the bottleneck (model-time TTFT then grows with the time scale); figures that do not change when
+it is halved are the pods'. Reports land in bench/out/predicted-live/<workload>-<load>-<repeat>/; `--tabulate`
+prints the table from them without running.
 
 `--pod-clock` runs, instead, predicted TTFT told the sim pods' time scale (`podTimeScale`, as `picker bench` sets it)
 against the same profile left at 1, side by side on each cell: what keeping its queues on the pods' clock is worth
@@ -66,6 +67,15 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
 
 
+def medians(runs: list[dict[str, dict[str, float]]], pickers: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Each picker's TTFT mean and p90, medians over the runs."""
+    return {p: {m: statistics.median(run[p][m] for run in runs) for m in METRICS} for p in pickers}
+
+
+def cell(figures: dict[str, float]) -> str:
+    return f"{figures['ttft_mean'] * 1e3:.1f} / {figures['ttft_p90'] * 1e3:.1f}"
+
+
 def lowest_highest(per_run: list[list[float]]) -> str:
     """The lowest and highest per-run ratio of mean, then of p90."""
     return " / ".join(f"{min(r):.2f}-{max(r):.2f}" for r in per_run)
@@ -85,9 +95,9 @@ def pod_clock(args: argparse.Namespace) -> None:
             for w in args.workloads.split(","):
                 runs = [run_once(w, load, args.requests, r, args.time_scale, args.tabulate, pair, config.name,
                                  "pod-clock-") for r in range(args.repeats)]
-                med = {p: {m: statistics.median(run[p][m] for run in runs) for m in METRICS} for p in pair}
+                med = medians(runs, pair)
                 per_run = [[run[pair[1]][m] / run[pair[0]][m] for run in runs] for m in METRICS]
-                cells = [f"{med[p]['ttft_mean'] * 1e3:.1f} / {med[p]['ttft_p90'] * 1e3:.1f}" for p in pair]
+                cells = [cell(med[p]) for p in pair]
                 ratio = [med[pair[1]][m] / med[pair[0]][m] for m in METRICS]
                 print(f"| {w} | {load:g} | {' | '.join(cells)} | {ratio[0]:.2f} / {ratio[1]:.2f} | "
                       f"{lowest_highest(per_run)} |", flush=True)
@@ -115,9 +125,9 @@ def main() -> int:
     for load in (float(x) for x in args.loads.split(",")):
         for w in args.workloads.split(","):
             runs = [run_once(w, load, args.requests, r, args.time_scale, args.tabulate) for r in range(args.repeats)]
-            med = {p: {m: statistics.median(run[p][m] for run in runs) for m in METRICS} for p in PICKERS}
+            med = medians(runs, PICKERS)
             noise = [max(spread([run[p][m] for run in runs]) for p in PICKERS) for m in METRICS]
-            cells = [f"{med[p]['ttft_mean'] * 1e3:.1f} / {med[p]['ttft_p90'] * 1e3:.1f}" for p in PICKERS]
+            cells = [cell(med[p]) for p in PICKERS]
             ratio = [med[PICKERS[2]][m] / min(med[p][m] for p in PICKERS[:2]) for m in METRICS]
             per_run = [[run[PICKERS[2]][m] / min(run[p][m] for p in PICKERS[:2]) for run in runs] for m in METRICS]
             print(f"| {w} | {load:g} | {' | '.join(cells)} | {ratio[0]:.2f} / {ratio[1]:.2f} | "
