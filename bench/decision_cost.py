@@ -7,7 +7,6 @@ in-process and single-threaded; numbers are wall-clock per call (time.perf_count
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import random
 import sys
@@ -26,7 +25,7 @@ from picker.endpoints.state import Endpoint, EndpointMetrics  # noqa: E402
 from picker.prefix.hashing import prefix_keys, prefix_seed  # noqa: E402
 from picker.prefix.memory import InMemoryPrefixIndex  # noqa: E402
 from picker.requests import InferenceRequest  # noqa: E402
-from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler  # noqa: E402
+from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler, predicted_ttft_scheduling  # noqa: E402
 
 WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "or", "an", "at", "from", "model", "cache", "token"]
 
@@ -195,8 +194,7 @@ def main() -> None:
     for n in (8, 64, 512):
         py, npy = bench_numpy_vs_python(n, 2000)
         print(f"| {n} endpoints | {py:.1f} | {npy:.1f} |")
-    no_demand = copy.deepcopy(PREDICTED_TTFT_CONFIG)
-    no_demand["plugins"][0]["parameters"] = {"demandWindowSeconds": 0}
+    no_demand = predicted_ttft_scheduling(demandWindowSeconds=0)
     print("\n| endpoints | prompt | defaults p50 / p99 (µs) | predicted TTFT p50 / p99 (µs) | p50 ratio | "
           "predicted TTFT without copy demand p50 / p99 (µs) |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -22,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from picker.bench.suite import Cell, FastSpec, calibrate, run_cell  # noqa: E402
-from picker.scheduling.config import DEFAULT_CONFIG, PREDICTED_TTFT_CONFIG  # noqa: E402
+from picker.scheduling.config import DEFAULT_CONFIG, PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling  # noqa: E402
 
 
 def _with_weights(profile: str, weights: Mapping[str, float]) -> dict[str, Any]:
@@ -98,8 +98,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 
 def predicted_ttft(load_weight: float = 0.001, **params: Any) -> dict[str, Any]:
     """PREDICTED_TTFT_CONFIG with the predicted-ttft-scorer's `params` and the in-flight tie-break's weight."""
-    cfg = copy.deepcopy(PREDICTED_TTFT_CONFIG)
-    cfg["plugins"][0]["parameters"] = params
+    cfg = predicted_ttft_scheduling(**params)
     for ref in cfg["schedulingProfiles"][0]["plugins"]:
         if ref.get("pluginRef") == "in-flight-load-scorer":
             ref["weight"] = load_weight

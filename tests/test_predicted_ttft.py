@@ -21,7 +21,7 @@ from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.observability import PickerMetrics
 from picker.requests import InferenceRequest
-from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler
+from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler, predicted_ttft_scheduling
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.predicted import PredictedTTFTScorer, Prediction
 from picker.schema import ConfigError
@@ -258,8 +258,7 @@ async def test_through_envoy_a_prefix_stays_until_its_pods_queue_costs_more_than
 @pytest.fixture(scope="module")
 def copying() -> Iterator[Scene]:
     """PREDICTED_TTFT_CONFIG whose demand lasts minutes (so the test's pace does not matter), floor 2."""
-    config = copy.deepcopy(PREDICTED_TTFT_CONFIG)
-    config["plugins"][0]["parameters"] = {"demandWindowSeconds": 600, "demandFloor": 2}
+    config = predicted_ttft_scheduling(demandWindowSeconds=600, demandFloor=2)
     with running_scene("predicted-ttft-copy", yaml.safe_dump({"refresh-metrics-interval": "50ms",
                                                                "scheduling": config})) as started:
         yield started
@@ -489,8 +488,7 @@ def test_copy_demand_settings_are_checked() -> None:
         with pytest.raises(ConfigError, match=rf"parameters\.{key}"):
             build_scheduler({**PREDICTED_TTFT_CONFIG, "plugins": [
                 {"type": "predicted-ttft-scorer", "parameters": {key: bad}}]})
-    config = copy.deepcopy(PREDICTED_TTFT_CONFIG)
-    config["plugins"][0]["parameters"] = {"demandWindowSeconds": 0}  # off: every copy charged whole
+    config = predicted_ttft_scheduling(demandWindowSeconds=0)  # off: every copy charged whole
     scheduler = build_scheduler(config, rng=random.Random(0))
     result = scheduler.schedule(InferenceRequest("r", "m", prompt_text="hello " * 200), [pod(1), pod(2)], 0.0)
     assert all(c.details["predicted-ttft-scorer.copy_share"] == 1.0 for c in result.candidates)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import json
 import math
 import re
@@ -42,8 +41,7 @@ from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
 from picker.endpoints.metrics import parse_metrics
 from picker.envoyconfig import EnvoySettings, envoy_binary, render
-from picker.scheduling.config import PREDICTED_TTFT_CONFIG
-from picker.scheduling.predicted import PredictedTTFTScorer
+from picker.scheduling.config import predicted_ttft_scheduling
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.tokenizer import Tokenizer
 from picker.supervisor import (
@@ -219,12 +217,8 @@ def predicted_ttft_config(logdir: Path, time_scale: float) -> Path:
     """A `picker serve --config-file` with PREDICTED_TTFT_CONFIG as its scheduler (the picker-predicted-ttft
     router), its scorer told the sim pods' time scale (they report model seconds; it keeps its queues on their
     clock)."""
-    config = copy.deepcopy(PREDICTED_TTFT_CONFIG)
-    for plugin in config["plugins"]:
-        if plugin["type"] == PredictedTTFTScorer.type_name:
-            plugin["parameters"] = {**plugin.get("parameters", {}), "podTimeScale": time_scale}
     path = logdir / "predicted-ttft.yaml"
-    path.write_text(yaml.safe_dump({"scheduling": config}))
+    path.write_text(yaml.safe_dump({"scheduling": predicted_ttft_scheduling(podTimeScale=time_scale)}))
     return path
 
 

@@ -161,6 +161,16 @@ PREDICTED_TTFT_CONFIG: dict[str, Any] = {
     ]}],
 }
 
+def predicted_ttft_scheduling(**parameters: Any) -> dict[str, Any]:
+    """A copy of PREDICTED_TTFT_CONFIG with the predicted-ttft-scorer's `parameters` (named as in a config file,
+    e.g. `podTimeScale=0.5`) set: how the benchmarks and tests vary it."""
+    config = copy.deepcopy(PREDICTED_TTFT_CONFIG)
+    for plugin in config["plugins"]:
+        if plugin["type"] == predicted.PredictedTTFTScorer.type_name:
+            plugin["parameters"] = {**plugin.get("parameters", {}), **parameters}
+    return config
+
+
 # Every plugin type a config may name, each with the factory that decodes its parameters.
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
     f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
