@@ -18,6 +18,13 @@ prints the table from them without running.
 `--pod-clock` runs, instead, predicted TTFT told the sim pods' time scale (`podTimeScale`, as `picker bench` sets it)
 against the same profile left at 1, side by side on each cell: what keeping its queues on the pods' clock is worth
 (reports in bench/out/predicted-live/pod-clock-<workload>-<load>-<repeat>/).
+
+`--peers` runs, instead, the defaults and predicted TTFT against sglang-router and vllm-router (cache-aware, each in
+its own venv, installed on first use) on the issue's cells: shared-prefix, multi-turn and hot-prefix at load 0.8,
+600 requests (the routers' order reversed every other run, peers included). It prints each router's TTFT mean, p90
+(median and the lowest and highest run) and hit rate, then predicted TTFT's p90 over each peer's: the ratio of the
+medians, the ratio run by run, and whether the runs' ranges are disjoint (reports in
+bench/out/predicted-live/peers-<workload>-<load>-<repeat>/).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 WORKLOADS = ("chat", "code", "multi-turn", "summarize", "shared-prefix", "bursty", "hot-prefix")
 PICKERS = ("prefix-hash", "picker", "picker-predicted-ttft")
 METRICS = ("ttft_mean", "ttft_p90")
+PEER_ROUTERS = ("picker", "picker-predicted-ttft", "sglang-router", "vllm-router")
+DEFAULT_CELLS: dict[str, object] = {"workloads": ",".join(WORKLOADS), "loads": "0.5,1.0", "requests": 400}
+PEER_CELLS: dict[str, object] = {"workloads": "shared-prefix,multi-turn,hot-prefix", "loads": "0.8", "requests": 600}
 OUT = Path("bench") / "out" / "predicted-live"
 
 
@@ -103,16 +113,55 @@ def pod_clock(args: argparse.Namespace) -> None:
                       f"{lowest_highest(per_run)} |", flush=True)
 
 
+def peers(args: argparse.Namespace) -> None:
+    """The defaults and predicted TTFT against sglang-router and vllm-router, run by run on the same fleet."""
+    print(f"Live, 4 sim pods, {args.requests} requests, {args.repeats} run(s) per cell, time scale "
+          f"{args.time_scale or 0.5}: TTFT mean and p90 ms, medians over the runs [lowest-highest run], hit rate "
+          "(median)\n")
+    print("| workload | load | router | TTFT mean | TTFT p90 | hit rate |\n|---|---:|---|---|---|---:|")
+    verdicts = []
+    for load in (float(x) for x in args.loads.split(",")):
+        for w in args.workloads.split(","):
+            runs = [run_once(w, load, args.requests, r, args.time_scale, args.tabulate, PEER_ROUTERS, name="peers-")
+                    for r in range(args.repeats)]
+            routers = [p for p in PEER_ROUTERS if all(p in run for run in runs)]
+            for p in routers:
+                figures = {m: sorted(run[p][m] * 1e3 for run in runs) for m in METRICS}
+                shown = [f"{statistics.median(v):.1f} [{v[0]:.1f}-{v[-1]:.1f}]" for v in figures.values()]
+                hit = statistics.median(run[p]["hit_rate"] for run in runs)
+                print(f"| {w} | {load:g} | {p} | {' | '.join(shown)} | {hit:.1%} |", flush=True)
+            for peer in (p for p in routers if p not in PICKERS):
+                ours = [run["picker-predicted-ttft"]["ttft_p90"] for run in runs]
+                theirs = [run[peer]["ttft_p90"] for run in runs]
+                per_run = [a / b for a, b in zip(ours, theirs, strict=True)]
+                verdicts.append(f"| {w} | {load:g} | {peer} | {statistics.median(ours) / statistics.median(theirs):.2f} "
+                                f"| {min(per_run):.2f}-{max(per_run):.2f} | "
+                                f"{'yes' if max(ours) < min(theirs) else 'no'} |")
+    print("\nPredicted TTFT's p90 over each peer's: ratio of the medians, lowest and highest ratio of one run, and "
+          "whether every run of predicted TTFT was below every run of the peer\n")
+    print("| workload | load | peer | p90 ratio | per run | disjoint |\n|---|---:|---|---:|---:|---|")
+    print("\n".join(verdicts))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--loads", default="0.5,1.0")
-    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--workloads", help=f"default {','.join(WORKLOADS)}; --peers: {PEER_CELLS['workloads']}")
+    parser.add_argument("--loads", help=f"default 0.5,1.0; --peers: {PEER_CELLS['loads']}")
+    parser.add_argument("--requests", type=int, help=f"default 400; --peers: {PEER_CELLS['requests']}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-scale", type=float, default=None, help="picker bench --live-time-scale (default 0.5)")
     parser.add_argument("--tabulate", action="store_true", help="print the table from the reports of an earlier run")
     parser.add_argument("--pod-clock", action="store_true", help="predicted TTFT at podTimeScale 1 against the pods'")
+    parser.add_argument("--peers", action="store_true", help="the defaults and predicted TTFT against sglang-router "
+                        "and vllm-router")
     args = parser.parse_args()
+    chosen = vars(args)
+    for key, default in (PEER_CELLS if args.peers else DEFAULT_CELLS).items():
+        if chosen[key] is None:
+            chosen[key] = default
+    if args.peers:
+        peers(args)
+        return 0
     if args.pod_clock:
         pod_clock(args)
         return 0

@@ -72,6 +72,9 @@ class LiveSpec:
     seed: int = 1
     strategies: tuple[str, ...] = ("round-robin", "random", "least-load", "prefix-only", "picker")
     peers: tuple[str, ...] = ("sglang-router", "vllm-router")
+    # the routers in the order they run, as asked (empty: the strategies, then the peers); a repeated bench
+    # reverses it so that peers do not always run last
+    order: tuple[str, ...] = ()
     scheduling_file: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -81,6 +84,7 @@ class LiveSpec:
         strategies = tuple(s for s in (args.strategies or cls.strategies) if s not in peers.PEERS)
         asked_peers = args.peers if args.peers is not None else tuple(
             s for s in (args.strategies or peers.PEERS) if s in peers.PEERS)
+        kept_peers = tuple(p for p in asked_peers if p and p != "none")
         return cls(
             workload=args.live_workload,
             pods=args.live_pods or (3 if smoke else 4),
@@ -91,7 +95,9 @@ class LiveSpec:
             num_gpu_blocks=args.num_gpu_blocks or 2500,
             seed=args.seed,
             strategies=strategies,
-            peers=tuple(p for p in asked_peers if p and p != "none"),
+            peers=kept_peers,
+            order=tuple(s for s in (args.strategies or ()) if s in strategies or s in kept_peers)
+            + tuple(p for p in kept_peers if p not in (args.strategies or ())),
             scheduling_file=args.scheduling,
         )
 
@@ -278,7 +284,7 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
     cost = cost_per_request(spec.workload, fleet, spec.seed, spec.params)
     rate = rate_for_load(spec.load, spec.pods, cost)
     trace = generate(spec.workload, spec.requests, rate, spec.seed, fleet, **spec.params)
-    order = [*spec.strategies, *spec.peers]
+    order = list(spec.order) or [*spec.strategies, *spec.peers]
     section: dict[str, Any] = {
         "workload": spec.workload, "pods": spec.pods, "requests": spec.requests, "load": spec.load,
         "rate_rps": rate, "wall_rate_rps": rate * spec.time_scale, "time_scale": spec.time_scale,
