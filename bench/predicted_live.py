@@ -22,7 +22,8 @@ against the same profile left at 1, side by side on each cell: what keeping its 
 `--peers` runs, instead, the defaults and predicted TTFT against sglang-router and vllm-router (cache-aware, each in
 its own venv, installed on first use) on the issue's cells: shared-prefix, multi-turn and hot-prefix at load 0.8,
 600 requests (the routers' order reversed every other run, peers included). It prints each router's TTFT mean, p90
-(median and the lowest and highest run) and hit rate, then predicted TTFT's p90 over each peer's: the ratio of the
+(median and the lowest and highest run), hit rate and cold share (with the oracle's: requests cold under any
+routing, whose full prefill is what a p90 above that share measures), then predicted TTFT's p90 over each peer's: the ratio of the
 medians, the ratio run by run, and whether the runs' ranges are disjoint (reports in
 bench/out/predicted-live/peers-<workload>-<load>-<repeat>/).
 """
@@ -116,9 +117,10 @@ def pod_clock(args: argparse.Namespace) -> None:
 def peers(args: argparse.Namespace) -> None:
     """The defaults and predicted TTFT against sglang-router and vllm-router, run by run on the same fleet."""
     print(f"Live, 4 sim pods, {args.requests} requests, {args.repeats} run(s) per cell, time scale "
-          f"{args.time_scale or 0.5}: TTFT mean and p90 ms, medians over the runs [lowest-highest run], hit rate "
-          "(median)\n")
-    print("| workload | load | router | TTFT mean | TTFT p90 | hit rate |\n|---|---:|---|---|---|---:|")
+          f"{args.time_scale or 0.5}: TTFT mean and p90 ms, medians over the runs [lowest-highest run]; hit rate "
+          "and the share of requests served cold (under half of the prompt from cache), medians; the oracle's cold "
+          "share (requests no router could serve warm) below each workload\n")
+    print("| workload | load | router | TTFT mean | TTFT p90 | hit rate | cold |\n|---|---:|---|---|---|---:|---:|")
     verdicts = []
     for load in (float(x) for x in args.loads.split(",")):
         for w in args.workloads.split(","):
@@ -128,8 +130,10 @@ def peers(args: argparse.Namespace) -> None:
             for p in routers:
                 figures = {m: sorted(run[p][m] * 1e3 for run in runs) for m in METRICS}
                 shown = [f"{statistics.median(v):.1f} [{v[0]:.1f}-{v[-1]:.1f}]" for v in figures.values()]
-                hit = statistics.median(run[p]["hit_rate"] for run in runs)
-                print(f"| {w} | {load:g} | {p} | {' | '.join(shown)} | {hit:.1%} |", flush=True)
+                hit, cold = (statistics.median(run[p][k] for run in runs) for k in ("hit_rate", "cold_share"))
+                print(f"| {w} | {load:g} | {p} | {' | '.join(shown)} | {hit:.1%} | {cold:.1%} |", flush=True)
+            oracle = statistics.median(run[routers[0]]["oracle_cold_share"] for run in runs)
+            print(f"| {w} | {load:g} | oracle | | | | {oracle:.1%} |")
             for peer in (p for p in routers if p not in PICKERS):
                 ours = [run["picker-predicted-ttft"]["ttft_p90"] for run in runs]
                 theirs = [run[peer]["ttft_p90"] for run in runs]
