@@ -23,8 +23,8 @@ against the same profile left at 1, side by side on each cell: what keeping its 
 its own venv, installed on first use) on the issue's cells: shared-prefix, multi-turn and hot-prefix at load 0.8,
 600 requests (the routers' order reversed every other run, peers included). It prints each router's TTFT mean, p90
 (median and the lowest and highest run), hit rate and cold share (with the oracle's: requests cold under any
-routing, whose full prefill is what a p90 above that share measures), then predicted TTFT's p90 over each peer's: the ratio of the
-medians, the ratio run by run, and whether the runs' ranges are disjoint (reports in
+routing, whose full prefill is what a p90 above that share measures), then predicted TTFT's p90 over each peer's:
+the ratio of the medians, the ratio run by run, and whether the runs' ranges are disjoint (reports in
 bench/out/predicted-live/peers-<workload>-<load>-<repeat>/).
 """
 
@@ -149,9 +149,9 @@ def peers(args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", help=f"default {','.join(WORKLOADS)}; --peers: {PEER_CELLS['workloads']}")
-    parser.add_argument("--loads", help=f"default 0.5,1.0; --peers: {PEER_CELLS['loads']}")
-    parser.add_argument("--requests", type=int, help=f"default 400; --peers: {PEER_CELLS['requests']}")
+    for key in DEFAULT_CELLS:
+        parser.add_argument(f"--{key}", type=int if key == "requests" else str,
+                            help=f"default {DEFAULT_CELLS[key]}; --peers: {PEER_CELLS[key]}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-scale", type=float, default=None, help="picker bench --live-time-scale (default 0.5)")
     parser.add_argument("--tabulate", action="store_true", help="print the table from the reports of an earlier run")
