@@ -40,12 +40,13 @@ from pathlib import Path
 
 import yaml
 
+from picker.bench.peers import PEERS
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 
 WORKLOADS = ("chat", "code", "multi-turn", "summarize", "shared-prefix", "bursty", "hot-prefix")
 PICKERS = ("prefix-hash", "picker", "picker-predicted-ttft")
 METRICS = ("ttft_mean", "ttft_p90")
-PEER_ROUTERS = ("picker", "picker-predicted-ttft", "sglang-router", "vllm-router")
+PEER_ROUTERS = ("picker", "picker-predicted-ttft", *PEERS)
 DEFAULT_CELLS: dict[str, object] = {"workloads": ",".join(WORKLOADS), "loads": "0.5,1.0", "requests": 400}
 PEER_CELLS: dict[str, object] = {"workloads": "shared-prefix,multi-turn,hot-prefix", "loads": "0.8", "requests": 600}
 OUT = Path("bench") / "out" / "predicted-live"
@@ -134,7 +135,7 @@ def peers(args: argparse.Namespace) -> None:
                 print(f"| {w} | {load:g} | {p} | {' | '.join(shown)} | {hit:.1%} | {cold:.1%} |", flush=True)
             oracle = statistics.median(run[routers[0]]["oracle_cold_share"] for run in runs)
             print(f"| {w} | {load:g} | oracle | | | | {oracle:.1%} |")
-            for peer in (p for p in routers if p not in PICKERS):
+            for peer in (p for p in routers if p in PEERS):
                 ours = [run["picker-predicted-ttft"]["ttft_p90"] for run in runs]
                 theirs = [run[peer]["ttft_p90"] for run in runs]
                 per_run = [a / b for a, b in zip(ours, theirs, strict=True)]

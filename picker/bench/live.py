@@ -57,6 +57,7 @@ from picker.supervisor import (
 )
 
 PREDICTED_TTFT = "picker-predicted-ttft"  # the picker with PREDICTED_TTFT_CONFIG as its scheduler
+DEFAULT_ROUTERS = ("round-robin", "random", "least-load", "prefix-only", "picker", *peers.PEERS)
 PICKER_STRATEGIES = ("random", "least-load", "prefix-only", "prefix-hash", "picker", PREDICTED_TTFT)
 
 
@@ -70,21 +71,20 @@ class LiveSpec:
     profile: str = "llama3-8b-h100"
     num_gpu_blocks: int | None = 2500
     seed: int = 1
-    strategies: tuple[str, ...] = ("round-robin", "random", "least-load", "prefix-only", "picker")
-    peers: tuple[str, ...] = ("sglang-router", "vllm-router")
-    # the routers in the order they run, as asked (empty: the strategies, then the peers); a repeated bench
-    # reverses it so that peers do not always run last
-    order: tuple[str, ...] = ()
+    # the routers in the order they run, as asked, peers included (a repeated bench reverses it so that no router
+    # always runs last)
+    order: tuple[str, ...] = DEFAULT_ROUTERS
     scheduling_file: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LiveSpec:
         smoke = bool(args.smoke)
-        strategies = tuple(s for s in (args.strategies or cls.strategies) if s not in peers.PEERS)
-        asked_peers = args.peers if args.peers is not None else tuple(
-            s for s in (args.strategies or peers.PEERS) if s in peers.PEERS)
-        kept_peers = tuple(p for p in asked_peers if p and p != "none")
+        asked = args.strategies or DEFAULT_ROUTERS
+        if args.peers is not None:  # --peers decides which peers run: those named in --strategies keep their place
+            wanted = tuple(p for p in args.peers if p and p != "none")
+            asked = tuple(s for s in asked if s not in peers.PEERS or s in wanted) + tuple(
+                p for p in wanted if p not in asked)
         return cls(
             workload=args.live_workload,
             pods=args.live_pods or (3 if smoke else 4),
@@ -94,12 +94,19 @@ class LiveSpec:
             profile=args.profile,
             num_gpu_blocks=args.num_gpu_blocks or 2500,
             seed=args.seed,
-            strategies=strategies,
-            peers=kept_peers,
-            order=tuple(s for s in (args.strategies or ()) if s in strategies or s in kept_peers)
-            + tuple(p for p in kept_peers if p not in (args.strategies or ())),
+            order=tuple(asked),
             scheduling_file=args.scheduling,
         )
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """The routers we start ourselves: the picker's strategies and Envoy round-robin."""
+        return tuple(s for s in self.order if s not in peers.PEERS)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The peer routers (peers.PEERS), each in its own venv."""
+        return tuple(s for s in self.order if s in peers.PEERS)
 
     def get_profile(self) -> Profile:
         return get_profile(self.profile).with_overrides(num_gpu_blocks=self.num_gpu_blocks)
@@ -284,7 +291,6 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
     cost = cost_per_request(spec.workload, fleet, spec.seed, spec.params)
     rate = rate_for_load(spec.load, spec.pods, cost)
     trace = generate(spec.workload, spec.requests, rate, spec.seed, fleet, **spec.params)
-    order = list(spec.order) or [*spec.strategies, *spec.peers]
     section: dict[str, Any] = {
         "workload": spec.workload, "pods": spec.pods, "requests": spec.requests, "load": spec.load,
         "rate_rps": rate, "wall_rate_rps": rate * spec.time_scale, "time_scale": spec.time_scale,
@@ -294,7 +300,7 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
                              "every pod each second (the picker's calm cadence) added",
         "strategies": {}, "cdf": {}, "pod_load_series": {}, "skipped": {}, "notes": [],
     }
-    bar = ProgressBar(len(trace) * len(order), "live mode")
+    bar = ProgressBar(len(trace) * len(spec.order), "live mode")
     results: dict[str, RunResult] = {}
     try:
         with process_scope("bench-live") as (logdir, started):
@@ -306,7 +312,7 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
             urls = [f"http://{a}" for a in sim.addresses]
             _wait_pods_ready(urls)
             section["worker_endpoints"] = peers.check_worker(urls[0])
-            for strategy in order:
+            for strategy in spec.order:
                 bar.set_label(f"live mode: {strategy}")
                 try:
                     procs, url = start_router(strategy, spec, sim.addresses, urls, logdir)

@@ -161,6 +161,7 @@ PREDICTED_TTFT_CONFIG: dict[str, Any] = {
     ]}],
 }
 
+
 def predicted_ttft_scheduling(**parameters: Any) -> dict[str, Any]:
     """A copy of PREDICTED_TTFT_CONFIG with the predicted-ttft-scorer's `parameters` (named as in a config file,
     e.g. `podTimeScale=0.5`) set: how the benchmarks and tests vary it."""
