@@ -232,6 +232,20 @@ def render(settings: EnvoySettings) -> str:
     )
 
 
+def with_served_by(config_text: str, header: str) -> str:
+    """A rendered config whose responses carry `header: <ip:port of the pod that answered>` (Envoy's
+    %UPSTREAM_HOST%): which pod served each request, for benchmarks and debugging. Not in the shipped templates:
+    it tells clients the pods' addresses."""
+    config = yaml.safe_load(config_text)
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for flt in chain["filters"]:
+                for host in flt.get("typed_config", {}).get("route_config", {}).get("virtual_hosts", []):
+                    host.setdefault("response_headers_to_add", []).append(
+                        {"header": {"key": header, "value": "%UPSTREAM_HOST%"}})
+    return str(yaml.safe_dump(config))
+
+
 def _type_urls(node: Any) -> set[str]:
     if isinstance(node, dict):
         found = {node["@type"]} if isinstance(node.get("@type"), str) else set()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from picker.envoyconfig import EnvoySettings, envoy_binary, render
+from picker.envoyconfig import EnvoySettings, envoy_binary, render, with_served_by
 from picker.tls import client_credentials, make_pki, read_pair
 
 HOST = "127.0.0.1"
@@ -282,12 +282,13 @@ _base_id = iter(range(1000 + os.getpid() % 1000 * 100, 10**7))
 
 def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str], *, mode: str = "buffered",
                 fail_open: bool = True, name: str = "envoy", wait_for_picker: bool = True,
-                client_cert: bool = True, response_body: str = "none") -> Envoy:
+                client_cert: bool = True, response_body: str = "none", served_by: str = "") -> Envoy:
     """Envoy in front of one picker, or of several replicas (same ports, different hosts) it balances over.
 
     It speaks what the picker serves; to an mTLS picker it presents the client certificate of the picker's CA
     (`client_cert=False`: none, which the picker must refuse). `response_body="streamed"` shows the buffered
-    template's response bodies to the picker (token usage)."""
+    template's response bodies to the picker (token usage); `served_by` names a response header carrying the
+    address of the pod that answered."""
     pickers = [picker] if isinstance(picker, Picker) else list(picker)
     first = pickers[0]
     if any((p.grpc_port, p.health_port) != (first.grpc_port, first.health_port) for p in pickers):
@@ -301,7 +302,8 @@ def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str]
                              picker_client_cert=str(first.pki / "client") if first.pki and client_cert else "",
                              response_body=response_body)
     config_path = logdir / f"{name}.yaml"
-    config_path.write_text(render(settings))
+    text = render(settings)
+    config_path.write_text(with_served_by(text, served_by) if served_by else text)
     process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),
                            "-l", "warning", "--concurrency", "1"], logdir)
     envoy = Envoy(settings.listen_port, settings.admin_port, process, config_path, settings)
@@ -324,7 +326,7 @@ class PickerFleet:
 
 
 def start_picker_fleet(logdir: Path, pool: list[str], *, flags: list[str] | None = None, replicas: int = 1,
-                       name: str = "picker", first_host: int = 10) -> PickerFleet:
+                       name: str = "picker", first_host: int = 10, served_by: str = "") -> PickerFleet:
     """`replicas` `picker serve` processes and one Envoy balancing ext_proc streams over them. One replica binds
     HOST; several bind 127.0.0.<first_host + i> and share their ports, as pods behind a Service do. Whatever
     started is stopped again if a later step fails."""
@@ -335,7 +337,7 @@ def start_picker_fleet(logdir: Path, pool: list[str], *, flags: list[str] | None
             host = HOST if replicas == 1 else f"127.0.0.{first_host + i}"
             pickers.append(start_picker(logdir, endpoints=pool, extra=flags, name=f"{name}-{i}" if replicas > 1
                                         else name, host=host, grpc_port=grpc_port, health_port=health_port))
-        envoy = start_envoy(logdir, pickers, pool, name=f"envoy-{name}")
+        envoy = start_envoy(logdir, pickers, pool, name=f"envoy-{name}", served_by=served_by)
     except BaseException:
         for picker in reversed(pickers):
             picker.process.stop()

@@ -23,6 +23,9 @@ from picker.bench.results import FAILED, OK, SHED, RunResult
 from picker.bench.trace import Message, Trace
 
 POD_HEADER = "x-sim-pod"
+# What the benchmarks' Envoys add to every response for engines that do not name themselves (real vLLM): the
+# address of the pod that answered (supervisor.start_envoy's `served_by`).
+SERVED_BY_HEADER = "x-served-by"
 
 
 async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
@@ -34,7 +37,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             out["status"] = resp.status
-            out["pod"] = resp.headers.get(POD_HEADER, "")
+            out["pod"] = resp.headers.get(POD_HEADER) or resp.headers.get(SERVED_BY_HEADER, "")
             if resp.status != 200:
                 await resp.read()
                 return out

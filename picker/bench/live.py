@@ -40,7 +40,7 @@ from picker.bench.results import RunResult
 from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
 from picker.endpoints.metrics import parse_metrics
-from picker.envoyconfig import EnvoySettings, envoy_binary, render
+from picker.envoyconfig import EnvoySettings, envoy_binary, render, with_served_by
 from picker.scheduling.config import predicted_ttft_scheduling
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.tokenizer import Tokenizer
@@ -186,9 +186,9 @@ async def equal_scrape(session: aiohttp.ClientSession, urls: list[str], stop: as
 
 
 # --- routers -------------------------------------------------------------------------------------------------------
-def start_direct_envoy(logdir: Path, pool: list[str]) -> tuple[Managed, str]:
+def start_direct_envoy(logdir: Path, pool: list[str], *, served_by: str = "") -> tuple[Managed, str]:
     """Envoy rendered from our own template with the ext_proc filter taken out: plain round-robin over the pool
-    (the fail-open route), i.e. Envoy with no picker."""
+    (the fail-open route), i.e. Envoy with no picker. `served_by`: as `start_envoy`'s."""
     settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=free_port(),
                              picker_health_port=free_port(), pool=tuple(pool))
     config = yaml.safe_load(render(settings))
@@ -199,7 +199,8 @@ def start_direct_envoy(logdir: Path, pool: list[str]) -> tuple[Managed, str]:
                 if "http_filters" in hcm:
                     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
     path = logdir / "envoy-direct.yaml"
-    path.write_text(yaml.safe_dump(config))
+    text = yaml.safe_dump(config)
+    path.write_text(with_served_by(text, served_by) if served_by else text)
     proc = spawn("envoy-direct", [envoy_binary(), "-c", str(path), "--base-id", str(settings.admin_port),
                                   "-l", "warning", "--concurrency", "1"], logdir)
     wait_until(lambda: port_open(settings.listen_port), 30, "direct envoy", proc.proc)

@@ -43,7 +43,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.bench import vllm_engine as engine
-from picker.bench.client import stream_request
+from picker.bench.client import SERVED_BY_HEADER, stream_request
 from picker.bench.fast import FastConfig, run_fast
 from picker.bench.live import parse_counters, predicted_ttft_config, start_direct_envoy
 from picker.bench.summary import summarize
@@ -158,7 +158,7 @@ class Router:
 
 def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -> Router:
     if strategy == "round-robin":
-        direct, url = start_direct_envoy(logdir, pool)
+        direct, url = start_direct_envoy(logdir, pool, served_by=SERVED_BY_HEADER)
         return Router(url, [direct])
     if strategy == "prefix-hash":
         flags = ["--strategy", "prefix-hash", "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
@@ -176,7 +176,8 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -
         procs.append(valkey.process)
         flags += ["--index-backend", "redis", "--redis-url", valkey.url]
     try:
-        fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{strategy}")
+        fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{strategy}",
+                                   served_by=SERVED_BY_HEADER)
     except BaseException:
         for proc in procs:
             proc.stop()
@@ -199,6 +200,7 @@ async def replay(url: str, trace: list[Request], spec: RealSpec) -> list[dict[st
                     "stream_options": {"include_usage": True}}
             got = await stream_request(session, url + "/v1/completions", body, {})
             got.pop("text", None)
+            got["group"] = r.group
             return got
 
         return list(await asyncio.gather(*(send(r) for r in trace)))
@@ -285,9 +287,53 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "api_server_cpu_share": [c / wall for c in api_cpu],
         "server_cpu_share": [c / wall for c in all_cpu],
         "metrics_requests_per_pod_per_s": list(scrapes_per_pod.values()),
+        "cold_causes": cold_causes(records),
+        "groups_per_pod": [len({r["group"] for r in ok if r.get("pod") == s.address}) for s in servers],
         "wall_s": wall,
         "ttft_ms": [round(float(x), 2) for x in ttft],
+        # one row per answered request, in send order: what a reader needs to see where the cold prefills were
+        "requests_detail": request_rows(ok, [s.address for s in servers]),
     }
+
+
+def cold_causes(records: list[dict[str, Any]]) -> dict[str, int]:
+    """Why each request served mostly cold (under half its prompt from cache) was cold, in send order: the first
+    of its group anywhere (`first`: no router avoids it), the first of its group on this pod while another pod
+    held it (`copy`: the router moved the group), or its group had been served by this pod before (`evicted`:
+    the pod's cache dropped the prefix). Records need `group`, `pod` (who answered) and `usage`."""
+    seen: set[int] = set()
+    seen_on: set[tuple[int, str]] = set()
+    causes = {"first": 0, "copy": 0, "evicted": 0}
+    for r in sorted(records, key=lambda r: r["sent"]):
+        if r.get("status") != 200 or not r.get("pod"):
+            continue
+        group, pod = r["group"], r["pod"]
+        if _cached_share(r) < 0.5:
+            cause = "first" if group not in seen else ("copy" if (group, pod) not in seen_on else "evicted")
+            causes[cause] += 1
+        seen.add(group)
+        seen_on.add((group, pod))
+    return causes
+
+
+DETAIL_COLUMNS = ("sent_s", "group", "pod", "prompt_tokens", "cached_tokens", "ttft_ms")
+
+
+def request_rows(records: list[dict[str, Any]], pods: list[str]) -> list[list[float]]:
+    """Answered requests as DETAIL_COLUMNS rows in send order (sent_s from the first send; pod: index into
+    `pods`, -1 when unknown)."""
+    if not records:
+        return []
+    ordered = sorted(records, key=lambda r: r["sent"])
+    start = ordered[0]["sent"]
+    index = {address: i for i, address in enumerate(pods)}
+    rows = []
+    for r in ordered:
+        usage = r.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        rows.append([round(r["sent"] - start, 4), r["group"], index.get(r.get("pod", ""), -1),
+                     int(usage.get("prompt_tokens") or 0), cached, round((r["first_chunk"] - r["sent"]) * 1000, 2)])
+    return rows
 
 
 def _cached_share(record: dict[str, Any]) -> float:
@@ -538,13 +584,19 @@ def report(section: dict[str, Any]) -> str:
     errors = [r for r in section["runs"] if "error" in r]
     if errors:
         lines += ["", "## Runs that failed", ""] + [f"- {r['strategy']} #{r['repeat']}: {r['error']}" for r in errors]
-    lines += ["", "## Every run", "", "| router | repeat | hit rate | TTFT mean | p90 | share | /metrics per pod per s |",
-              "|---|---:|---:|---:|---:|---|---:|"]
+    lines += ["", "## Every run", "",
+              "Cold requests (under half the prompt from cache) by cause: the group's first request (`first`), the "
+              "group moved to a pod that did not hold it (`copy`), the pod had dropped it (`evicted`).", "",
+              "| router | repeat | hit rate | TTFT mean | p90 | share | groups per pod | cold: first / copy / evicted | "
+              "/metrics per pod per s |", "|---|---:|---:|---:|---:|---|---|---|---:|"]
     for r in section["runs"]:
         if "error" in r:
             continue
-        lines.append(f"| {r['strategy']} | {r['repeat'] + 1} | {r['hit_rate']:.2f} | {r['ttft_mean_ms']:.1f} | "
+        causes = r.get("cold_causes") or {}
+        lines.append(f"| {r['strategy']} | {r['repeat'] + 1} | {r['hit_rate']:.3f} | {r['ttft_mean_ms']:.1f} | "
                      f"{r['ttft_p90_ms']:.1f} | {'/'.join(f'{x:.2f}' for x in r['share'])} | "
+                     f"{'/'.join(str(g) for g in r.get('groups_per_pod') or [])} | "
+                     f"{' / '.join(str(causes.get(k, '-')) for k in ('first', 'copy', 'evicted'))} | "
                      f"{max(r['metrics_requests_per_pod_per_s'] or [0.0]):.2f} |")
     lines.append("")
     return "\n".join(lines)
