@@ -8,11 +8,14 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from picker.bench.real import (
+    DETAIL_COLUMNS,
     RealSpec,
     build_trace,
+    cold_causes,
     direction_check,
     medians,
     report,
+    request_rows,
     scrapes_per_pod,
     targets,
 )
@@ -25,7 +28,13 @@ def run(strategy: str, repeat: int, hit: float, mean: float, p90: float, share: 
             "ttft_p90_ms": p90, "ttft_p99_ms": p90 * 2, "failed": 0, "share": [share, 1 - share],
             "server_cpu_share": [0.5, 0.5], "api_server_cpu_share": [0.01, 0.01],
             "metrics_requests_per_pod_per_s": [scrapes, scrapes], "ttft_ms": [mean], "warm_share": hit,
-            "ttft_warm_p50_ms": 20.0, "ttft_cold_p50_ms": 60.0}
+            "ttft_warm_p50_ms": 20.0, "ttft_cold_p50_ms": 60.0, "groups_per_pod": [3, 2],
+            "cold_causes": {"first": 5, "copy": 1, "evicted": 2}}
+
+
+def answered(sent: float, group: int, pod: str, cached: int, prompt: int = 100, status: int = 200) -> dict:
+    return {"sent": sent, "first_chunk": sent + 0.05, "status": status, "group": group, "pod": pod,
+            "usage": {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}}
 
 
 def test_trace_is_inference_perf_shared_prefix_shaped() -> None:
@@ -87,3 +96,32 @@ def test_scrapes_are_read_per_pod_from_the_pickers_own_counter() -> None:
         metrics.observe_scrape(a, ok)
     metrics.observe_scrape(b, True)
     assert scrapes_per_pod(generate_latest(metrics.registry).decode()) == {"10.0.0.1:8000": 3.0, "10.0.0.2:8000": 1.0}
+
+
+def test_cold_requests_are_told_apart_by_cause_in_send_order() -> None:
+    records = [
+        answered(0.0, 1, "a", 0),    # first of group 1
+        answered(1.0, 1, "a", 90),   # warm
+        answered(2.0, 1, "b", 0),    # copy: group 1 moved to b
+        answered(3.0, 2, "b", 10),   # first of group 2 (a little cached is still cold)
+        answered(4.0, 1, "a", 20),   # a held group 1 and dropped it: evicted
+        answered(5.0, 2, "b", 60),   # warm (over half)
+        answered(6.0, 3, "a", 0, status=500),  # failed: not counted, and group 3 stays unseen
+        answered(7.0, 3, "a", 0),    # so this is still group 3's first
+    ]
+    records.reverse()  # completion order is not send order
+    assert cold_causes(records) == {"first": 3, "copy": 1, "evicted": 1}
+    ok = [r for r in records if r["status"] == 200]
+    rows = request_rows(ok, ["a", "b"])
+    assert len(DETAIL_COLUMNS) == len(rows[0]) and [r[0] for r in rows] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0]
+    assert rows[2] == [2.0, 1, 1, 100, 0, 50.0]
+    assert request_rows(ok, ["a"])[2][2] == -1 and request_rows([], ["a"]) == []
+
+
+def test_report_shows_groups_per_pod_and_cold_causes() -> None:
+    runs = [run("picker", 0, 0.83, 40, 100, 0.55, 1.0)]
+    summary = medians(runs, ("picker",))
+    section: dict[str, Any] = {"spec": {**RealSpec().__dict__, "requests": 240},
+                               "calibration": {"tokens_per_word": 2.5}, "runs": runs, "medians": summary,
+                               "targets": targets(summary), "sim": {}, "sim_direction": []}
+    assert "| 3/2 | 5 / 1 / 2 |" in report(section)

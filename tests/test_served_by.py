@@ -1,0 +1,49 @@
+"""The benchmarks' Envoys name the pod that answered (x-served-by): through real Envoy, with and without a picker."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import yaml
+
+from picker.bench.client import SERVED_BY_HEADER
+from picker.bench.live import start_direct_envoy
+from picker.envoyconfig import EnvoySettings, render, with_served_by
+from picker.supervisor import process_scope, start_backends, start_picker_fleet
+
+
+def post(url: str) -> tuple[str, str]:
+    """(x-served-by header, the echo pod's own address) of one completion."""
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 1}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.headers.get(SERVED_BY_HEADER, ""), json.load(response)["served_by"]
+
+
+def test_rendered_config_gains_the_header_on_every_virtual_host() -> None:
+    for mode in ("buffered", "full-duplex"):
+        text = render(EnvoySettings(pool=("127.0.0.1:8000",), mode=mode))
+        assert "%UPSTREAM_HOST%" not in text  # not in what users deploy
+        config = yaml.safe_load(with_served_by(text, "x-pod"))
+        hosts = [h for listener in config["static_resources"]["listeners"] for chain in listener["filter_chains"]
+                 for f in chain["filters"] for h in f["typed_config"].get("route_config", {}).get("virtual_hosts", [])]
+        assert hosts and all(h["response_headers_to_add"] == [{"header": {"key": "x-pod", "value": "%UPSTREAM_HOST%"}}]
+                             for h in hosts)
+
+
+def test_served_by_names_the_pod_that_answered_through_envoy() -> None:
+    with process_scope("served-by") as (logdir, started):
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        fleet = start_picker_fleet(logdir, backends.addresses, served_by=SERVED_BY_HEADER)
+        started.extend(fleet.processes)
+        direct, direct_url = start_direct_envoy(logdir, backends.addresses, served_by=SERVED_BY_HEADER)
+        started.append(direct)
+        seen = set()
+        for url in (fleet.envoy.url, direct_url):
+            for _ in range(4):
+                header, answered = post(url)
+                assert header == answered  # the picked pod (ext_proc) and round-robin's alike
+                seen.add(header)
+        assert seen == set(backends.addresses)  # round-robin visits both
