@@ -18,6 +18,8 @@ from picker.bench.real import (
     request_rows,
     scrapes_per_pod,
     targets,
+    ttft_breakdown,
+    where_ttft_goes,
 )
 from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
@@ -125,3 +127,21 @@ def test_report_shows_groups_per_pod_and_cold_causes() -> None:
                                "calibration": {"tokens_per_word": 2.5}, "runs": runs, "medians": summary,
                                "targets": targets(summary), "sim": {}, "sim_direction": []}
     assert "| 3/2 | 5 / 1 / 2 |" in report(section)
+
+
+def test_ttft_breakdown_separates_warm_requests_queued_behind_a_cold_prefill() -> None:
+    rows = [  # sent_s, group, pod, prompt_tokens, cached_tokens, ttft_ms
+        [0.0, 1, 0, 100, 0, 400.0],    # cold on pod 0 until 0.4 s
+        [0.1, 2, 0, 100, 90, 300.0],   # warm, pod 0, during that cold prefill
+        [0.2, 3, 1, 100, 90, 50.0],    # warm, pod 1: nothing cold there
+        [0.5, 2, 0, 100, 90, 50.0],    # warm, pod 0, after the cold one answered
+    ]
+    got = ttft_breakdown(rows)
+    assert {k: (v["n"], v["mean_ms"]) for k, v in got.items()} == {
+        "cold": (1, 400.0), "warm_behind_cold": (1, 300.0), "warm_clear": (2, 50.0)}
+    assert got["cold"]["share"] == 0.5 and got["warm_clear"]["share"] == 0.125
+    runs = [run("picker", i, 0.8, 40, 100, 0.5, 1.0) | {"requests_detail": rows} for i in range(2)]
+    text = "\n".join(where_ttft_goes([*runs, run("round-robin", 0, 0.4, 90, 160, 0.5, 0.0)], ["picker", "round-robin"]))
+    assert "| picker | 3/2, 3/2 | 5 / 1 / 2 | 1, 400, 50% | 1, 300, 38% | 2, 50, 12% |" in text
+    assert "round-robin" not in text  # no per-request rows recorded for it
+    assert where_ttft_goes([run("picker", 0, 0.8, 40, 100, 0.5, 1.0)], ["picker"]) == []

@@ -336,6 +336,24 @@ def request_rows(records: list[dict[str, Any]], pods: list[str]) -> list[list[fl
     return rows
 
 
+def ttft_breakdown(rows: list[list[float]]) -> dict[str, dict[str, float]]:
+    """Where a run's TTFT went, from its DETAIL_COLUMNS rows: cold requests (under half the prompt cached), warm
+    ones sent while a cold request on the same pod still awaited its first token (they queue behind a long
+    prefill step), and the other warm ones. Per class: how many, their mean TTFT, their share of all TTFT."""
+    colds = [(sent, sent + ttft / 1000, pod) for sent, _g, pod, prompt, cached, ttft in rows if cached < 0.5 * prompt]
+    classes: dict[str, list[float]] = {"cold": [], "warm_behind_cold": [], "warm_clear": []}
+    for sent, _g, pod, prompt, cached, ttft in rows:
+        if cached < 0.5 * prompt:
+            classes["cold"].append(ttft)
+        elif any(start <= sent < end and cold_pod == pod for start, end, cold_pod in colds):
+            classes["warm_behind_cold"].append(ttft)
+        else:
+            classes["warm_clear"].append(ttft)
+    total = sum(sum(v) for v in classes.values()) or 1.0
+    return {name: {"n": len(v), "mean_ms": statistics.fmean(v) if v else math.nan, "share": sum(v) / total}
+            for name, v in classes.items()}
+
+
 def _cached_share(record: dict[str, Any]) -> float:
     usage = record.get("usage") or {}
     prompt = int(usage.get("prompt_tokens") or 0)
@@ -560,6 +578,7 @@ def report(section: dict[str, Any]) -> str:
         lines += ["", f"What a cache hit is worth on these servers: median TTFT {w:.1f} ms for a request served mostly "
                   f"from cache, {c:.1f} ms mostly cold. A router that is cold only on each group's first request "
                   f"({first:.1%} of them) and adds no delay would average about {first * c + (1 - first) * w:.1f} ms."]
+    lines += where_ttft_goes(section["runs"], list(m))
     lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
     for t in section["targets"]:
         lines.append(f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['measured']} |")
@@ -600,6 +619,33 @@ def report(section: dict[str, Any]) -> str:
                      f"{max(r['metrics_requests_per_pod_per_s'] or [0.0]):.2f} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def where_ttft_goes(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
+    """The report's section on cold causes and TTFT by class (medians over each router's repeats); empty for runs
+    recorded without per-request rows."""
+    lines = ["", "## Where the time to first token goes (medians over repeats)", "",
+             "Cold: under half the prompt from cache, by cause (first of its group / group moved to another pod / "
+             "dropped by the pod's cache). Warm behind cold: sent while a cold request on the same pod still "
+             "awaited its first token.", "",
+             "| router | groups per pod | cold: first / copy / evicted | cold: n, mean ms, share of TTFT | "
+             "warm behind cold | other warm |", "|---|---|---|---|---|---|"]
+    rows = 0
+    for name in strategies:
+        mine = [r for r in runs if r["strategy"] == name and r.get("requests_detail")]
+        if not mine:
+            continue
+        rows += 1
+        parts = [ttft_breakdown(r["requests_detail"]) for r in mine]
+        cells = []
+        for cls in ("cold", "warm_behind_cold", "warm_clear"):
+            n, mean, share = (statistics.median(p[cls][k] for p in parts) for k in ("n", "mean_ms", "share"))
+            cells.append(f"{n:g}, {mean:.0f}, {share:.0%}")
+        causes = " / ".join(f"{statistics.median(r['cold_causes'][k] for r in mine):g}"
+                            for k in ("first", "copy", "evicted"))
+        groups = ", ".join("/".join(map(str, r["groups_per_pod"])) for r in mine)
+        lines.append(f"| {name} | {groups} | {causes} | {' | '.join(cells)} |")
+    return lines if rows else []
 
 
 def plot(section: dict[str, Any], path: Path) -> None:
