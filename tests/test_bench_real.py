@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -13,6 +14,7 @@ from picker.bench.real import (
     build_trace,
     cold_causes,
     direction_check,
+    mean_without_avoidable_colds,
     medians,
     report,
     request_rows,
@@ -142,6 +144,17 @@ def test_ttft_breakdown_separates_warm_requests_queued_behind_a_cold_prefill() -
     assert got["cold"]["share"] == 0.5 and got["warm_clear"]["share"] == 0.125
     runs = [run("picker", i, 0.8, 40, 100, 0.5, 1.0) | {"requests_detail": rows} for i in range(2)]
     text = "\n".join(where_ttft_goes([*runs, run("round-robin", 0, 0.4, 90, 160, 0.5, 0.0)], ["picker", "round-robin"]))
-    assert "| picker | 3/2, 3/2 | 5 / 1 / 2 | 1, 400, 50% | 1, 300, 38% | 2, 50, 12% |" in text
+    assert "| picker | 3/2, 3/2 | 5 / 1 / 2 | 1, 400, 50% | 1, 300, 38% | 2, 50, 12% | 40.0 | 200.0 |" in text
     assert "round-robin" not in text  # no per-request rows recorded for it
     assert where_ttft_goes([run("picker", 0, 0.8, 40, 100, 0.5, 1.0)], ["picker"]) == []
+
+
+def test_mean_without_avoidable_colds_keeps_first_visits_and_prices_the_rest_as_warm() -> None:
+    rows = [  # sent_s, group, pod, prompt_tokens, cached_tokens, ttft_ms
+        [0.0, 1, 0, 100, 0, 400.0],   # group 1's first: unavoidable
+        [1.0, 1, 1, 100, 0, 500.0],   # group 1 again, cold (a copy): avoidable, priced at the warm mean
+        [2.0, 1, 1, 100, 90, 60.0],
+        [3.0, 1, 0, 100, 90, 100.0],
+    ]
+    assert mean_without_avoidable_colds(rows) == (400.0 + 80.0 + 60.0 + 100.0) / 4
+    assert math.isnan(mean_without_avoidable_colds([])) and math.isnan(mean_without_avoidable_colds(rows[:2]))
