@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
+from dataclasses import asdict
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -14,6 +16,7 @@ from picker.bench.real import (
     build_trace,
     cold_causes,
     direction_check,
+    machine_slowdown,
     mean_without_avoidable_colds,
     medians,
     report,
@@ -158,3 +161,13 @@ def test_mean_without_avoidable_colds_keeps_first_visits_and_prices_the_rest_as_
     ]
     assert mean_without_avoidable_colds(rows) == (400.0 + 80.0 + 60.0 + 100.0) / 4
     assert math.isnan(mean_without_avoidable_colds([])) and math.isnan(mean_without_avoidable_colds(rows[:2]))
+
+
+def test_the_mirror_runs_at_the_measured_machine_speed_and_the_spec_round_trips() -> None:
+    summary = {"a": {"ttft_cold_p50_ms": 380.0}, "b": {"ttft_cold_p50_ms": 570.0},
+               "c": {"ttft_cold_p50_ms": math.nan}}  # a router with no cold request does not count
+    assert machine_slowdown(summary) == 2.5
+    assert machine_slowdown({"c": {"ttft_cold_p50_ms": math.nan}}) == 1.0
+    spec = RealSpec(strategies=("picker", "round-robin"), repeats=2, picker_args=("--log-level", "INFO"))
+    recorded = json.loads(json.dumps(asdict(spec) | {"requests": spec.requests}))
+    assert RealSpec.recorded(recorded) == spec

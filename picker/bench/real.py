@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,10 @@ SCRAPE_COST_S = 0.006
 # ~5 ms per decode step (under the benchmark's load ~190 and ~47 ms). The mirror's engine model is the tiny-cpu profile with those two rates.
 SMALL_PREFILL_TOKEN_S = 170e-6
 SMALL_STEP_S = 0.005
+# The median TTFT of a mostly cold request in the benchmark on the machine those rates were measured on. Shared
+# machines run the same model up to ~2.3x slower from day to day; the mirror scales its rates by this run's
+# measured cold TTFT over this one (`machine_slowdown`), since how much a cold copy costs decides routing.
+SMALL_COLD_TTFT_MS = 190.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,13 @@ class RealSpec:
     @property
     def requests(self) -> int:
         return self.groups * self.prompts_per_group
+
+    @classmethod
+    def recorded(cls, spec: dict[str, Any]) -> RealSpec:
+        """The spec as a run's real.json holds it (lists back to tuples, derived keys such as `requests` dropped)."""
+        names = {f.name for f in fields(cls)}
+        given: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k in names}
+        return cls(**given)
 
 
 # --- the workload -------------------------------------------------------------------------------------------------
@@ -390,13 +401,22 @@ def _cpus() -> int:
 
 
 # --- the simulator's view of the same benchmark ----------------------------------------------------------------------
-def sim_mirror(spec: RealSpec, seeds: int = 3) -> dict[str, dict[str, Any]]:
-    """The same workload shape and routers in fast mode (picker sim's engine model with the small model's rates,
-    scrapes costing the pod's API server SCRAPE_COST_S each): does the simulator rank the routers as the real
-    servers do? Means over `seeds` traces, as the real repeats sample several placements (prefix-hash's depends
-    on the pods' addresses). Also the picker with the old fixed 50 ms scrape, which only the simulator can add."""
+def machine_slowdown(summary: dict[str, dict[str, Any]]) -> float:
+    """How much slower than SMALL_COLD_TTFT_MS this run's cold requests were (median over routers of their cold
+    TTFT medians); 1.0 when no router had a cold request."""
+    cold = [r["ttft_cold_p50_ms"] for r in summary.values() if not math.isnan(r["ttft_cold_p50_ms"])]
+    return statistics.median(cold) / SMALL_COLD_TTFT_MS if cold else 1.0
+
+
+def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[str, dict[str, Any]]:
+    """The same workload shape and routers in fast mode (picker sim's engine model with the small model's rates
+    times `slowdown`, scrapes costing the pod's API server SCRAPE_COST_S each): does the simulator rank the
+    routers as the real servers do? Means over `seeds` traces, as the real repeats sample several placements
+    (prefix-hash's depends on the pods' addresses). Also the picker with the old fixed 50 ms scrape, which only
+    the simulator can add."""
     profile = TINY_CPU.with_overrides(block_size=spec.block_size, num_gpu_blocks=spec.num_blocks,
-                                      prefill_token_s=SMALL_PREFILL_TOKEN_S, step_overhead_s=SMALL_STEP_S)
+                                      prefill_token_s=SMALL_PREFILL_TOKEN_S * slowdown,
+                                      step_overhead_s=SMALL_STEP_S * slowdown)
     fleet = FleetSpec(profile, spec.servers)
     health_only = Cadence.fixed(5.0)
 
@@ -496,15 +516,22 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
                 runs.append(result)
         logs = str(logdir)
     summary = medians(runs, spec.strategies)
-    sim = sim_mirror(spec)
     section: dict[str, Any] = {"spec": asdict(spec) | {"requests": spec.requests}, "calibration": calibration,
-                               "runs": runs, "medians": summary, "targets": targets(summary), "logdir": logs,
-                               "sim": sim, "sim_direction": direction_check(summary, sim)}
+                               "runs": runs, "medians": summary, "targets": targets(summary), "logdir": logs}
+    mirror(section, spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "real.json").write_text(json.dumps(section, indent=1, default=str))
     (out / "real.md").write_text(report(section))
     plot(section, out / "real-ttft.png")
     return section
+
+
+def mirror(section: dict[str, Any], spec: RealSpec) -> None:
+    """Add the simulator's mirror of a run (at the run's measured machine speed) and its direction check."""
+    slowdown = machine_slowdown(section["medians"])
+    section["sim_slowdown"] = slowdown
+    section["sim"] = sim_mirror(spec, slowdown=slowdown)
+    section["sim_direction"] = direction_check(section["medians"], section["sim"])
 
 
 _FIGURES = ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "failed", "warm_share",
@@ -604,7 +631,10 @@ def report(section: dict[str, Any]) -> str:
         lines.append(f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['measured']} |")
     sim = section.get("sim") or {}
     if sim:
+        slowdown = section.get("sim_slowdown", 1.0)
         lines += ["", "## The simulator on the same workload (fast mode, mean of 3 seeded traces)", "",
+                  f"The small model's measured rates times {slowdown:.2f} (this run's cold requests took that many "
+                  f"times the {SMALL_COLD_TTFT_MS:.0f} ms they took where the rates were measured). "
                   f"Scrapes cost the pod's API server {SCRAPE_COST_S * 1000:.0f} ms each; the simulator's tokenizer "
                   "and prompts differ from the real ones (same token counts). Orderings count as the same when both "
                   "sides differ in the same direction or both are level (hit rates within 0.01, TTFT within 5 %).",
