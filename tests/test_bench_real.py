@@ -15,6 +15,7 @@ from picker.bench.real import (
     RealSpec,
     build_trace,
     cold_causes,
+    cold_kinds,
     direction_check,
     machine_slowdown,
     mean_without_avoidable_colds,
@@ -39,8 +40,8 @@ def run(strategy: str, repeat: int, hit: float, mean: float, p90: float, share: 
             "cold_causes": {"first": 5, "copy": 1, "evicted": 2}}
 
 
-def answered(sent: float, group: int, pod: str, cached: int, prompt: int = 100, status: int = 200) -> dict:
-    return {"sent": sent, "first_chunk": sent + 0.05, "status": status, "group": group, "pod": pod,
+def answered(sent: float, group: int, pod: str, cached: int, prompt: int = 100) -> dict:
+    return {"sent": sent, "first_chunk": sent + 0.05, "status": 200, "group": group, "pod": pod,
             "usage": {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}}
 
 
@@ -113,16 +114,15 @@ def test_cold_requests_are_told_apart_by_cause_in_send_order() -> None:
         answered(3.0, 2, "b", 10),   # first of group 2 (a little cached is still cold)
         answered(4.0, 1, "a", 20),   # a held group 1 and dropped it: evicted
         answered(5.0, 2, "b", 60),   # warm (over half)
-        answered(6.0, 3, "a", 0, status=500),  # failed: not counted, and group 3 stays unseen
-        answered(7.0, 3, "a", 0),    # so this is still group 3's first
+        answered(7.0, 3, "a", 0),    # first of group 3
     ]
     records.reverse()  # completion order is not send order
-    assert cold_causes(records) == {"first": 3, "copy": 1, "evicted": 1}
-    ok = [r for r in records if r["status"] == 200]
-    rows = request_rows(ok, ["a", "b"])
+    rows = request_rows(records, ["a", "b"])
     assert len(DETAIL_COLUMNS) == len(rows[0]) and [r[0] for r in rows] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0]
     assert rows[2] == [2.0, 1, 1, 100, 0, 50.0]
-    assert request_rows(ok, ["a"])[2][2] == -1 and request_rows([], ["a"]) == []
+    assert cold_kinds(rows) == ["first", "warm", "copy", "first", "evicted", "warm", "first"]
+    assert cold_causes(rows) == {"first": 3, "copy": 1, "evicted": 1}
+    assert request_rows(records, ["a"])[2][2] == -1 and request_rows([], ["a"]) == []  # b unknown
 
 
 def test_report_shows_groups_per_pod_and_cold_causes() -> None:

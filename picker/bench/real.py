@@ -67,6 +67,8 @@ SMALL_STEP_S = 0.005
 # machines run the same model up to ~2.3x slower from day to day; the mirror scales its rates by this run's
 # measured cold TTFT over this one (`machine_slowdown`), since how much a cold copy costs decides routing.
 SMALL_COLD_TTFT_MS = 190.0
+# A request with less than this share of its prompt from the cache counts as served cold.
+COLD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,8 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
     # text yet, but the token came back all the same.
     ok = [r for r in records if r.get("status") == 200 and r.get("first_chunk") is not None]
     ttft = np.array([r["first_chunk"] - r["sent"] for r in ok]) * 1000
-    warm = np.array([_cached_share(r) >= 0.5 for r in ok], dtype=bool)
+    warm = np.array([_cached_share(r) >= COLD_SHARE for r in ok], dtype=bool)
+    rows = request_rows(ok, [s.address for s in servers])
     cached = sum(int(((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                  for r in ok)
     prompt = sum(int((r.get("usage") or {}).get("prompt_tokens") or 0) for r in ok)
@@ -298,33 +301,13 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "api_server_cpu_share": [c / wall for c in api_cpu],
         "server_cpu_share": [c / wall for c in all_cpu],
         "metrics_requests_per_pod_per_s": list(scrapes_per_pod.values()),
-        "cold_causes": cold_causes(records),
-        "groups_per_pod": [len({r["group"] for r in ok if r.get("pod") == s.address}) for s in servers],
+        "cold_causes": cold_causes(rows),
+        "groups_per_pod": [len({row[1] for row in rows if row[2] == i}) for i in range(len(servers))],
         "wall_s": wall,
         "ttft_ms": [round(float(x), 2) for x in ttft],
         # one row per answered request, in send order: what a reader needs to see where the cold prefills were
-        "requests_detail": request_rows(ok, [s.address for s in servers]),
+        "requests_detail": rows,
     }
-
-
-def cold_causes(records: list[dict[str, Any]]) -> dict[str, int]:
-    """Why each request served mostly cold (under half its prompt from cache) was cold, in send order: the first
-    of its group anywhere (`first`: no router avoids it), the first of its group on this pod while another pod
-    held it (`copy`: the router moved the group), or its group had been served by this pod before (`evicted`:
-    the pod's cache dropped the prefix). Records need `group`, `pod` (who answered) and `usage`."""
-    seen: set[int] = set()
-    seen_on: set[tuple[int, str]] = set()
-    causes = {"first": 0, "copy": 0, "evicted": 0}
-    for r in sorted(records, key=lambda r: r["sent"]):
-        if r.get("status") != 200 or not r.get("pod"):
-            continue
-        group, pod = r["group"], r["pod"]
-        if _cached_share(r) < 0.5:
-            cause = "first" if group not in seen else ("copy" if (group, pod) not in seen_on else "evicted")
-            causes[cause] += 1
-        seen.add(group)
-        seen_on.add((group, pod))
-    return causes
 
 
 DETAIL_COLUMNS = ("sent_s", "group", "pod", "prompt_tokens", "cached_tokens", "ttft_ms")
@@ -347,14 +330,43 @@ def request_rows(records: list[dict[str, Any]], pods: list[str]) -> list[list[fl
     return rows
 
 
+def is_cold(prompt_tokens: float, cached_tokens: float) -> bool:
+    """Served mostly cold: less than COLD_SHARE of the prompt came from the cache."""
+    return cached_tokens < COLD_SHARE * prompt_tokens
+
+
+def cold_kinds(rows: list[list[float]]) -> list[str]:
+    """For each DETAIL_COLUMNS row (send order): `warm`, or why it was cold: the first of its group anywhere
+    (`first`: no router avoids it), the first of its group on this pod while another pod held it (`copy`: the
+    router moved the group), or its group had been served by this pod before (`evicted`: the pod's cache dropped
+    the prefix)."""
+    seen: set[float] = set()
+    seen_on: set[tuple[float, float]] = set()
+    kinds = []
+    for _sent, group, pod, prompt, cached, _ttft in rows:
+        if not is_cold(prompt, cached):
+            kinds.append("warm")
+        else:
+            kinds.append("first" if group not in seen else ("copy" if (group, pod) not in seen_on else "evicted"))
+        seen.add(group)
+        seen_on.add((group, pod))
+    return kinds
+
+
+def cold_causes(rows: list[list[float]]) -> dict[str, int]:
+    """How many of a run's cold requests were cold for each reason (`cold_kinds`)."""
+    kinds = cold_kinds(rows)
+    return {cause: kinds.count(cause) for cause in ("first", "copy", "evicted")}
+
+
 def ttft_breakdown(rows: list[list[float]]) -> dict[str, dict[str, float]]:
     """Where a run's TTFT went, from its DETAIL_COLUMNS rows: cold requests (under half the prompt cached), warm
     ones sent while a cold request on the same pod still awaited its first token (they queue behind a long
     prefill step), and the other warm ones. Per class: how many, their mean TTFT, their share of all TTFT."""
-    colds = [(sent, sent + ttft / 1000, pod) for sent, _g, pod, prompt, cached, ttft in rows if cached < 0.5 * prompt]
+    colds = [(sent, sent + ttft / 1000, pod) for sent, _g, pod, prompt, cached, ttft in rows if is_cold(prompt, cached)]
     classes: dict[str, list[float]] = {"cold": [], "warm_behind_cold": [], "warm_clear": []}
     for sent, _g, pod, prompt, cached, ttft in rows:
-        if cached < 0.5 * prompt:
+        if is_cold(prompt, cached):
             classes["cold"].append(ttft)
         elif any(start <= sent < end and cold_pod == pod for start, end, cold_pod in colds):
             classes["warm_behind_cold"].append(ttft)
@@ -368,20 +380,12 @@ def ttft_breakdown(rows: list[list[float]]) -> dict[str, dict[str, float]]:
 def mean_without_avoidable_colds(rows: list[list[float]]) -> float:
     """The run's TTFT mean had every cold request other than its group's first (copies, evictions) taken the run's
     mean warm TTFT instead: what better placement alone could have bought, the pods' queues left as they were."""
-    seen: set[float] = set()
-    first: list[float] = []
-    warm: list[float] = []
-    avoidable = 0
-    for _sent, group, _pod, prompt, cached, ttft in rows:
-        if cached >= 0.5 * prompt:
-            warm.append(ttft)
-        elif group in seen:
-            avoidable += 1
-        else:
-            first.append(ttft)
-        seen.add(group)
-    if not rows or not warm:
+    kinds = cold_kinds(rows)
+    warm = [row[5] for row, kind in zip(rows, kinds, strict=True) if kind == "warm"]
+    first = [row[5] for row, kind in zip(rows, kinds, strict=True) if kind == "first"]
+    if not warm:
         return math.nan
+    avoidable = len(rows) - len(warm) - len(first)
     return (sum(first) + sum(warm) + avoidable * statistics.fmean(warm)) / len(rows)
 
 
