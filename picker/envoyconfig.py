@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
@@ -232,17 +233,28 @@ def render(settings: EnvoySettings) -> str:
     )
 
 
-def with_served_by(config_text: str, header: str) -> str:
-    """A rendered config whose responses carry `header: <ip:port of the pod that answered>` (Envoy's
-    %UPSTREAM_HOST%): which pod served each request, for benchmarks and debugging. Not in the shipped templates:
-    it tells clients the pods' addresses."""
-    config = yaml.safe_load(config_text)
+def http_managers(config: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The typed configs of every listener filter in a loaded Envoy config (the HTTP connection managers, in ours)."""
     for listener in config["static_resources"]["listeners"]:
         for chain in listener["filter_chains"]:
             for flt in chain["filters"]:
-                for host in flt.get("typed_config", {}).get("route_config", {}).get("virtual_hosts", []):
-                    host.setdefault("response_headers_to_add", []).append(
-                        {"header": {"key": header, "value": "%UPSTREAM_HOST%"}})
+                yield flt.get("typed_config", {})
+
+
+def add_served_by(config: dict[str, Any], header: str) -> None:
+    """Make a loaded config's responses carry `header: <ip:port of the pod that answered>` (Envoy's
+    %UPSTREAM_HOST%): which pod served each request, for benchmarks and debugging. Not in the shipped templates:
+    it tells clients the pods' addresses."""
+    for manager in http_managers(config):
+        for host in manager.get("route_config", {}).get("virtual_hosts", []):
+            host.setdefault("response_headers_to_add", []).append(
+                {"header": {"key": header, "value": "%UPSTREAM_HOST%"}})
+
+
+def with_served_by(config_text: str, header: str) -> str:
+    """`add_served_by` on a rendered config's text."""
+    config = yaml.safe_load(config_text)
+    add_served_by(config, header)
     return str(yaml.safe_dump(config))
 
 

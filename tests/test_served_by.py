@@ -9,7 +9,7 @@ import yaml
 
 from picker.bench.client import SERVED_BY_HEADER
 from picker.bench.live import start_direct_envoy
-from picker.envoyconfig import EnvoySettings, render, with_served_by
+from picker.envoyconfig import EnvoySettings, http_managers, render, with_served_by
 from picker.supervisor import process_scope, start_backends, start_picker_fleet
 
 
@@ -26,8 +26,7 @@ def test_rendered_config_gains_the_header_on_every_virtual_host() -> None:
         text = render(EnvoySettings(pool=("127.0.0.1:8000",), mode=mode))
         assert "%UPSTREAM_HOST%" not in text  # not in what users deploy
         config = yaml.safe_load(with_served_by(text, "x-pod"))
-        hosts = [h for listener in config["static_resources"]["listeners"] for chain in listener["filter_chains"]
-                 for f in chain["filters"] for h in f["typed_config"].get("route_config", {}).get("virtual_hosts", [])]
+        hosts = [h for m in http_managers(config) for h in m.get("route_config", {}).get("virtual_hosts", [])]
         assert hosts and all(h["response_headers_to_add"] == [{"header": {"key": "x-pod", "value": "%UPSTREAM_HOST%"}}]
                              for h in hosts)
 

@@ -40,7 +40,7 @@ from picker.bench.results import RunResult
 from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
 from picker.endpoints.metrics import parse_metrics
-from picker.envoyconfig import EnvoySettings, envoy_binary, render, with_served_by
+from picker.envoyconfig import EnvoySettings, add_served_by, envoy_binary, http_managers, render
 from picker.scheduling.config import predicted_ttft_scheduling
 from picker.sim.profiles import Profile, get_profile
 from picker.sim.tokenizer import Tokenizer
@@ -192,15 +192,13 @@ def start_direct_envoy(logdir: Path, pool: list[str], *, served_by: str = "") ->
     settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=free_port(),
                              picker_health_port=free_port(), pool=tuple(pool))
     config = yaml.safe_load(render(settings))
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for flt in chain["filters"]:
-                hcm = flt.get("typed_config", {})
-                if "http_filters" in hcm:
-                    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    for hcm in http_managers(config):
+        if "http_filters" in hcm:
+            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    if served_by:
+        add_served_by(config, served_by)
     path = logdir / "envoy-direct.yaml"
-    text = yaml.safe_dump(config)
-    path.write_text(with_served_by(text, served_by) if served_by else text)
+    path.write_text(yaml.safe_dump(config))
     proc = spawn("envoy-direct", [envoy_binary(), "-c", str(path), "--base-id", str(settings.admin_port),
                                   "-l", "warning", "--concurrency", "1"], logdir)
     wait_until(lambda: port_open(settings.listen_port), 30, "direct envoy", proc.proc)

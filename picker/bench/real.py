@@ -276,12 +276,11 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
     # TTFT: the first streamed chunk with a choice. Random weights sometimes pick byte tokens that decode to no
     # text yet, but the token came back all the same.
     ok = [r for r in records if r.get("status") == 200 and r.get("first_chunk") is not None]
-    ttft = np.array([r["first_chunk"] - r["sent"] for r in ok]) * 1000
-    warm = np.array([_cached_share(r) >= COLD_SHARE for r in ok], dtype=bool)
     rows = request_rows(ok, [s.address for s in servers])
-    cached = sum(int(((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                 for r in ok)
-    prompt = sum(int((r.get("usage") or {}).get("prompt_tokens") or 0) for r in ok)
+    ttft = np.array([row[5] for row in rows])
+    warm = np.array([not is_cold(row[3], row[4]) for row in rows], dtype=bool)
+    cached = sum(row[4] for row in rows)
+    prompt = sum(row[3] for row in rows)
     served = [d["requests"] for d in delta]
     queries = sum(d["prefix_queries"] for d in delta)
     failures = collections.Counter(f"{r.get('status')} {r.get('error', '')}".strip()[:160]
@@ -331,8 +330,8 @@ def request_rows(records: list[dict[str, Any]], pods: list[str]) -> list[list[fl
 
 
 def is_cold(prompt_tokens: float, cached_tokens: float) -> bool:
-    """Served mostly cold: less than COLD_SHARE of the prompt came from the cache."""
-    return cached_tokens < COLD_SHARE * prompt_tokens
+    """Served mostly cold: less than COLD_SHARE of the prompt came from the cache (or no usage was reported)."""
+    return prompt_tokens <= 0 or cached_tokens < COLD_SHARE * prompt_tokens
 
 
 def cold_kinds(rows: list[list[float]]) -> list[str]:
@@ -387,13 +386,6 @@ def mean_without_avoidable_colds(rows: list[list[float]]) -> float:
         return math.nan
     avoidable = len(rows) - len(warm) - len(first)
     return (sum(first) + sum(warm) + avoidable * statistics.fmean(warm)) / len(rows)
-
-
-def _cached_share(record: dict[str, Any]) -> float:
-    usage = record.get("usage") or {}
-    prompt = int(usage.get("prompt_tokens") or 0)
-    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    return cached / prompt if prompt else 0.0
 
 
 def _pct(values: np.ndarray, q: float) -> float:
