@@ -239,7 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--fallback-endpoints", type=int, help="ranked endpoints to return, comma-separated (default 1; Envoy's "
       "ORIGINAL_DST accepts only 1, lists are for gateways that implement GIE fallbacks)")
     a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only, "
-      "prefix-hash (hash of the prompt's first 1,000 characters: a baseline that reads no metrics)")
+      "prefix-hash (hash of the prompt's first 1,000 characters: a baseline that reads no metrics), hash-ring "
+      "(the same characters on a consistent-hash ring, 200 points per pod), bounded-load (that ring with bounded "
+      "loads: a pod past 1.25x the mean in-flight passes the key on)")
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
     a("--log-level", type=str.upper, choices=_LOG_LEVELS, metavar="LEVEL",
       help=f"{', '.join(_LOG_LEVELS)} (default INFO; any case)")

@@ -1,17 +1,20 @@
-"""The prefix-hash baseline strategy through real Envoy: a prompt's first 1,000 characters choose its pod."""
+"""The hash baselines through real Envoy: a prompt's first 1,000 characters choose its pod (prefix-hash,
+hash-ring; bounded-load too while no pod is past its bound, as here with one request at a time)."""
 
 from __future__ import annotations
 
 import aiohttp
+import pytest
 
 from picker.supervisor import process_scope, start_backends, start_envoy, start_picker
 
 
-async def test_prefix_hash_keeps_a_prefix_on_one_pod_and_spreads_prefixes() -> None:
-    with process_scope("prefix-hash") as (logdir, started):
+@pytest.mark.parametrize("strategy", ["prefix-hash", "hash-ring", "bounded-load"])
+async def test_hash_baseline_keeps_a_prefix_on_one_pod_and_spreads_prefixes(strategy: str) -> None:
+    with process_scope(strategy) as (logdir, started):
         backends = start_backends(3, logdir)
         started.append(backends.process)
-        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--strategy", "prefix-hash"])
+        picker = start_picker(logdir, endpoints=backends.addresses, extra=["--strategy", strategy])
         started.append(picker.process)
         envoy = start_envoy(logdir, picker, backends.addresses)
         started.append(envoy.process)

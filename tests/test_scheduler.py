@@ -15,6 +15,8 @@ from picker.requests import ApiKind, InferenceRequest, RequestError
 from picker.scheduling.config import build_scheduler, build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.strategies import (
+    BoundedLoadScheduler,
+    HashRingScheduler,
     LeastLoadScheduler,
     PrefixHashScheduler,
     PrefixOnlyScheduler,
@@ -241,7 +243,8 @@ def test_baseline_strategies() -> None:
     po = PrefixOnlyScheduler(random.Random(1))
     first = route(po, req(SYSTEM + "1"), endpoints)
     assert all(route(po, req(SYSTEM + str(i)), endpoints) is first for i in range(10))  # ignores load
-    for name in ("picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash"):
+    for name in ("picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash", "hash-ring",
+                 "bounded-load"):
         s = build_strategy(name, rng=random.Random(0))
         assert s.schedule(req("x"), endpoints, 0.0).ranked
     assert isinstance(build_strategy("picker"), PrefixAwareScheduler)
@@ -249,6 +252,47 @@ def test_baseline_strategies() -> None:
         build_strategy("bogus")
     with pytest.raises(RequestError):
         rr.schedule(req("x"), [], 0.0)
+
+
+def test_hash_ring_is_sticky_even_and_consistent() -> None:
+    """Same first 1,000 characters -> same pod whatever the load; 200 points per pod keep the shares within ~10 %
+    of even; a pod leaving moves only its own keys, to the next pod clockwise (its former first fallback)."""
+    endpoints = pods(4)
+    ring = HashRingScheduler()
+    first = route(ring, req(SYSTEM + "question one"), endpoints)
+    first.in_flight = first.metrics.waiting = 50
+    assert all(route(ring, req(SYSTEM + f"q{i}"), endpoints) is first for i in range(10))
+    prompts = [f"system prompt number {i}. " * 60 for i in range(4000)]
+    ranked = {p: ring.schedule(req(p), endpoints, 0.0).ranked for p in prompts}
+    share = Counter(r[0].address for r in ranked.values())
+    assert len(share) == 4 and max(share.values()) / min(share.values()) < 1.25
+    assert all(len({e.address for e in r}) == 3 for r in ranked.values())  # three distinct fallbacks
+    gone = endpoints[2]
+    rest = [e for e in endpoints if e is not gone]
+    for p, r in ranked.items():
+        after = ring.schedule(req(p), rest, 0.0).ranked[0]
+        assert after is (r[1] if r[0] is gone else r[0])
+    with pytest.raises(ValueError):
+        HashRingScheduler(virtual_nodes=0)
+
+
+def test_bounded_load_passes_a_hot_key_on_past_its_bound() -> None:
+    """A pod over ceil(1.25 x (in-flight + 1) / pods) passes the key to the next pod on the ring, always the same
+    one; under the bound the ring's choice stands."""
+    endpoints = pods(4)
+    ring, bounded = HashRingScheduler(), BoundedLoadScheduler(load_factor=1.25)
+    hot = req(SYSTEM + "hot")
+    order = ring.schedule(hot, endpoints, 0.0).ranked
+    assert bounded.schedule(hot, endpoints, 0.0).ranked[0] is order[0]
+    order[0].in_flight = 2  # bound: ceil(1.25 x 3 / 4) = 1 -> over it
+    assert bounded.schedule(hot, endpoints, 0.0).ranked[0] is order[1]
+    order[1].in_flight = 2  # bound: ceil(1.25 x 5 / 4) = 2 -> 2 + 1 is over
+    assert bounded.schedule(hot, endpoints, 0.0).ranked[0] is order[2]
+    for e in endpoints:
+        e.in_flight = 3  # everyone at the mean: ceil(1.25 x 13 / 4) = 5, room everywhere -> the ring's choice
+    assert bounded.schedule(hot, endpoints, 0.0).ranked[0] is order[0]
+    with pytest.raises(ValueError):
+        BoundedLoadScheduler(load_factor=0.9)
 
 
 def test_prefix_hash_is_sticky_spread_and_consistent() -> None:

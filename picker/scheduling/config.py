@@ -59,6 +59,8 @@ from picker.scheduling.reference import API_VERSIONS, CONFIGURED_ELSEWHERE
 from picker.scheduling.reference_plugins import SingleProfileHandler
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.strategies import (
+    BoundedLoadScheduler,
+    HashRingScheduler,
     LeastLoadScheduler,
     PrefixHashScheduler,
     PrefixOnlyScheduler,
@@ -346,7 +348,8 @@ def build_scheduler(
                                 explain=cfg.explain, timer=timer, precise=precise)
 
 
-StrategyName = Literal["picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash"]
+StrategyName = Literal["picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash", "hash-ring",
+                       "bounded-load"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 # Strategies that keep a prefix index (and so can share one through Redis/Valkey)
 INDEXED_STRATEGIES = ("picker", "prefix-only")
@@ -365,7 +368,7 @@ def build_strategy(
     precise: PrecisePrefix | None = None,
 ) -> Scheduler:
     """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only,
-    prefix-hash. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache);
+    prefix-hash, hash-ring, bounded-load. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache);
     `index_key` keys what their prefix index stores; `precise` (KV events) corrects the picker's prefix matches."""
     if name == "picker":
         return build_scheduler(config, rng=rng, index=index, saturation=saturation, observer=observer,
@@ -378,6 +381,10 @@ def build_strategy(
         return LeastLoadScheduler(rng)
     if name == "prefix-hash":
         return PrefixHashScheduler()
+    if name == "hash-ring":
+        return HashRingScheduler()
+    if name == "bounded-load":
+        return BoundedLoadScheduler()
     if name == "prefix-only":
         return PrefixOnlyScheduler(rng, index=index if index is not None else build_prefix_index(config),
                                    hasher=build_hasher(config, index_key))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
+import math
 import random
 from collections.abc import Sequence
 
@@ -85,12 +87,101 @@ class PrefixHashScheduler(_Stateless):
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
         if not endpoints:
             raise RequestError(503, "no_endpoints", "no candidate endpoints")
-        key = f"{request.target_model or request.model}\0{request.prompt_text[: self.prefix_chars]}".encode(
-            "utf-8", "surrogatepass")
+        key = _prefix_key(request, self.prefix_chars)
         ranked = sorted(endpoints, key=lambda e: xxhash.xxh64_intdigest(key, seed=_address_seed(e.address)),
                         reverse=True)
         return SchedulingResult(ranked=ranked[: self.max_endpoints], profile="prefix-hash",
                                 context=SchedulingContext.of(request, now))
+
+
+def _prefix_key(request: InferenceRequest, prefix_chars: int) -> bytes:
+    """What the hash baselines hash: the model and the prompt's first `prefix_chars` characters."""
+    return f"{request.target_model or request.model}\0{request.prompt_text[:prefix_chars]}".encode(
+        "utf-8", "surrogatepass")
+
+
+class HashRingScheduler(_Stateless):
+    """Consistent hashing on a ring with `virtual_nodes` points per pod: the simple router a user tries first.
+
+    The prompt's first `prefix_chars` characters pick a point on the ring; the first pod clockwise serves it, the
+    next distinct pods are the fallbacks. Many virtual nodes per pod keep the pods' shares of the key space within
+    a few percent of each other, which a plain hash-mod or a few points per pod do not. Reads no metrics."""
+
+    profile_name = "hash-ring"
+
+    def __init__(self, prefix_chars: int = 1000, virtual_nodes: int = 200, max_endpoints: int = 3) -> None:
+        if prefix_chars <= 0 or virtual_nodes <= 0:
+            raise ValueError("prefix_chars and virtual_nodes must be positive")
+        self.prefix_chars = prefix_chars
+        self.virtual_nodes = virtual_nodes
+        self.max_endpoints = max_endpoints
+        self._ring_for: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def _ring(self, endpoints: Sequence[Endpoint]) -> tuple[list[int], list[str]]:
+        """The ring's sorted points and their pods, rebuilt only when the pod set changes."""
+        addresses = tuple(sorted(e.address for e in endpoints))
+        if addresses != self._ring_for:
+            points = sorted((xxhash.xxh64_intdigest(f"{a}#{v}".encode()), a)
+                            for a in addresses for v in range(self.virtual_nodes))
+            self._points = [p for p, _ in points]
+            self._owners = [a for _, a in points]
+            self._ring_for = addresses
+        return self._points, self._owners
+
+    def ring_order(self, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+        """Every pod once, in the order met walking clockwise from the prompt's point on the ring."""
+        points, owners = self._ring(endpoints)
+        by_address = {e.address: e for e in endpoints}
+        start = bisect.bisect_left(points, xxhash.xxh64_intdigest(_prefix_key(request, self.prefix_chars)))
+        order: list[Endpoint] = []
+        seen: set[str] = set()
+        n = len(points)
+        for i in range(n):
+            owner = owners[(start + i) % n]
+            if owner not in seen:
+                seen.add(owner)
+                order.append(by_address[owner])
+                if len(order) == len(by_address):
+                    break
+        return order
+
+    def choose(self, order: list[Endpoint]) -> list[Endpoint]:
+        """The ranking from the ring order (the plain ring keeps it as it is)."""
+        return order
+
+    def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
+        if not endpoints:
+            raise RequestError(503, "no_endpoints", "no candidate endpoints")
+        ranked = self.choose(self.ring_order(request, endpoints))
+        return SchedulingResult(ranked=ranked[: self.max_endpoints], profile=self.profile_name,
+                                context=SchedulingContext.of(request, now))
+
+
+class BoundedLoadScheduler(HashRingScheduler):
+    """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam; KubeAI's prefix-hash balancing).
+
+    A key goes to the first pod clockwise whose in-flight requests, this one included, stay within
+    `ceil(load_factor x (all in-flight + 1) / pods)`; a full pod passes the key to the next. Hot keys overflow to
+    the next pods on the ring, always the same ones, so their prefixes get a small stable set of holders. The load
+    is the router's own in-flight count: no metrics."""
+
+    profile_name = "bounded-load"
+
+    def __init__(self, prefix_chars: int = 1000, virtual_nodes: int = 200, load_factor: float = 1.25,
+                 max_endpoints: int = 3) -> None:
+        super().__init__(prefix_chars, virtual_nodes, max_endpoints)
+        if load_factor < 1.0:
+            raise ValueError("load_factor must be at least 1")
+        self.load_factor = load_factor
+
+    def choose(self, order: list[Endpoint]) -> list[Endpoint]:
+        capacity = math.ceil(self.load_factor * (sum(e.in_flight for e in order) + 1) / len(order))
+        for i, e in enumerate(order):
+            if e.in_flight + 1 <= capacity:
+                return [e, *order[:i], *order[i + 1:]]
+        return order
 
 
 @functools.lru_cache(maxsize=4096)
