@@ -44,9 +44,12 @@ bench-smoke: install
 overhead: install
 	$(BIN)/python bench/overhead.py
 
-# Real vLLM CPU servers (installed into bench/.venvs/vllm on first use): routers compared, ~55 minutes.
+# Real vLLM CPU servers (installed into bench/.venvs/vllm on first use): round-robin, the hash baselines and the
+# picker on one workload (WORKLOAD=uniform, pressure or hot), 3 interleaved repeats, ~45 minutes each.
+# More flags through ARGS, e.g. ARGS="--strategies picker,hash-ring --repeats 1".
+WORKLOAD ?= uniform
 bench-real: install
-	$(BIN)/picker bench --engine vllm --out bench/out/real
+	$(BIN)/picker bench --engine vllm --workload $(WORKLOAD) --out bench/out/real-$(WORKLOAD) $(ARGS)
 
 # CPU and token delay one /metrics scrape costs a real vLLM server, ~8 minutes.
 scrape-cost: install

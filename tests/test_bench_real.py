@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
+import pytest
 from prometheus_client import generate_latest
 
 from picker.bench.real import (
@@ -61,18 +62,36 @@ def test_trace_is_inference_perf_shared_prefix_shaped() -> None:
 
 def test_medians_targets_and_report() -> None:
     runs = [run("round-robin", i, 0.44, 90 + i, 160, 0.5, 0.0) for i in range(3)]
-    runs += [run("prefix-hash", i, 0.80, 46 + i, 114, 0.6, 0.2) for i in range(3)]
+    runs += [run("hash-ring", i, 0.80, 46 + i, 114, 0.6, 0.2) for i in range(3)]
+    runs += [run("bounded-load", i, 0.84, 50 + i, 104, 0.55, 0.2) for i in range(3)]
     runs += [run("picker", i, 0.83, 40 + i, 120, 0.55, 1.0) for i in range(3)]
     runs += [run("picker-4-replicas", i, 0.83, 41, 100, 0.55, 1.0 + i) for i in range(3)]
     runs.append({"strategy": "picker", "repeat": 3, "error": "vLLM exited with 1"})
-    m = medians(runs, ("round-robin", "prefix-hash", "picker", "picker-4-replicas"))
+    m = medians(runs, ("round-robin", "hash-ring", "bounded-load", "picker", "picker-4-replicas"))
     assert m["picker"]["ttft_mean_ms"] == 41 and m["picker"]["runs"] == 3
+    assert m["picker"]["ttft_mean_ms_range"] == [40, 42] and m["picker"]["ttft_p90_ms_range"] == [120, 120]
     assert m["picker-4-replicas"]["metrics_requests_per_pod_per_s"] == 2.0
-    met = {t["target"]: t["met"] for t in targets(m)}
-    assert met["picker hit rate >= 0.80 and >= 1.8x round-robin"]
-    assert met["picker TTFT mean <= 0.5x round-robin"] and met["picker TTFT mean <= prefix-hash's"]
-    assert not met["picker TTFT p90 <= 0.7x round-robin"]  # 120 vs 160: 0.75x
+    targets_of = {t["target"]: t for t in targets(m, "uniform")}
+    met = {name: t["met"] for name, t in targets_of.items()}
+    # each figure against the better hash baseline for it: mean vs hash-ring's 47, p90 vs bounded-load's 104
+    assert met["picker TTFT mean <= 1x the better hash baseline's"]
+    assert not met["picker TTFT p90 <= 1x the better hash baseline's"]
+    assert "bounded-load 104.0" in targets_of["picker TTFT p90 <= 1x the better hash baseline's"]["measured"]
+    assert not met["picker hit rate >= the better hash baseline's"]  # 0.83 vs bounded-load's 0.84
     assert not met["/metrics requests per pod per s at 4 replicas <= at 1 replica (within 5 %)"]  # 2.0 > 1.0
+    hot = {t["target"]: t["met"] for t in targets(m, "hot")}
+    assert not hot["picker TTFT mean <= 0.85x the better hash baseline's"]  # 41 > 0.85 x 47
+    assert hot["picker TTFT mean <= round-robin's"] and hot["picker TTFT p90 <= round-robin's"]
+    assert "picker hit rate >= the better hash baseline's" not in hot  # every router is warm there
+
+
+def test_workloads_are_named_specs() -> None:
+    hot = RealSpec.for_workload("hot", repeats=1)
+    assert (hot.workload, hot.groups, hot.requests, hot.repeats) == ("hot", 4, 240, 1)
+    assert RealSpec.for_workload("uniform") == RealSpec()
+    assert RealSpec.for_workload("pressure", rate=3.0).rate == 3.0
+    with pytest.raises(ValueError, match="unknown workload 'bogus'"):
+        RealSpec.for_workload("bogus")
 
 
 def test_direction_check_and_report() -> None:

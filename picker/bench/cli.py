@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="fast: in-process discrete-event simulation (default); live: real sim fleet + Envoy + routers")
     a("--smoke", action="store_true", help="a ~1-minute reduced fast run plus a short live run")
     a("--workload", "--workloads", dest="workloads", type=_csv, default=None,
-      help=f"comma-separated workloads (default all: {', '.join(WORKLOADS)})")
+      help=f"comma-separated workloads (default all: {', '.join(WORKLOADS)}; --engine vllm: one of uniform, "
+      "pressure, hot, default uniform)")
     a("--strategies", type=_csv, default=None, help=f"comma-separated strategies (default {', '.join(FAST_STRATEGIES)})")
     a("--pods", type=int, default=None, help="fast-mode fleet size (default 8)")
     a("--profile", default="llama3-8b-h100", help="simulator profile (picker.sim.profiles)")
@@ -181,13 +182,18 @@ def run(args: argparse.Namespace) -> int:
 
 def run_real(args: argparse.Namespace, out: Path) -> int:
     """`--engine vllm`: the real-engine benchmark (picker.bench.real)."""
-    from picker.bench.real import STRATEGIES, RealSpec, run_real
+    from picker.bench.real import DEFAULT_STRATEGIES, RealSpec, run_real
 
-    spec = RealSpec(strategies=args.strategies or STRATEGIES, repeats=args.repeats or 3, seed=args.seed,
-                    picker_args=tuple(shlex.split(args.picker_args or "")))
-    print(f"picker bench: real vLLM, {spec.servers} servers, {', '.join(spec.strategies)}, {spec.repeats} repeats "
-          f"-> {out}", file=sys.stderr)
+    workloads = args.workloads or ("uniform",)
     try:
+        if len(workloads) != 1:
+            raise ValueError("--engine vllm runs one workload at a time (uniform, pressure or hot)")
+        spec = RealSpec.for_workload(workloads[0], strategies=args.strategies or DEFAULT_STRATEGIES,
+                                     repeats=args.repeats or 3, seed=args.seed,
+                                     **({"rate": args.rate} if args.rate else {}),
+                                     picker_args=tuple(shlex.split(args.picker_args or "")))
+        print(f"picker bench: real vLLM, workload {spec.workload}, {spec.servers} servers, "
+              f"{', '.join(spec.strategies)}, {spec.repeats} repeats -> {out}", file=sys.stderr)
         section = run_real(spec, out)
     except ValueError as exc:
         print(f"picker bench: {exc}", file=sys.stderr)
