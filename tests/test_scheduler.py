@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -12,7 +14,7 @@ from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.requests import ApiKind, InferenceRequest, RequestError
-from picker.scheduling.config import build_scheduler, build_strategy
+from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.strategies import (
     BoundedLoadScheduler,
@@ -109,9 +111,19 @@ def test_shared_long_prefix_lands_on_one_pod() -> None:
     assert result.prefix_matched_blocks == len(SYSTEM) // 64 and result.prefix_blocks > result.prefix_matched_blocks
 
 
+def without_hot_credit() -> dict[str, Any]:
+    """The default config with the prefix scorer's hot-prefix credit off (one holder per prefix)."""
+    config = copy.deepcopy(DEFAULT_CONFIG)
+    for plugin in config["plugins"]:
+        if plugin["type"] == "prefix-cache-scorer":
+            plugin["parameters"]["hotShare"] = None
+    return config
+
+
 def test_popular_prefix_spreads_past_the_load_guard() -> None:
+    """With one holder per prefix, a prefix all the traffic wants moves only when its holder is 8 requests ahead."""
     endpoints = pods(4)
-    s = build_scheduler(rng=random.Random(2))
+    s = build_scheduler(without_hot_credit(), rng=random.Random(2))
     order = [route(s, req(SYSTEM + f"Q{i}"), endpoints, 0.0) for i in range(12)]  # none finish
     first = order[0]
     assert order[:8] == [first] * 8  # prefix affinity holds until `first` is 8 requests ahead
@@ -120,6 +132,45 @@ def test_popular_prefix_spreads_past_the_load_guard() -> None:
     result = s.schedule(req(SYSTEM + "Q-next"), endpoints, 0.0)
     held = {c.endpoint.address: c.scores["prefix-cache-scorer"] for c in result.candidates}
     assert held[first.address] == 0.0 and held[second.address] > 0.5  # guard zeroes the overloaded holder
+
+
+def test_hot_prefix_gets_holders_by_load_and_a_quiet_one_keeps_its_pod() -> None:
+    """A prefix that carries more than a pod's share of the traffic is copied as soon as its holder is clearly the
+    busier pod, and its holders then share it by load; the same prefix without a queue stays on one pod."""
+    endpoints = pods(4)
+    s = build_scheduler(rng=random.Random(2))
+    order = [route(s, req(SYSTEM + f"Q{i}"), endpoints, 0.0) for i in range(12)]  # none finish
+    assert order[:2] == [order[0]] * 2 and order[2] is not order[0]  # copied once its holder is 2 ahead
+    assert sorted(Counter(e.address for e in order).values()) == [3, 3, 3, 3]  # then shared by load
+    quiet = pods(4)
+    s = build_scheduler(rng=random.Random(2))
+    for i in range(40):  # one at a time, each answered before the next: no queue anywhere
+        r = req(SYSTEM + f"Q{i}")
+        e = route(s, r, quiet, float(i))
+        e.finish_request(len(r.prompt_text) // 4)
+    assert {e.in_flight for e in quiet} == {0} and sum(e.finished for e in quiet) == 40
+    assert sorted(e.finished for e in quiet) == [0, 0, 0, 40]
+
+
+def test_many_prefixes_keep_one_holder_each_under_load() -> None:
+    """Twenty prefixes with a twentieth of the traffic each are never hot: each keeps the pod it was dealt to,
+    the load scorers notwithstanding, so caches under pressure are not spent on copies."""
+    endpoints = pods(2)
+    s = build_scheduler(rng=random.Random(4))
+    systems = [f"System prompt {g}: " + SYSTEM for g in range(20)]
+    rng = random.Random(5)
+    homes: dict[int, set[str]] = {}
+    flight: list[tuple[Endpoint, int]] = []
+    for i in range(400):
+        g = rng.randrange(20)
+        r = req(systems[g] + f"Q{i}")
+        e = route(s, r, endpoints, i * 0.1)
+        homes.setdefault(g, set()).add(e.address)
+        flight.append((e, len(r.prompt_text) // 4))
+        if len(flight) > 3:  # three requests in flight at any time
+            done, tokens = flight.pop(0)
+            done.finish_request(tokens)
+    assert sum(len(h) for h in homes.values()) <= 22  # at most a couple of spills among 20 prefixes
 
 
 def test_cold_prefixes_spread_evenly_over_idle_pods() -> None:

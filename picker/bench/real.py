@@ -51,7 +51,7 @@ from picker.bench.client import SERVED_BY_HEADER, stream_request
 from picker.bench.fast import FastConfig, run_fast
 from picker.bench.live import parse_counters, predicted_ttft_config, start_direct_envoy
 from picker.bench.summary import summarize
-from picker.bench.workloads import FleetSpec, shared_prefix
+from picker.bench.workloads import FleetSpec, group_sizes, shared_prefix
 from picker.endpoints.scraper import Cadence
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 from picker.sim.profiles import TINY_CPU
@@ -87,8 +87,9 @@ REAL_WORKLOADS: dict[str, dict[str, Any]] = {
     "uniform": {},
     # 24 prefixes = 288 of the fleet's 320 blocks: they fit only if no prefix is held twice
     "pressure": {"groups": 24, "prompts_per_group": 10},
-    # 4 prefixes (48 blocks) that every server holds easily, at a rate one server cannot carry alone
-    "hot": {"groups": 4, "prompts_per_group": 60, "rate": 4.0},
+    # 4 prefixes (48 blocks) that every server holds easily, one of them carrying over half the traffic, at a rate
+    # one server cannot carry alone (one server here answered at most 2.4 of these req/s, at any concurrency)
+    "hot": {"groups": 4, "prompts_per_group": 60, "group_weights": (0.55, 0.25, 0.1, 0.1), "rate": 2.4},
 }
 
 
@@ -104,6 +105,7 @@ class RealSpec:
     question_tokens: int = 64
     output_tokens: int = 16
     rate: float = 2.0
+    group_weights: tuple[float, ...] = ()  # popularity per group (same total); empty: all alike
     block_size: int = 64
     num_blocks: int = 160
     seed: int = 1
@@ -145,7 +147,8 @@ def build_trace(spec: RealSpec, tokens_per_word: float) -> list[Request]:
         return " ".join(rng.choice(words) for _ in range(max(1, round(tokens / tokens_per_word))))
 
     systems = [text(spec.system_tokens) for _ in range(spec.groups)]
-    pairs = [(g, text(spec.question_tokens)) for g in range(spec.groups) for _ in range(spec.prompts_per_group)]
+    sizes = group_sizes(spec.groups, spec.prompts_per_group, spec.group_weights)
+    pairs = [(g, text(spec.question_tokens)) for g in range(spec.groups) for _ in range(sizes[g])]
     rng.shuffle(pairs)
     at = 0.0
     out = []
@@ -466,7 +469,8 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[st
     for seed in range(spec.seed, spec.seed + seeds):
         trace = shared_prefix(spec.requests, spec.rate, seed, fleet, system_prompt_len=spec.system_tokens,
                               question_len=spec.question_tokens, output_len=spec.output_tokens,
-                              num_prompts_per_group=spec.prompts_per_group, num_groups=spec.groups)
+                              num_prompts_per_group=spec.prompts_per_group, num_groups=spec.groups,
+                              group_weights=spec.group_weights)
         for name, (strategy, cfg) in setups(seed).items():
             if name in STRATEGIES and name not in spec.strategies:
                 continue
@@ -634,7 +638,8 @@ def report(section: dict[str, Any]) -> str:
         "",
         f"{spec['servers']} vLLM {engine.VLLM_VERSION} CPU servers (small random-weight Llama, local tokenizer, "
         f"prefix caching, block {spec['block_size']}, {spec['num_blocks']} KV blocks each, one core per engine), "
-        f"Envoy in front. Workload: {spec['groups']} groups x {spec['prompts_per_group']} prompts, "
+        f"Envoy in front. Workload: {spec['groups']} groups x {spec['prompts_per_group']} prompts"
+        f"{popularity(spec.get('group_weights'))}, "
         f"{spec['system_tokens']}-token shared system prompts, {spec['question_tokens']}-token questions, "
         f"{spec['output_tokens']} output tokens, Poisson {spec['rate']:g} req/s ({spec['requests']} requests, "
         f"{tpw:.2f} tokens per word). Fresh servers for every run; medians of {spec['repeats']} repeats "
@@ -703,6 +708,11 @@ def report(section: dict[str, Any]) -> str:
                      f"{max(r['metrics_requests_per_pod_per_s'] or [0.0]):.2f} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def popularity(weights: list[float] | None) -> str:
+    """How a report names unequal group popularity ('' when all alike)."""
+    return f" dealt out by popularity {'/'.join(f'{w:g}' for w in weights)}" if weights else ""
 
 
 def where_ttft_goes(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:

@@ -8,11 +8,10 @@ same (name, seed, size, rate, fleet) always gives the same trace.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,6 +215,21 @@ def multi_turn(n: int, rate: float, seed: int, fleet: FleetSpec, *, arrival: str
                                                          "think_mean": think_mean, "output_len": output_len})
 
 
+def group_sizes(groups: int, prompts_per_group: int, weights: Sequence[float] = ()) -> list[int]:
+    """Prompts per group: `prompts_per_group` each, or `groups x prompts_per_group` dealt out by `weights`
+    (largest remainders, so the sizes add up exactly)."""
+    if not weights:
+        return [prompts_per_group] * groups
+    if len(weights) != groups or min(weights) <= 0:
+        raise ValueError(f"group weights need one positive weight per group ({groups}), got {list(weights)}")
+    total = groups * prompts_per_group
+    exact = [w * total / sum(weights) for w in weights]
+    sizes = [math.floor(x) for x in exact]
+    for i in sorted(range(groups), key=lambda i: sizes[i] - exact[i])[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
 def shared_prefix_groups(fleet: FleetSpec, system_prompt_len: int, kv_fill: float) -> int:
     """Groups whose system prompts together fill `kv_fill` of the fleet's KV cache (at least 2)."""
     return max(2, round(kv_fill * fleet.kv_tokens / system_prompt_len))
@@ -223,13 +237,17 @@ def shared_prefix_groups(fleet: FleetSpec, system_prompt_len: int, kv_fill: floa
 
 def shared_prefix(n: int, rate: float, seed: int, fleet: FleetSpec, *, arrival: str = "poisson",
                   system_prompt_len: int = 2048, question_len: int = 256, output_len: int = 64,
-                  num_prompts_per_group: int = 8, kv_fill: float = 0.6, num_groups: int | None = None) -> Trace:
+                  num_prompts_per_group: int = 8, kv_fill: float = 0.6, num_groups: int | None = None,
+                  group_weights: Sequence[float] = ()) -> Trace:
     """inference-perf's shared_prefix data: num_groups x num_prompts_per_group prompts (a group system prompt +
     a unique question), sent in a shuffled order, cycled. By default the system prompts fill `kv_fill` of the
-    fleet's KV cache: cache-blind routing then has to keep every prefix on every pod, and thrashes."""
+    fleet's KV cache: cache-blind routing then has to keep every prefix on every pod, and thrashes.
+    `group_weights` (one per group) makes some prefixes more popular: the same number of prompts in all, dealt
+    out in proportion (`group_sizes`)."""
     rng = random.Random(f"shared-prefix:{seed}")
     groups = num_groups if num_groups is not None else shared_prefix_groups(fleet, system_prompt_len, kv_fill)
-    pairs = list(itertools.product(range(groups), range(num_prompts_per_group)))
+    pairs = [(g, q) for g, size in enumerate(group_sizes(groups, num_prompts_per_group, group_weights))
+             for q in range(size)]
     order: list[tuple[int, int]] = []
     while len(order) < n:
         rng.shuffle(pairs)

@@ -50,8 +50,6 @@ are compared in the same currency: seconds.
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,14 +59,9 @@ from pydantic import Field
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
+from picker.scheduling.demand import DEMAND_KEYS, PrefixDemand
 from picker.scheduling.plugins import PeerPick, Plugin, PluginDeps, PluginFactory, PredictionObserver
 from picker.schema import Section
-
-# Demand is counted per prefix at a depth rounded down to this many blocks: requests sharing a system prompt part
-# inside the block where it ends, and some match a block further by chance (a common first word); counting at the
-# exact depth would split one prefix's demand over many keys.
-DEMAND_DEPTH = 8
-DEMAND_KEYS = 4096  # prefixes whose demand is remembered (least recently picked forgotten first)
 
 
 class PrefillCost:
@@ -186,10 +179,9 @@ class PredictedTTFTScorer(Plugin):
         self._pods: dict[str, _Pod] = {}
         if demand_window_seconds < 0 or demand_floor < 0 or demand_keys < 1:
             raise ValueError("demandWindowSeconds and demandFloor must be >= 0")
-        self.demand_window_seconds = demand_window_seconds  # 0: every cold copy is charged whole
         self.demand_floor = demand_floor
-        self.demand_keys = demand_keys
-        self._demand: OrderedDict[int, list[float]] = OrderedDict()  # prefix key -> [picks, decayed to when]
+        # None (window 0): every cold copy is charged whole
+        self._demand = PrefixDemand(demand_window_seconds, demand_keys) if demand_window_seconds else None
         if pod_time_scale <= 0:
             raise ValueError("podTimeScale must be positive")
         # The pods report prefill seconds on their clock; our queue and demand times are kept on it too (module
@@ -248,49 +240,16 @@ class PredictedTTFTScorer(Plugin):
         matched = ctx.matched or [0] * len(candidates)
         best = max(matched) if matched else 0
         share = 1.0
-        depth = self._demand_depth(ctx, best)
-        if depth:
+        depth = PrefixDemand.depth(ctx, best) if self._demand is not None else 0
+        if self._demand is not None and depth:
             # the requests a new copy can expect: recent picks of this prefix shared with the holders and it
             holders = sum(1 for m in matched if m >= depth)
-            future = self._demand_of(ctx.keys[depth - 1], now) / (holders + 1) - self.demand_floor
+            future = self._demand.of(ctx.keys[depth - 1], now) / (holders + 1) - self.demand_floor
             if future > 0.0:
                 share = 1.0 / (1.0 + future)
         return [self._predict_one(e, self._pod(e), prompt - blocks * block_tokens, now,
                                   (best - blocks) * block_tokens, share)
                 for e, blocks in zip(candidates, matched, strict=True)]
-
-    def _demand_depth(self, ctx: SchedulingContext, best: int) -> int:
-        """The depth, in blocks, at which demand for a prefix matched `best` blocks deep is counted; 0: not counted
-        (copy demand off, or a prefix shorter than DEMAND_DEPTH blocks)."""
-        if not self.demand_window_seconds:
-            return 0
-        depth = best - best % DEMAND_DEPTH
-        return depth if len(ctx.keys) >= depth else 0
-
-    def _demand_of(self, key: int, now: float) -> float:
-        """Picks of the prefix `key`, each fading with time constant `demand_window_seconds`."""
-        entry = self._demand.get(key)
-        if entry is None:
-            return 0.0
-        return entry[0] * math.exp(-(now - entry[1]) / self.demand_window_seconds)
-
-    def _note_demand(self, ctx: SchedulingContext) -> None:
-        """Count this pick for the longest prefix it shares with what the pods hold (module docstring)."""
-        if not self.demand_window_seconds or not ctx.matches:
-            return
-        depth = self._demand_depth(ctx, max(ctx.matches.values()))
-        if not depth:
-            return
-        key, now = ctx.keys[depth - 1], ctx.now * self.pod_time_scale
-        entry = self._demand.get(key)
-        if entry is None:
-            self._demand[key] = [1.0, now]
-            if len(self._demand) > self.demand_keys:
-                self._demand.popitem(last=False)
-            return
-        entry[0] = self._demand_of(key, now) + 1.0
-        entry[1] = now
-        self._demand.move_to_end(key)
 
     def _predict_one(self, e: Endpoint, pod: _Pod, uncached: float, now: float, replicable: float = 0.0,
                      share: float = 1.0) -> Prediction:
@@ -350,7 +309,8 @@ class PredictedTTFTScorer(Plugin):
             pod.predicted_n += 1
         pod.busy_until = self._queue_behind(pod, uncached, now)
         pod.written += uncached
-        self._note_demand(ctx)
+        if self._demand is not None:
+            self._demand.note(ctx, ctx.now * self.pod_time_scale)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         """A peer's pick carries no match length: count its whole prompt (an overestimate, as long as it lasts)."""

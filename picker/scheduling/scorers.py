@@ -14,6 +14,7 @@ from pydantic import Field
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
+from picker.scheduling.demand import PrefixDemand
 from picker.scheduling.memory import PodMemory
 from picker.scheduling.plugins import (
     NoParams,
@@ -35,6 +36,13 @@ class PrefixCacheScorer(Plugin):
     ratio with the absolute matched length, saturating at `full_credit_chars`. The load guard zeroes the
     prefix credit of an endpoint loaded well past the least-loaded candidate, so a popular prefix spills to a
     second pod (which then holds it too) instead of queueing on one.
+
+    A hot prefix gets holders in proportion to its traffic: when its share of recent picks (PrefixDemand, fading
+    over `demand_window_seconds`) times the candidates exceeds `hot_share` times its holders, it wants more of
+    the pool than its holders' fair part, and every candidate without it gets `hot_credit` of the holders'
+    credit. The load scorers then send it to a pod that does not hold it as soon as that pod is clearly less
+    loaded, which copies it there once; from then on its holders share its traffic by load. A prefix with a
+    pod's share of the traffic or less keeps one holder, so caches under pressure are not spent on copies.
     """
 
     type_name = "prefix-cache-scorer"
@@ -49,8 +57,16 @@ class PrefixCacheScorer(Plugin):
         load_guard_in_flight: float | None = 8,
         load_guard_waiting: float | None = 4,
         guard_penalty: float = 0.0,
+        hot_share: float | None = 1.0,
+        hot_credit: float = 0.9,
+        demand_window_seconds: float = 10.0,
     ) -> None:
         super().__init__(name)
+        if hot_share is not None and hot_share <= 0 or not 0.0 <= hot_credit <= 1.0 or demand_window_seconds <= 0:
+            raise ValueError("hotShare must be positive, hotCredit within [0, 1], demandWindowSeconds positive")
+        self.hot_share = hot_share
+        self.hot_credit = hot_credit
+        self._demand = PrefixDemand(demand_window_seconds) if hot_share is not None else None
         if not 0.0 <= ratio_weight <= 1.0:
             raise ValueError("ratioWeight must be within [0, 1]")
         if full_credit_chars <= 0:
@@ -70,6 +86,8 @@ class PrefixCacheScorer(Plugin):
         per_block = (1.0 - r) * ctx.block_chars / self.full_credit_chars
         cap = 1.0 - r
         out = [(r * m / total + (cap if m * per_block > cap else m * per_block)) if m else 0.0 for m in matched]
+        if self._demand is not None:
+            self._credit_hot_prefix(ctx, candidates, out)
         guard_flight = self.load_guard_in_flight
         guard_wait = self.load_guard_waiting
         if guard_flight is not None or guard_wait is not None:
@@ -84,6 +102,29 @@ class PrefixCacheScorer(Plugin):
                 ):
                     out[i] *= penalty
         return out
+
+    def _credit_hot_prefix(self, ctx: SchedulingContext, candidates: Sequence[Endpoint], out: list[float]) -> None:
+        """Give the candidates without a hot prefix `hot_credit` of its holders' credit (class docstring)."""
+        assert self._demand is not None and self.hot_share is not None
+        matched = ctx.matched
+        depth = PrefixDemand.depth(ctx, max(matched))
+        if not depth:
+            return
+        all_picks = self._demand.total(ctx.now)
+        holders = [i for i, m in enumerate(matched) if m >= depth]
+        if all_picks <= 0.0 or len(holders) == len(candidates):
+            return
+        share = self._demand.of(ctx.keys[depth - 1], ctx.now) / all_picks
+        if share * len(candidates) <= self.hot_share * len(holders):
+            return
+        credit = self.hot_credit * max(out[i] for i in holders)
+        for i, m in enumerate(matched):
+            if m < depth and out[i] < credit:
+                out[i] = credit
+
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        if self._demand is not None:
+            self._demand.note(ctx, ctx.now)
 
 
 class KVCacheUtilizationScorer(Plugin):
@@ -296,6 +337,9 @@ class PrefixCacheParams(Section):
     load_guard_in_flight: float | None = 8
     load_guard_waiting: float | None = 4
     guard_penalty: float = Field(0.0, ge=0, le=1)
+    hot_share: float | None = Field(1.0, gt=0)  # null: one holder per prefix whatever its traffic
+    hot_credit: float = Field(0.9, ge=0, le=1)
+    demand_window_seconds: float = Field(10.0, gt=0)
 
 
 class InFlightLoadParams(Section):
