@@ -45,7 +45,7 @@ overhead: install
 	$(BIN)/python bench/overhead.py
 
 # Real vLLM CPU servers (installed into bench/.venvs/vllm on first use): round-robin, the hash baselines and the
-# picker on one workload (WORKLOAD=uniform, pressure or hot), 3 interleaved repeats, ~45 minutes each.
+# picker on one workload (WORKLOAD=uniform, pressure, hot or multi-turn), 3 interleaved repeats, ~45 minutes each.
 # More flags through ARGS, e.g. ARGS="--strategies picker,hash-ring --repeats 1".
 WORKLOAD ?= uniform
 bench-real: install

@@ -15,12 +15,14 @@ from picker.bench.real import (
     DETAIL_COLUMNS,
     RealSpec,
     build_trace,
+    chains,
     cold_causes,
     cold_kinds,
     direction_check,
     machine_slowdown,
     mean_without_avoidable_colds,
     medians,
+    replay,
     report,
     request_rows,
     scrapes_per_pod,
@@ -30,6 +32,7 @@ from picker.bench.real import (
 )
 from picker.endpoints.state import Endpoint
 from picker.observability import PickerMetrics
+from picker.supervisor import process_scope, start_backends
 
 
 def run(strategy: str, repeat: int, hit: float, mean: float, p90: float, share: float, scrapes: float) -> dict:
@@ -190,3 +193,35 @@ def test_the_mirror_runs_at_the_measured_machine_speed_and_the_spec_round_trips(
     spec = RealSpec(strategies=("picker", "round-robin"), repeats=2, picker_args=("--log-level", "INFO"))
     recorded = json.loads(json.dumps(asdict(spec) | {"requests": spec.requests}))
     assert RealSpec.recorded(recorded) == spec
+
+
+def test_conversations_are_chains_of_turns_sent_after_each_answer() -> None:
+    spec = RealSpec.for_workload("multi-turn", groups=3, turns=4, system_tokens=40, question_tokens=8, think_s=0.01,
+                                 rate=50.0)
+    trace = build_trace(spec, tokens_per_word=2.0)
+    assert len(trace) == spec.requests == 12
+    conversations = chains(trace)
+    assert [[r.turn for r in c] for c in conversations] == [[0, 1, 2, 3]] * 3
+    assert [c[0].group for c in conversations] == [0, 1, 2] and all(r.group == c[0].group for c in conversations
+                                                                    for r in c)
+    assert all(a[0].at < b[0].at for a, b in zip(conversations, conversations[1:], strict=False))
+    assert len(conversations[0][0].prompt.split()) > 20 > len(conversations[0][1].prompt.split())
+    assert chains(build_trace(RealSpec(groups=2, prompts_per_group=3), 2.0)) == [[r] for r in build_trace(
+        RealSpec(groups=2, prompts_per_group=3), 2.0)]  # shared prefixes: every request on its own
+
+
+async def test_replay_sends_each_turn_with_the_conversation_so_far() -> None:
+    """Against an echo pod (its usage counts the body it got): every later turn carries the earlier ones, and is
+    sent only once the previous answer is complete."""
+    spec = RealSpec.for_workload("multi-turn", groups=2, turns=3, system_tokens=40, question_tokens=8, think_s=0.01,
+                                 rate=50.0)
+    with process_scope("replay-turns") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        records = await replay(f"http://{backends.addresses[0]}", build_trace(spec, 2.0), spec)
+    assert len(records) == 6 and all(r["status"] == 200 for r in records)
+    for group in (0, 1):
+        mine = [r for r in records if r["group"] == group]
+        sizes = [r["usage"]["prompt_tokens"] for r in mine]
+        assert sizes[0] < sizes[1] < sizes[2]
+        assert all(a["done"] <= b["sent"] for a, b in zip(mine, mine[1:], strict=False))
