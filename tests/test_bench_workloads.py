@@ -152,3 +152,17 @@ def test_smallest_fleet_bisects_a_monotone_curve() -> None:
     assert smallest_fleet(p95, 1.0, 1, 32) == 10
     assert len(calls) <= 7
     assert smallest_fleet(p95, 0.01, 1, 32) is None
+
+
+def test_zipf_prefix_popularity_falls_with_rank_and_prefixes_fill_the_cache() -> None:
+    small = FleetSpec(PROFILE.with_overrides(num_gpu_blocks=2500), 4)
+    trace = generate("zipf-prefix", 4000, 50.0, 1, small)
+    groups = trace.params["groups"]
+    assert groups == shared_prefix_groups(small, 1024, 0.8)
+    counts = [sum(1 for r in trace.requests if r.group == g) for g in range(groups)]
+    harmonic = sum(1 / (k + 1) for k in range(groups))
+    assert counts[0] == pytest.approx(4000 / harmonic, rel=0.15)  # the most popular: 1/H of the traffic
+    assert counts[0] > 1.6 * counts[1] and sum(counts[:10]) > sum(counts[groups // 2:])
+    first = {g: next(r for r in trace.requests if r.group == g).messages[0] for g in set(r.group for r in
+                                                                                         trace.requests)}
+    assert all(r.messages[0] == first[r.group] for r in trace.requests)  # one prefix per group

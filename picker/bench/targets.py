@@ -38,6 +38,15 @@ def evaluate_fast(main: dict[str, dict[str, dict[str, Any]]], calibration: dict[
         red95 = 1 - pk["ttft_p95"] / rr["ttft_p95"]
         out.append(_check("TTFT p95 >= 52% lower than round-robin", w, red95, 0.52, red95 >= 0.52,
                           f"{pk['ttft_p95'] * 1e3:.1f} ms vs {rr['ttft_p95'] * 1e3:.1f} ms, {where}"))
+    zipf = main.get("zipf-prefix", {})
+    if "picker" in zipf and "round-robin" in zipf:
+        pk, rr = zipf["picker"], zipf["round-robin"]
+        extra = pk["cold_share"] - pk["oracle_cold_share"]
+        out.append(_check("zipf-prefix cold share <= the oracle's + 2 points", "zipf-prefix", extra, 0.02,
+                          extra <= 0.02, f"{pk['cold_share']:.3f} vs oracle {pk['oracle_cold_share']:.3f}"))
+        ratio = pk["ttft_p90"] / rr["ttft_p90"]
+        out.append(_check("zipf-prefix TTFT p90 <= 0.7x round-robin", "zipf-prefix", ratio, 0.7, ratio <= 0.7,
+                          f"{pk['ttft_p90'] * 1e3:.1f} ms vs {rr['ttft_p90'] * 1e3:.1f} ms"))
     hot = main.get("hot-prefix", {})
     if "picker" in hot and "least-load" in hot:
         p, ll = hot["picker"]["ttft_p95"], hot["least-load"]["ttft_p95"]

@@ -269,6 +269,29 @@ def shared_prefix(n: int, rate: float, seed: int, fleet: FleetSpec, *, arrival: 
         "fleet_kv_tokens": fleet.kv_tokens, "prefix_tokens": groups * system_prompt_len})
 
 
+def zipf_prefix(n: int, rate: float, seed: int, fleet: FleetSpec, *, arrival: str = "poisson",
+                prefix_len: int = 1024, question_len: tuple[int, int] = (32, 96), output_len: int = 64,
+                zipf_s: float = 1.0, kv_fill: float = 0.8) -> Trace:
+    """Shared prefixes whose popularity follows Zipf's law (the k-th most popular drawn in proportion to 1/k^s),
+    as many as fill `kv_fill` of the fleet's KV cache: under cache pressure they fit the fleet only if each is
+    held about once, while the few popular ones carry more traffic than one pod can serve. Placing by hash or by
+    cache alone fails one way or the other."""
+    rng = random.Random(f"zipf-prefix:{seed}")
+    groups = shared_prefix_groups(fleet, prefix_len, kv_fill)
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(groups)]
+    prefixes: dict[int, str] = {}
+    times = arrivals(rng, rate, n, arrival)
+    reqs = []
+    for i, (t, g) in enumerate(zip(times, rng.choices(range(groups), weights, k=n), strict=True)):
+        if g not in prefixes:
+            prefixes[g] = text(random.Random(f"zipf-prefix:{seed}:{g}"), prefix_len)
+        q = text(rng, rng.randint(*question_len))
+        reqs.append(TraceRequest(i, t, output_len, g, (("system", prefixes[g]), ("user", q))))
+    return Trace("zipf-prefix", seed, rate, tuple(reqs), {"groups": groups, "zipf_s": zipf_s, "prefix_len": prefix_len,
+                                                          "kv_fill": kv_fill, "output_len": output_len,
+                                                          "fleet_kv_tokens": fleet.kv_tokens})
+
+
 WORKLOADS: dict[str, WorkloadFn] = {
     "chat": chat,
     "code": code,
@@ -277,6 +300,7 @@ WORKLOADS: dict[str, WorkloadFn] = {
     "shared-prefix": shared_prefix,
     "bursty": bursty,
     "hot-prefix": hot_prefix,
+    "zipf-prefix": zipf_prefix,
 }
 
 
