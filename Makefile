@@ -46,10 +46,11 @@ overhead: install
 
 # Real vLLM CPU servers (installed into bench/.venvs/vllm on first use): round-robin, the hash baselines and the
 # picker on one workload (WORKLOAD=uniform, pressure, hot or multi-turn), 3 interleaved repeats, ~45 minutes each.
-# More flags through ARGS, e.g. ARGS="--strategies picker,hash-ring --repeats 1".
+# More flags through ARGS, e.g. ARGS="--strategies picker,hash-ring --repeats 1"; OUT=dir for the results.
 WORKLOAD ?= uniform
+OUT ?= bench/out/real-$(WORKLOAD)
 bench-real: install
-	$(BIN)/picker bench --engine vllm --workload $(WORKLOAD) --out bench/out/real-$(WORKLOAD) $(ARGS)
+	$(BIN)/picker bench --engine vllm --workload $(WORKLOAD) --out $(OUT) $(ARGS)
 
 # CPU and token delay one /metrics scrape costs a real vLLM server, ~8 minutes.
 scrape-cost: install
