@@ -94,9 +94,10 @@ REAL_WORKLOADS: dict[str, dict[str, Any]] = {
     # one server cannot carry alone: with Envoy, router and client sharing their two cores, the two servers here
     # were saturated at 2.4 req/s (round-robin p90 3.6 s), so one carries at most ~1.2
     "hot": {"groups": 4, "prompts_per_group": 60, "group_weights": (0.55, 0.25, 0.1, 0.1), "rate": 1.7},
-    # 40 conversations of 6 turns, each growing to ~1,100 tokens (17 blocks); ~12 live at a time fit the caches
-    "multi-turn": {"groups": 40, "turns": 6, "system_tokens": 512, "question_tokens": 64, "output_tokens": 32,
-                   "rate": 1.0},
+    # 30 conversations of 6 turns, each growing to ~1,100 tokens (17 blocks), a 3 s pause between an answer and the
+    # next turn: ~6 live at a time, whose contexts fit the caches
+    "multi-turn": {"groups": 30, "turns": 6, "system_tokens": 512, "question_tokens": 64, "output_tokens": 32,
+                   "think_s": 3.0, "rate": 1.2},
 }
 
 
