@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -51,6 +51,11 @@ WORKLOAD ?= uniform
 OUT ?= bench/out/real-$(WORKLOAD)
 bench-real: install
 	$(BIN)/picker bench --engine vllm --workload $(WORKLOAD) --out $(OUT) $(ARGS)
+
+# A bench-real run's report re-rendered from its real.json (seconds), e.g. `make real-report OUT=bench/out/real-hot
+# ARGS=--sim` (the simulator's mirror again) or ARGS="--merge dir1 dir2 --drop 1 --why '...'" (runs combined).
+real-report: install
+	$(BIN)/python bench/real_report.py $(OUT) $(ARGS)
 
 # CPU and token delay one /metrics scrape costs a real vLLM server, ~8 minutes.
 scrape-cost: install

@@ -1,9 +1,12 @@
 """Re-render a `make bench-real` run's report (real.md and real-ttft.png) from its real.json with today's report
 code: new sections (cold causes, where the TTFT goes) for a run already made, without another hour of vLLM.
 `--sim` also re-runs the simulator's mirror of the run (fast mode, seconds) at the run's measured machine speed
-and writes it back into real.json.
+and writes it back into real.json. `--merge DIR...` first writes the directory's real.json from the runs of
+several runs of one workload (repeats numbered on in order), `--drop N` leaving out a repeat the machine was
+disturbed in (`--why` says how; the report lists its figures apart).
 
-    python bench/real_report.py [--sim] [bench/out/real]
+    make real-report OUT=bench/out/real-hot ARGS="--sim"
+    python bench/real_report.py [--sim] [--merge DIR... [--drop N] [--why TEXT]] [bench/out/real-uniform]
 """
 
 from __future__ import annotations
@@ -13,16 +16,34 @@ import json
 import sys
 from pathlib import Path
 
-from picker.bench.real import RealSpec, mirror, plot, report
+from picker.bench.real import RealSpec, combine, mirror, plot, report
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="real_report.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", nargs="?", default="bench/out/real", help="the run's directory (holds real.json)")
+    parser.add_argument("out", nargs="?", default="bench/out/real-uniform",
+                        help="the run's directory (holds real.json)")
     parser.add_argument("--sim", action="store_true", help="re-run the simulator's mirror at the run's speed")
+    parser.add_argument("--merge", nargs="+", metavar="DIR", help="runs to combine into OUT/real.json")
+    parser.add_argument("--drop", type=int, action="append", default=[], metavar="N",
+                        help="with --merge: leave out repeat N (1-based, after numbering; repeatable)")
+    parser.add_argument("--why", default="", help="with --drop: why those repeats are left out")
     args = parser.parse_args(argv)
     out = Path(args.out)
     source = out / "real.json"
+    if args.merge:
+        sources = [Path(d) / "real.json" for d in args.merge]
+        missing = [str(p) for p in sources if not p.is_file()]
+        if missing:
+            print(f"real_report: no {', '.join(missing)}", file=sys.stderr)
+            return 2
+        try:
+            merged = combine([json.loads(p.read_text()) for p in sources], tuple(args.drop), args.why)
+        except ValueError as exc:
+            print(f"real_report: {exc}", file=sys.stderr)
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
+        source.write_text(json.dumps(merged, indent=1, default=str))
     if not source.is_file():
         print(f"real_report: no {source} (run `make bench-real` first)", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from picker.bench.real import (
     chains,
     cold_causes,
     cold_kinds,
+    combine,
     direction_check,
     machine_slowdown,
     mean_without_avoidable_colds,
@@ -225,3 +226,22 @@ async def test_replay_sends_each_turn_with_the_conversation_so_far() -> None:
         sizes = [r["usage"]["prompt_tokens"] for r in mine]
         assert sizes[0] < sizes[1] < sizes[2]
         assert all(a["done"] <= b["sent"] for a, b in zip(mine, mine[1:], strict=False))
+
+
+def test_runs_of_one_workload_combine_and_a_disturbed_repeat_is_left_out_in_view() -> None:
+    def section(means: list[float], spec: RealSpec) -> dict[str, Any]:
+        runs = [run(s, i, 0.8, mean + k, 100, 0.5, 0.2) for i, mean in enumerate(means)
+                for k, s in enumerate(("round-robin", "picker"))]
+        return {"spec": asdict(spec) | {"requests": spec.requests}, "calibration": {"tokens_per_word": 2.0},
+                "runs": runs, "logdir": "x"}
+
+    hot = RealSpec.for_workload("hot", strategies=("round-robin", "picker"))
+    merged = combine([section([900, 50, 60], hot), section([70], replace(hot, repeats=1))], drop=(1,),
+                     why="a simulator shared the cores")
+    assert sorted({r["repeat"] for r in merged["runs"]}) == [1, 2, 3]  # repeat 4 is the second run's first
+    assert merged["spec"]["repeats"] == 3 and merged["medians"]["round-robin"]["ttft_mean_ms"] == 60
+    assert [r["ttft_mean_ms"] for r in merged["dropped"]["runs"]] == [900, 901]
+    text = report({**merged, "sim": {}, "sim_direction": []})
+    assert "## Repeats left out" in text and "a simulator shared the cores" in text and "| picker | 901.0 |" in text
+    with pytest.raises(ValueError, match="different workloads"):
+        combine([section([1], hot), section([1], RealSpec())])

@@ -41,7 +41,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -618,6 +618,31 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     return section
 
 
+def combine(sections: list[dict[str, Any]], drop: tuple[int, ...] = (), why: str = "") -> dict[str, Any]:
+    """One report's section from the runs of several of the same workload (their repeats numbered on in order),
+    less the repeats in `drop` (1-based, after numbering; e.g. one the machine was disturbed in, said in `why`):
+    medians and targets computed again, the dropped runs kept aside. The simulator's mirror is left out (re-run it
+    with `mirror`)."""
+    if not sections:
+        raise ValueError("nothing to combine")
+    first = RealSpec.recorded(sections[0]["spec"])
+    runs: list[dict[str, Any]] = []
+    for section in sections:
+        spec = RealSpec.recorded(section["spec"])
+        if replace(spec, strategies=first.strategies, repeats=first.repeats) != first:
+            raise ValueError(f"runs of different workloads cannot be combined: {asdict(spec)} vs {asdict(first)}")
+        offset = 1 + max((r["repeat"] for r in runs), default=-1)
+        runs += [{**r, "repeat": r["repeat"] + offset} for r in section["runs"]]
+    kept = [r for r in runs if r["repeat"] + 1 not in drop]
+    strategies = tuple(dict.fromkeys(r["strategy"] for r in runs))
+    spec = replace(first, strategies=strategies, repeats=len({r["repeat"] for r in kept}))
+    summary = medians(kept, strategies)
+    return {"spec": asdict(spec) | {"requests": spec.requests}, "calibration": sections[0]["calibration"],
+            "runs": kept, "medians": summary, "targets": targets(summary, spec.workload),
+            "dropped": {"repeats": sorted(drop), "why": why, "runs": [r for r in runs if r["repeat"] + 1 in drop]},
+            "logdir": [section.get("logdir") for section in sections]}
+
+
 def mirror(section: dict[str, Any], spec: RealSpec) -> None:
     """Add the simulator's mirror of a run (at the run's measured machine speed) and its direction check."""
     slowdown = machine_slowdown(section["medians"])
@@ -759,6 +784,13 @@ def report(section: dict[str, Any]) -> str:
                       f"**{len(rows) - len(disagree)}/{len(rows)}**."]
         lines += [f"- not: {r['figure']} {r['a']} - {r['b']}: real {r['real']:+.3g}, sim {r['sim']:+.3g}"
                   for r in disagree]
+    dropped = section.get("dropped") or {}
+    if dropped.get("repeats"):
+        lines += ["", "## Repeats left out", "", f"Repeat(s) {', '.join(map(str, dropped['repeats']))} of the "
+                  f"combined runs, not in the figures above: {dropped.get('why') or 'no reason given'}.", "",
+                  "| router | TTFT mean | p90 | hit rate |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['strategy']} | {r['ttft_mean_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {r['hit_rate']:.3f} |"
+                  for r in dropped["runs"] if "error" not in r]
     errors = [r for r in section["runs"] if "error" in r]
     if errors:
         lines += ["", "## Runs that failed", ""] + [f"- {r['strategy']} #{r['repeat']}: {r['error']}" for r in errors]
