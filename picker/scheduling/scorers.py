@@ -40,8 +40,10 @@ class PrefixCacheScorer(Plugin):
     A hot prefix gets holders in proportion to its traffic: when its share of recent picks (PrefixDemand, fading
     over `demand_window_seconds`) times the candidates exceeds `hot_share` times its holders, it wants more of
     the pool than its holders' fair part, and every candidate without it gets `hot_credit` of the holders'
-    credit. The load scorers then send it to a pod that does not hold it as soon as that pod is clearly less
-    loaded, which copies it there once; from then on its holders share its traffic by load. A prefix with a
+    credit while every holder is serving requests. The load scorers then send it to a pod that does not hold it as
+    soon as that pod is clearly less loaded, which copies it there once; from then on its holders share its traffic
+    by load. A holder with nothing in flight keeps it (one client sending one request after another is the whole
+    traffic of its prefix, and needs one pod). A prefix with a
     pod's share of the traffic or less keeps one holder, so caches under pressure are not spent on copies.
     """
 
@@ -114,6 +116,8 @@ class PrefixCacheScorer(Plugin):
         holders = [i for i, m in enumerate(matched) if m >= depth]
         if all_picks <= 0.0 or len(holders) == len(candidates):
             return
+        if any(candidates[i].in_flight == 0 for i in holders):
+            return  # a holder is free: however much of the traffic wants it, it is not queueing anywhere
         share = self._demand.of(ctx.keys[depth - 1], ctx.now) / all_picks
         if share * len(candidates) <= self.hot_share * len(holders):
             return
