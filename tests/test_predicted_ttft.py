@@ -288,7 +288,7 @@ async def test_through_envoy_a_prefix_many_requests_want_is_copied_when_its_pod_
 
 
 def test_the_readme_yaml_is_the_documented_config() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "scheduling.md").read_text()
     block = readme.split("  scheduling:          # PREDICTED_TTFT_CONFIG\n", 1)[1].split("  ```", 1)[0]
     assert yaml.safe_load(block) == PREDICTED_TTFT_CONFIG
 

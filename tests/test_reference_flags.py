@@ -60,7 +60,7 @@ def test_bad_reference_values_name_their_flag(argv: list[str], message: str) -> 
 
 
 def test_the_readme_table_is_the_declared_one() -> None:
-    assert reference_flags.readme_table() in (ROOT / "README.md").read_text()
+    assert reference_flags.readme_table() in (ROOT / "docs" / "configuration.md").read_text()
 
 
 def test_a_reference_deployments_args_run_through_envoy() -> None:

@@ -147,7 +147,7 @@ def test_file_watcher_replaces_pool_and_keeps_last_good(tmp_path: Path) -> None:
 def test_readme_config_example_builds_the_policy(tmp_path: Path) -> None:
     from picker.policy import build_policy
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "scheduling.md").read_text()
     example = readme.split("# picker.yaml (picker serve --config-file picker.yaml)\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "picker.yaml"
     path.write_text(example)
