@@ -226,6 +226,36 @@ def test_session_affinity_keeps_a_conversation_on_its_pod() -> None:
         assert chosen is first
 
 
+
+def test_a_conversations_next_turn_stays_with_its_history_under_small_load_differences() -> None:
+    """A 1,600-character first turn (600 real tokens) matches 1,536 characters: short of longPrefixChars, but most
+    of the next turn, so the turn stays on its pod while that pod has a few more requests in flight."""
+    rng = random.Random(7)
+    words = ["alpha", "bo", "cider", "delta", "ex", "fox", "gamma", "hi"]
+    first_turn = " ".join(rng.choice(words) for _ in range(400))[:1600] + "\nAssistant:"
+    next_turn = first_turn + " an answer\n\nUser: " + " ".join(rng.choice(words) for _ in range(40)) + "\nAssistant:"
+    for extra in (1, 2, 3, 4):
+        endpoints = pods(2)
+        s = build_scheduler(rng=random.Random(0))
+        holder = route(s, req(first_turn), endpoints)
+        for _ in range(extra - 1):
+            holder.start_request(400, 0.0)
+        result = s.schedule(req(next_turn), endpoints, 5.0)
+        assert result.profile == "context-heavy"
+        assert result.ranked[0] is holder, extra
+    unshared = " ".join(rng.choice(words) for _ in range(800))
+    s = build_scheduler(rng=random.Random(0))
+    route(s, req(first_turn), pods(2))
+    assert s.schedule(req(first_turn[:1100] + unshared), pods(2), 5.0).profile == "bursty-chat"
+    # held by both pods (a popular prompt): moving between them is free, so load decides
+    endpoints = pods(2)
+    s = build_scheduler(rng=random.Random(0))
+    first = s.schedule(req(first_turn), endpoints, 0.0)
+    assert first.context is not None
+    for e in endpoints:
+        s.on_picked(first.context, e, 0.0)
+    assert s.schedule(req(next_turn), endpoints, 5.0).profile == "bursty-chat"
+
 def test_saturated_pods_are_filtered_unless_all_are() -> None:
     a, b = pods(2)
     a.metrics.waiting = 9

@@ -101,6 +101,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         {"type": "max-score-picker", "name": "max-score-picker", "parameters": {"maxNumOfEndpoints": 3}},
         {"type": "request-classifier", "name": "request-classifier",
          "parameters": {"longPromptChars": 8192, "longPrefixChars": 2048,
+                        "continuationShare": 0.5, "continuationChars": 1024,
                         "contextHeavyProfile": "context-heavy", "defaultProfile": "bursty-chat"}},
     ],
     "schedulingProfiles": [

@@ -65,7 +65,15 @@ class SingleProfile:
 
 
 class RequestClassifier(Plugin):
-    """context-heavy when the prompt is long or a long prefix is already cached somewhere; else bursty-chat."""
+    """context-heavy when the prompt is long or a long prefix is already cached somewhere; else bursty-chat.
+
+    A prompt that is mostly a prefix one pod alone holds (at least `continuation_share` of it and
+    `continuation_chars` long) is context-heavy too: it is a conversation's next turn or a document asked again,
+    and sending it elsewhere recomputes all of that, which costs more than waiting behind a request or two. Real
+    tokenizers put 2.5-4 characters in a token, so a 600-token first turn can match well under
+    `long_prefix_chars` and would otherwise move with every small load difference. A prefix several pods hold
+    (a popular system prompt) moves between them for free, so its short requests stay bursty-chat.
+    """
 
     type_name = "request-classifier"
     needs_prefix = True
@@ -76,19 +84,31 @@ class RequestClassifier(Plugin):
         *,
         long_prompt_chars: int = 8192,
         long_prefix_chars: int = 2048,
+        continuation_share: float | None = 0.5,
+        continuation_chars: int = 1024,
         context_heavy_profile: str = "context-heavy",
         default_profile: str = "bursty-chat",
     ) -> None:
         super().__init__(name)
         self.long_prompt_chars = long_prompt_chars
         self.long_prefix_chars = long_prefix_chars
+        self.continuation_share = continuation_share
+        self.continuation_chars = continuation_chars
         self.context_heavy_profile = context_heavy_profile
         self.default_profile = default_profile
 
     def classify(self, ctx: SchedulingContext) -> str:
         if len(ctx.request.prompt_text) >= self.long_prompt_chars:
             return self.context_heavy_profile
-        if ctx.matches and max(ctx.matches.values()) * ctx.block_chars >= self.long_prefix_chars:
+        if not ctx.matches:
+            return self.default_profile
+        matched_chars = max(ctx.matches.values()) * ctx.block_chars
+        if matched_chars >= self.long_prefix_chars:
+            return self.context_heavy_profile
+        share = self.continuation_share
+        if (share is not None and matched_chars >= self.continuation_chars
+                and matched_chars >= share * len(ctx.request.prompt_text)
+                and sum(1 for m in ctx.matches.values() if m * ctx.block_chars == matched_chars) == 1):
             return self.context_heavy_profile
         return self.default_profile
 
@@ -96,6 +116,8 @@ class RequestClassifier(Plugin):
 class RequestClassifierParams(Section):
     long_prompt_chars: int = Field(8192, gt=0)
     long_prefix_chars: int = Field(2048, gt=0)
+    continuation_share: float | None = Field(0.5, gt=0, le=1)
+    continuation_chars: int = Field(1024, gt=0)
     context_heavy_profile: str = "context-heavy"
     default_profile: str = "bursty-chat"
 
