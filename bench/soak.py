@@ -876,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the cycle")
     parser.add_argument("--abandon-direct", type=int, default=40, help="abandoned direct streams per batch")
     parser.add_argument("--abandon-envoy", type=int, default=20, help="abandoned HTTP requests per batch")
-    parser.add_argument("--model", default="meta-llama/Meta-Llama-3-8B-Instruct")
+    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--picker-env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment of the picker process, e.g. MALLOC_ARENA_MAX=2 (repeatable)")

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
+
+from picker import reference_flags
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -12,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("picker.demo", "start Envoy, a simulated vLLM fleet and the picker; send sample requests"),
     "envoy-config": ("picker.envoyconfig", "write a checked Envoy config that uses the picker"),
     "explain": ("picker.explain", "ask a running picker why a request would go where it goes"),
+    "doctor": ("picker.doctor", "ask Envoy whether requests reach the picker, and why not when they fail open"),
     "sim": ("picker.sim.cli", "run simulated vLLM servers (OpenAI API, /metrics, KV events)"),
     "bench": ("picker.bench.cli", "compare routing strategies on the same trace and fleet"),
 }
@@ -68,12 +73,23 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module_name).add_arguments(sub_parser)
     # A subparser hands unknown arguments back to the top level, whose error would show `picker`'s usage:
     # the user needs the usage of the command they got wrong.
+    if chosen == "serve":
+        args_list = [chosen, *reference_flags.go_spellings(args_list[1:])]
     args, unknown = parser.parse_known_args(args_list)
     if unknown:
         owner = subparsers[args.command] if chosen == args.command else parser
-        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+        owner.exit(2, f"{owner.prog}: error: unrecognized arguments: {' '.join(unknown)}{_suggest(owner, unknown)}\n")
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
+
+
+def _suggest(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """One line instead of the whole usage: the closest known flag to each unknown one, and where the rest is."""
+    known = sorted(set(re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", parser.format_usage())))
+    close = [match for arg in unknown if arg.startswith("-")
+             for match in difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.75)]
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return f"{hint}; `{parser.prog} --help` lists the options"
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ class ServeConfig(Section):
         return "static"
 
 
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # TRACE: DEBUG with library internals
 
 
 def parse_bool(text: str) -> bool:
@@ -219,7 +219,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-server-metrics-path", help="where pods serve metrics (default /metrics)")
     a("--model-server-metrics-https-insecure-skip-verify", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="with https, accept the pods' certificates unverified (default true, as the reference picker)")
-    a("--unhealthy-after-failures", type=int, help="failed scrapes before an endpoint stops being picked (2)")
+    a("--unhealthy-after-failures", type=int, help="failed scrapes before a pod's serving port is tried: degraded "
+      "(still routed) if it answers, unready if not (2)")
     a("--models-refresh-interval", help="how often each pod's GET /v1/models is read to learn its loaded LoRA "
       "adapters, idle ones too (default 30s; 0s: never, the pods' metrics alone tell what they serve)")
     a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
@@ -244,7 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "loads: a pod past 1.25x the mean in-flight passes the key on)")
     a("--seed", type=int, help="seed for random tie-breaks (reproducible runs)")
     a("--log-level", type=str.upper, choices=_LOG_LEVELS, metavar="LEVEL",
-      help=f"{', '.join(_LOG_LEVELS)} (default INFO; any case)")
+      help=f"{', '.join(_LOG_LEVELS)} (default INFO; any case). DEBUG: one line per routing decision; TRACE: "
+      "also the libraries' own debug lines (gRPC, asyncio, HTTP)")
     a("--log-format", choices=("text", "json"), help="text lines, or one JSON object per line (default text)")
     a("--drain-timeout", help="how long a stopping picker lets open streams finish (default 2s)")
     a("--enable-grpc-stream-metrics", type=parse_bool, nargs="?", const=True, metavar="BOOL",
@@ -346,6 +348,8 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
     data, warnings = adapt_reference_config(data, config_file or "--config-text")
     if notes is not None:
         notes.extend(warnings)
+    if data:  # the file is checked whole, before flags override some of its keys: a wrong value is never hidden
+        decode_serve_config(dict(data), config_file or "--config-text")
     try:  # the reference picker's flags (-v, --zap-*): ours, when both are given, win
         flags: dict[str, Any] = reference_flags.options(reference_flags.given(args))
     except ValueError as exc:

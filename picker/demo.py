@@ -23,11 +23,13 @@ import grpc
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.explain import format_explain
+from picker.sim.profiles import LLAMA3_8B_H100
 from picker.supervisor import (
     Managed,
     Picker,
     free_port,
     process_scope,
+    set_echo_metrics,
     start_backends,
     start_envoy,
     start_picker,
@@ -147,7 +149,7 @@ def picker_command() -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pods", type=int, default=3, help="simulated vLLM pods (default 3)")
-    parser.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct",
+    parser.add_argument("--model", default=LLAMA3_8B_H100.model,
                         help="model name the simulated pods serve and the samples ask for (default %(default)s)")
     parser.add_argument("--backend", choices=["sim", "echo"], default="sim",
                         help="sim: simulated vLLM; echo: tiny servers that echo what they got (default %(default)s)")
@@ -214,6 +216,8 @@ def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
     else:
         fleet = start_backends(args.pods, logdir)
         started.append(fleet.process)
+        for address in fleet.addresses:
+            set_echo_metrics(address, models=[args.model])  # they report serving the model the samples ask for
     pickers = _start_pickers(args.replicas, fleet.addresses, logdir, started, "mtls" if args.tls else "plaintext")
     picker = pickers[0]
     envoy = start_envoy(logdir, pickers, fleet.addresses, mode=args.mode)

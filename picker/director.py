@@ -7,6 +7,7 @@ it headers and a body (and, at the end, the token usage it read), Explain and th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.prefix.tokens import PromptTokenizer
 from picker.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
 from picker.scheduling.types import Scheduler, SchedulingResult
+
+log = logging.getLogger(__name__)
 
 
 class Admission(Protocol):
@@ -106,8 +109,8 @@ class Director:
             self.scheduler.on_endpoint_removed(endpoint)
         if event is PoolEvent.REMOVED and self.metrics is not None:
             self.metrics.forget_pod(endpoint)
-        if self.flow is not None and (event is PoolEvent.ADDED or event is PoolEvent.READY):
-            self.flow.kick()  # a pod joined or recovered: room
+        if self.flow is not None and event in (PoolEvent.ADDED, PoolEvent.READY, PoolEvent.DEGRADED):
+            self.flow.kick()  # a pod joined or recovered (a degraded pod is routable): room
 
     def candidates(self, request: InferenceRequest) -> Sequence[Endpoint]:
         """Ready endpoints the request may go to (Envoy's subset hint applied); RequestError 503 when none."""
@@ -238,6 +241,8 @@ class Director:
             decision.swaps = response_swaps(target, request.model)
         if self.metrics is not None:
             self.metrics.observe_processing(time.perf_counter() - began)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", describe_decision(decision, time.perf_counter() - began))
         if self.tracer is not None:
             result = decision.result
             self.tracer.record(start_ns, time.time_ns(), {
@@ -250,6 +255,9 @@ class Director:
     def refused(self, request: InferenceRequest, err: RequestError, start_ns: int = 0) -> None:
         """Count (and trace) a refusal: the director's own, or the servicer's before any body was parsed (413,
         buffers full, a wrong method or path), when no model is known yet."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("refused %s model=%s: %d %s: %s", request.request_id, request.model or "-", err.status,
+                      err.code, err.message)
         if self.metrics is not None:
             self.metrics.observe_refused(request, err.code, scheduling=err.code == "no_endpoints")
         if self.tracer is not None:
@@ -280,3 +288,23 @@ class Director:
             if usage is not None and usage.prompt_tokens:
                 self.metrics.observe_prefix_hit(decision.endpoint, min(decision.expected_cached, usage.prompt_tokens),
                                                 usage.cached_tokens)
+
+
+def describe_decision(decision: Decision, took_s: float) -> str:
+    """One debug line per decision: the request, where it went, what the index matched, the best candidates'
+    totals and the chosen one's scores (and predictions), and how long the decision took, waits included."""
+    request, result = decision.request, decision.result
+    parts = [f"routed {request.request_id} model={request.model or '-'} priority={request.priority} "
+             f"-> {decision.destination}"]
+    if result is not None:
+        parts.append(f"profile={result.profile} prefix={result.prefix_matched_blocks}/{result.prefix_blocks} blocks")
+        scored = sorted(result.candidates, key=lambda c: c.total, reverse=True)[:3]
+        if scored:
+            parts.append("top " + " ".join(f"{c.endpoint.address}={c.total:.2f}" for c in scored))
+        chosen = next((c for c in result.candidates if c.endpoint is decision.endpoint), None)
+        if chosen is not None:
+            parts.append("scores " + " ".join(f"{k}={v:.2f}" for k, v in chosen.scores.items()))
+            if chosen.details:
+                parts.append(" ".join(f"{k}={v:.3g}" for k, v in chosen.details.items()))
+    parts.append(f"in {took_s * 1e3:.1f} ms")
+    return "; ".join(parts)

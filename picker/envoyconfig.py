@@ -13,6 +13,7 @@ import string
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -350,7 +351,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "chunk (streamed); --mode full-duplex always streams them (default %(default)s)")
     a("--out", metavar="PATH", help="write the config to PATH (default: stdout)")
     a("--validate", action="store_true",
-      help="also run `envoy --mode validate` on the result (needs --out; default: off)")
+      help="run `envoy --mode validate` on the result and say whether it is valid; without --out nothing is "
+      "written (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,6 +378,13 @@ def run(args: argparse.Namespace) -> int:
             Path(args.out).write_text(text)
             if args.validate:
                 validate_with_envoy(Path(args.out))
+                print(f"picker envoy-config: {args.out}: valid (envoy --mode validate)", file=sys.stderr)
+        elif args.validate:  # nothing to write: validate the rendered text alone and say so
+            with tempfile.TemporaryDirectory(prefix="picker-envoy-config-") as folder:
+                path = Path(folder) / "envoy.yaml"
+                path.write_text(text)
+                validate_with_envoy(path)
+            print("picker envoy-config: valid (envoy --mode validate); --out PATH writes it", file=sys.stderr)
         else:
             sys.stdout.write(text)
     except (ValueError, FileNotFoundError) as exc:

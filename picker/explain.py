@@ -1,5 +1,6 @@
 """`picker explain`: ask a running picker where a request would go and why (scores per scorer), or list
-the pool it sees. Nothing is routed and no state changes."""
+the pool it sees. Nothing is routed and no state changes. Exit status: 0 a pick, 3 the picker would refuse the
+request (the reason is printed), 1 the picker could not be asked, 2 a usage error."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import grpc
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.tls import TlsError, client_credentials, read_pair
+
+REFUSED = 3  # exit status when the picker would refuse the request
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,29 +74,36 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
     return "\n".join(lines)
 
 
-async def _call(args: argparse.Namespace) -> str:
+def _age(endpoint: picker_pb2.EndpointInfo) -> str:
+    return "never" if endpoint.metrics_age_seconds < 0 else f"{endpoint.metrics_age_seconds:.1f}s"
+
+
+async def _call(args: argparse.Namespace) -> tuple[str, bool]:
+    """What to print, and whether the picker refused the request (the exit status says so)."""
     async with _channel(args) as channel:
         stub = picker_pb2_grpc.PickerStub(channel)
         if args.endpoints:
             listing = await stub.ListEndpoints(picker_pb2.ListEndpointsRequest(), timeout=5)
             if args.json:
-                return json.dumps([{"address": e.address, "healthy": e.healthy, "waiting": e.waiting,
+                return json.dumps([{"address": e.address, "healthy": e.healthy, "state": e.state,
+                                    "metrics_age_seconds": e.metrics_age_seconds, "waiting": e.waiting,
                                     "running": e.running, "kv_cache_usage": e.kv_cache_usage,
-                                    "in_flight": e.in_flight} for e in listing.endpoints], indent=2)
-            return "\n".join(f"{e.address:<22} {'ready' if e.healthy else 'DOWN ':<6} waiting={e.waiting:g} "
-                             f"running={e.running:g} kv={e.kv_cache_usage:.2f} in_flight={e.in_flight}"
-                             for e in listing.endpoints) or "(no endpoints)"
+                                    "in_flight": e.in_flight} for e in listing.endpoints], indent=2), False
+            return "\n".join(f"{e.address:<22} {e.state:<9} waiting={e.waiting:g} running={e.running:g} "
+                             f"kv={e.kv_cache_usage:.2f} in_flight={e.in_flight} metrics_age={_age(e)}"
+                             for e in listing.endpoints) or "(no endpoints)", False
         headers = dict(h.split("=", 1) for h in args.header)
         request = picker_pb2.ExplainRequest(path=args.path, body=_read_body(args.body or "-"), headers=headers)
         response = await stub.Explain(request, timeout=5)
+        refused = bool(response.error_status)
         if args.json:
             return json.dumps({"ranked": list(response.ranked), "profile": response.profile,
                                "error": response.error_code or None,
                                "candidates": [{"address": c.address, "scores": dict(c.scores),
                                                "details": dict(c.details), "total": c.total,
                                                "filtered_by": c.filtered_by or None}
-                                              for c in response.candidates]}, indent=2)
-        return format_explain(response)
+                                              for c in response.candidates]}, indent=2), refused
+        return format_explain(response), refused
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         print("picker explain: --body is required (or --endpoints)", file=sys.stderr)
         return 2
     try:
-        print(asyncio.run(_call(args)))
+        text, refused = asyncio.run(_call(args))
+        print(text)
     except grpc.aio.AioRpcError as err:
         print(f"picker explain: {args.target}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
@@ -112,4 +123,4 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, TlsError) as exc:
         print(f"picker explain: {args.target}: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return REFUSED if refused else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -20,7 +21,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+# Libraries whose DEBUG lines are about their own machinery (gRPC's event loop, asyncio, HTTP clients): at DEBUG
+# they stay at INFO, so a debug log shows the picker's decisions; TRACE lets them through too.
+TRACE = "TRACE"
+
+
 def configure_logging(level: str, fmt: str = "text") -> None:
+    """The picker's loggers at `level`; every other logger at INFO or above unless `level` is TRACE."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
+    level = level.upper()
+    ours = logging.DEBUG if level == TRACE else logging.getLevelName(level)
+    libraries = logging.DEBUG if level == TRACE else max(ours, logging.INFO)
+    logging.basicConfig(level=libraries, handlers=[handler], force=True)
+    logging.getLogger("picker").setLevel(ours)
+
+
+def exit_line(message: str, fmt: str = "text") -> str:
+    """The last line of a picker that stops on an error, in the log's format (text: the message alone)."""
+    if fmt != "json":
+        return message
+    return json.dumps({"ts": round(time.time(), 6), "level": "error", "logger": "picker", "msg": message},
+                      ensure_ascii=False)

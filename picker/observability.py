@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from picker import __version__
-from picker.endpoints.state import Endpoint
+from picker.endpoints.state import Endpoint, EndpointState
 from picker.metric_twins import Twin, TwinCollector
 from picker.requests import InferenceRequest, Usage
 
@@ -259,6 +259,9 @@ class PickerMetrics:
                                ["name", "model_server_endpoint"], registry=r)
         self.in_flight = Gauge("picker_endpoint_in_flight_requests", "Requests the picker routed that have not finished.",
                                ["name", "model_server_pod"], registry=r)
+        self.pod_state = Gauge("picker_endpoint_state", "1 for the pod's state: ready (fresh metrics), degraded (routed on "
+                               "the picker's own view: its metrics cannot be read) or unready (unreachable, not routed).",
+                               ["name", "model_server_pod", "state"], registry=r)
         indexer = ["plugin_name", "plugin_type"]
         self.index_size = Gauge("llm_d_epp_prefix_indexer_size", "Entries in the prefix index.", indexer, registry=r)
         self.index_size_value = self.index_size.labels("prefix-cache-scorer", "prefix-cache-scorer")
@@ -492,6 +495,9 @@ class PickerMetrics:
         for e in ready:
             self.pod_queue.labels(name, e.name).set(e.metrics.waiting)
             self.in_flight.labels(name, e.name).set(e.in_flight)
+        for e in endpoints:
+            for state in EndpointState:
+                self.pod_state.labels(name, e.name, state.value).set(1.0 if e.state is state else 0.0)
 
     def watch_flow(self, controller: FlowController) -> None:
         """Export flow control's series (as the reference does once its flow control is on): outcomes and waits
@@ -537,6 +543,9 @@ class PickerMetrics:
         for counter in (self.prefix_expected, self.prefix_reported):
             with contextlib.suppress(KeyError):
                 counter.remove(self.pool_name, endpoint.name)
+        for state in EndpointState:
+            with contextlib.suppress(KeyError):
+                self.pod_state.remove(self.pool_name, endpoint.name, state.value)
         for result in ("ok", "error"):  # a departed pod's series go with it (pod churn must not grow /metrics)
             with contextlib.suppress(KeyError):
                 self.scrapes.remove(self.pool_name, endpoint.name, result)

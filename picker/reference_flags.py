@@ -3,8 +3,9 @@ its Deployment args work unchanged.
 
 Flags that share our name and meaning (`--grpc-port`, `--pool-name`, `--secure-serving`, `--config-text`,
 `--drain-timeout`, ...) are simply ours. The rest are declared here: each either maps onto one of our options (log
-verbosity and format) or is accepted with one start-up warning saying why it changes nothing here. Values take Go's
-spellings: `--v=2`, `-v 2`, `--zap-encoder json`, `--health-checking=false`.
+verbosity and format) or is accepted with one start-up warning saying why it changes nothing here. Every flag takes
+Go's spellings, as Go's flag package parses them: `--v=2`, `-v 2`, `--zap-encoder json`, `--health-checking=false`,
+and one dash before a long name (`-pool-name=vllm`, `-grpc-port 9002`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _ignored(name: str, why: str, *, boolean: bool = False) -> ReferenceFlag:
 
 
 FLAGS: tuple[ReferenceFlag, ...] = (
-    ReferenceFlag("v", False, "log verbosity: 4 and above is `--log-level debug`, below it `info`", mapped=True),
+    ReferenceFlag("v", False, "log verbosity: 4 is `--log-level debug` (a line per decision), 5 and above `trace` "
+                  "(library internals too), below 4 `info`", mapped=True),
     ReferenceFlag("zap-log-level", False, "`--log-level` (debug, info, warn, error; a number: <= -1 is debug)",
                   mapped=True),
     ReferenceFlag("zap-encoder", False, "`json`: one JSON object per log line; `console`: our text lines",
@@ -79,16 +81,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*names, dest=flag.dest, metavar="VALUE", help=f"{flag.ours} (default: not given)")
 
 
+def go_spellings(argv: list[str]) -> list[str]:
+    """`-pool-name=x` as `--pool-name=x`: Go's flag package takes one dash or two before any name. Single letters
+    (`-v`, `-h`) and negative numbers (`--metrics-port -1`) are left alone; whatever follows `--` too."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        name = arg[1:].split("=", 1)[0]
+        single_dash_long = arg.startswith("-") and not arg.startswith("--") and len(name) > 1
+        out.append("-" + arg if single_dash_long and name[0].isalpha() else arg)
+    return out
+
+
 def given(args: argparse.Namespace) -> dict[str, str]:
     """The reference flags on the command line: name -> value as given."""
     values = vars(args)
     return {f.name: str(values[f.dest]) for f in FLAGS if values.get(f.dest) is not None}
 
 
-def notes(flags: Mapping[str, str]) -> list[str]:
-    """One warning per accepted flag that changes nothing here."""
-    return [f"--{name}={value}: {_BY_NAME[name].ours}" for name, value in flags.items()
-            if not _BY_NAME[name].mapped]
+def notes(flags: Mapping[str, str], index_backend: str = "memory") -> list[str]:
+    """One warning per accepted flag that changes nothing here. Leader election's says what the replicas share
+    with the index backend they run with: each its own prefix index, unless it is Redis."""
+    out = []
+    for name, value in flags.items():
+        if _BY_NAME[name].mapped:
+            continue
+        why = _BY_NAME[name].ours
+        if name == "ha-enable-leader-election" and index_backend != "redis":
+            why = ("accepted, no effect: replicas are active-active with no leader to elect, but with --index-backend "
+                   f"{index_backend} each keeps its own prefix index (--index-backend redis --redis-url URL shares "
+                   "it)")
+        out.append(f"--{name}={value}: {why}")
+    return out
 
 
 def options(flags: Mapping[str, str]) -> dict[str, str]:
@@ -99,7 +124,7 @@ def options(flags: Mapping[str, str]) -> dict[str, str]:
             verbosity = int(flags["v"])
         except ValueError:
             raise ValueError(f"-v {flags['v']!r}: a verbosity is a number (e.g. 2)") from None
-        out["log-level"] = "DEBUG" if verbosity >= 4 else "INFO"
+        out["log-level"] = "TRACE" if verbosity >= 5 else "DEBUG" if verbosity >= 4 else "INFO"
     if "zap-log-level" in flags:
         out["log-level"] = _zap_level(flags["zap-log-level"])
     if "zap-encoder" in flags:

@@ -3,7 +3,11 @@
 A pod's saturation level is max(waiting / queue threshold, KV-cache use / KV threshold), as in GIE's saturation
 detector. Metrics we cannot trust (never scraped, or later than the scraper's cadence promised by more than the
 stale threshold) put the pod at exactly 1.0: full as far as admission can tell, yet not *past* full, so the
-filter does not drop a pod on stale numbers.
+filter does not drop a pod on stale numbers. So while every pod's metrics are stale, sheddable requests are shed
+and the others are routed, as the reference picker does. Flow control, which gates every request on the level
+counting our own sends, judges a degraded pod (metrics unreadable, pod reachable) by those sends alone: the
+requests we sent it beyond those it ran at its last scrape wait there, else a metrics outage would hold every
+request in the queue.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from picker.endpoints.state import Endpoint
+from picker.endpoints.state import Endpoint, EndpointState
 
 FULL = 1.0
 
@@ -35,6 +39,8 @@ def pod_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresho
     requests are at least the ones we sent it that it is not running yet (in flight minus running): our own sends
     show before a scrape can."""
     m = endpoint.metrics
+    if own_sends and endpoint.state is EndpointState.DEGRADED:
+        return max(0.0, endpoint.in_flight - m.running) / thresholds.queue
     if m.updated_at < 0 or endpoint.metrics_overdue(now) > thresholds.stale:
         return FULL
     waiting = max(m.waiting, endpoint.in_flight - m.running) if own_sends else m.waiting

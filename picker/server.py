@@ -39,7 +39,7 @@ from picker.endpoints.state import Endpoint
 from picker.extproc.servicer import ExtProcServicer
 from picker.kvevents.relay import EventRelay
 from picker.lifecycle import cancel_all
-from picker.logformat import configure_logging
+from picker.logformat import configure_logging, exit_line
 from picker.model_rewrite import ModelRewrites, configured_rules
 from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics
@@ -170,9 +170,13 @@ class PickerServer:
         except BaseException:  # a port taken: stop the scrapers, discovery and index already running
             await self.stop(grace=0)
             raise
-        log.info("picker serving ext_proc on %s:%d, health on %d, %s, %d endpoints", c.ext_proc_host,
-                 self.grpc_port, self.health_port,
-                 f"metrics on {self.metrics_port}" if c.metrics_port >= 0 else "metrics off", len(self.pool))
+        tls = c.tls
+        certificate = f"certificate from {tls.cert_path}" if tls.cert_path else "self-signed"
+        security = f"{'mTLS' if tls.client_ca else 'TLS'}, {certificate}" if tls.secure else "plaintext"
+        # In the chosen log format like every other line (a JSON log parses from its first line).
+        log.info("picker: ext_proc on %s:%d (%s), health on :%d, %s, %d endpoints", c.ext_proc_host, self.grpc_port,
+                 security, self.health_port, f"metrics on :{self.metrics_port}" if c.metrics_port >= 0
+                 else "metrics off", len(self.pool))
 
     def supervise(self, task: asyncio.Task[None]) -> None:
         """Keep `task` for stop(); should it end by an exception, `failed` is set (serve exits non-zero)."""
@@ -245,7 +249,7 @@ class PickerServer:
                                  scheme=c.model_server_metrics_scheme,
                                  verify_tls=not c.model_server_metrics_https_insecure_skip_verify)
         self.pool.subscribe(lambda event, _endpoint: listings.pod_joined()
-                            if event is PoolEvent.ADDED or event is PoolEvent.READY else None)
+                            if event in (PoolEvent.ADDED, PoolEvent.READY, PoolEvent.DEGRADED) else None)
         self.supervise(asyncio.create_task(listings.run(), name="model-listings"))
 
     async def _start_servers(self, c: cfg.ServeConfig) -> None:
@@ -348,12 +352,6 @@ async def serve(config: cfg.ServeConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     server = PickerServer(config)
     await server.start()
-    metrics = f"metrics on :{server.metrics_port}" if config.metrics_port >= 0 else "metrics off"
-    tls = config.tls
-    certificate = f"certificate from {tls.cert_path}" if tls.cert_path else "self-signed"
-    security = f"{'mTLS' if tls.client_ca else 'TLS'}, {certificate}" if tls.secure else "plaintext"
-    print(f"picker: ext_proc on {config.ext_proc_host}:{server.grpc_port} ({security}), "
-          f"health on :{server.health_port}, {metrics}", flush=True)
     stopped = asyncio.create_task(stop.wait())
     failed = asyncio.create_task(server.failed.wait())
     await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
@@ -376,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"picker serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
-    for note in reference_flags.notes(reference_flags.given(args)):
+    for note in reference_flags.notes(reference_flags.given(args), config.index_backend):
         log.warning("reference picker flag %s", note)
     for note in config_notes:
         log.warning("reference picker config %s", note)
@@ -386,14 +384,11 @@ def run(args: argparse.Namespace) -> int:
         if profiler is not None:
             profiler.enable()
         asyncio.run(serve(config))
-    except BindError as exc:
-        print(f"picker serve: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"picker serve: {exc}", file=sys.stderr)
+    except (BindError, ValueError) as exc:
+        print(exit_line(f"picker serve: {exc}", config.log_format), file=sys.stderr)
         return 2
     except BackgroundFailure as exc:
-        print(f"picker serve: {exc}", file=sys.stderr)
+        print(exit_line(f"picker serve: {exc}", config.log_format), file=sys.stderr)
         return 1
     finally:
         if profiler is not None and profile_path:

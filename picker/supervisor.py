@@ -293,21 +293,27 @@ def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str]
     first = pickers[0]
     if any((p.grpc_port, p.health_port) != (first.grpc_port, first.health_port) for p in pickers):
         raise ValueError("picker replicas behind one Envoy cluster must share their ports (use different hosts)")
-    settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=first.grpc_port,
-                             picker_health_port=first.health_port, pool=tuple(pool), mode=mode,
-                             failure_mode_allow=fail_open, picker_host=first.host,
-                             picker_hosts=tuple(p.host for p in pickers) if len(pickers) > 1 else (),
-                             picker_tls="plaintext" if first.tls == "plaintext" else "tls",
-                             picker_ca=str(first.pki / "ca.crt") if first.pki else "",
-                             picker_client_cert=str(first.pki / "client") if first.pki and client_cert else "",
-                             response_body=response_body)
-    config_path = logdir / f"{name}.yaml"
-    text = render(settings)
-    config_path.write_text(with_served_by(text, served_by) if served_by else text)
-    process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),
-                           "-l", "warning", "--concurrency", "1"], logdir)
+    for attempt in range(3):  # a port free when chosen may be taken (an outgoing connection's) before Envoy binds it
+        settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=first.grpc_port,
+                                 picker_health_port=first.health_port, pool=tuple(pool), mode=mode,
+                                 failure_mode_allow=fail_open, picker_host=first.host,
+                                 picker_hosts=tuple(p.host for p in pickers) if len(pickers) > 1 else (),
+                                 picker_tls="plaintext" if first.tls == "plaintext" else "tls",
+                                 picker_ca=str(first.pki / "ca.crt") if first.pki else "",
+                                 picker_client_cert=str(first.pki / "client") if first.pki and client_cert else "",
+                                 response_body=response_body)
+        config_path = logdir / f"{name}.yaml"
+        text = render(settings)
+        config_path.write_text(with_served_by(text, served_by) if served_by else text)
+        process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),
+                               "-l", "warning", "--concurrency", "1"], logdir)
+        try:
+            wait_until(functools.partial(port_open, settings.listen_port), 30, "envoy", process.proc)
+            break
+        except RuntimeError:
+            if attempt == 2 or "Address already in use" not in process.log():
+                raise
     envoy = Envoy(settings.listen_port, settings.admin_port, process, config_path, settings)
-    wait_until(lambda: port_open(settings.listen_port), 30, "envoy", process.proc)
     if wait_for_picker:
         wait_until(envoy.picker_healthy, 30, "envoy sees the picker healthy", process.proc)
     return envoy

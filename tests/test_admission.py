@@ -8,9 +8,15 @@ import random
 import pytest
 
 from picker.admission import AdmissionConfig, AdmissionController, Priorities
-from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
 from picker.requests import InferenceRequest, RequestError
-from picker.saturation import SaturationThresholds, not_past_full, pod_saturation, pool_saturation
+from picker.saturation import (
+    SaturationThresholds,
+    dispatch_level,
+    not_past_full,
+    pod_saturation,
+    pool_saturation,
+)
 from picker.scheduling.config import build_scheduler
 from picker.schema import ConfigError
 
@@ -60,6 +66,23 @@ def test_saturation_is_gie_mean_of_max_with_stale_as_full() -> None:
     idle = pods(1, at=10.0)[0]
     assert pool_saturation([fresh, idle], 10.1, cfg) == pytest.approx(0.375)
     assert pool_saturation([], 10.0, cfg) == 0.0
+
+
+def test_a_degraded_pod_is_judged_by_our_own_sends_in_flow_control_only() -> None:
+    """Metrics unreadable, pod reachable: admission counts it full (sheddable requests shed, as the reference
+    does), flow control by the requests we sent it beyond those it ran at its last scrape."""
+    cfg = SaturationThresholds()
+    pod = pods(1, at=10.0)[0]
+    pod.metrics.running = 2
+    pod.state = EndpointState.DEGRADED
+    for _ in range(4):
+        pod.start_request(100, 10.0)
+    assert pod_saturation(pod, 60.0, cfg) == 1.0
+    assert pod_saturation(pod, 60.0, cfg, own_sends=True) == pytest.approx(2 / cfg.queue)
+    assert dispatch_level([pod], 60.0, cfg) == pytest.approx(2 / cfg.queue)
+    never = Endpoint.from_address("10.0.0.9:1")
+    never.state = EndpointState.DEGRADED
+    assert dispatch_level([never], 0.0, cfg) == 0.0
 
 
 def test_does_not_shed_by_default_even_when_saturated() -> None:

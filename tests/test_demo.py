@@ -54,8 +54,16 @@ def check_pick_matches_served(block: str) -> str | None:
     return f"pick {pick!r} vs {served_line.strip()!r}"
 
 
+# Every demo run the tests make: test_every_demo_option_the_readme_lists_runs_in_a_test checks they cover the
+# README's list of `make demo ARGS=...` options.
+DEFAULT_RUN = ("--once", "--pods", "2")
+REPLICAS_RUN = ("--once", "--pods", "3", "--replicas", "2", "--tls")
+ECHO_RUN = ("--once", "--pods", "2", "--backend", "echo", "--mode", "full-duplex")
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
-    result = run_demo(tmp_path, "--once", "--pods", "2")
+    result = run_demo(tmp_path, *DEFAULT_RUN)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
     assert out.count("-> 200 served by 127.0.0.1:") == 5, out
@@ -85,7 +93,7 @@ def test_pick_and_served_checker_catches_a_disagreement() -> None:
 
 def test_demo_with_two_replicas_sharing_the_index(tmp_path: Path) -> None:
     # Over mTLS: both replicas serve certificates of one throwaway CA, Envoy presents its client certificate.
-    result = run_demo(tmp_path, "--once", "--pods", "3", "--replicas", "2", "--tls")
+    result = run_demo(tmp_path, *REPLICAS_RUN)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
     assert "prefix index shared by 2 picker replicas" in out and out.count("  picker: 127.0.0.1") == 2, out
@@ -96,6 +104,26 @@ def test_demo_with_two_replicas_sharing_the_index(tmp_path: Path) -> None:
     assert served[0] == served[1] == served[2], out
     assert [p for p in map(check_pick_matches_served, blocks(out).values()) if p] == [], out
     assert list(tmp_path.glob("picker-demo-*")) == []
+
+
+def test_demo_with_echo_backends_in_full_duplex_mode(tmp_path: Path) -> None:
+    result = run_demo(tmp_path, *ECHO_RUN)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    out = result.stdout
+    assert "(full-duplex body mode)" in out and out.count("-> 200 served by 127.0.0.1:") == 5, out
+    assert "model_not_found" not in out, out
+
+
+def test_every_demo_option_the_readme_lists_runs_in_a_test() -> None:
+    readme = (ROOT / "README.md").read_text().replace("\n", " ")
+    listed = readme.split("Options through `ARGS`:", 1)[1].split(".", 1)[0]
+    options = [part.split("`")[0].split() for part in listed.split("`")[1::2]]
+    assert len(options) >= 6, listed
+    runs = [DEFAULT_RUN, REPLICAS_RUN, ECHO_RUN]
+    for option in options:
+        flag, value = option[0], option[1:]
+        assert any(flag in run and (not value or value[0] == "N" or run[run.index(flag) + 1] == value[0])
+                   for run in runs), f"README's `make demo` option {' '.join(option)} is not run by a test"
 
 
 def _read_until(lines: queue.Queue[str | None], marker: str, timeout: float) -> list[str]:

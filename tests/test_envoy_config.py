@@ -65,7 +65,10 @@ def test_cli_writes_a_validated_config(tmp_path: Path) -> None:
                              "--listen-port", "18080", "--out", str(out), "--validate"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "port_value: 18080" in out.read_text()
+    assert "port_value: 18080" in out.read_text() and f"{out}: valid" in result.stderr
+    alone = subprocess.run([sys.executable, "-m", "picker", "envoy-config", "--pool", "127.0.0.1:8001", "--validate"],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0 and alone.stdout == "" and "valid (envoy --mode validate)" in alone.stderr, alone
     bad = subprocess.run([sys.executable, "-m", "picker", "envoy-config", "--pool", "not-an-address"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not ip:port" in bad.stderr

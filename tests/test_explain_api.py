@@ -29,7 +29,7 @@ def test_explain_ranks_every_pool_endpoint(stack: Stack) -> None:
 
 def test_explain_reports_refusals(stack: Stack) -> None:
     result = cli(stack, "--body", "{broken")
-    assert result.returncode == 0
+    assert result.returncode == 3  # the picker would refuse it: a script can tell
     assert "refused: 400 invalid_json" in result.stdout
 
 

@@ -34,8 +34,11 @@ def test_the_reference_args_parse_and_map() -> None:
     config = resolve(args)
     assert config.log_format == "json" and config.log_level == "INFO" and not config.secure_serving
     assert config.metrics_slow_interval == 2.0 and config.drain_timeout == 1.0  # --config-text, --drain-timeout
-    warned = reference_flags.notes(reference_flags.given(args))
+    warned = reference_flags.notes(reference_flags.given(args), config.index_backend)
     assert [n.split("=", 1)[0] for n in warned] == ["--ha-enable-leader-election"]
+    assert "each keeps its own prefix index" in warned[0] and "--index-backend redis" in warned[0]  # memory index
+    shared = reference_flags.notes(reference_flags.given(args), "redis")
+    assert "shared through Redis" in shared[0] and "own prefix index" not in shared[0]
     assert config.pool_group == "inference.networking.k8s.io"  # ours now: the InferencePool's API group
     assert config.metrics_target.url(Endpoint.from_address("10.0.0.1:8000")) == "http://10.0.0.1:8000/metrics"
     target = resolve(parse("--model-server-metrics-port", "9400", "--model-server-metrics-scheme", "https",
@@ -76,7 +79,6 @@ def test_a_reference_deployments_args_run_through_envoy() -> None:
                                          headers={"content-type": "application/json"})
         with urllib.request.urlopen(request, timeout=10) as response:
             assert response.status == 200
-        lines = [line for line in picker.process.log().splitlines() if line.startswith("{")]
-        entries = [json.loads(line) for line in lines]  # --zap-encoder json: one JSON object per log line
+        entries = [json.loads(line) for line in picker.process.log().splitlines()]  # JSON from the first line
         warnings = [e["msg"] for e in entries if e["level"] == "warning" and "reference picker flag" in e["msg"]]
         assert len(warnings) == 1 and "--ha-enable-leader-election" in warnings[0], warnings

@@ -114,7 +114,7 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="log-level 'verbose'"):
         cfg.resolve(argparse.Namespace(endpoints="10.0.0.1:8000", log_level="verbose"))
     path.write_text("grpc-prot: 1\n")
-    with pytest.raises(cfg.ConfigError, match="picker.yaml [+] command line: grpc-prot: unknown key"):
+    with pytest.raises(cfg.ConfigError, match="picker.yaml: grpc-prot: unknown key"):
         cfg.resolve(args)
     path.write_text("grpc-port: 7000\n")  # the flag wins over the file, however the file spells the key
     assert cfg.resolve(argparse.Namespace(config_file=str(path), grpc_port=7001, endpoints="x:1")).grpc_port == 7001

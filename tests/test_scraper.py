@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
 
-from picker.endpoints.pool import EndpointPool, PoolEvent
+from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper, MetricsTarget
-from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
 from tests.fake_pod import FakePod, running_pods
 from tests.waiting import eventually
 
@@ -42,45 +43,86 @@ async def test_poll_updates_metrics_with_injected_clock(pods: list[FakePod]) -> 
     assert endpoints[0].metrics.num_gpu_blocks == 8192 and endpoints[0].metrics.block_size == 128
 
 
-async def test_pod_that_stops_answering_is_unhealthy_within_two_polls_and_restored(pods: list[FakePod]) -> None:
+def watched_pool(pods: list[FakePod]) -> tuple[list[Endpoint], EndpointPool, list[tuple[str, str]]]:
+    """The pods' endpoints in a pool, and the (event, address) pairs the pool emits from now on."""
     endpoints = [p.endpoint for p in pods]
-    down: list[str] = []
-    up: list[str] = []
     pool = EndpointPool()
     pool.set_endpoints(endpoints)
-    pool.subscribe(lambda event, e: (down if event is PoolEvent.UNREADY else up).append(e.address))
+    events: list[tuple[str, str]] = []
+    pool.subscribe(lambda event, e: events.append((event.value, e.address)))
+    return endpoints, pool, events
+
+
+async def test_pod_that_stops_answering_is_unready_within_two_polls_and_restored(pods: list[FakePod]) -> None:
+    endpoints, pool, events = watched_pool(pods)
     scraper = MetricsScraper(pool.all, health=pool, timeout=1.0)
     victim = endpoints[0]
     try:
         await scraper.poll_once()
-        await pods[0].stop()  # connection refused from now on
+        await pods[0].stop()  # connection refused from now on, serving port included
         await scraper.poll_once()
-        assert victim.healthy and victim.consecutive_failures == 1 and down == []
+        assert victim.healthy and victim.consecutive_failures == 1 and events == []
         await scraper.poll_once()
-        assert not victim.healthy and down == [victim.address] and victim not in pool.ready()
-        assert all(e.healthy for e in endpoints[1:])
+        assert victim.state is EndpointState.UNREADY and victim not in pool.ready()
+        assert events == [("unready", victim.address)]
+        assert all(e.state is EndpointState.READY for e in endpoints[1:])
         await scraper.poll_once()
-        assert down == [victim.address]  # reported once, not on every failed poll
+        assert len(events) == 1  # reported once, not on every failed poll
         await pods[0].start()  # same port
         await scraper.poll_once()
-        assert victim.healthy and victim.consecutive_failures == 0 and up == [victim.address]
-        pods[1].mode = "error"  # an HTTP error counts as a failed poll too
-        await scraper.poll_once()
-        await scraper.poll_once()
-        assert not endpoints[1].healthy and down == [victim.address, endpoints[1].address]
+        assert victim.state is EndpointState.READY and victim.consecutive_failures == 0
+        assert events[1:] == [("ready", victim.address)]
     finally:
         await scraper.stop()
 
 
+async def test_unreadable_metrics_of_a_reachable_pod_degrade_it_and_keep_it_routable(pods: list[FakePod]) -> None:
+    """An HTTP error on /metrics (or a wrong metrics port) while the serving port answers: degraded, still in the
+    ready set, scraped at the slow cadence; readable metrics make it ready again."""
+    endpoints, pool, events = watched_pool(pods)
+    scraper = MetricsScraper(pool.all, health=pool, timeout=1.0)
+    victim = endpoints[1]
+    try:
+        await scraper.poll_once()
+        pods[1].mode = "error"
+        await scraper.poll_once()
+        await scraper.poll_once()
+        assert victim.state is EndpointState.DEGRADED and victim in pool.ready() and victim.healthy
+        assert events == [("degraded", victim.address)]
+        assert scraper.cadence.interval(victim, False) == scraper.cadence.slow
+        assert victim.metrics.updated_at >= 0  # its last good metrics stay
+        await scraper.poll_once()
+        assert len(events) == 1
+        await pods[1].stop()  # now it cannot be reached at all
+        await scraper.poll_once()
+        assert victim.state is EndpointState.UNREADY and victim not in pool.ready()
+        pods[1].mode = "ok"
+        await pods[1].start()
+        await scraper.poll_once()
+        assert victim.state is EndpointState.READY
+        assert events == [("degraded", victim.address), ("unready", victim.address), ("ready", victim.address)]
+    finally:
+        await scraper.stop()
+
+
+async def test_metrics_port_where_nothing_listens_degrades_every_pod(pods: list[FakePod]) -> None:
+    endpoints, pool, _ = watched_pool(pods)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nothing = closed.getsockname()[1]
+    scraper = MetricsScraper(pool.all, health=pool, timeout=1.0, target=MetricsTarget(port=nothing))
+    try:
+        await scraper.poll_once()
+        await scraper.poll_once()
+    finally:
+        await scraper.stop()
+    assert [e.state for e in endpoints] == [EndpointState.DEGRADED] * 3 and pool.ready() == endpoints
+
+
 async def test_background_loop_hanging_pod_does_not_stall_the_others(pods: list[FakePod]) -> None:
-    endpoints = [p.endpoint for p in pods]
     loop = asyncio.get_running_loop()
-    down: list[str] = []
-    up: list[str] = []
     pods[2].mode = "hang"
-    pool = EndpointPool()
-    pool.set_endpoints(endpoints)
-    pool.subscribe(lambda event, e: (down if event is PoolEvent.UNREADY else up).append(e.address))
+    endpoints, pool, events = watched_pool(pods)
     scraper = MetricsScraper(pool.all, refresh_interval=0.02, timeout=0.15, clock=loop.time, health=pool)
     await scraper.start()
     try:
@@ -89,12 +131,12 @@ async def test_background_loop_hanging_pod_does_not_stall_the_others(pods: list[
         await eventually(lambda: pods[0].hits >= 4)
         hits_before = pods[0].hits
         assert pods[2].hits <= 2  # never re-scraped while a scrape of it is still running
-        await eventually(lambda: down == [endpoints[2].address], 2.0)
+        await eventually(lambda: events == [("degraded", endpoints[2].address)], 2.0)  # it accepts connections
         assert loop.time() - endpoints[0].metrics.updated_at < 0.1  # the healthy pods kept refreshing
         assert pods[0].hits > hits_before
         pods[2].mode = "ok"
-        await eventually(lambda: up == [endpoints[2].address], 2.0)
-        assert endpoints[2].healthy
+        await eventually(lambda: events[-1] == ("ready", endpoints[2].address), 2.0)
+        assert endpoints[2].state is EndpointState.READY
     finally:
         await scraper.stop()
     assert scraper._inflight == {}

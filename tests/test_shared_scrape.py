@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.shared_scrape import SharedSample, SharedScrapes, _decode, _encode
-from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
 from picker.supervisor import (
     Envoy,
     Picker,
@@ -50,8 +50,8 @@ class Replica:
         self.pool.set_endpoints(self.endpoints)
         self.shared = SharedScrapes(url, namespace)
         self.scrapes = 0
-        self.down: list[str] = []
-        self.pool.subscribe(lambda event, e: self.down.append(e.address) if event is PoolEvent.UNREADY else None)
+        self.degraded: list[str] = []
+        self.pool.subscribe(lambda event, e: self.degraded.append(e.address) if event is PoolEvent.DEGRADED else None)
         self.scraper = MetricsScraper(self.pool.all, cadence=cadence, shared=self.shared, health=self.pool,
                                       on_scrape=self._count)
 
@@ -110,14 +110,14 @@ async def test_four_replicas_cost_each_pod_one_scrape_per_cadence(valkey: Valkey
             await r.stop()
 
 
-async def test_a_failing_pod_is_unhealthy_on_every_replica(valkey: Valkey, pods: list[FakePod]) -> None:
+async def test_a_pod_with_failing_metrics_is_degraded_on_every_replica(valkey: Valkey, pods: list[FakePod]) -> None:
     replicas = await _replicas(3, pods, valkey.url, Cadence.fixed(INTERVAL))
     try:
         await eventually(lambda: all(r.endpoints[1].metrics.updated_at > 0 for r in replicas), 5.0)
         pods[1].mode = "error"
-        await eventually(lambda: all(not r.endpoints[1].healthy for r in replicas), 5.0)
-        assert all(r.down == [r.endpoints[1].address] for r in replicas)
-        assert all(r.endpoints[0].healthy for r in replicas)
+        await eventually(lambda: all(r.endpoints[1].state is EndpointState.DEGRADED for r in replicas), 5.0)
+        assert all(r.degraded == [r.endpoints[1].address] for r in replicas)
+        assert all(r.endpoints[0].state is EndpointState.READY for r in replicas)
     finally:
         for r in replicas:
             await r.stop()

@@ -48,6 +48,15 @@ def test_bad_config_exits_non_zero_naming_the_key(tmp_path: Path, capsys: pytest
     assert err.startswith(f"picker serve: {path}: "), err
 
 
+def test_a_bad_file_value_is_an_error_even_when_a_flag_sets_the_key(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text(BASE + "grpc-port: abc\n")
+    assert main(["serve", "--config-file", str(path), "--grpc-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"picker serve: {path}: grpc-port: Input should be a valid integer"), err
+
+
 def test_the_process_exits_non_zero(tmp_path: Path) -> None:
     path = tmp_path / "picker.yaml"
     path.write_text(BASE + "scheduling:\n  prefixCache: {ttl: 60}\n")
@@ -81,11 +90,14 @@ def test_the_start_up_line_says_metrics_off(tmp_path: Path) -> None:
 
     args = [sys.executable, "-m", "picker", "serve", "--host", "127.0.0.1", "--endpoints", "127.0.0.1:1",
             "--grpc-port", str(free_port()), "--grpc-health-port", str(free_port()), "--metrics-port", "-1",
-            "--log-level", "warning"]
+            "--log-level", "info"]
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()  # printed once every server listens
+            assert proc.stderr is not None
+            line = ""
+            while "ext_proc on" not in line:  # logged once every server listens
+                line = proc.stderr.readline()
+                assert line, "the picker exited before its start-up line"
             assert "metrics off" in line and "metrics on" not in line, line
         finally:
             proc.terminate()

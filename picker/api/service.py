@@ -59,6 +59,6 @@ class PickerService(picker_pb2_grpc.PickerServicer):
                 running=e.metrics.running, kv_cache_usage=e.metrics.kv_usage, in_flight=e.in_flight,
                 in_flight_tokens=e.in_flight_tokens, metrics_age_seconds=age if age != float("inf") else -1.0,
                 block_size=e.metrics.block_size or 0, num_gpu_blocks=e.metrics.num_gpu_blocks or 0,
-                running_lora_adapters=sorted(e.metrics.running_loras),
+                running_lora_adapters=sorted(e.metrics.running_loras), state=e.state.value,
             )
         return response

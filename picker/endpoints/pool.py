@@ -1,20 +1,30 @@
 """The set of endpoints the picker may route to. The pool owns every change of it: discovery adds and removes
-endpoints, health checks mark them unready and ready again, and each change is one event to the listeners
-(the scheduler purges a departed or unready pod's prefix-index entries, metrics drop a departed pod's series),
-so no state outlives a pod and no consumer hears of a change by a different path than another."""
+endpoints, health checks mark them unready, degraded and ready again, and each change is one event to the
+listeners (the scheduler purges a departed or unready pod's prefix-index entries, metrics drop a departed pod's
+series) and one log line, so no state outlives a pod and no consumer hears of a change by a different path than
+another.
+
+A degraded pod is one whose metrics cannot be read while its serving port answers (a wrong metrics port, a
+NetworkPolicy, a metrics endpoint too slow under load): it stays routable on what the picker knows itself (its
+in-flight counts, the prefix index, its last metrics, stale), because a load signal we cannot read must not turn
+into an outage. Only a pod that cannot be reached leaves the ready set."""
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Iterable
 
-from picker.endpoints.state import Endpoint
+from picker.endpoints.state import Endpoint, EndpointState
+
+log = logging.getLogger(__name__)
 
 
 class PoolEvent(enum.Enum):
     ADDED = "added"  # discovery found it (it starts ready)
     REMOVED = "removed"  # discovery lost it: forget everything about it
-    UNREADY = "unready"  # it failed its health checks: not routed to until it recovers
+    UNREADY = "unready"  # it cannot be reached: not routed to until it recovers
+    DEGRADED = "degraded"  # its metrics cannot be read but it answers: routed on our own view of it
     READY = "ready"  # it recovered
 
 
@@ -62,19 +72,27 @@ class EndpointPool:
     def set_addresses(self, addresses: Iterable[str]) -> tuple[list[Endpoint], list[Endpoint]]:
         return self.set_endpoints(Endpoint.from_address(a) for a in addresses)
 
-    def mark_unready(self, endpoint: Endpoint) -> None:
-        """Stop routing to `endpoint` (its health checks fail); no-op when it already is unready or gone."""
-        if endpoint.healthy and self._endpoints.get(endpoint.address) is endpoint:
-            endpoint.healthy = False
-            self._refresh()
-            self._emit(PoolEvent.UNREADY, endpoint)
+    def mark_unready(self, endpoint: Endpoint, reason: str = "") -> None:
+        """Stop routing to `endpoint` (it cannot be reached); no-op when it already is unready or gone."""
+        self._transition(endpoint, EndpointState.UNREADY, PoolEvent.UNREADY, reason)
 
-    def mark_ready(self, endpoint: Endpoint) -> None:
-        """Route to `endpoint` again (it answers its health checks)."""
-        if not endpoint.healthy and self._endpoints.get(endpoint.address) is endpoint:
-            endpoint.healthy = True
-            self._refresh()
-            self._emit(PoolEvent.READY, endpoint)
+    def mark_degraded(self, endpoint: Endpoint, reason: str = "") -> None:
+        """Keep routing to `endpoint` on stale metrics (they cannot be read, the pod answers)."""
+        self._transition(endpoint, EndpointState.DEGRADED, PoolEvent.DEGRADED, reason)
+
+    def mark_ready(self, endpoint: Endpoint, reason: str = "") -> None:
+        """Route to `endpoint` on fresh metrics again."""
+        self._transition(endpoint, EndpointState.READY, PoolEvent.READY, reason)
+
+    def _transition(self, endpoint: Endpoint, state: EndpointState, event: PoolEvent, reason: str) -> None:
+        if endpoint.state is state or self._endpoints.get(endpoint.address) is not endpoint:
+            return
+        was = endpoint.state
+        endpoint.state = state
+        self._refresh()
+        log.log(logging.INFO if state is EndpointState.READY else logging.WARNING, "endpoint %s %s -> %s%s",
+                endpoint.address, was.value, state.value, f": {reason}" if reason else "")
+        self._emit(event, endpoint)
 
     def _refresh(self) -> None:
         self._ready = [e for e in self._endpoints.values() if e.healthy]
@@ -86,7 +104,7 @@ class EndpointPool:
         return list(self._endpoints.values())
 
     def ready(self) -> list[Endpoint]:
-        """Healthy endpoints; the returned list is shared, callers must not mutate it."""
+        """Routable endpoints (ready or degraded); the returned list is shared, callers must not mutate it."""
         return self._ready
 
     def __len__(self) -> int:

@@ -9,17 +9,19 @@ than we routed to it (traffic that bypasses us), or after a failed scrape. A fix
 
 Each endpoint is scraped on its own task, so a pod that hangs until the timeout never delays the others'
 refresh; a pod is not scraped again while its previous scrape is still running. After
-`failure_threshold` consecutive failed polls the scraper asks its `health` owner (the endpoint pool) to mark the
-pod unready; the first successful poll asks for it to be ready again. The scraper never flips health itself.
+`failure_threshold` consecutive failed polls the scraper tries the pod's serving port: a pod that accepts a
+connection there is only degraded (its metrics cannot be read; it stays routable on the picker's own view, and is
+scraped at the slow cadence), one that does not is unready. The first successful poll makes it ready again. The
+scraper asks its `health` owner (the endpoint pool) for each change and never flips state itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,19 +29,33 @@ import aiohttp
 
 from picker.endpoints.metrics import parse_metrics
 from picker.endpoints.shared_scrape import SharedScrapes, grace
-from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
 from picker.lifecycle import cancel_all
-
-log = logging.getLogger(__name__)
-
 
 
 class HealthTransitions(Protocol):
     """Who owns endpoint health (EndpointPool): the scraper reports, the owner changes state and tells listeners."""
 
-    def mark_unready(self, endpoint: Endpoint) -> None: ...
+    def mark_unready(self, endpoint: Endpoint, reason: str = "") -> None: ...
 
-    def mark_ready(self, endpoint: Endpoint) -> None: ...
+    def mark_degraded(self, endpoint: Endpoint, reason: str = "") -> None: ...
+
+    def mark_ready(self, endpoint: Endpoint, reason: str = "") -> None: ...
+
+
+Reachable = Callable[[Endpoint], Awaitable[bool]]
+
+
+async def serving_port_open(endpoint: Endpoint, connect_s: float) -> bool:
+    """Whether the pod accepts a TCP connection on its serving port (what Envoy would send the request to)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(endpoint.ip, endpoint.port), connect_s)
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 ScrapeCallback = Callable[[Endpoint, bool, bool], None]  # endpoint, fetched and read, fetched but unreadable
 
@@ -67,7 +83,9 @@ class Cadence:
 
     def interval(self, endpoint: Endpoint, ok: bool) -> float:
         """Seconds until this pod's next scrape, given the scrape that just ended."""
-        if self.fast == self.slow or not ok:
+        if not ok:  # a degraded pod is not hammered for metrics it will not give
+            return self.slow if endpoint.state is EndpointState.DEGRADED else self.fast
+        if self.fast == self.slow:
             return self.fast
         m = endpoint.metrics
         if m.waiting >= self.busy_waiting or m.kv_usage >= self.busy_kv:
@@ -111,10 +129,12 @@ class MetricsScraper:
         target: MetricsTarget | None = None,
         shared: SharedScrapes | None = None,
         on_metrics: Callable[[Endpoint], None] | None = None,
+        reachable: Reachable | None = None,
     ) -> None:
         """`refresh_interval` (a fixed cadence) and `cadence` exclude each other; neither: `Cadence()`.
         With `shared`, replicas take turns scraping each pod and the others read the result. `on_metrics` hears
-        of every pod whose metrics were refreshed (our scrape or a shared record): room may have freed."""
+        of every pod whose metrics were refreshed (our scrape or a shared record): room may have freed.
+        `reachable` tells a degraded pod from an unready one (default: a TCP connection to its serving port)."""
         if refresh_interval is not None and cadence is not None:
             raise ValueError("give refresh_interval or cadence, not both")
         if (refresh_interval is not None and refresh_interval <= 0) or timeout <= 0 or failure_threshold <= 0:
@@ -129,6 +149,7 @@ class MetricsScraper:
         self.target = target if target is not None else MetricsTarget()
         self.shared = shared
         self.on_metrics = on_metrics
+        self.reachable = reachable if reachable is not None else functools.partial(serving_port_open, connect_s=timeout)
         self._applied: dict[str, float] = {}  # address -> time of the last shared record applied
         self._session = session
         self._owns_session = session is None
@@ -222,7 +243,7 @@ class MetricsScraper:
             ok = True
             if self._applied.get(address) != record.at:  # each record counts once, for health too
                 self._applied[address] = record.at
-                ok = self._apply(endpoint, record.metrics, record.at - wall)
+                ok = await self._apply(endpoint, record.metrics, record.at - wall)
             endpoint.scrape_interval = record.interval
             return ok, max(0.01, record.at + record.interval + 0.01 - wall)
         hold = max(endpoint.scrape_interval, self.cadence.fast)
@@ -233,10 +254,10 @@ class MetricsScraper:
         await shared.publish(address, endpoint.metrics if ok else None, interval)
         return ok, interval
 
-    def _apply(self, endpoint: Endpoint, metrics: EndpointMetrics | None, age_offset: float) -> bool:
+    async def _apply(self, endpoint: Endpoint, metrics: EndpointMetrics | None, age_offset: float) -> bool:
         """Take another replica's scrape as ours (`age_offset`: its time minus now, <= 0)."""
         if metrics is None:
-            self._failed(endpoint, RuntimeError("the scraping replica's poll failed"))
+            await self._failed(endpoint, RuntimeError("the scraping replica's poll failed"))
             return False
         metrics.updated_at = self.clock() + min(0.0, age_offset)
         self._succeeded(endpoint, metrics)
@@ -265,7 +286,7 @@ class MetricsScraper:
                 body = await resp.read()
             metrics = parse_metrics(body.decode("utf-8", "replace"), updated_at=self.clock())
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-            self._failed(endpoint, exc)
+            await self._failed(endpoint, exc)
             if self.on_scrape is not None:
                 self.on_scrape(endpoint, False, isinstance(exc, ValueError))
             return False
@@ -277,18 +298,27 @@ class MetricsScraper:
     def _succeeded(self, endpoint: Endpoint, metrics: EndpointMetrics) -> None:
         endpoint.metrics = metrics
         endpoint.consecutive_failures = 0
-        if self.health is not None and not endpoint.healthy:
-            log.info("endpoint %s healthy again", endpoint.address)
-            self.health.mark_ready(endpoint)
+        if self.health is not None and endpoint.state is not EndpointState.READY:
+            self.health.mark_ready(endpoint, "metrics read again")
         if self.on_metrics is not None:
             self.on_metrics(endpoint)
 
-    def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:
+    async def _failed(self, endpoint: Endpoint, exc: BaseException) -> None:
         self.failures += 1
         endpoint.consecutive_failures += 1
-        if self.health is not None and endpoint.healthy and endpoint.consecutive_failures >= self.failure_threshold:
-            log.warning(
-                "endpoint %s unhealthy after %d failed polls: %s",
-                endpoint.address, endpoint.consecutive_failures, exc.__class__.__name__,
-            )
-            self.health.mark_unready(endpoint)
+        if self.health is None or endpoint.consecutive_failures < self.failure_threshold:
+            return
+        cause = f"{endpoint.consecutive_failures} failed polls of {self.target.url(endpoint)} ({_describe(exc)})"
+        if await self.reachable(endpoint):
+            if endpoint.state is not EndpointState.DEGRADED:
+                age = endpoint.metrics_age(self.clock())
+                last = "never read" if age == float("inf") else f"last read {age:.1f} s ago"
+                self.health.mark_degraded(endpoint, f"{cause}; its serving port answers, so it is routed on the "
+                                                    f"picker's own counts and its metrics ({last})")
+        elif endpoint.state is not EndpointState.UNREADY:
+            self.health.mark_unready(endpoint, f"{cause}; its serving port {endpoint.address} refuses connections")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 from dataclasses import dataclass, field
 
@@ -47,6 +48,12 @@ class EndpointMetrics:
     updated_at: float = -1.0  # never scraped
 
 
+class EndpointState(enum.Enum):
+    READY = "ready"  # routed to, on fresh metrics
+    DEGRADED = "degraded"  # routed to on our own view: its metrics cannot be read, its serving port answers
+    UNREADY = "unready"  # not routed to: it cannot be reached
+
+
 @dataclass(slots=True, eq=False)
 class Endpoint:
     """One model-server pod. Identity is its "ip:port" address; the same object lives as long as the pod."""
@@ -57,7 +64,7 @@ class Endpoint:
     name: str = ""  # pod name when known (Kubernetes discovery), else the address
     labels: dict[str, str] = field(default_factory=dict)  # the pod's labels (Kubernetes, endpoints file)
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
-    healthy: bool = True
+    state: EndpointState = EndpointState.READY  # changed by the pool only (EndpointPool.mark_*)
     # Our own view, updated from the ext_proc stream lifecycle because scraped metrics lag.
     in_flight: int = 0
     in_flight_tokens: int = 0
@@ -73,6 +80,11 @@ class Endpoint:
         ip, port = parse_address(address)
         canonical = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
         return cls(address=canonical, ip=ip, port=port, name=name or canonical, labels=labels or {})
+
+    @property
+    def healthy(self) -> bool:
+        """Routable: ready or degraded."""
+        return self.state is not EndpointState.UNREADY
 
     def metrics_age(self, now: float) -> float:
         """Seconds since the last successful scrape (infinite when never scraped)."""

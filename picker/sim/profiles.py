@@ -59,10 +59,11 @@ class Profile:
         return replace(self, **clean)  # type: ignore[arg-type]
 
 
-# Llama-3-8B (bf16) on one H100-80GB, vLLM V1 defaults.
+# Llama-3-8B / 3.1-8B (bf16, same architecture) on one H100-80GB, vLLM V1 defaults. Served as Llama 3.1, the
+# name the demo, the manifests and every README example use.
 LLAMA3_8B_H100 = Profile(
     name="llama3-8b-h100",
-    model="meta-llama/Meta-Llama-3-8B-Instruct",
+    model="meta-llama/Llama-3.1-8B-Instruct",
     # vLLM's default block size on CUDA is 16 tokens.
     block_size=16,
     # KV bytes per token = layers 32 x kv_heads 8 x head_dim 128 x (K+V) 2 x bf16 2 B = 128 KiB.
