@@ -15,25 +15,27 @@ from typing import Any
 from pydantic import AliasChoices, Field, PrivateAttr, field_validator
 
 from picker.endpoints.state import Endpoint
+from picker.flowcontrol.controller import FlowSettings
 from picker.requests import InferenceRequest, RequestError
 from picker.saturation import SaturationThresholds, pool_saturation
 from picker.schema import Duration, Section, decode
 
 _DEFAULTS = SaturationThresholds()
+_FLOW = FlowSettings()
 
 
 class FlowControlSection(Section):
     """`admission.flowControl`: queue what the pool has no room for (picker.flowcontrol) instead of the bounded
-    wait (`maxWait`); off unless `enabled`."""
+    wait (`maxWait`); off unless `enabled`. Defaults: the controller's own (FlowSettings)."""
 
     enabled: bool = False
-    queue_ttl: Duration = Field(4.0, gt=0)  # below Envoy's ext_proc message_timeout (5 s in our templates)
-    max_requests_per_band: int = Field(1000, gt=0)
-    max_tokens_per_band: int = Field(4_000_000, gt=0)  # estimated prompt tokens waiting per priority
-    standard_ceiling: float = Field(1.0, gt=0, le=1)  # priority <= 0 let through below this share of the limit
-    tokens_per_minute_per_flow: int = Field(0, ge=0)  # each flow's budget of estimated prompt tokens (0: none)
-    critical_slot_share: float = Field(0.0, ge=0, lt=1)  # running slots kept free for critical requests
-    max_running_per_pod: int = Field(0, ge=0)  # the pods' --max-num-seqs; 0: learned from their metrics
+    queue_ttl: Duration = Field(_FLOW.queue_ttl, gt=0)  # below Envoy's ext_proc message_timeout (5 s in our templates)
+    max_requests_per_band: int = Field(_FLOW.max_requests_per_band, gt=0)
+    max_tokens_per_band: int = Field(_FLOW.max_tokens_per_band, gt=0)  # estimated prompt tokens waiting per priority
+    standard_ceiling: float = Field(_FLOW.standard_ceiling, gt=0, le=1)  # priority <= 0 below this share of the limit
+    tokens_per_minute_per_flow: int = Field(_FLOW.tokens_per_minute_per_flow, ge=0)  # a flow's token budget (0: none)
+    critical_slot_share: float = Field(_FLOW.critical_slot_share, ge=0, lt=1)  # slots kept free for critical ones
+    max_running_per_pod: int = Field(_FLOW.max_running_per_pod, ge=0)  # pods' --max-num-seqs; 0: learned
 
 
 class AdmissionConfig(Section):
@@ -44,12 +46,12 @@ class AdmissionConfig(Section):
                                       validation_alias=AliasChoices("kvCacheThreshold", "kvThreshold",
                                                                     "kv_cache_threshold"))
     stale_threshold: Duration = Field(_DEFAULTS.stale, ge=0)  # past the pod's scrape cadence: counts as full
-    saturation_limit: float = Field(1.0, gt=0)  # pool saturated when the mean pod saturation reaches this
+    saturation_limit: float = Field(_FLOW.saturation_limit, gt=0)  # pool saturated when the mean pod level reaches it
     objectives: dict[str, int] = Field(default_factory=dict)  # objective name -> priority
     default_priority: int = 0
     max_wait: Duration = Field(0.0, ge=0)  # seconds a standard request may wait for capacity (0: route at once)
     poll_interval: Duration = Field(0.02, gt=0)  # how often a waiting request re-checks saturation
-    retry_after: str = "1"  # Retry-After header value on a 429
+    retry_after: str = _FLOW.retry_after  # Retry-After header value on a 429
     flow_control: FlowControlSection = Field(default_factory=FlowControlSection)
     _thresholds: SaturationThresholds = PrivateAttr(default=_DEFAULTS)
 

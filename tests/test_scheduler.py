@@ -116,7 +116,7 @@ def without_hot_credit() -> dict[str, Any]:
     config = copy.deepcopy(DEFAULT_CONFIG)
     for plugin in config["plugins"]:
         if plugin["type"] == "prefix-cache-scorer":
-            plugin["parameters"]["hotShare"] = None
+            plugin.setdefault("parameters", {})["hotShare"] = None
     return config
 
 

@@ -30,6 +30,7 @@ from typing import Protocol
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.queues import FlowQueues, QueueFull, Waiter
 from picker.flowcontrol.slots import RunningSlots
+from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.requests import InferenceRequest, RequestError, estimated_tokens
 from picker.saturation import SaturationThresholds, dispatch_level
 
@@ -47,7 +48,7 @@ class FlowSettings:
     # room above it is held back for critical ones, so a critical request finds the pods' queues short.
     standard_ceiling: float = 1.0
     retry_after: str = "1"
-    chars_per_token: int = 4
+    chars_per_token: int = CHARS_PER_TOKEN
     tokens_per_minute_per_flow: int = 0  # a flow's budget of estimated prompt tokens (0: none)
     # This share of the pool's running slots is kept free for critical requests (0: none), so one starts at once
     # instead of queueing inside a pod behind a full batch; critical requests, too, wait here, not in a pod.

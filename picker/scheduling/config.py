@@ -84,25 +84,22 @@ DEFAULT_CONFIG: dict[str, Any] = {
     },
     "models": {"base": [], "adapters": [], "rewrites": []},
     "explain": True,
+    # Each plugin's parameters default to its constructor's (picker/scheduling/*.py); only what the default
+    # profiles set otherwise is written here (tests/test_defaults_once.py keeps it so).
     "plugins": [
         # thresholds: the admission section's queueThreshold / kvCacheThreshold unless set here
         {"type": "saturation-filter", "name": "saturation-filter"},
-        {"type": "prefix-cache-scorer", "name": "prefix-cache-scorer",
-         "parameters": {"ratioWeight": 0.5, "fullCreditChars": 4096, "loadGuardInFlight": 8,
-                        "loadGuardWaiting": 4, "guardPenalty": 0.0}},
+        {"type": "prefix-cache-scorer", "name": "prefix-cache-scorer"},
         {"type": "kv-cache-utilization-scorer", "name": "kv-cache-utilization-scorer"},
         {"type": "queue-scorer", "name": "queue-scorer"},
         {"type": "in-flight-load-scorer", "name": "in-flight-load-scorer",
          # prefillHalfLife/Weight: measured by bench/run_scheduling_sweep.py (see bench/README.md)
-         "parameters": {"tokensPerRequest": 4096, "slack": 1.0, "prefillHalfLife": 0.05, "prefillWeight": 4}},
+         "parameters": {"prefillHalfLife": 0.05, "prefillWeight": 4}},
         {"type": "lora-affinity-scorer", "name": "lora-affinity-scorer"},
-        {"type": "session-affinity-scorer", "name": "session-affinity-scorer", "parameters": {"maxSessions": 10000}},
-        {"type": "cold-prefix-spreader", "name": "cold-prefix-spreader", "parameters": {"recencyWeight": 0.5}},
-        {"type": "max-score-picker", "name": "max-score-picker", "parameters": {"maxNumOfEndpoints": 3}},
-        {"type": "request-classifier", "name": "request-classifier",
-         "parameters": {"longPromptChars": 8192, "longPrefixChars": 2048,
-                        "continuationShare": 0.5, "continuationChars": 1024,
-                        "contextHeavyProfile": "context-heavy", "defaultProfile": "bursty-chat"}},
+        {"type": "session-affinity-scorer", "name": "session-affinity-scorer"},
+        {"type": "cold-prefix-spreader", "name": "cold-prefix-spreader"},
+        {"type": "max-score-picker", "name": "max-score-picker"},
+        {"type": "request-classifier", "name": "request-classifier"},
     ],
     "schedulingProfiles": [
         {"name": "context-heavy", "plugins": [

@@ -25,7 +25,7 @@ from pydantic import Field
 from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.memory import PodMemory
-from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory
+from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory, default_of
 from picker.schema import Section
 
 
@@ -106,11 +106,11 @@ class FuzzyPrefixScorer(Plugin):
 
 
 class FuzzyPrefixParams(Section):
-    bands: int = Field(8, gt=0, le=64)
-    rows: int = Field(4, gt=0, le=16)
-    window_chars: int = Field(2048, gt=0)
-    shingle_words: int = Field(4, gt=0)
-    max_keys: int = Field(200_000, gt=0)
+    bands: int = Field(default_of(FuzzyPrefixScorer, "bands"), gt=0, le=64)
+    rows: int = Field(default_of(FuzzyPrefixScorer, "rows"), gt=0, le=16)
+    window_chars: int = Field(default_of(FuzzyPrefixScorer, "window_chars"), gt=0)
+    shingle_words: int = Field(default_of(FuzzyPrefixScorer, "shingle_words"), gt=0)
+    max_keys: int = Field(default_of(FuzzyPrefixScorer, "max_keys"), gt=0)
 
 
 def _fuzzy(name: str, p: FuzzyPrefixParams, deps: PluginDeps) -> Plugin:

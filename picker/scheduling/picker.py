@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field
 
-from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory
+from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory, default_of
 from picker.schema import Section
 
 
@@ -78,7 +78,7 @@ class WeightedRandomPicker(_RankingPicker):
 
 
 class PickerParams(Section):
-    max_endpoints: int = Field(3, gt=0, alias="maxNumOfEndpoints")  # GIE's spelling
+    max_endpoints: int = Field(default_of(MaxScorePicker, "max_endpoints"), gt=0, alias="maxNumOfEndpoints")  # GIE's
 
 
 def _factory(cls: type[_RankingPicker]) -> PluginFactory[Any]:

@@ -7,6 +7,7 @@ picks of other replicas sharing the prefix index through `on_peer_picked`, and f
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,15 @@ def no_params(cls: Callable[[str], Plugin]) -> Callable[[str, NoParams, PluginDe
     def build(name: str, params: NoParams, deps: PluginDeps) -> Plugin:
         return cls(name)
     return build
+
+
+def default_of(cls: type[Plugin], argument: str) -> Any:
+    """A plugin constructor's default for `argument`: what its parameter section declares as the YAML default, so
+    each default value is written once, in the constructor (tests/test_defaults_once.py keeps it so)."""
+    default = inspect.signature(cls).parameters[argument].default
+    if default is inspect.Parameter.empty:
+        raise TypeError(f"{cls.__name__}({argument}) has no default to declare")
+    return default
 
 
 def with_params(cls: Callable[..., Plugin]) -> Callable[[str, Section, PluginDeps], Plugin]:

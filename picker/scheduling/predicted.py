@@ -60,7 +60,14 @@ from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.demand import DEMAND_KEYS, PrefixDemand
-from picker.scheduling.plugins import PeerPick, Plugin, PluginDeps, PluginFactory, PredictionObserver
+from picker.scheduling.plugins import (
+    PeerPick,
+    Plugin,
+    PluginDeps,
+    PluginFactory,
+    PredictionObserver,
+    default_of,
+)
 from picker.schema import Section
 
 
@@ -328,17 +335,27 @@ class PredictedTTFTScorer(Plugin):
 
 
 class PredictedTTFTParams(Section):
-    prefill_tokens_per_second: float = Field(25_000.0, gt=0)  # priors of the cost model, until the pods report
-    prefill_fixed_seconds: float = Field(0.0075, ge=0)  # what any prefill costs however short (an engine step)
-    decode_tokens: float = Field(4.0, ge=0)  # prefill tokens' worth of time one running request adds
-    queued_request_tokens: float = Field(1024.0, gt=0)  # prior for a queued request's uncached prompt
-    rate_smoothing: float = Field(0.2, gt=0, le=1)  # how much of the fit each new window replaces
-    min_rate_sample_tokens: float = Field(256.0, ge=0)
-    per_pod_rate: bool = False  # learn each pod's rate apart (a pool of unlike pods) instead of one for all
-    eviction_cost: float = Field(2.0, ge=0)  # cold tokens on a full cache evict as many: priced this many times
-    demand_window_seconds: float = Field(1.0, ge=0)  # how long a pick counts as demand for its prefix (0: off)
-    demand_floor: float = Field(4.0, ge=0)  # requests per holder a prefix needs before a copy is worth it
-    pod_time_scale: float = Field(1.0, gt=0)  # the pods' clock against ours: 1, or `picker sim --time-scale`
+    # priors of the cost model, until the pods report
+    prefill_tokens_per_second: float = Field(default_of(PredictedTTFTScorer, "prefill_tokens_per_second"), gt=0)
+    # what any prefill costs however short (an engine step)
+    prefill_fixed_seconds: float = Field(default_of(PredictedTTFTScorer, "prefill_fixed_seconds"), ge=0)
+    # prefill tokens' worth of time one running request adds
+    decode_tokens: float = Field(default_of(PredictedTTFTScorer, "decode_tokens"), ge=0)
+    # prior for a queued request's uncached prompt
+    queued_request_tokens: float = Field(default_of(PredictedTTFTScorer, "queued_request_tokens"), gt=0)
+    # how much of the fit each new window replaces
+    rate_smoothing: float = Field(default_of(PredictedTTFTScorer, "rate_smoothing"), gt=0, le=1)
+    min_rate_sample_tokens: float = Field(default_of(PredictedTTFTScorer, "min_rate_sample_tokens"), ge=0)
+    # learn each pod's rate apart (a pool of unlike pods) instead of one for all
+    per_pod_rate: bool = default_of(PredictedTTFTScorer, "per_pod_rate")
+    # cold tokens on a full cache evict as many: priced this many times
+    eviction_cost: float = Field(default_of(PredictedTTFTScorer, "eviction_cost"), ge=0)
+    # how long a pick counts as demand for its prefix (0: off)
+    demand_window_seconds: float = Field(default_of(PredictedTTFTScorer, "demand_window_seconds"), ge=0)
+    # requests per holder a prefix needs before a copy is worth it
+    demand_floor: float = Field(default_of(PredictedTTFTScorer, "demand_floor"), ge=0)
+    # the pods' clock against ours: 1, or `picker sim --time-scale`
+    pod_time_scale: float = Field(default_of(PredictedTTFTScorer, "pod_time_scale"), gt=0)
 
 
 def _predicted(name: str, p: PredictedTTFTParams, deps: PluginDeps) -> Plugin:

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.picker import MaxScorePicker
-from picker.scheduling.plugins import Filter, Picker, Plugin, PluginFactory, Scorer, with_params
+from picker.scheduling.plugins import Filter, Picker, Plugin, PluginFactory, Scorer, default_of, with_params
 from picker.schema import Section
 
 
@@ -114,12 +114,12 @@ class RequestClassifier(Plugin):
 
 
 class RequestClassifierParams(Section):
-    long_prompt_chars: int = Field(8192, gt=0)
-    long_prefix_chars: int = Field(2048, gt=0)
-    continuation_share: float | None = Field(0.5, gt=0, le=1)
-    continuation_chars: int = Field(1024, gt=0)
-    context_heavy_profile: str = "context-heavy"
-    default_profile: str = "bursty-chat"
+    long_prompt_chars: int = Field(default_of(RequestClassifier, "long_prompt_chars"), gt=0)
+    long_prefix_chars: int = Field(default_of(RequestClassifier, "long_prefix_chars"), gt=0)
+    continuation_share: float | None = Field(default_of(RequestClassifier, "continuation_share"), gt=0, le=1)
+    continuation_chars: int = Field(default_of(RequestClassifier, "continuation_chars"), gt=0)
+    context_heavy_profile: str = default_of(RequestClassifier, "context_heavy_profile")
+    default_profile: str = default_of(RequestClassifier, "default_profile")
 
 
 FACTORIES: tuple[PluginFactory[Any], ...] = (

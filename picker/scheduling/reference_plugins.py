@@ -19,6 +19,7 @@ from picker.scheduling.plugins import (
     Plugin,
     PluginDeps,
     PluginFactory,
+    default_of,
     min_max_inverse,
     no_params,
 )
@@ -135,16 +136,16 @@ class SingleProfileHandler(Plugin):
 
 
 class LoadAwareParams(Section):
-    threshold: int = Field(128, gt=0)
+    threshold: int = Field(default_of(LoadAwareScorer, "threshold"), gt=0)
 
 
 class ActiveRequestParams(Section):
-    idle_threshold: int = Field(0, ge=0)
-    max_busy_score: float = Field(1.0, ge=0, le=1)
+    idle_threshold: int = Field(default_of(ActiveRequestScorer, "idle_threshold"), ge=0)
+    max_busy_score: float = Field(default_of(ActiveRequestScorer, "max_busy_score"), ge=0, le=1)
 
 
 class NoHitLRUParams(Section):
-    lru_size: int = Field(1024, gt=0)
+    lru_size: int = Field(default_of(NoHitLRUScorer, "lru_size"), gt=0)
 
 
 def _load_aware(name: str, p: LoadAwareParams, deps: PluginDeps) -> Plugin:

@@ -22,6 +22,7 @@ from picker.scheduling.plugins import (
     Plugin,
     PluginDeps,
     PluginFactory,
+    default_of,
     min_max_inverse,
     no_params,
     with_params,
@@ -336,29 +337,30 @@ class ColdPrefixSpreader(Plugin):
 # Config factories: each decodes its own parameters (camelCase in YAML) and takes what it needs from the deps.
 
 class PrefixCacheParams(Section):
-    ratio_weight: float = Field(0.5, ge=0, le=1)
-    full_credit_chars: int = Field(4096, gt=0)
-    load_guard_in_flight: float | None = 8
-    load_guard_waiting: float | None = 4
-    guard_penalty: float = Field(0.0, ge=0, le=1)
-    hot_share: float | None = Field(1.0, gt=0)  # null: one holder per prefix whatever its traffic
-    hot_credit: float = Field(0.9, ge=0, le=1)
-    demand_window_seconds: float = Field(10.0, gt=0)
+    ratio_weight: float = Field(default_of(PrefixCacheScorer, "ratio_weight"), ge=0, le=1)
+    full_credit_chars: int = Field(default_of(PrefixCacheScorer, "full_credit_chars"), gt=0)
+    load_guard_in_flight: float | None = default_of(PrefixCacheScorer, "load_guard_in_flight")
+    load_guard_waiting: float | None = default_of(PrefixCacheScorer, "load_guard_waiting")
+    guard_penalty: float = Field(default_of(PrefixCacheScorer, "guard_penalty"), ge=0, le=1)
+    # null: one holder per prefix whatever its traffic
+    hot_share: float | None = Field(default_of(PrefixCacheScorer, "hot_share"), gt=0)
+    hot_credit: float = Field(default_of(PrefixCacheScorer, "hot_credit"), ge=0, le=1)
+    demand_window_seconds: float = Field(default_of(PrefixCacheScorer, "demand_window_seconds"), gt=0)
 
 
 class InFlightLoadParams(Section):
-    tokens_per_request: float = Field(4096.0, gt=0)
-    slack: float = Field(1.0, ge=0)
-    prefill_half_life: float = Field(0.0, ge=0)
-    prefill_weight: float = Field(1.0, ge=0)
+    tokens_per_request: float = Field(default_of(InFlightLoadScorer, "tokens_per_request"), gt=0)
+    slack: float = Field(default_of(InFlightLoadScorer, "slack"), ge=0)
+    prefill_half_life: float = Field(default_of(InFlightLoadScorer, "prefill_half_life"), ge=0)
+    prefill_weight: float = Field(default_of(InFlightLoadScorer, "prefill_weight"), ge=0)
 
 
 class SessionAffinityParams(Section):
-    max_sessions: int = Field(10_000, gt=0)
+    max_sessions: int = Field(default_of(SessionAffinityScorer, "max_sessions"), gt=0)
 
 
 class ColdPrefixSpreaderParams(Section):
-    recency_weight: float = Field(0.5, ge=0, le=1)
+    recency_weight: float = Field(default_of(ColdPrefixSpreader, "recency_weight"), ge=0, le=1)
 
 
 def _in_flight(name: str, p: InFlightLoadParams, deps: PluginDeps) -> Plugin:
