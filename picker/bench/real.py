@@ -88,8 +88,10 @@ COLD_SHARE = 0.5
 REAL_WORKLOADS: dict[str, dict[str, Any]] = {
     # 20 prefixes = 240 blocks: the fleet's caches hold them all, one server's does not
     "uniform": {},
-    # 24 prefixes = 288 of the fleet's 320 blocks: they fit only if no prefix is held twice
-    "pressure": {"groups": 24, "prompts_per_group": 10},
+    # 24 prefixes = 288 of the fleet's 320 blocks: they fit only if no prefix is held twice. Every miss is a cold
+    # 768-token prefill (4.1 s on the 2026-12-03 machine): 2 req/s overloaded both servers (hash ring 19 s mean), 1
+    # req/s keeps them busy but not past saturation
+    "pressure": {"groups": 24, "prompts_per_group": 10, "rate": 1.0},
     # 4 prefixes (48 blocks) that every server holds easily, one of them carrying over half the traffic, at a rate
     # one server cannot carry alone: with Envoy, router and client sharing their two cores, the two servers here
     # were saturated at 2.4 req/s (round-robin p90 3.6 s), so one carries at most ~1.2
