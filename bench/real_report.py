@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from picker.bench.real import RealSpec, combine, mirror, plot, report
+from picker.bench.real import RealSpec, combine, mirror, plot, report, report_json
 
 
 def main(argv: list[str]) -> int:
@@ -43,14 +43,14 @@ def main(argv: list[str]) -> int:
             print(f"real_report: {exc}", file=sys.stderr)
             return 2
         out.mkdir(parents=True, exist_ok=True)
-        source.write_text(json.dumps(merged, indent=1, default=str))
+        source.write_text(report_json(merged))
     if not source.is_file():
         print(f"real_report: no {source} (run `make bench-real` first)", file=sys.stderr)
         return 2
     section = json.loads(source.read_text())
     if args.sim:
         mirror(section, RealSpec.recorded(section["spec"]))
-        source.write_text(json.dumps(section, indent=1, default=str))
+        source.write_text(report_json(section))
     text = report(section)
     (out / "real.md").write_text(text)
     plot(section, out / "real-ttft.png")

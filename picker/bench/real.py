@@ -394,13 +394,21 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "cold_causes": cold_causes(rows),
         "groups_per_pod": [len({row[1] for row in rows if row[2] == i}) for i in range(len(servers))],
         "wall_s": wall,
-        "ttft_ms": [round(float(x), 2) for x in ttft],
         # one row per answered request, in send order: what a reader needs to see where the cold prefills were
         "requests_detail": rows,
     }
 
 
 DETAIL_COLUMNS = ("sent_s", "group", "pod", "prompt_tokens", "cached_tokens", "ttft_ms")
+TTFT_COLUMN = DETAIL_COLUMNS.index("ttft_ms")
+
+
+def report_json(section: dict[str, Any]) -> str:
+    """real.json: the report indented, each run on one line (its per-request rows would be thousands of lines)."""
+    head = json.dumps({k: v for k, v in section.items() if k != "runs"}, indent=1, default=str)
+    runs = ",\n  ".join(json.dumps(r, default=str) for r in section.get("runs", []))
+    return f'{head[:-2]},\n "runs": [\n  {runs}\n ]\n}}\n' if head != "{}" else f'{{"runs": [{runs}]}}\n'
+
 
 
 def request_rows(records: list[dict[str, Any]], pods: list[str]) -> list[list[float]]:
@@ -605,7 +613,7 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
                     result = run_once(strategy, spec, trace_fn, repeat, logdir)
                 except (RuntimeError, TimeoutError, OSError) as exc:
                     result = {"strategy": strategy, "repeat": repeat, "error": str(exc)[:400]}
-                engine.log(f"  {json.dumps({k: v for k, v in result.items() if k != 'ttft_ms'}, default=str)}")
+                engine.log(f"  {json.dumps(result, default=str)}")
                 runs.append(result)
         logs = str(logdir)
     summary = medians(runs, spec.strategies)
@@ -614,7 +622,7 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
                                "logdir": logs}
     mirror(section, spec)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "real.json").write_text(json.dumps(section, indent=1, default=str))
+    (out / "real.json").write_text(report_json(section))
     (out / "real.md").write_text(report(section))
     plot(section, out / "real-ttft.png")
     return section
@@ -870,7 +878,8 @@ def plot(section: dict[str, Any], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for s in section["medians"]:
-        values = np.sort([x for r in section["runs"] if r["strategy"] == s and "error" not in r for x in r["ttft_ms"]])
+        values = np.sort([row[TTFT_COLUMN] for r in section["runs"] if r["strategy"] == s and "error" not in r
+                          for row in r["requests_detail"]])
         if values.size:
             ax.plot(values, np.arange(1, values.size + 1) / values.size, label=s)
     ax.set_xscale("log")
