@@ -41,7 +41,6 @@ def run(strategy: str, repeat: int, hit: float, mean: float, p90: float, share: 
             "ttft_p90_ms": p90, "ttft_p99_ms": p90 * 2, "failed": 0, "share": [share, 1 - share],
             "server_cpu_share": [0.5, 0.5], "api_server_cpu_share": [0.01, 0.01],
             "metrics_requests_per_pod_per_s": [scrapes, scrapes], "warm_share": hit,
-            "requests_detail": [[0.0, 0, 0, 100, 50, mean]],
             "ttft_warm_p50_ms": 20.0, "ttft_cold_p50_ms": 60.0, "groups_per_pod": [3, 2],
             "cold_causes": {"first": 5, "copy": 1, "evicted": 2}}
 

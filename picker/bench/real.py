@@ -879,7 +879,7 @@ def plot(section: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for s in section["medians"]:
         values = np.sort([row[TTFT_COLUMN] for r in section["runs"] if r["strategy"] == s and "error" not in r
-                          for row in r["requests_detail"]])
+                          for row in r.get("requests_detail", ())])
         if values.size:
             ax.plot(values, np.arange(1, values.size + 1) / values.size, label=s)
     ax.set_xscale("log")
