@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -41,5 +40,5 @@ def exit_line(message: str, fmt: str = "text") -> str:
     """The last line of a picker that stops on an error, in the log's format (text: the message alone)."""
     if fmt != "json":
         return message
-    return json.dumps({"ts": round(time.time(), 6), "level": "error", "logger": "picker", "msg": message},
-                      ensure_ascii=False)
+    return JsonFormatter().format(logging.makeLogRecord({"name": "picker", "levelname": "ERROR",
+                                                         "levelno": logging.ERROR, "msg": message}))

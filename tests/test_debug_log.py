@@ -36,3 +36,12 @@ def test_debug_run_logs_one_json_line_per_decision_and_no_grpc_internals() -> No
     internals = [e for e in entries if not e["logger"].startswith("picker") and e["level"] == "debug"]
     assert internals == [], internals
     assert all("cygrpc" not in e["msg"] for e in entries)
+
+
+def test_an_exit_error_follows_the_log_format() -> None:
+    from picker.logformat import exit_line
+
+    assert exit_line("picker serve: --grpc-port 1: address already in use") == \
+        "picker serve: --grpc-port 1: address already in use"
+    entry = json.loads(exit_line("picker serve: boom", "json"))
+    assert (entry["level"], entry["logger"], entry["msg"]) == ("error", "picker", "picker serve: boom")
