@@ -292,7 +292,8 @@ class Director:
 
 def describe_decision(decision: Decision, took_s: float) -> str:
     """One debug line per decision: the request, where it went, what the index matched, the best candidates'
-    totals and the chosen one's scores (and predictions), and how long the decision took, waits included."""
+    totals, the chosen one's scores (and predictions) and the runner-up's (why not the other pod: a prefix credit
+    zeroed by the load guard shows there), and how long the decision took, waits included."""
     request, result = decision.request, decision.result
     parts = [f"routed {request.request_id} model={request.model or '-'} priority={request.priority} "
              f"-> {decision.destination}"]
@@ -300,11 +301,16 @@ def describe_decision(decision: Decision, took_s: float) -> str:
         parts.append(f"profile={result.profile} prefix={result.prefix_matched_blocks}/{result.prefix_blocks} blocks")
         scored = sorted(result.candidates, key=lambda c: c.total, reverse=True)[:3]
         if scored:
-            parts.append("top " + " ".join(f"{c.endpoint.address}={c.total:.2f}" for c in scored))
+            parts.append("top " + " ".join(f"{c.endpoint.address}={c.total:.2f}(in-flight {c.endpoint.in_flight} "
+                                           f"waiting {c.endpoint.metrics.waiting:g})" for c in scored))
         chosen = next((c for c in result.candidates if c.endpoint is decision.endpoint), None)
         if chosen is not None:
             parts.append("scores " + " ".join(f"{k}={v:.2f}" for k, v in chosen.scores.items()))
             if chosen.details:
                 parts.append(" ".join(f"{k}={v:.3g}" for k, v in chosen.details.items()))
+        runner_up = next((c for c in scored if c is not chosen), None)
+        if runner_up is not None:
+            parts.append(f"runner-up {runner_up.endpoint.address} " + " ".join(f"{k}={v:.2f}" for k, v in
+                                                                             runner_up.scores.items()))
     parts.append(f"in {took_s * 1e3:.1f} ms")
     return "; ".join(parts)

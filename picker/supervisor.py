@@ -332,16 +332,19 @@ class PickerFleet:
 
 
 def start_picker_fleet(logdir: Path, pool: list[str], *, flags: list[str] | None = None, replicas: int = 1,
-                       name: str = "picker", first_host: int = 10, served_by: str = "") -> PickerFleet:
+                       name: str = "picker", first_host: int = 10, served_by: str = "",
+                       endpoints_file: Path | None = None) -> PickerFleet:
     """`replicas` `picker serve` processes and one Envoy balancing ext_proc streams over them. One replica binds
-    HOST; several bind 127.0.0.<first_host + i> and share their ports, as pods behind a Service do. Whatever
+    HOST; several bind 127.0.0.<first_host + i> and share their ports, as pods behind a Service do. With
+    `endpoints_file` the pickers follow that file (`pool` is then only Envoy's fail-open route). Whatever
     started is stopped again if a later step fails."""
     grpc_port, health_port = free_port(), free_port()
     pickers: list[Picker] = []
     try:
         for i in range(replicas):
             host = HOST if replicas == 1 else f"127.0.0.{first_host + i}"
-            pickers.append(start_picker(logdir, endpoints=pool, extra=flags, name=f"{name}-{i}" if replicas > 1
+            pickers.append(start_picker(logdir, endpoints=None if endpoints_file else pool,
+                                        endpoints_file=endpoints_file, extra=flags, name=f"{name}-{i}" if replicas > 1
                                         else name, host=host, grpc_port=grpc_port, health_port=health_port))
         envoy = start_envoy(logdir, pickers, pool, name=f"envoy-{name}", served_by=served_by)
     except BaseException:

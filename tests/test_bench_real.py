@@ -26,6 +26,7 @@ from picker.bench.real import (
     replay,
     report,
     request_rows,
+    run_real,
     scrapes_per_pod,
     targets,
     ttft_breakdown,
@@ -96,6 +97,17 @@ def test_workloads_are_named_specs() -> None:
     assert RealSpec.for_workload("pressure", rate=3.0).rate == 3.0
     with pytest.raises(ValueError, match="unknown workload 'bogus'"):
         RealSpec.for_workload("bogus")
+    leave = RealSpec.for_workload("leave-rejoin")
+    assert leave.strategies == ("hash-ring", "bounded-load", "picker") and 0 < leave.leave_at < leave.rejoin_at < 1
+    assert RealSpec.for_workload("leave-rejoin", strategies=("picker",)).strategies == ("picker",)
+
+
+def test_a_pod_leaving_is_refused_where_a_router_cannot_follow_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Checked before anything is installed or started."""
+    with pytest.raises(ValueError, match="round-robin's Envoy routes over a static cluster"):
+        run_real(RealSpec.for_workload("leave-rejoin", strategies=("round-robin", "picker")), tmp_path)
+    with pytest.raises(ValueError, match="0 < leave_at < rejoin_at < 1"):
+        run_real(RealSpec.for_workload("leave-rejoin", rejoin_at=0.2), tmp_path)
 
 
 def test_direction_check_and_report() -> None:

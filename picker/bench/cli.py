@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--smoke", action="store_true", help="a ~1-minute reduced fast run plus a short live run")
     a("--workload", "--workloads", dest="workloads", type=_csv, default=None,
       help=f"comma-separated workloads (default all: {', '.join(WORKLOADS)}; --engine vllm: one of uniform, "
-      "pressure, hot, multi-turn, default uniform)")
+      "pressure, hot, multi-turn, leave-rejoin, default uniform)")
     a("--strategies", type=_csv, default=None, help=f"comma-separated strategies (default {', '.join(FAST_STRATEGIES)})")
     a("--pods", type=int, default=None, help="fast-mode fleet size (default 8)")
     a("--profile", default="llama3-8b-h100", help="simulator profile (picker.sim.profiles)")
@@ -182,13 +182,13 @@ def run(args: argparse.Namespace) -> int:
 
 def run_real(args: argparse.Namespace, out: Path) -> int:
     """`--engine vllm`: the real-engine benchmark (picker.bench.real)."""
-    from picker.bench.real import DEFAULT_STRATEGIES, REAL_WORKLOADS, RealSpec, run_real
+    from picker.bench.real import REAL_WORKLOADS, RealSpec, run_real
 
     workloads = args.workloads or ("uniform",)
     try:
         if len(workloads) != 1:
             raise ValueError(f"--engine vllm runs one workload at a time ({', '.join(REAL_WORKLOADS)})")
-        spec = RealSpec.for_workload(workloads[0], strategies=args.strategies or DEFAULT_STRATEGIES,
+        spec = RealSpec.for_workload(workloads[0], **({"strategies": args.strategies} if args.strategies else {}),
                                      repeats=args.repeats or 3, seed=args.seed,
                                      **({"rate": args.rate} if args.rate else {}),
                                      picker_args=tuple(shlex.split(args.picker_args or "")))

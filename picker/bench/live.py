@@ -137,6 +137,12 @@ def parse_counters(text: str) -> dict[str, float]:
     return out
 
 
+def read_counters(url: str) -> dict[str, float]:
+    """One server's counters (parse_counters), read once, blocking: for the benchmarks' before/after readings."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return parse_counters(resp.read().decode())
+
+
 async def scrape(session: aiohttp.ClientSession, urls: list[str]) -> list[dict[str, float]]:
     async def one(url: str) -> dict[str, float]:
         async with session.get(url + "/metrics") as resp:

@@ -38,6 +38,7 @@ import random
 import signal
 import statistics
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -52,7 +53,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from picker.bench import vllm_engine as engine
 from picker.bench.client import SERVED_BY_HEADER, stream_request
 from picker.bench.fast import FastConfig, run_fast
-from picker.bench.live import parse_counters, predicted_ttft_config, start_direct_envoy
+from picker.bench.live import predicted_ttft_config, read_counters, start_direct_envoy
+from picker.bench.membership import PoolChange
 from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, group_sizes, multi_turn, shared_prefix
 from picker.endpoints.scraper import Cadence
@@ -100,6 +102,12 @@ REAL_WORKLOADS: dict[str, dict[str, Any]] = {
     # next turn: ~6 live at a time, whose contexts fit the caches
     "multi-turn": {"groups": 30, "turns": 6, "system_tokens": 512, "question_tokens": 64, "output_tokens": 32,
                    "think_s": 3.0, "rate": 1.2},
+    # 12 prefixes (144 blocks: one server holds them all) at a rate one server carries alone (the hot workload's
+    # limit is ~1.2 req/s); the second server leaves at 30 % of the run and a fresh one (empty cache, a new address)
+    # joins at 60 %: a rolling restart (picker/bench/membership.py). Round-robin's Envoy has a static cluster that
+    # cannot follow the change, so the routers are the ones that read the endpoints file.
+    "leave-rejoin": {"groups": 12, "prompts_per_group": 17, "rate": 1.0, "leave_at": 0.3, "rejoin_at": 0.6,
+                     "strategies": ("hash-ring", "bounded-load", "picker")},
 }
 
 
@@ -122,6 +130,8 @@ class RealSpec:
     num_blocks: int = 160
     seed: int = 1
     picker_args: tuple[str, ...] = ()  # extra `picker serve` flags for the picker strategies
+    leave_at: float = 0.0  # > 0: the last server leaves at this share of the trace's span ...
+    rejoin_at: float = 0.0  # ... and a fresh server joins at this one
 
     @property
     def requests(self) -> int:
@@ -189,12 +199,6 @@ def tokens_per_word(url: str) -> float:
 
 
 # --- the servers' own counters -------------------------------------------------------------------------------------
-def read_counters(url: str) -> dict[str, float]:
-    """The server's counters the benchmark reads (the live mode's set), summed over label sets."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        return parse_counters(resp.read().decode())
-
-
 def picker_scrapes(metrics_port: int, host: str = HOST) -> dict[str, float]:
     """Scrapes one picker replica made, per pod address (its /metrics)."""
     with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=10) as resp:
@@ -220,7 +224,9 @@ class Router:
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)  # (host, port) of each picker replica
 
 
-def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -> Router:
+def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
+                 endpoints_file: Path | None = None) -> Router:
+    """The router in front of `pool`; the picker strategies follow `endpoints_file` when given."""
     if strategy == "round-robin":
         direct, url = start_direct_envoy(logdir, pool, served_by=SERVED_BY_HEADER)
         return Router(url, [direct])
@@ -232,7 +238,7 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -
         flags = [*spec.picker_args, "--config-file", str(predicted_ttft_config(logdir, 1.0))]
     else:
         raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
-    flags += ["--log-level", "WARNING"]
+    flags = ["--log-level", "WARNING", *flags]  # first, so `--picker-args "--log-level DEBUG"` overrides it
     replicas = 4 if strategy == "picker-4-replicas" else 1
     procs: list[Managed] = []
     if replicas > 1:
@@ -241,7 +247,7 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path) -
         flags += ["--index-backend", "redis", "--redis-url", valkey.url]
     try:
         fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{strategy}",
-                                   served_by=SERVED_BY_HEADER)
+                                   served_by=SERVED_BY_HEADER, endpoints_file=endpoints_file)
     except BaseException:
         for proc in procs:
             proc.stop()
@@ -328,29 +334,50 @@ def warm_up(servers: list[engine.VllmServer], spec: RealSpec, tokens_per_word: f
 
 
 def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: Path) -> dict[str, Any]:
-    """Fresh servers, one router, the trace; the figures of this run."""
+    """Fresh servers, one router, the trace; the figures of this run. With `leave_at` one more server is started
+    (on the leaving one's core), to join the pool when that one has left (PoolChange)."""
+    spare = 1 if spec.leave_at else 0
     servers = [engine.start_server(logdir, block_size=spec.block_size, num_blocks=spec.num_blocks,
-                                   name=f"vllm-{strategy}-{repeat}-{i}", cpu=i % _cpus(),
+                                   name=f"vllm-{strategy}-{repeat}-{i}", cpu=min(i, spec.servers - 1) % _cpus(),
                                    model_dir=engine.SMALL.directory)
-               for i in range(spec.servers)]
+               for i in range(spec.servers + spare)]
     router: Router | None = None
+    change: PoolChange | None = None
+    cancel = threading.Event()
+    mover: threading.Thread | None = None
     try:
         for s in servers:
             s.wait_healthy()
         trace, tokens_per_word = trace_fn(servers[0].url)
         warm_up(servers, spec, tokens_per_word)
-        pool = [s.address for s in servers]
-        router = start_router(strategy, spec, pool, logdir)
+        pool = [s.address for s in servers[: spec.servers]]
+        if spare:
+            span = trace[-1].at
+            gone = servers[spec.servers - 1]
+            change = PoolChange(logdir / f"endpoints-{strategy}-{repeat}.yaml", list(servers[: spec.servers - 1]),
+                                gone, servers[-1], spec.leave_at * span, spec.rejoin_at * span,
+                                lambda: (read_counters(gone.url), engine.group_cpu_seconds(gone.proc.pid)))
+            change.start()
+        router = start_router(strategy, spec, pool, logdir, change.path if change else None)
         before = [read_counters(s.url) for s in servers]
         cpu_before = [engine.group_cpu_seconds(s.proc.pid) for s in servers]
         scrapes_before = [picker_scrapes(p, h) for h, p in router.metrics_ports]
         wall = time.monotonic()
+        if change is not None:
+            mover = threading.Thread(target=change.run, args=(wall, cancel), name="pool-change", daemon=True)
+            mover.start()
         records = asyncio.run(replay(router.url, trace, spec))
         wall = time.monotonic() - wall
-        after = [read_counters(s.url) for s in servers]
-        cpu_after = [engine.group_cpu_seconds(s.proc.pid) for s in servers]
+        cancel.set()
+        if mover is not None:
+            mover.join()
+        # the server that left was read just before it stopped
+        last = {id(change.leaving): change.last} if change is not None and change.last is not None else {}
+        after = [last[id(s)][0] if id(s) in last else read_counters(s.url) for s in servers]
+        cpu_after = [last[id(s)][1] if id(s) in last else engine.group_cpu_seconds(s.proc.pid) for s in servers]
         scrapes_after = [picker_scrapes(p, h) for h, p in router.metrics_ports]
     finally:
+        cancel.set()
         if router is not None:
             for proc in reversed(router.processes):
                 proc.stop()
@@ -394,6 +421,7 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "cold_causes": cold_causes(rows),
         "groups_per_pod": [len({row[1] for row in rows if row[2] == i}) for i in range(len(servers))],
         "wall_s": wall,
+        **({"pool_changes": change.events} if change is not None else {}),
         # one row per answered request, in send order: what a reader needs to see where the cold prefills were
         "requests_detail": rows,
     }
@@ -591,6 +619,12 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     for s in spec.strategies:
         if s not in STRATEGIES:
             raise ValueError(f"unknown strategy {s!r} for --engine vllm (known: {', '.join(STRATEGIES)})")
+    if spec.leave_at:
+        if not 0 < spec.leave_at < spec.rejoin_at < 1 or spec.servers < 2:
+            raise ValueError("a pod leaving needs 0 < leave_at < rejoin_at < 1 and at least two servers")
+        if "round-robin" in spec.strategies:
+            raise ValueError(f"workload {spec.workload}: round-robin's Envoy routes over a static cluster and cannot "
+                             "follow a pod leaving (pick the routers that read an endpoints file)")
     engine.install()
     engine.build_model(engine.SMALL)
     calibration: dict[str, float] = {}
@@ -654,7 +688,10 @@ def combine(sections: list[dict[str, Any]], drop: tuple[int, ...] = (), why: str
 
 
 def mirror(section: dict[str, Any], spec: RealSpec) -> None:
-    """Add the simulator's mirror of a run (at the run's measured machine speed) and its direction check."""
+    """Add the simulator's mirror of a run (at the run's measured machine speed) and its direction check. The
+    simulator has no pod leaving mid-run, so such a run has no mirror."""
+    if spec.leave_at:
+        return
     slowdown = machine_slowdown(section["medians"])
     section["sim_slowdown"] = slowdown
     section["sim"] = sim_mirror(spec, slowdown=slowdown)
@@ -694,6 +731,7 @@ HASH_TARGETS: dict[str, dict[str, float]] = {
     "pressure": {"ttft_mean_ms": 1.0, "ttft_p90_ms": 1.0, "hit_rate": 1.0},
     "hot": {"ttft_mean_ms": 0.85, "ttft_p90_ms": 0.85},
     "multi-turn": {"ttft_p90_ms": 0.85},
+    "leave-rejoin": {"ttft_p90_ms": 0.85},
 }
 _FIGURE_LABELS = {"ttft_mean_ms": "TTFT mean", "ttft_p90_ms": "TTFT p90", "hit_rate": "hit rate"}
 
@@ -761,6 +799,13 @@ def report(section: dict[str, Any]) -> str:
             f"| {s} | {r['hit_rate']:.2f} | {r['ttft_mean_ms']:.1f} ({lo:.0f}-{hi:.0f}) | {r['ttft_p50_ms']:.1f} | "
             f"{r['ttft_p90_ms']:.1f} ({p90_lo:.0f}-{p90_hi:.0f}) | {r['ttft_p99_ms']:.1f} | {r['max_share']:.2f} | {r['server_cpu_share']:.2f} | "
             f"{r['api_server_cpu_share']:.3f} | {r['metrics_requests_per_pod_per_s']:.2f} | {r['failed']:g} |")
+    moves = [dict(r["pool_changes"]) for r in section["runs"] if r.get("pool_changes")]
+    if moves:
+        when = {what: statistics.median(mv[what] for mv in moves if what in mv)
+                for what in ("left", "stopped", "joined") if any(what in mv for mv in moves)}
+        lines += ["", "The pool changed at (median over the runs, seconds into the trace): "
+                  + ", ".join(f"{what} {at:.0f} s" for what, at in when.items())
+                  + " (left: out of the endpoints; stopped: drained and stopped; joined: the fresh server in)."]
     warm = [r["ttft_warm_p50_ms"] for r in m.values() if not math.isnan(r["ttft_warm_p50_ms"])]
     cold = [r["ttft_cold_p50_ms"] for r in m.values() if not math.isnan(r["ttft_cold_p50_ms"])]
     if warm and cold:
@@ -830,9 +875,11 @@ def workload_text(spec: dict[str, Any]) -> str:
                 f"appended to the context, think time {spec['think_s']:g} s, starts at {spec['rate']:g} / turns per s")
     weights = spec.get("group_weights")
     popularity = f" dealt out by popularity {'/'.join(f'{w:g}' for w in weights)}" if weights else ""
+    leave = (f"; the last server leaves (out of the endpoints, drained, stopped) at {spec['leave_at']:.0%} of the "
+             f"trace and a fresh one joins at {spec['rejoin_at']:.0%}" if spec.get("leave_at") else "")
     return (f"{spec['groups']} groups x {spec['prompts_per_group']} prompts{popularity}, {spec['system_tokens']}-token "
             f"shared system prompts, {spec['question_tokens']}-token questions, {spec['output_tokens']} output "
-            f"tokens, Poisson {spec['rate']:g} req/s")
+            f"tokens, Poisson {spec['rate']:g} req/s{leave}")
 
 
 def where_ttft_goes(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:

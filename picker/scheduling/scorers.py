@@ -36,7 +36,11 @@ class PrefixCacheScorer(Plugin):
     matched/total alone lets a 2-block prompt that fully hits outrank real savings, so the score blends the
     ratio with the absolute matched length, saturating at `full_credit_chars`. The load guard zeroes the
     prefix credit of an endpoint loaded well past the least-loaded candidate, so a popular prefix spills to a
-    second pod (which then holds it too) instead of queueing on one.
+    second pod (which then holds it too) instead of queueing on one. "Well past" is both a difference (the
+    `load_guard_*` thresholds) and a ratio (`guard_ratio` times the least-loaded one's): when every pod queues, a
+    spill only moves the request to another queue and adds a cold prefill to a fleet that has no time for it, and
+    under cache pressure evicts another prefix that comes back cold in turn (a real run at the edge of saturation
+    copied 23 of 24 prefixes to both pods that way).
 
     A hot prefix gets holders in proportion to its traffic: when its share of recent picks (PrefixDemand, fading
     over `demand_window_seconds`) times the candidates exceeds `hot_share` times its holders, it wants more of
@@ -60,6 +64,7 @@ class PrefixCacheScorer(Plugin):
         load_guard_in_flight: float | None = 8,
         load_guard_waiting: float | None = 4,
         guard_penalty: float = 0.0,
+        guard_ratio: float = 2.0,
         hot_share: float | None = 1.0,
         hot_credit: float = 0.9,
         demand_window_seconds: float = 10.0,
@@ -72,6 +77,9 @@ class PrefixCacheScorer(Plugin):
         self._demand = PrefixDemand(demand_window_seconds) if hot_share is not None else None
         if not 0.0 <= ratio_weight <= 1.0:
             raise ValueError("ratioWeight must be within [0, 1]")
+        if guard_ratio < 1.0:
+            raise ValueError("guardRatio must be at least 1")
+        self.guard_ratio = guard_ratio
         if full_credit_chars <= 0:
             raise ValueError("fullCreditChars must be positive")
         self.ratio_weight = ratio_weight
@@ -96,12 +104,13 @@ class PrefixCacheScorer(Plugin):
         if guard_flight is not None or guard_wait is not None:
             min_flight = min([e.in_flight for e in candidates])
             min_wait = min([e.metrics.waiting for e in candidates])
-            penalty = self.guard_penalty
+            penalty, ratio = self.guard_penalty, self.guard_ratio
             for i in [i for i, m in enumerate(matched) if m]:
                 e = candidates[i]
+                flight, wait = e.in_flight, e.metrics.waiting
                 if (
-                    (guard_flight is not None and e.in_flight - min_flight >= guard_flight)
-                    or (guard_wait is not None and e.metrics.waiting - min_wait >= guard_wait)
+                    (guard_flight is not None and flight - min_flight >= guard_flight and flight >= ratio * min_flight)
+                    or (guard_wait is not None and wait - min_wait >= guard_wait and wait >= ratio * min_wait)
                 ):
                     out[i] *= penalty
         return out
@@ -342,6 +351,7 @@ class PrefixCacheParams(Section):
     load_guard_in_flight: float | None = default_of(PrefixCacheScorer, "load_guard_in_flight")
     load_guard_waiting: float | None = default_of(PrefixCacheScorer, "load_guard_waiting")
     guard_penalty: float = Field(default_of(PrefixCacheScorer, "guard_penalty"), ge=0, le=1)
+    guard_ratio: float = Field(default_of(PrefixCacheScorer, "guard_ratio"), ge=1)
     # null: one holder per prefix whatever its traffic
     hot_share: float | None = Field(default_of(PrefixCacheScorer, "hot_share"), gt=0)
     hot_credit: float = Field(default_of(PrefixCacheScorer, "hot_credit"), ge=0, le=1)
