@@ -174,6 +174,43 @@ def test_many_prefixes_keep_one_holder_each_under_load() -> None:
     assert sum(len(h) for h in homes.values()) <= 22  # at most a couple of spills among 20 prefixes
 
 
+def test_a_pod_that_joins_empty_takes_prefixes_until_no_holder_is_crowded() -> None:
+    """A pod that joins while its peer holds every prefix and queues (a restart, a scale-up) gets prefixes copied
+    to it, each once, until the traffic is shared; without the per-pod share it would get nothing, the load guard
+    being far off at three requests in flight."""
+
+    def run(config: dict[str, Any]) -> tuple[dict[int, set[str]], Counter[str]]:
+        a, fresh = pods(2)
+        s = build_scheduler(config, rng=random.Random(6))
+        systems = [f"System prompt {g}: " + SYSTEM for g in range(6)]
+        rng = random.Random(7)
+        flight: list[tuple[Endpoint, int]] = []
+        homes: dict[int, set[str]] = {}
+        served: Counter[str] = Counter()
+        for i in range(400):
+            g = rng.randrange(6)
+            r = req(systems[g] + f"Q{i}")
+            e = route(s, r, [a] if i < 100 else [a, fresh], i * 0.1)  # alone for the first 10 s
+            if i >= 200:  # once settled
+                homes.setdefault(g, set()).add(e.address)
+                served[e.address] += 1
+            flight.append((e, len(r.prompt_text) // 4))
+            if len(flight) > 3:  # three requests in flight at any time
+                done, tokens = flight.pop(0)
+                done.finish_request(tokens)
+        return homes, served
+
+    homes, served = run(DEFAULT_CONFIG)
+    assert len(served) == 2 and min(served.values()) >= 0.3 * sum(served.values())
+    assert 1 <= sum(len(h) == 2 for h in homes.values()) < 6  # some prefixes copied, not all
+    config = copy.deepcopy(DEFAULT_CONFIG)
+    for plugin in config["plugins"]:
+        if plugin["type"] == "prefix-cache-scorer":
+            plugin["parameters"] = {"crowdedShare": None}
+    _, served = run(config)
+    assert len(served) == 1  # the pod that joined stays idle
+
+
 def test_cold_prefixes_spread_evenly_over_idle_pods() -> None:
     endpoints = pods(4)
     s = build_scheduler(rng=random.Random(3))

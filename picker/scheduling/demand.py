@@ -1,4 +1,5 @@
-"""How much recent traffic wants each prefix: picks per prefix, fading with time, and all picks beside them.
+"""How much recent traffic wants each prefix, and each pod: picks per prefix and per pod, fading with time, and all
+picks beside them.
 
 A prefix is counted at the depth the pods hold it, rounded down to DEMAND_DEPTH blocks: requests that share a
 system prompt part inside the block where it ends, and some match a block further by chance (a common first
@@ -19,7 +20,7 @@ DEMAND_KEYS = 4096  # prefixes whose demand is remembered (least recently picked
 
 
 class PrefixDemand:
-    """Picks per prefix key and of all requests, each pick fading with time constant `window_seconds`."""
+    """Picks per prefix key, per pod and of all requests, each pick fading with time constant `window_seconds`."""
 
     def __init__(self, window_seconds: float, keys: int = DEMAND_KEYS) -> None:
         if window_seconds <= 0 or keys < 1:
@@ -28,6 +29,8 @@ class PrefixDemand:
         self.keys = keys
         self._picks: OrderedDict[int, list[float]] = OrderedDict()  # prefix key -> [picks, decayed to when]
         self._all = [0.0, 0.0]  # every pick, prefixes counted or not: [picks, decayed to when]
+        self._pods: dict[str, list[float]] = {}  # pod address -> [counted picks, decayed to when]
+        self._counted = [0.0, 0.0]  # the picks counted for a prefix, all pods together
 
     @staticmethod
     def depth(ctx: SchedulingContext, best: int) -> int:
@@ -47,8 +50,38 @@ class PrefixDemand:
         """Recent picks of every request."""
         return self._faded(self._all, now)
 
-    def note(self, ctx: SchedulingContext, now: float) -> None:
-        """Count a pick: for the longest prefix it shares with what the pods hold, and among all picks."""
+    def counted(self, now: float) -> float:
+        """Recent picks counted for a prefix (those `of_pod` counts, all pods together)."""
+        return self._faded(self._counted, now)
+
+    def of_pod(self, address: str, now: float) -> float:
+        """Recent picks counted for a prefix that went to the pod at `address`."""
+        entry = self._pods.get(address)
+        return 0.0 if entry is None else self._faded(entry, now)
+
+    def forget_pod(self, address: str) -> None:
+        self._pods.pop(address, None)
+
+    def copied(self, key: int, holders: list[str], to: str, now: float) -> None:
+        """The prefix `key` is being copied from `holders` to `to`: from now on its traffic is shared by one more
+        holder, so that pod's part of the prefix's recent picks moves to it at once (the pods' shares would
+        otherwise show the move only as fast as the picks fade, and every prefix of a crowded pod would be
+        copied before its share came down)."""
+        amount = self.of(key, now) / (len(holders) + 1)
+        if amount <= 0.0 or not holders:
+            return
+        for address in holders:
+            entry = self._pods.get(address)
+            if entry is not None:
+                entry[0] = max(0.0, self._faded(entry, now) - amount / len(holders))
+                entry[1] = now
+        entry = self._pods.setdefault(to, [0.0, now])
+        entry[0] = self._faded(entry, now) + amount
+        entry[1] = now
+
+    def note(self, ctx: SchedulingContext, now: float, address: str | None = None) -> None:
+        """Count a pick: among all picks, and, when it shares a prefix with what the pods hold, for its longest such
+        prefix and for the pod it went to (when given)."""
         self._all[0] = self._faded(self._all, now) + 1.0
         self._all[1] = now
         if not ctx.matches:
@@ -56,6 +89,15 @@ class PrefixDemand:
         depth = self.depth(ctx, max(ctx.matches.values()))
         if not depth:
             return
+        if address is not None:
+            self._counted[0] = self._faded(self._counted, now) + 1.0
+            self._counted[1] = now
+            pod = self._pods.get(address)
+            if pod is None:
+                self._pods[address] = [1.0, now]
+            else:
+                pod[0] = self._faded(pod, now) + 1.0
+                pod[1] = now
         key = ctx.keys[depth - 1]
         entry = self._picks.get(key)
         if entry is None:

@@ -50,6 +50,13 @@ class PrefixCacheScorer(Plugin):
     by load. A holder with nothing in flight keeps it (one client sending one request after another is the whole
     traffic of its prefix, and needs one pod). A prefix with a
     pod's share of the traffic or less keeps one holder, so caches under pressure are not spent on copies.
+
+    A lopsided fleet gets the same treatment pod by pod: when every holder of a prefix took more than
+    `crowded_share` fair shares (1/candidates) of the recent picks with this prefix's part left out (crowded by its
+    other prefixes: a single prefix's traffic is the hot rule's to spread), the candidates under a fair share get
+    `hot_credit` of the holders' credit too. A pod that joins empty (a restart, a scale-up) would otherwise get
+    nothing but prompts nobody has cached while its peers queue; this way it takes prefixes one at a time, each
+    copied once, until no holder is crowded, which is what a hash ring's remapping does at once.
     """
 
     type_name = "prefix-cache-scorer"
@@ -67,14 +74,19 @@ class PrefixCacheScorer(Plugin):
         guard_ratio: float = 2.0,
         hot_share: float | None = 1.0,
         hot_credit: float = 0.9,
+        crowded_share: float | None = 1.25,
         demand_window_seconds: float = 10.0,
     ) -> None:
         super().__init__(name)
         if hot_share is not None and hot_share <= 0 or not 0.0 <= hot_credit <= 1.0 or demand_window_seconds <= 0:
             raise ValueError("hotShare must be positive, hotCredit within [0, 1], demandWindowSeconds positive")
+        if crowded_share is not None and crowded_share <= 1.0:
+            raise ValueError("crowdedShare must be above 1 (a fair share)")
         self.hot_share = hot_share
         self.hot_credit = hot_credit
-        self._demand = PrefixDemand(demand_window_seconds) if hot_share is not None else None
+        self.crowded_share = crowded_share
+        wanted = hot_share is not None or crowded_share is not None
+        self._demand = PrefixDemand(demand_window_seconds) if wanted else None
         if not 0.0 <= ratio_weight <= 1.0:
             raise ValueError("ratioWeight must be within [0, 1]")
         if guard_ratio < 1.0:
@@ -116,29 +128,60 @@ class PrefixCacheScorer(Plugin):
         return out
 
     def _credit_hot_prefix(self, ctx: SchedulingContext, candidates: Sequence[Endpoint], out: list[float]) -> None:
-        """Give the candidates without a hot prefix `hot_credit` of its holders' credit (class docstring)."""
-        assert self._demand is not None and self.hot_share is not None
-        matched = ctx.matched
+        """Give the candidates without a hot prefix, or without the prefix of crowded holders, `hot_credit` of its
+        holders' credit (class docstring)."""
+        demand = self._demand
+        assert demand is not None
+        matched, now = ctx.matched, ctx.now
         depth = PrefixDemand.depth(ctx, max(matched))
         if not depth:
             return
-        all_picks = self._demand.total(ctx.now)
+        all_picks = demand.total(now)
         holders = [i for i, m in enumerate(matched) if m >= depth]
         if all_picks <= 0.0 or len(holders) == len(candidates):
             return
         if any(candidates[i].in_flight == 0 for i in holders):
             return  # a holder is free: however much of the traffic wants it, it is not queueing anywhere
-        share = self._demand.of(ctx.keys[depth - 1], ctx.now) / all_picks
-        if share * len(candidates) <= self.hot_share * len(holders):
+        n = len(candidates)
+        share = demand.of(ctx.keys[depth - 1], now) / all_picks
+        if self.hot_share is not None and share * n > self.hot_share * len(holders):
+            takers = [i for i, m in enumerate(matched) if m < depth]
+        elif self.crowded_share is not None and self._crowded(ctx, candidates, holders, depth):
+            counted = demand.counted(now)
+            takers = [i for i, m in enumerate(matched) if m < depth
+                      and demand.of_pod(candidates[i].address, now) * n < counted]
+        else:
             return
         credit = self.hot_credit * max(out[i] for i in holders)
-        for i, m in enumerate(matched):
-            if m < depth and out[i] < credit:
+        for i in takers:
+            if out[i] < credit:
                 out[i] = credit
 
+    def _crowded(self, ctx: SchedulingContext, candidates: Sequence[Endpoint], holders: list[int], depth: int) -> bool:
+        """Every holder took over `crowded_share` fair shares of the recent prefix picks without this prefix's part:
+        crowded by its other prefixes (a single prefix's traffic is the hot rule's to spread)."""
+        demand, now = self._demand, ctx.now
+        assert demand is not None and self.crowded_share is not None
+        counted = demand.counted(now)
+        part = demand.of(ctx.keys[depth - 1], now) / len(holders)
+        bar = self.crowded_share * counted / len(candidates)
+        return counted > 0.0 and all(demand.of_pod(candidates[i].address, now) - part > bar for i in holders)
+
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        demand = self._demand
+        if demand is None:
+            return
+        if ctx.matches:  # a prefix some pod holds, sent to a pod without it: a copy
+            best = max(ctx.matches.values())
+            depth = PrefixDemand.depth(ctx, best)
+            if depth and ctx.matches.get(endpoint.address, 0) < depth:
+                holders = [address for address, m in ctx.matches.items() if m >= depth]
+                demand.copied(ctx.keys[depth - 1], holders, endpoint.address, ctx.now)
+        demand.note(ctx, ctx.now, endpoint.address)
+
+    def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         if self._demand is not None:
-            self._demand.note(ctx, ctx.now)
+            self._demand.forget_pod(endpoint.address)
 
 
 class KVCacheUtilizationScorer(Plugin):
@@ -355,6 +398,8 @@ class PrefixCacheParams(Section):
     # null: one holder per prefix whatever its traffic
     hot_share: float | None = Field(default_of(PrefixCacheScorer, "hot_share"), gt=0)
     hot_credit: float = Field(default_of(PrefixCacheScorer, "hot_credit"), ge=0, le=1)
+    # null: a pod's share of the traffic never moves a prefix
+    crowded_share: float | None = Field(default_of(PrefixCacheScorer, "crowded_share"), gt=1)
     demand_window_seconds: float = Field(default_of(PrefixCacheScorer, "demand_window_seconds"), gt=0)
 
 
