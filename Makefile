@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios fuzzy-prefix kv-events-real decision-cost metrics-cost exact-index pick-gaps scheduling-sweep predicted-priors predicted-live replicas replicas-live shared-index sim-throughput clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -45,7 +45,7 @@ overhead: install
 	$(BIN)/python bench/overhead.py
 
 # Real vLLM CPU servers (installed into bench/.venvs/vllm on first use): round-robin, the hash baselines and the
-# picker on one workload (WORKLOAD=uniform, pressure, hot or multi-turn), 3 interleaved repeats, ~45 minutes each.
+# picker on one workload (WORKLOAD=uniform, pressure, hot, multi-turn or leave-rejoin), 3 interleaved repeats, ~45 minutes each.
 # More flags through ARGS, e.g. ARGS="--strategies picker,hash-ring --repeats 1"; OUT=dir for the results.
 WORKLOAD ?= uniform
 OUT ?= bench/out/real-$(WORKLOAD)
@@ -97,6 +97,48 @@ overload: install
 # Two base models x 4 sim pods + 2 adapters: round-robin (one pool, per model) vs prefix-hash vs the picker (~12 min).
 mixed-models: install
 	$(BIN)/picker bench --scenario mixed-models --out bench/out/mixed-models $(ARGS)
+
+# The measurements behind docs/ and bench/README.md, each a script of bench/ (its docstring says what it prints;
+# ARGS="--help" lists its flags).
+# The scheduling core's cost per decision, hashing and index memory (in-process, ~1 min).
+decision-cost: install
+	$(BIN)/python bench/decision_cost.py $(ARGS)
+
+# What recording the Prometheus series costs per request (in-process, seconds).
+metrics-cost: install
+	$(BIN)/python bench/metrics_cost.py $(ARGS)
+
+# The approximate prefix index against exact knowledge of every pod's cache (fast mode, minutes).
+exact-index: install
+	$(BIN)/python bench/exact_index.py $(ARGS)
+
+# How often a router sends a request to a pod it chose a moment before, and what that costs (fast mode).
+pick-gaps: install
+	$(BIN)/python bench/pick_gaps.py $(ARGS)
+
+# Scheduling weights explored: each variant beside the defaults and round-robin on the same traces (fast mode).
+scheduling-sweep: install
+	$(BIN)/python bench/run_scheduling_sweep.py $(ARGS)
+
+# The predicted-TTFT picker against the defaults and prefix-hash: fast-mode cells, then live.
+predicted-priors: install
+	$(BIN)/python bench/predicted_priors.py $(ARGS)
+predicted-live: install
+	$(BIN)/python bench/predicted_live.py $(ARGS)
+
+# Picker replicas behind one Envoy with and without the shared index: fast mode, then real processes.
+replicas: install
+	$(BIN)/python bench/replicas.py $(ARGS)
+replicas-live: install
+	$(BIN)/python bench/replicas_live.py $(ARGS)
+
+# Replication lag and per-pick cost of the shared prefix index on a local Valkey.
+shared-index: install
+	$(BIN)/python bench/shared_index.py $(ARGS)
+
+# Requests/s one `picker sim` process sustains at time-scale 1 (<= ~60 s).
+sim-throughput: install
+	$(BIN)/python bench/sim_throughput.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info picker/api/v1/*_pb2*.py*

@@ -265,6 +265,10 @@ class PickerMetrics:
         indexer = ["plugin_name", "plugin_type"]
         self.index_size = Gauge("llm_d_epp_prefix_indexer_size", "Entries in the prefix index.", indexer, registry=r)
         self.index_size_value = self.index_size.labels("prefix-cache-scorer", "prefix-cache-scorer")
+        self.chars_per_token = Gauge("picker_prefix_chars_per_token",
+                                     "Characters per token of the traffic, learned from the pods' "
+                                     "vllm:request_prompt_tokens (prefixCache.charsPerToken until they report it): "
+                                     "sizes each pod's part of the prefix index.", registry=r)
         self.index_hit_ratio = Histogram("llm_d_epp_prefix_indexer_hit_ratio",
                                          "Share of a request's prefix blocks the chosen pod already holds (index view).",
                                          indexer, buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),

@@ -152,6 +152,9 @@ class PoolMonitor:
                 self.metrics.observe_pool(self.pool.all())
                 if index is not None:
                     self.metrics.index_size_value.set(index.size())
+                chars_per_token = self.scheduler.learned_chars_per_token
+                if chars_per_token is not None:
+                    self.metrics.chars_per_token.set(chars_per_token)
                 await asyncio.sleep(1.0)
         finally:
             with contextlib.suppress(Exception):

@@ -169,6 +169,22 @@ def test_report_shows_groups_per_pod_and_cold_causes() -> None:
     assert "| 3/2 | 5 / 1 / 2 |" in report(section)
 
 
+def test_report_says_when_the_pool_changed_and_leave_targets_are_on_p90() -> None:
+    runs = [run("picker", i, 0.83, 40, 100, 0.55, 1.0) | {"pool_changes": [["left", 60.0 + i], ["stopped", 64.0],
+                                                                           ["joined", 121.0]]} for i in range(3)]
+    runs += [run("hash-ring", i, 0.80, 46, 130, 0.6, 0.2) for i in range(3)]
+    spec = RealSpec.for_workload("leave-rejoin")
+    summary = medians(runs, ("picker", "hash-ring"))
+    section: dict[str, Any] = {"spec": {**asdict(spec), "requests": spec.requests},
+                               "calibration": {"tokens_per_word": 2.5}, "runs": runs, "medians": summary,
+                               "targets": targets(summary, "leave-rejoin"), "sim": {}, "sim_direction": []}
+    text = report(section)
+    assert "left 61 s, stopped 64 s, joined 121 s" in text
+    assert "the last server leaves (out of the endpoints, drained, stopped) at 30% of the trace" in text
+    assert [t["target"] for t in section["targets"]] == ["picker TTFT p90 <= 0.85x the better hash baseline's"]
+    assert section["targets"][0]["met"]  # 100 <= 0.85 x 130
+
+
 def test_ttft_breakdown_separates_warm_requests_queued_behind_a_cold_prefill() -> None:
     rows = [  # sent_s, group, pod, prompt_tokens, cached_tokens, ttft_ms
         [0.0, 1, 0, 100, 0, 400.0],    # cold on pod 0 until 0.4 s

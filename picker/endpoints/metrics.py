@@ -29,6 +29,8 @@ _SUMMED = {
     "request_prefill_time_seconds_count": "prefill_count",
     "time_to_first_token_seconds_sum": "ttft_seconds",
     "time_to_first_token_seconds_count": "ttft_count",
+    "request_prompt_tokens_sum": "prompt_tokens",
+    "request_prompt_tokens_count": "prompt_count",
 }
 _KV = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # the second is the pre-0.10 name
 _WANTED = (*_SUMMED, *_KV, "cache_config_info", "lora_requests_info")
@@ -128,6 +130,8 @@ def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
     m.prefill_count = sums["prefill_count"]
     m.ttft_seconds = sums["ttft_seconds"]
     m.ttft_count = sums["ttft_count"]
+    m.prompt_tokens = sums["prompt_tokens"]
+    m.prompt_count = sums["prompt_count"]
     if kv_count:
         m.kv_usage = kv_total / kv_count
     m.block_size = block_size

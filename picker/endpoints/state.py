@@ -41,6 +41,8 @@ class EndpointMetrics:
     prefill_count: float = 0.0  # vllm:request_prefill_time_seconds_count (how many requests those are)
     ttft_seconds: float = 0.0  # vllm:time_to_first_token_seconds_sum (the pod's own view of TTFT)
     ttft_count: float = 0.0  # vllm:time_to_first_token_seconds_count
+    prompt_tokens: float = 0.0  # vllm:request_prompt_tokens_sum (prompt tokens of finished requests)
+    prompt_count: float = 0.0  # vllm:request_prompt_tokens_count (how many requests those are)
     max_lora: int = 0
     running_loras: frozenset[str] = frozenset()
     waiting_loras: frozenset[str] = frozenset()

@@ -13,6 +13,7 @@ from typing import cast
 import numpy as np
 
 from picker.endpoints.state import Endpoint
+from picker.prefix.chars_per_token import CharsPerToken
 from picker.prefix.hashing import PrefixHasher, prefix_keys
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -49,6 +50,8 @@ class PrefixAwareScheduler:
         self.explain = explain  # per-candidate score breakdown in the result (the Explain API reads it)
         self.timer = timer  # times the plugins of some requests (llm_d_epp_plugin_duration_seconds)
         self.precise = precise  # KV events: what the pods it vouches for really hold, over the approximate match
+        # what the traffic's prompts really are in tokens: sizes each pod's share of the index from its cache
+        self.chars_per_token = CharsPerToken(self.hasher.chars_per_token)
         self.uses_prefix = any(p.uses_prefix for p in profiles) or self.classifier.needs_prefix
         seen: dict[int, Plugin] = {}
         for profile in profiles:
@@ -63,6 +66,10 @@ class PrefixAwareScheduler:
     @property
     def index(self) -> PrefixIndex:
         return self._index
+
+    @property
+    def learned_chars_per_token(self) -> float:
+        return self.chars_per_token.value
 
     def _keys(self, request: InferenceRequest, block_chars: int) -> list[int]:
         seed = self.hasher.key.seed(effective_model(request), None, request.cache_salt)
@@ -150,6 +157,7 @@ class PrefixAwareScheduler:
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         request = ctx.request
         if ctx.keys:  # hashed in `context` (only when some plugin reads the prefix and there is a prompt)
+            self.chars_per_token.picked(endpoint, len(request.prompt_text))
             capacity = self._capacity_blocks(endpoint, ctx.block_chars)
             if capacity:
                 self._index.set_capacity(endpoint.address, capacity)
@@ -178,16 +186,18 @@ class PrefixAwareScheduler:
         self._next_sweep = now + ttl / 4
 
     def _capacity_blocks(self, endpoint: Endpoint, block_chars: int) -> int | None:
-        """The pod's KV cache in our blocks: num_gpu_blocks x block_size tokens, re-cut into `block_chars`."""
+        """The pod's KV cache in our blocks: num_gpu_blocks x block_size tokens, re-cut into `block_chars` at the
+        traffic's learned characters per token."""
         m = endpoint.metrics
         if not m.num_gpu_blocks:
             return None
         if not m.block_size:
             return m.num_gpu_blocks
-        return max(1, m.num_gpu_blocks * m.block_size * self.hasher.chars_per_token // block_chars)
+        return max(1, int(m.num_gpu_blocks * m.block_size * self.chars_per_token.value) // block_chars)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self._index.remove_endpoint(endpoint.address)
+        self.chars_per_token.forget(endpoint.address)
         for plugin in self._stateful:
             plugin.on_endpoint_removed(endpoint)
 

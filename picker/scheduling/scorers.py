@@ -53,10 +53,11 @@ class PrefixCacheScorer(Plugin):
 
     A lopsided fleet gets the same treatment pod by pod: when every holder of a prefix took more than
     `crowded_share` fair shares (1/candidates) of the recent picks with this prefix's part left out (crowded by its
-    other prefixes: a single prefix's traffic is the hot rule's to spread), the candidates under a fair share get
-    `hot_credit` of the holders' credit too. A pod that joins empty (a restart, a scale-up) would otherwise get
-    nothing but prompts nobody has cached while its peers queue; this way it takes prefixes one at a time, each
-    copied once, until no holder is crowded, which is what a hash ring's remapping does at once.
+    other prefixes: a single prefix's traffic is the hot rule's to spread), the idle candidates under a fair share
+    get `hot_credit` of the holders' credit too. A pod that joins empty (a restart, a scale-up) would otherwise get
+    nothing but prompts nobody has cached while its peers queue; this way it takes prefixes one at a time (idle:
+    never a second cold copy queued behind the first), each copied once, until no holder is crowded, which is what
+    a hash ring's remapping does at once.
     """
 
     type_name = "prefix-cache-scorer"
@@ -148,7 +149,7 @@ class PrefixCacheScorer(Plugin):
             takers = [i for i, m in enumerate(matched) if m < depth]
         elif self.crowded_share is not None and self._crowded(ctx, candidates, holders, depth):
             counted = demand.counted(now)
-            takers = [i for i, m in enumerate(matched) if m < depth
+            takers = [i for i, m in enumerate(matched) if m < depth and candidates[i].in_flight == 0
                       and demand.of_pod(candidates[i].address, now) * n < counted]
         else:
             return

@@ -29,6 +29,10 @@ class _Stateless:
     def index(self) -> PrefixIndex | None:
         return None
 
+    @property
+    def learned_chars_per_token(self) -> float | None:
+        return None
+
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         return None
 

@@ -48,6 +48,11 @@ class Scheduler(Protocol):
         """The prefix index the scheduler reads and records into (None for strategies without one)."""
         ...
 
+    @property
+    def learned_chars_per_token(self) -> float | None:
+        """Characters per token of the traffic as learned from the pods (None for strategies without an index)."""
+        ...
+
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult: ...
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
