@@ -4,6 +4,7 @@ index recovers the hits that per-replica indexes lose, every request completes a
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -116,6 +117,19 @@ def test_bypassed_requests_reach_a_pod_without_the_picker(trace: Trace) -> None:
     res = run_fast(trace, "picker", cfg)
     assert 0.2 * N < len(res.bypassed) < 0.4 * N
     assert all(res.status[i] == OK for i in range(N)) and all(res.pod[i] >= 0 for i in res.bypassed)
+
+
+def test_a_pod_leaves_the_pool_and_rejoins_empty(trace: Trace) -> None:
+    """What bench-real's leave-rejoin does, in fast mode: nothing is sent to the last pod while it is out, and once
+    back (cache emptied) it is sent work again, under every router that reads the pool."""
+    span = trace.requests[-1].at
+    leave, rejoin = 0.3 * span, 0.6 * span
+    for strategy in ("hash-ring", "bounded-load", "picker"):
+        res = run_fast(trace, strategy, replace(_cfg(), leave_rejoin=(leave, rejoin)))
+        gone = [p for p, t in zip(res.pod, res.sent, strict=True) if leave <= t < rejoin]
+        after = [p for p, t in zip(res.pod, res.sent, strict=True) if t >= rejoin]
+        assert PODS - 1 not in gone and gone, strategy
+        assert PODS - 1 in after and all(status == OK for status in res.status), strategy
 
 
 def test_a_restarted_pods_empty_cache_is_seen_through_its_events(trace: Trace) -> None:

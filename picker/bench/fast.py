@@ -10,7 +10,7 @@ measures ~5-7 ms of CPU per scrape on vLLM 0.32), and that loop is the one that 
 tokens. So each scrape delays the pod's next request intake and first token by that much (0: a free scrape).
 
 Events, in time order (ties: deliveries, placements, arrivals, intakes, steps, scrapes, samples, restarts,
-expiries):
+expiries, pool changes):
 - arrival: build the request (a follow-up gets its parent's answer), admit, schedule, hand it to the pod;
 - intake: the pod's API server passes a request on to its engine (at once unless scrapes hold it);
 - step: the pod runs one batch; its outputs are delivered when the batch ends;
@@ -18,7 +18,9 @@ expiries):
 - scrape: refresh one pod's metrics in every replica's view and schedule its next scrape;
 - sample: every `sample_interval`, record per-pod load;
 - with flow control (`admission_config` with `flowControl` on): place, a request let through the queue is scheduled;
-  expire, a queued request's TTL has passed (503).
+  expire, a queued request's TTL has passed (503);
+- with `leave_rejoin`: the last pod leaves every replica's pool (what it holds runs on: a drain) and later comes
+  back with an empty cache, as a restarted pod does (bench-real's leave-rejoin workload).
 
 Several picker replicas (`replicas` > 1) stand for N `picker serve` processes behind one Envoy, which round-robins
 ext_proc streams over them: the n-th arriving request goes to replica n % N. Each replica has its own scheduler
@@ -66,7 +68,7 @@ from picker.sim.engine import Engine, SimRequest, StepResult
 from picker.sim.kvcache import block_hashes
 from picker.sim.profiles import Profile
 
-_DELIVER, _PLACE, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE, _RESTART, _EXPIRE = range(9)
+_DELIVER, _PLACE, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE, _RESTART, _EXPIRE, _POOL = range(10)
 Progress = Callable[[int], None]
 
 
@@ -92,6 +94,7 @@ class FastConfig:
     bypass: float = 0.0  # share of requests sent to a random pod around the picker (it never sees them)
     kv_reported: float = 1.0  # the KV cache the pods report (num_gpu_blocks) as a multiple of their real one
     restart_every: float = 0.0  # seconds between pod restarts, one pod at a time in turn, its cache emptied
+    leave_rejoin: tuple[float, float] | None = None  # the last pod leaves the pool at the first time, rejoins empty
     admission_config: AdmissionConfig | None = None  # the picker's admission section (None: its defaults)
 
 
@@ -276,6 +279,10 @@ class _FastRun:
         self.push(0.0, _SAMPLE, 0)
         if self.cfg.restart_every > 0:
             self.push(self.cfg.restart_every, _RESTART, 0)
+        if self.cfg.leave_rejoin is not None:
+            leave, rejoin = self.cfg.leave_rejoin
+            self.push(leave, _POOL, False)
+            self.push(rejoin, _POOL, True)
         heap = self.heap
         pop = heapq.heappop
         while heap:
@@ -294,6 +301,9 @@ class _FastRun:
                 continue
             elif kind == _RESTART:
                 self.restart(payload, now)
+                continue
+            elif kind == _POOL:
+                self.pool_change(payload, now)
                 continue
             elif kind == _PLACE:
                 i, request, ids, hashes, replica = payload
@@ -566,6 +576,17 @@ class _FastRun:
             self.precise.apply(self.endpoints[k].address, kv.drain_events(), now)
         if self.outstanding > 0:
             self.push(now + self.cfg.restart_every, _RESTART, n + 1)
+
+    def pool_change(self, join: bool, now: float) -> None:
+        """The last pod leaves every replica's pool (its requests run on) or comes back with an empty cache."""
+        k = self.cfg.pods - 1
+        if join:
+            kv = self.engines[k].kv
+            kv.wipe()
+            if self.precise is not None:
+                self.precise.apply(self.endpoints[k].address, kv.drain_events(), now)
+        for endpoints, director in zip(self.replica_endpoints, self.directors, strict=True):
+            director.pool.set_endpoints(endpoints if join else endpoints[:k])
 
     def sample(self, now: float) -> None:
         if self.outstanding <= 0:

@@ -543,9 +543,10 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[st
     fleet = FleetSpec(profile, spec.servers)
     health_only = Cadence.fixed(5.0)
 
-    def setups(seed: int) -> dict[str, tuple[str, FastConfig]]:
+    def setups(seed: int, span: float) -> dict[str, tuple[str, FastConfig]]:
         cost = SCRAPE_COST_S
-        return {
+        moves = (spec.leave_at * span, spec.rejoin_at * span) if spec.leave_at else None
+        return {name: (strategy, replace(cfg, leave_rejoin=moves)) for name, (strategy, cfg) in {
             "round-robin": ("round-robin", FastConfig(profile, spec.servers, seed=seed, admission=False,
                                                       scraping=False)),
             **{name: (name, FastConfig(profile, spec.servers, seed=seed, cadence=health_only, scrape_cost=cost))
@@ -558,7 +559,7 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[st
                                                        scrape_cost=cost)),
             "picker (fixed 50 ms scrape)": ("picker", FastConfig(profile, spec.servers, seed=seed,
                                                                  cadence=Cadence.fixed(0.05), scrape_cost=cost)),
-        }
+        }.items()}
 
     rows: dict[str, list[dict[str, float]]] = {}
     for seed in range(spec.seed, spec.seed + seeds):
@@ -569,7 +570,7 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[st
                                question_len=spec.question_tokens, output_len=spec.output_tokens,
                                num_prompts_per_group=spec.prompts_per_group, num_groups=spec.groups,
                                group_weights=spec.group_weights))
-        for name, (strategy, cfg) in setups(seed).items():
+        for name, (strategy, cfg) in setups(seed, trace.requests[-1].at).items():
             if name in STRATEGIES and name not in spec.strategies:
                 continue
             res = run_fast(trace, strategy, cfg,
@@ -688,10 +689,7 @@ def combine(sections: list[dict[str, Any]], drop: tuple[int, ...] = (), why: str
 
 
 def mirror(section: dict[str, Any], spec: RealSpec) -> None:
-    """Add the simulator's mirror of a run (at the run's measured machine speed) and its direction check. The
-    simulator has no pod leaving mid-run, so such a run has no mirror."""
-    if spec.leave_at:
-        return
+    """Add the simulator's mirror of a run (at the run's measured machine speed) and its direction check."""
     slowdown = machine_slowdown(section["medians"])
     section["sim_slowdown"] = slowdown
     section["sim"] = sim_mirror(spec, slowdown=slowdown)
