@@ -55,9 +55,9 @@ class PrefixCacheScorer(Plugin):
     `crowded_share` fair shares (1/candidates) of the recent picks with this prefix's part left out (crowded by its
     other prefixes: a single prefix's traffic is the hot rule's to spread), the idle candidates under a fair share
     get `hot_credit` of the holders' credit too. A pod that joins empty (a restart, a scale-up) would otherwise get
-    nothing but prompts nobody has cached while its peers queue; this way it takes prefixes one at a time (idle:
-    never a second cold copy queued behind the first), each copied once, until no holder is crowded, which is what
-    a hash ring's remapping does at once.
+    nothing but prompts nobody has cached while its peers queue; this way it takes prefixes one at a time (idle by
+    our counts and its last scrape: never a second cold copy queued behind the first, nor a pod other replicas
+    keep busy), each copied once, until no holder is crowded, which is what a hash ring's remapping does at once.
     """
 
     type_name = "prefix-cache-scorer"
@@ -149,7 +149,7 @@ class PrefixCacheScorer(Plugin):
             takers = [i for i, m in enumerate(matched) if m < depth]
         elif self.crowded_share is not None and self._crowded(ctx, candidates, holders, depth):
             counted = demand.counted(now)
-            takers = [i for i, m in enumerate(matched) if m < depth and candidates[i].in_flight == 0
+            takers = [i for i, m in enumerate(matched) if m < depth and _idle(candidates[i])
                       and demand.of_pod(candidates[i].address, now) * n < counted]
         else:
             return
@@ -183,6 +183,12 @@ class PrefixCacheScorer(Plugin):
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         if self._demand is not None:
             self._demand.forget_pod(endpoint.address)
+
+
+def _idle(endpoint: Endpoint) -> bool:
+    """Nothing in flight from us and, at its last scrape, nothing running or waiting (other replicas' requests)."""
+    m = endpoint.metrics
+    return endpoint.in_flight == 0 and m.running == 0 and m.waiting == 0
 
 
 class KVCacheUtilizationScorer(Plugin):
