@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios fuzzy-prefix kv-events-real decision-cost metrics-cost exact-index pick-gaps scheduling-sweep predicted-priors predicted-live replicas replicas-live shared-index sim-throughput clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -98,47 +98,20 @@ overload: install
 mixed-models: install
 	$(BIN)/picker bench --scenario mixed-models --out bench/out/mixed-models $(ARGS)
 
-# The measurements behind docs/ and bench/README.md, each a script of bench/ (its docstring says what it prints;
-# ARGS="--help" lists its flags).
-# The scheduling core's cost per decision, hashing and index memory (in-process, ~1 min).
-decision-cost: install
-	$(BIN)/python bench/decision_cost.py $(ARGS)
-
-# What recording the Prometheus series costs per request (in-process, seconds).
-metrics-cost: install
-	$(BIN)/python bench/metrics_cost.py $(ARGS)
-
-# The approximate prefix index against exact knowledge of every pod's cache (fast mode, minutes).
-exact-index: install
-	$(BIN)/python bench/exact_index.py $(ARGS)
-
-# How often a router sends a request to a pod it chose a moment before, and what that costs (fast mode).
-pick-gaps: install
-	$(BIN)/python bench/pick_gaps.py $(ARGS)
-
-# Scheduling weights explored: each variant beside the defaults and round-robin on the same traces (fast mode).
-scheduling-sweep: install
-	$(BIN)/python bench/run_scheduling_sweep.py $(ARGS)
-
-# The predicted-TTFT picker against the defaults and prefix-hash: fast-mode cells, then live.
-predicted-priors: install
-	$(BIN)/python bench/predicted_priors.py $(ARGS)
-predicted-live: install
-	$(BIN)/python bench/predicted_live.py $(ARGS)
-
-# Picker replicas behind one Envoy with and without the shared index: fast mode, then real processes.
-replicas: install
-	$(BIN)/python bench/replicas.py $(ARGS)
-replicas-live: install
-	$(BIN)/python bench/replicas_live.py $(ARGS)
-
-# Replication lag and per-pick cost of the shared prefix index on a local Valkey.
-shared-index: install
-	$(BIN)/python bench/shared_index.py $(ARGS)
-
-# Requests/s one `picker sim` process sustains at time-scale 1 (<= ~60 s).
-sim-throughput: install
-	$(BIN)/python bench/sim_throughput.py $(ARGS)
+# The measurements behind docs/ and bench/README.md, one target per script of bench/: bench/NAME.py runs as
+# `make NAME` with hyphens (its docstring says what it measures; ARGS="--help" lists its flags). decision-cost: the
+# scheduling core per decision, hashing, index memory (in-process, ~1 min); metrics-cost: recording the Prometheus
+# series per request (seconds); exact-index: the approximate index against exact knowledge of every cache (fast
+# mode); pick-gaps: requests sent to a pod chosen a moment before, and their cost (fast mode); run-scheduling-sweep:
+# scheduling weights beside the defaults and round-robin (fast mode); predicted-priors, predicted-live: the
+# predicted-TTFT picker against the defaults and prefix-hash (fast, then live); replicas, replicas-live: picker
+# replicas behind one Envoy with and without the shared index (fast, then real processes); shared-index: replication
+# lag and per-pick cost on a local Valkey; sim-throughput: requests/s one `picker sim` process sustains (<= ~60 s).
+BENCH_SCRIPTS := decision-cost metrics-cost exact-index pick-gaps run-scheduling-sweep predicted-priors \
+	predicted-live replicas replicas-live shared-index sim-throughput
+.PHONY: $(BENCH_SCRIPTS)
+$(BENCH_SCRIPTS): install
+	$(BIN)/python bench/$(subst -,_,$@).py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info picker/api/v1/*_pb2*.py*

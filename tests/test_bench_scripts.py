@@ -13,16 +13,21 @@ SCRIPTS = sorted((ROOT / "bench").glob("*.py"))
 
 
 def make_recipes() -> dict[str, str]:
-    """target -> its recipe lines, from the Makefile."""
+    """target -> its recipe lines, from the Makefile; a rule over `$(VAR)` gives each target of the variable its own
+    recipe, `$@` and `$(subst -,_,$@)` filled in, as make runs it."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    variables = {m.group(1): m.group(2).split() for m in re.finditer(r"^([A-Z_]+) :?= (.*)$", text, re.M)}
     out: dict[str, str] = {}
-    target = ""
-    for line in (ROOT / "Makefile").read_text().splitlines():
-        head = re.match(r"^([a-z][a-z0-9-]*):", line)
+    targets: list[str] = []
+    for line in text.splitlines():
+        head = re.match(r"^([a-z][a-z0-9-]*|\$\(([A-Z_]+)\)):", line)
         if head:
-            target = head.group(1)
-            out[target] = ""
-        elif line.startswith("\t") and target:
-            out[target] += line + "\n"
+            targets = variables.get(head.group(2), []) if head.group(2) else [head.group(1)]
+            for target in targets:
+                out[target] = ""
+        elif line.startswith("\t"):
+            for target in targets:
+                out[target] += line.replace("$(subst -,_,$@)", target.replace("-", "_")).replace("$@", target) + "\n"
     return out
 
 

@@ -371,10 +371,13 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         cancel.set()
         if mover is not None:
             mover.join()
-        # the server that left was read just before it stopped
-        last = {id(change.leaving): change.last} if change is not None and change.last is not None else {}
-        after = [last[id(s)][0] if id(s) in last else read_counters(s.url) for s in servers]
-        cpu_after = [last[id(s)][1] if id(s) in last else engine.group_cpu_seconds(s.proc.pid) for s in servers]
+        after, cpu_after = [], []
+        for s in servers:  # the server that left was read just before it stopped
+            left = change is not None and change.last is not None and s is change.leaving
+            counters, cpu = change.last if left and change is not None else (
+                read_counters(s.url), engine.group_cpu_seconds(s.proc.pid))
+            after.append(counters)
+            cpu_after.append(cpu)
         scrapes_after = [picker_scrapes(p, h) for h, p in router.metrics_ports]
     finally:
         cancel.set()
@@ -544,22 +547,22 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[st
     health_only = Cadence.fixed(5.0)
 
     def setups(seed: int, span: float) -> dict[str, tuple[str, FastConfig]]:
-        cost = SCRAPE_COST_S
         moves = (spec.leave_at * span, spec.rejoin_at * span) if spec.leave_at else None
-        return {name: (strategy, replace(cfg, leave_rejoin=moves)) for name, (strategy, cfg) in {
-            "round-robin": ("round-robin", FastConfig(profile, spec.servers, seed=seed, admission=False,
-                                                      scraping=False)),
-            **{name: (name, FastConfig(profile, spec.servers, seed=seed, cadence=health_only, scrape_cost=cost))
-               for name in HASH_BASELINES},
-            "picker": ("picker", FastConfig(profile, spec.servers, seed=seed, cadence=Cadence(), scrape_cost=cost)),
-            "picker-predicted-ttft": ("picker", FastConfig(profile, spec.servers, seed=seed, cadence=Cadence(),
-                                                           scrape_cost=cost)),
-            "picker-4-replicas": ("picker", FastConfig(profile, spec.servers, seed=seed, replicas=4,
-                                                       shared_index=True, cadence=Cadence(compare_in_flight=False),
-                                                       scrape_cost=cost)),
-            "picker (fixed 50 ms scrape)": ("picker", FastConfig(profile, spec.servers, seed=seed,
-                                                                 cadence=Cadence.fixed(0.05), scrape_cost=cost)),
-        }.items()}
+
+        def fleet_cfg(**kw: Any) -> FastConfig:
+            return FastConfig(profile, spec.servers, seed=seed, leave_rejoin=moves, **kw)
+
+        return {
+            "round-robin": ("round-robin", fleet_cfg(admission=False, scraping=False)),
+            **{name: (name, fleet_cfg(cadence=health_only, scrape_cost=SCRAPE_COST_S)) for name in HASH_BASELINES},
+            "picker": ("picker", fleet_cfg(cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
+            "picker-predicted-ttft": ("picker", fleet_cfg(cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
+            "picker-4-replicas": ("picker", fleet_cfg(replicas=4, shared_index=True,
+                                                      cadence=Cadence(compare_in_flight=False),
+                                                      scrape_cost=SCRAPE_COST_S)),
+            "picker (fixed 50 ms scrape)": ("picker", fleet_cfg(cadence=Cadence.fixed(0.05),
+                                                                scrape_cost=SCRAPE_COST_S)),
+        }
 
     rows: dict[str, list[dict[str, float]]] = {}
     for seed in range(spec.seed, spec.seed + seeds):

@@ -42,7 +42,6 @@ class CharsPerToken:
     def __init__(self, configured: float, min_requests: int = MIN_REQUESTS, smoothing: float = SMOOTHING) -> None:
         if configured <= 0 or min_requests < 1 or not 0 < smoothing <= 1:
             raise ValueError("chars per token must be positive, min_requests >= 1, smoothing within (0, 1]")
-        self.configured = configured
         self.value = configured
         self.min_requests = min_requests
         self.smoothing = smoothing

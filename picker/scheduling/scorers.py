@@ -144,11 +144,16 @@ class PrefixCacheScorer(Plugin):
         if any(candidates[i].in_flight == 0 for i in holders):
             return  # a holder is free: however much of the traffic wants it, it is not queueing anywhere
         n = len(candidates)
-        share = demand.of(ctx.keys[depth - 1], now) / all_picks
-        if self.hot_share is not None and share * n > self.hot_share * len(holders):
+        picks = demand.of(ctx.keys[depth - 1], now)
+        if self.hot_share is not None and picks * n > self.hot_share * len(holders) * all_picks:
             takers = [i for i, m in enumerate(matched) if m < depth]
-        elif self.crowded_share is not None and self._crowded(ctx, candidates, holders, depth):
+        elif self.crowded_share is not None:
+            # crowded: every holder took over `crowded_share` fair shares of the recent prefix picks without this
+            # prefix's part (crowded by its other prefixes; a single prefix's traffic is the hot rule's to spread)
             counted = demand.counted(now)
+            bar, part = self.crowded_share * counted / n, picks / len(holders)
+            if counted <= 0.0 or any(demand.of_pod(candidates[i].address, now) - part <= bar for i in holders):
+                return
             takers = [i for i, m in enumerate(matched) if m < depth and _idle(candidates[i])
                       and demand.of_pod(candidates[i].address, now) * n < counted]
         else:
@@ -157,16 +162,6 @@ class PrefixCacheScorer(Plugin):
         for i in takers:
             if out[i] < credit:
                 out[i] = credit
-
-    def _crowded(self, ctx: SchedulingContext, candidates: Sequence[Endpoint], holders: list[int], depth: int) -> bool:
-        """Every holder took over `crowded_share` fair shares of the recent prefix picks without this prefix's part:
-        crowded by its other prefixes (a single prefix's traffic is the hot rule's to spread)."""
-        demand, now = self._demand, ctx.now
-        assert demand is not None and self.crowded_share is not None
-        counted = demand.counted(now)
-        part = demand.of(ctx.keys[depth - 1], now) / len(holders)
-        bar = self.crowded_share * counted / len(candidates)
-        return counted > 0.0 and all(demand.of_pod(candidates[i].address, now) - part > bar for i in holders)
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         demand = self._demand
