@@ -129,6 +129,17 @@ def test_lru_keeps_recently_used_chain() -> None:
     assert index.size() == 4
 
 
+def test_room_until_the_pods_cache_is_full() -> None:
+    index = InMemoryPrefixIndex(default_capacity=4)
+    assert index.has_room("a:1")  # never seen: empty
+    index.record([1, 2, 3], "a:1", 0.0)
+    assert index.has_room("a:1")
+    index.record([4], "a:1", 1.0)
+    assert not index.has_room("a:1") and index.has_room("b:1")
+    index.set_capacity("a:1", 8)
+    assert index.has_room("a:1")
+
+
 def test_ttl_expiry_and_sweep() -> None:
     index = InMemoryPrefixIndex(ttl=10.0)
     index.record([1, 2, 3], "a:1", 0.0)

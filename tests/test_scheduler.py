@@ -177,11 +177,16 @@ def test_many_prefixes_keep_one_holder_each_under_load() -> None:
 def test_a_pod_that_joins_empty_takes_prefixes_until_no_holder_is_crowded() -> None:
     """A pod that joins while its peer holds every prefix and queues (a restart, a scale-up) gets prefixes copied
     to it, each once, until the traffic is shared; without the per-pod share it would get nothing, the load guard
-    being far off at three requests in flight."""
+    being far off at three requests in flight. A pod whose cache is full takes none: a copy there would evict a
+    prefix it serves."""
 
-    def run(config: dict[str, Any]) -> tuple[dict[int, set[str]], Counter[str]]:
+    def run(config: dict[str, Any], joins_full: bool = False) -> tuple[dict[int, set[str]], Counter[str]]:
         a, fresh = pods(2)
-        s = build_scheduler(config, rng=random.Random(6))
+        index = InMemoryPrefixIndex()
+        if joins_full:
+            index.set_capacity(fresh.address, 40)
+            index.record(list(range(1, 41)), fresh.address, 0.0)  # another prompt's 40 blocks fill it
+        s = build_scheduler(config, rng=random.Random(6), index=index)
         systems = [f"System prompt {g}: " + SYSTEM for g in range(6)]
         rng = random.Random(7)
         flight: list[tuple[Endpoint, int]] = []
@@ -203,6 +208,8 @@ def test_a_pod_that_joins_empty_takes_prefixes_until_no_holder_is_crowded() -> N
     homes, served = run(DEFAULT_CONFIG)
     assert len(served) == 2 and min(served.values()) >= 0.3 * sum(served.values())
     assert 1 <= sum(len(h) == 2 for h in homes.values()) < 6  # some prefixes copied, not all
+    homes, served = run(DEFAULT_CONFIG, joins_full=True)
+    assert len(served) == 1 and all(len(h) == 1 for h in homes.values())
     config = copy.deepcopy(DEFAULT_CONFIG)
     for plugin in config["plugins"]:
         if plugin["type"] == "prefix-cache-scorer":

@@ -232,6 +232,7 @@ async def test_remote_entries_respect_the_local_lru_bound(valkey: Valkey, namesp
     assert b.local.endpoint_size(POD_A) == 10
     assert b.match(second, None, now) == {POD_A: 8}
     assert b.match(first, None, now) == {POD_A: 2}  # its tail blocks were the least recently used
+    assert not b.has_room(POD_A) and a.has_room(POD_A)  # another replica's picks fill this one's view too
 
 
 async def test_malformed_entries_are_skipped_not_fatal(valkey: Valkey, namespace: str, replicas: Factory) -> None:

@@ -161,6 +161,9 @@ class ExactCacheIndex:
     def set_capacity(self, address: str, blocks: int) -> None:
         return None
 
+    def has_room(self, address: str) -> bool:
+        return self.engines[address].kv.has_room()
+
     def expire(self, now: float) -> int:
         return 0
 

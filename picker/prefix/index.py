@@ -10,7 +10,15 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 
-class PrefixIndex(Protocol):
+class CacheRoom(Protocol):
+    """Whether a pod's prefix cache has room for one more prefix (what a copy that is not urgent waits for)."""
+
+    def has_room(self, address: str) -> bool:
+        """`address` holds fewer blocks than its cache has: caching more there evicts nothing (yet)."""
+        ...
+
+
+class PrefixIndex(CacheRoom, Protocol):
     @property
     def ttl(self) -> float | None:
         """Seconds an entry lives without a refresh (None: until evicted by capacity)."""

@@ -144,5 +144,9 @@ class InMemoryPrefixIndex:
         if lru is not None:
             self._evict(address, lru, None)
 
+    def has_room(self, address: str) -> bool:
+        lru = self._lru.get(address)
+        return lru is None or len(lru) < self._capacity.get(address, self.default_capacity)
+
     def capacity(self, address: str) -> int:
         return self._capacity.get(address, self.default_capacity)

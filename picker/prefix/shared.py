@@ -180,6 +180,9 @@ class SharedPrefixIndex:
         # Not shared: every replica reads the pod's num_gpu_blocks from the pod itself.
         self.local.set_capacity(address, blocks)
 
+    def has_room(self, address: str) -> bool:
+        return self.local.has_room(address)
+
     def expire(self, now: float) -> int:
         return self.local.expire(now)
 

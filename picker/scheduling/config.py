@@ -278,10 +278,12 @@ def build_scheduler(
     long plugins take."""
     cfg = scheduling_config(config)
     pc = cfg.prefix_cache
+    if index is None:
+        index = build_prefix_index(cfg)
     deps = PluginDeps(rng=rng, base_models=tuple(cfg.models.base), adapters=tuple(cfg.models.adapters),
                       chars_per_token=pc.chars_per_token,
                       saturation=saturation if saturation is not None else SaturationThresholds(),
-                      observer=observer)
+                      observer=observer, cache_room=index)
     plugins: dict[str, Plugin] = {}
     elsewhere: set[str] = set()  # names of plugins whose settings live in other sections (reference configs)
     for i, spec in enumerate(cfg.plugins):
@@ -340,8 +342,6 @@ def build_scheduler(
         classifier = handler
     else:
         classifier = SingleProfile(built[0].name)
-    if index is None:
-        index = build_prefix_index(cfg)
     return PrefixAwareScheduler(built, classifier, index=index, hasher=build_hasher(cfg, index_key),
                                 explain=cfg.explain, timer=timer, precise=precise)
 

@@ -15,6 +15,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
+from picker.prefix.index import CacheRoom
 from picker.saturation import SaturationThresholds
 from picker.scheduling.context import SchedulingContext
 from picker.schema import Section
@@ -122,6 +123,7 @@ class PluginDeps:
     chars_per_token: int = CHARS_PER_TOKEN  # `prefixCache.charsPerToken`
     saturation: SaturationThresholds = field(default_factory=SaturationThresholds)  # the admission section's
     observer: PredictionObserver | None = None  # prediction vs measurement (None: not reported)
+    cache_room: CacheRoom | None = None  # the prefix index's view of each pod's cache room (None: not known)
 
 
 class NoParams(Section):

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
+from picker.prefix.index import CacheRoom
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.demand import PrefixDemand
 from picker.scheduling.memory import PodMemory
@@ -58,6 +59,9 @@ class PrefixCacheScorer(Plugin):
     nothing but prompts nobody has cached while its peers queue; this way it takes prefixes one at a time (idle by
     our counts and its last scrape: never a second cold copy queued behind the first, nor a pod other replicas
     keep busy), each copied once, until no holder is crowded, which is what a hash ring's remapping does at once.
+    Only a pod whose cache has room takes a crowded pod's prefix (the index holds fewer blocks for it than its cache
+    has): under cache pressure a copy evicts another prefix that comes back cold, and the shares it would correct
+    are often a short window's noise (two pods at 1 req/s: it fired ~7 times a run and cost 0.015 of hit rate).
     """
 
     type_name = "prefix-cache-scorer"
@@ -77,8 +81,10 @@ class PrefixCacheScorer(Plugin):
         hot_credit: float = 0.9,
         crowded_share: float | None = 1.25,
         demand_window_seconds: float = 10.0,
+        room: CacheRoom | None = None,
     ) -> None:
         super().__init__(name)
+        self._room = room
         if hot_share is not None and hot_share <= 0 or not 0.0 <= hot_credit <= 1.0 or demand_window_seconds <= 0:
             raise ValueError("hotShare must be positive, hotCredit within [0, 1], demandWindowSeconds positive")
         if crowded_share is not None and crowded_share <= 1.0:
@@ -155,7 +161,8 @@ class PrefixCacheScorer(Plugin):
             if counted <= 0.0 or any(demand.of_pod(candidates[i].address, now) - part <= bar for i in holders):
                 return
             takers = [i for i, m in enumerate(matched) if m < depth and _idle(candidates[i])
-                      and demand.of_pod(candidates[i].address, now) * n < counted]
+                      and demand.of_pod(candidates[i].address, now) * n < counted
+                      and (self._room is None or self._room.has_room(candidates[i].address))]
         else:
             return
         credit = self.hot_credit * max(out[i] for i in holders)
@@ -420,6 +427,10 @@ class ColdPrefixSpreaderParams(Section):
     recency_weight: float = Field(default_of(ColdPrefixSpreader, "recency_weight"), ge=0, le=1)
 
 
+def _prefix_cache(name: str, p: PrefixCacheParams, deps: PluginDeps) -> Plugin:
+    return PrefixCacheScorer(name, **p.model_dump(), room=deps.cache_room)
+
+
 def _in_flight(name: str, p: InFlightLoadParams, deps: PluginDeps) -> Plugin:
     return InFlightLoadScorer(name, **p.model_dump(), chars_per_token=deps.chars_per_token)
 
@@ -429,7 +440,7 @@ def _lora(name: str, p: NoParams, deps: PluginDeps) -> Plugin:
 
 
 FACTORIES: tuple[PluginFactory[Any], ...] = (
-    PluginFactory(PrefixCacheScorer.type_name, PrefixCacheParams, with_params(PrefixCacheScorer)),
+    PluginFactory(PrefixCacheScorer.type_name, PrefixCacheParams, _prefix_cache),
     PluginFactory(KVCacheUtilizationScorer.type_name, NoParams, no_params(KVCacheUtilizationScorer)),
     PluginFactory(QueueScorer.type_name, NoParams, no_params(QueueScorer)),
     PluginFactory(InFlightLoadScorer.type_name, InFlightLoadParams, _in_flight),

@@ -116,6 +116,12 @@ class KVCache:
         """Distinct hashes currently in the prefix cache."""
         return len(self.cached)
 
+    def has_room(self) -> bool:
+        """Some free block holds no cached prefix: the next allocation evicts nothing. Such blocks are always at
+        the head of the free queue (never used, or put back there by `free`), where allocation takes from."""
+        queue = self.free_queue
+        return bool(queue) and self.block_hash[next(iter(queue))] is None
+
     def lookup(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Block ids of the longest cached prefix of `hashes` (at most `max_blocks`), without touching them."""
         if not self.enable_prefix_caching:

@@ -97,6 +97,7 @@ def test_lru_eviction_order_frees_tail_blocks_first_and_oldest_requests_first() 
     p3 = list(range(30_000, 30_064))
     serve_one(engine, "r1", p1, 0.0, max_tokens=1)
     serve_one(engine, "r2", p2, 1.0, max_tokens=1)
+    assert engine.kv.has_room()  # three blocks never used
     h1 = block_hashes(p1, BS)
     h2 = block_hashes(p2, BS)
     engine.add_request(SimRequest("r3", p3, 1), 2.0)
@@ -107,6 +108,7 @@ def test_lru_eviction_order_frees_tail_blocks_first_and_oldest_requests_first() 
     # free queue before r3: [3 never-used blocks, r1 (h1[3], h1[2], h1[1], h1[0]), r2 (h2[3], ..., h2[0])]
     # r3 needs 4 blocks: the 3 unused ones, then r1's *last* block (a finished request's tail goes first).
     assert removed == [h1[3]]
+    assert not engine.kv.has_room()  # every free block holds a cached prefix now: the next allocation evicts
     # r1's first three blocks and all of r2's remain cached
     assert engine.probe_prefix_hit_tokens(p1 + [1]) == 3 * BS
     assert engine.probe_prefix_hit_tokens(p2 + [1]) == 4 * BS
@@ -138,6 +140,7 @@ def test_partial_blocks_are_reused_before_cached_blocks_are_evicted() -> None:
     _, results = run_until_idle(engine, 2.0)
     removed = [e.block_hashes[0] for r in results for e in r.kv_events if isinstance(e, BlockRemoved)]
     assert removed == [block_hashes(prompts[0], BS)[1]]  # a's last cached block
+    assert engine.kv.has_room()  # c's partial block went back to the head of the free queue, uncached
     assert engine.probe_prefix_hit_tokens(prompts[0] + [0]) == BS
     assert engine.probe_prefix_hit_tokens(prompts[1] + [0]) == 2 * BS
 
