@@ -6,7 +6,7 @@ several runs of one workload (repeats numbered on in order), `--drop N` leaving 
 disturbed in (`--why` says how; the report lists its figures apart).
 
     make real-report OUT=bench/out/real-hot ARGS="--sim"
-    python bench/real_report.py [--sim] [--merge DIR... [--drop N] [--why TEXT]] [bench/out/real-uniform]
+    python bench/real_report.py [--sim [--seeds N]] [--merge DIR... [--drop N] [--why TEXT]] [bench/out/real-uniform]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", nargs="?", default="bench/out/real-uniform",
                         help="the run's directory (holds real.json)")
     parser.add_argument("--sim", action="store_true", help="re-run the simulator's mirror at the run's speed")
+    parser.add_argument("--seeds", type=int, default=3, help="with --sim: traces the mirror averages over")
     parser.add_argument("--merge", nargs="+", metavar="DIR", help="runs to combine into OUT/real.json")
     parser.add_argument("--drop", type=int, action="append", default=[], metavar="N",
                         help="with --merge: leave out repeat N (1-based, after numbering; repeatable)")
@@ -49,7 +50,10 @@ def main(argv: list[str]) -> int:
         return 2
     section = json.loads(source.read_text())
     if args.sim:
-        mirror(section, RealSpec.recorded(section["spec"]))
+        if args.seeds < 1:
+            print("real_report: --seeds must be at least 1", file=sys.stderr)
+            return 2
+        mirror(section, RealSpec.recorded(section["spec"]), seeds=args.seeds)
         source.write_text(report_json(section))
     text = report(section)
     (out / "real.md").write_text(text)

@@ -691,11 +691,13 @@ def combine(sections: list[dict[str, Any]], drop: tuple[int, ...] = (), why: str
             "logdir": [section.get("logdir") for section in sections]}
 
 
-def mirror(section: dict[str, Any], spec: RealSpec) -> None:
-    """Add the simulator's mirror of a run (at the run's measured machine speed) and its direction check."""
+def mirror(section: dict[str, Any], spec: RealSpec, seeds: int = 3) -> None:
+    """Add the simulator's mirror of a run (at the run's measured machine speed, means over `seeds` traces) and its
+    direction check."""
     slowdown = machine_slowdown(section["medians"])
     section["sim_slowdown"] = slowdown
-    section["sim"] = sim_mirror(spec, slowdown=slowdown)
+    section["sim_seeds"] = seeds
+    section["sim"] = sim_mirror(spec, seeds=seeds, slowdown=slowdown)
     section["sim_direction"] = direction_check(section["medians"], section["sim"])
 
 
@@ -822,7 +824,8 @@ def report(section: dict[str, Any]) -> str:
     sim = section.get("sim") or {}
     if sim:
         slowdown = section.get("sim_slowdown", 1.0)
-        lines += ["", "## The simulator on the same workload (fast mode, mean of 3 seeded traces)", "",
+        seeds = section.get("sim_seeds", 3)
+        lines += ["", f"## The simulator on the same workload (fast mode, mean of {seeds} seeded traces)", "",
                   f"The small model's measured rates times {slowdown:.2f} (this run's cold requests took that many "
                   f"times the {SMALL_COLD_TTFT_MS:.0f} ms they took where the rates were measured). "
                   f"Scrapes cost the pod's API server {SCRAPE_COST_S * 1000:.0f} ms each; the simulator's tokenizer "
