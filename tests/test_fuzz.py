@@ -23,7 +23,7 @@ from picker.director import Director
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.extproc.limits import BodyBudget
-from picker.extproc.servicer import ProtocolViolation, _Stream
+from picker.extproc.servicer import Phase, ProtocolViolation, _Stream
 from picker.memory import AllocatorTrim
 from picker.requests import RequestError, build_request
 from picker.scheduling.config import build_scheduler
@@ -159,10 +159,10 @@ async def test_any_message_sequence_is_answered_or_a_protocol_violation(messages
             for response in responses:
                 if response.HasField("immediate_response"):
                     assert 400 <= response.immediate_response.status.code < 600
-            if stream.phase == "done":
+            if stream.phase is Phase.DONE:
                 break
     finally:
-        event(f"ended in phase {stream.phase}")  # --hypothesis-show-statistics: how far the fuzzer got
+        event(f"ended in phase {stream.phase.value}")  # --hypothesis-show-statistics: how far the fuzzer got
         stream.release()  # what Process does however the stream ended
     assert [e.in_flight for e in endpoints] == [0, 0]
     assert [e.in_flight_tokens for e in endpoints] == [0, 0]

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from enum import Enum
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -33,6 +34,16 @@ from picker.quietlog import QuietLog
 from picker.requests import InferenceRequest, RequestError, route_kind
 
 log = logging.getLogger(__name__)
+
+class Phase(Enum):
+    """Where one stream is: START → BODY → ROUTED, or DONE once a refusal or a local answer (an immediate
+    response) has ended it."""
+
+    START = "start"  # waiting for the request headers
+    BODY = "body"  # headers taken, the request body arriving
+    ROUTED = "routed"  # the decision sent: the response side (in-flight accounting, usage) follows
+    DONE = "done"  # an immediate response ended the stream
+
 
 class ProtocolViolation(Exception):
     """Envoy (or a client pretending to be Envoy) sent messages in an order the protocol does not allow."""
@@ -83,8 +94,7 @@ class _Stream:
         self.body: bytes | bytearray = b""
         self.body_len = 0
         self.decision: Decision | None = None
-        # start → body → routed; or done, once a refusal (an immediate response) has ended the stream
-        self.phase = "start"
+        self.phase = Phase.START
         self.request_id = ""
         self.generated_id = False
         self.usage: UsageReader | None = None  # only when Envoy sends response bodies
@@ -140,7 +150,7 @@ class _Stream:
     # Request side -------------------------------------------------------------------------------------
 
     async def _on_request_headers(self, message: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
-        if self.phase != "start":
+        if self.phase is not Phase.START:
             raise ProtocolViolation("request headers arrived twice")
         headers = self.headers = _headers_of(message)
         self.request_id = headers.get(p.REQUEST_ID_HEADER, "")
@@ -154,20 +164,20 @@ class _Stream:
         if api is None:
             answer = self.director.answer_locally(headers)
             if answer is not None:
-                self.phase = "done"
+                self.phase = Phase.DONE
                 return [p.immediate_json(200, answer, "picker_local_answer")]
             return [await self._route(b"", by_headers=True)]
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return [self._reject(self._too_large(int(length)))]
-        self.phase = "body"
+        self.phase = Phase.BODY
         if self.request_mode == p.FULL_DUPLEX_STREAMED:
             return []  # hold the headers until the body is complete
         return [p.EMPTY_REQUEST_HEADERS]
 
     async def _on_request_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        if self.phase != "body":
-            raise ProtocolViolation(f"request body arrived in phase {self.phase!r}")
+        if self.phase is not Phase.BODY:
+            raise ProtocolViolation(f"request body arrived in phase {self.phase.value}")
         chunk = message.body  # a copy out of the protobuf message: take it once
         if chunk:
             size = len(chunk)
@@ -194,8 +204,8 @@ class _Stream:
 
     async def _on_request_trailers(self) -> list[pb.ProcessingResponse]:
         # Trailers end the body in streamed modes; answer them (GIE forgets, which stalls Envoy).
-        responses = await self._finish_body() if self.phase == "body" else []
-        if self.phase == "done":  # refused: the immediate response ends the stream
+        responses = await self._finish_body() if self.phase is Phase.BODY else []
+        if self.phase is Phase.DONE:  # refused: the immediate response ends the stream
             return responses
         return [*responses, p.EMPTY_REQUEST_TRAILERS]
 
@@ -218,7 +228,7 @@ class _Stream:
                                                            subset=self.subset)
         except RequestError as err:
             return self._reject(err, counted=True)
-        self.phase = "routed"
+        self.phase = Phase.ROUTED
         extra = {p.REQUEST_ID_HEADER: self.request_id} if self.generated_id else None
         destination, forwarded = self.decision.destination, self.decision.body
         if forwarded is not None:  # the model rewritten: the pod gets another body, of another length
@@ -236,7 +246,7 @@ class _Stream:
         self.held = 0
 
     def _reject(self, err: RequestError, *, counted: bool = False) -> pb.ProcessingResponse:
-        self.phase = "done"
+        self.phase = Phase.DONE
         self.body = b""
         self._give_back()
         if not counted:  # the director counts what it refuses itself
@@ -302,10 +312,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     del message  # a body chunk's parsed copy: not held while this stream waits for its next one
                     for response in responses:
                         await context.write(response)
-                    if stream.phase == "done":
+                    if stream.phase is Phase.DONE:
                         code = grpc.StatusCode.OK
                         return
-                    if stream.phase != "routed":
+                    if stream.phase is not Phase.ROUTED:
                         deadline.reschedule(loop.time() + idle)
                     elif not routed_at:
                         routed_at = loop.time()
