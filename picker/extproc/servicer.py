@@ -35,6 +35,7 @@ from picker.requests import InferenceRequest, RequestError, route_kind
 
 log = logging.getLogger(__name__)
 
+
 class Phase(Enum):
     """Where one stream is: START → BODY → ROUTED, or DONE once a refusal or a local answer (an immediate
     response) has ended it."""
