@@ -23,6 +23,7 @@ from picker.bench.real import (
     machine_slowdown,
     mean_without_avoidable_colds,
     medians,
+    mirror_overshoots,
     replay,
     report,
     request_rows,
@@ -130,6 +131,13 @@ def test_direction_check_and_report() -> None:
                                "medians": summary, "targets": targets(summary), "sim": {}, "sim_direction": []}
     text = report(section)
     assert "| picker | 0.83 |" in text and "boom" in text and "23.3 ms" in text  # 1/12 x 60 + 11/12 x 20
+    assert "not meaningful" not in text
+    mirrored = {"hit_rate": 0.8, "ttft_mean_ms": 50.0, "ttft_p50_ms": 30.0, "ttft_p90_ms": 90.0, "max_share": 0.5,
+                "metrics_requests_per_pod_per_s": 1.0}
+    assert "not meaningful" not in report({**section, "sim": {"picker": mirrored}})
+    assert mirror_overshoots(summary, {"picker": {**mirrored, "ttft_mean_ms": 130.0}}) == ["picker"]  # > 3 x 40
+    assert "not meaningful here**: the simulated mean TTFT of picker" in report(
+        {**section, "sim": {"picker": {**mirrored, "ttft_mean_ms": 130.0}}})
 
 
 def test_scrapes_are_read_per_pod_from_the_pickers_own_counter() -> None:
