@@ -145,8 +145,7 @@ class InMemoryPrefixIndex:
             self._evict(address, lru, None)
 
     def has_room(self, address: str) -> bool:
-        lru = self._lru.get(address)
-        return lru is None or len(lru) < self._capacity.get(address, self.default_capacity)
+        return self.endpoint_size(address) < self.capacity(address)
 
     def capacity(self, address: str) -> int:
         return self._capacity.get(address, self.default_capacity)
