@@ -9,6 +9,7 @@ import contextlib
 import cProfile
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -150,7 +151,7 @@ class PickerServer:
                                  priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
                                  tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,
                                  flow=self.flow, models=ModelServing(models.adapters),
-                                 rewrites=ModelRewrites(configured_rules(models.rewrites)),
+                                 rewrites=ModelRewrites(configured_rules(models.rewrites), rng=random.Random(c.seed)),
                                  tokenizer=self.tokenizer)
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics,
                                      on_metrics=scrape_listener(self.flow, policy.precise_index)))

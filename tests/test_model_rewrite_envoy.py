@@ -86,8 +86,9 @@ async def test_a_weighted_rewrite_routes_to_the_target_and_the_client_keeps_its_
     for reply in replies:
         assert serves[str(reply["served_by"])] == reply["received_model"]  # on a pod serving its target
         assert reply["model"] == "llama"  # the client reads the model it asked for
-    # 3:1 by weight: 150 expected of 200 for llama-v1 (sd ~6.1); 130..170 is over 3 sd either side
-    assert 130 <= targets["llama-v1"] <= 170 and targets["llama-v1"] + targets["llama-v2"] == 200
+    # 3:1 by weight: 150 expected of 200 for llama-v1 (sd ~6.1); 122..178 is over 4.5 sd either side (a false
+    # failure about once in 150,000 runs; 3 sd failed once in CI), while an even split (100) stays far outside
+    assert 122 <= targets["llama-v1"] <= 178 and targets["llama-v1"] + targets["llama-v2"] == 200
     assert other["received_model"] == "llama-v1" and other["model"] == "anything"
     assert serves[str(streamed["served_by"])] == streamed["received_model"]
     assert streamed["model"] == "llama"  # rewritten back in the streamed chunks too
