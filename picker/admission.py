@@ -8,9 +8,10 @@ resolves each request's priority (`Priorities`) before admission reads it.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import AliasChoices, Field, PrivateAttr, field_validator
 
@@ -19,6 +20,9 @@ from picker.flowcontrol.controller import FlowSettings
 from picker.requests import InferenceRequest, RequestError
 from picker.saturation import SaturationThresholds, pool_saturation
 from picker.schema import Duration, Section, decode
+
+if TYPE_CHECKING:
+    from picker.scheduling.types import SchedulingResult
 
 _DEFAULTS = SaturationThresholds()
 _FLOW = FlowSettings()
@@ -50,7 +54,6 @@ class AdmissionConfig(Section):
     objectives: dict[str, int] = Field(default_factory=dict)  # objective name -> priority
     default_priority: int = 0
     max_wait: Duration = Field(0.0, ge=0)  # seconds a standard request may wait for capacity (0: route at once)
-    poll_interval: Duration = Field(0.02, gt=0)  # how often a waiting request re-checks saturation
     retry_after: str = _FLOW.retry_after  # Retry-After header value on a 429
     flow_control: FlowControlSection = Field(default_factory=FlowControlSection)
     _thresholds: SaturationThresholds = PrivateAttr(default=_DEFAULTS)
@@ -106,45 +109,181 @@ class Priorities:
         return self.configured.get(objective, self.discovered.get(objective, self.default))
 
 
-class AdmissionController:
-    """Decides whether a request (its priority already resolved) is routed now, after a bounded wait, or shed."""
+class Hold(Protocol):
+    """A request a gate holds: when the gate must hear of it again (`Gate.expire`), and whether it still waits."""
 
-    def __init__(self, config: AdmissionConfig | None = None) -> None:
+    @property
+    def deadline(self) -> float: ...
+
+    @property
+    def queued(self) -> bool: ...
+
+
+H = TypeVar("H", bound=Hold)
+
+
+class Gate(Protocol[H]):
+    """Admission: whether a request (its priority resolved) is placed now, waits, or is refused. The director runs
+    the same synchronous steps in `picker serve` and in the benchmark's simulated time; each supplies only how a
+    held request waits: the `go` it hands to `offer`, and a call to `expire` at the hold's deadline."""
+
+    def offer(self, request: InferenceRequest, candidates: Sequence[Endpoint], go: Callable[[], bool]) -> H | None:
+        """None: place the request now. A hold: `go` is called when it may be placed (False back: its client
+        has left), possibly before `offer` returns (then the hold is no longer `queued`). RequestError: refused
+        at once. Either way the caller calls `placed` once the request is placed or given up."""
+        ...
+
+    def expire(self, hold: H) -> RequestError | None:
+        """The hold's deadline has come: its refusal, or None (it was let go, now or before)."""
+        ...
+
+    def withdraw(self, hold: H) -> None:
+        """The held request's client has left."""
+        ...
+
+    def placed(self) -> None:
+        """A request let through is placed on a pod (or given up): the next may go."""
+        ...
+
+    def kick(self) -> None:
+        """Room may have freed (a request finished, a pod joined): let held requests go."""
+        ...
+
+    def pod_refreshed(self, endpoint: Endpoint) -> None:
+        """A pod's metrics were refreshed."""
+        ...
+
+    def with_room(self, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """Where a request let through may go."""
+        ...
+
+    def refusal(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> RequestError | None:
+        """The refusal `offer` would give at once, without taking a place or a budget (Explain)."""
+        ...
+
+
+class PostScoring(Protocol):
+    """Admission that needs the scores: raises RequestError to refuse a request once it is scheduled."""
+
+    def check(self, request: InferenceRequest, result: SchedulingResult) -> None: ...
+
+
+class SloShedding:
+    """A sheddable request with a TTFT objective (x-slo-ttft-ms) that no pod is predicted to meet is shed: the
+    prediction scorer says so in the request's cycle state (`slo_attainable`)."""
+
+    def check(self, request: InferenceRequest, result: SchedulingResult) -> None:
+        slo = request.slo_ttft_s
+        if slo is not None and request.priority < 0 and result.context is not None \
+                and result.context.slo_attainable is False:
+            raise RequestError(429, "slo_unattainable", f"no pod is predicted to give the first token within "
+                               f"{slo * 1e3:g} ms (x-slo-ttft-ms); the request is sheddable",
+                               headers={"retry-after": "1"})
+
+
+class Ungated:
+    """No admission: every request is placed at once (the baselines without a picker's admission)."""
+
+    def offer(self, request: InferenceRequest, candidates: Sequence[Endpoint], go: Callable[[], bool]) -> None:
+        return None
+
+    def expire(self, hold: Hold) -> None:
+        return None
+
+    def withdraw(self, hold: Hold) -> None:
+        return None
+
+    def placed(self) -> None:
+        return None
+
+    def kick(self) -> None:
+        return None
+
+    def pod_refreshed(self, endpoint: Endpoint) -> None:
+        return None
+
+    def with_room(self, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        return candidates
+
+    def refusal(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> None:
+        return None
+
+
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    """A standard request held until its candidates' saturation clears or `maxWait` passes."""
+
+    candidates: Sequence[Endpoint]
+    go: Callable[[], bool]
+    deadline: float
+    queued: bool = True
+
+
+class BoundedWait:
+    """GIE's saturation detector as a gate: in a saturated pool a sheddable request is refused (429) at once, a
+    standard one waits up to `maxWait` for room and then goes anyway (never lost), a critical one goes at once.
+    Saturation reads scraped metrics only, so a held request is re-checked when a pod is refreshed or joins."""
+
+    def __init__(self, config: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config if config is not None else AdmissionConfig()
+        self.clock = clock
+        self.waiting: list[_Waiting] = []
 
     def saturated(self, candidates: Sequence[Endpoint], now: float) -> bool:
         return pool_saturation(candidates, now, self.config.thresholds) >= self.config.saturation_limit
 
-    def _shed(self, request: InferenceRequest, level: float) -> RequestError:
-        return RequestError(
-            429,
-            "saturated",
-            f"pool saturated ({level:.2f} >= {self.config.saturation_limit:g}); request priority "
-            f"{request.priority} is sheddable",
-            headers={"retry-after": self.config.retry_after},
-        )
-
-    def check(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> bool:
-        """The decision without waiting: raises 429 for a shed request; returns whether the request should wait
-        for capacity (a standard request in a saturated pool, when `maxWait` allows)."""
+    def refusal(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> RequestError | None:
+        if request.priority >= 0 or not request.has_body or not candidates:
+            return None
         level = pool_saturation(candidates, now, self.config.thresholds)
-        saturated = bool(candidates) and level >= self.config.saturation_limit
-        if saturated and request.priority < 0:
-            raise self._shed(request, level)
-        return saturated and request.priority == 0 and self.config.max_wait > 0
+        if level < self.config.saturation_limit:
+            return None
+        return RequestError(429, "saturated", f"pool saturated ({level:.2f} >= {self.config.saturation_limit:g}); "
+                            f"request priority {request.priority} is sheddable",
+                            headers={"retry-after": self.config.retry_after})
 
-    async def wait_for_capacity(
-        self,
-        candidates_fn: Callable[[], Sequence[Endpoint]],
-        clock: Callable[[], float],
-        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-    ) -> None:
-        """Poll until saturation clears or `maxWait` passes; returns either way (the request is not lost)."""
-        deadline = clock() + self.config.max_wait
-        while True:
-            remaining = deadline - clock()
-            if remaining <= 0:
-                return
-            await sleep(min(self.config.poll_interval, remaining))
-            if not self.saturated(candidates_fn(), clock()):
-                return
+    def offer(self, request: InferenceRequest, candidates: Sequence[Endpoint],
+              go: Callable[[], bool]) -> _Waiting | None:
+        if not request.has_body:
+            return None
+        now = self.clock()
+        refused = self.refusal(request, candidates, now)
+        if refused is not None:
+            raise refused
+        if request.priority != 0 or self.config.max_wait <= 0 or not candidates or not self.saturated(candidates, now):
+            return None
+        held = _Waiting(candidates, go, now + self.config.max_wait)
+        self.waiting.append(held)
+        return held
+
+    def _let_go(self, held: _Waiting) -> None:
+        held.queued = False
+        self.waiting.remove(held)
+        held.go()
+
+    def expire(self, hold: _Waiting) -> RequestError | None:
+        """Never a refusal: a request that waited its maxWait goes anyway."""
+        if hold.queued:
+            self._let_go(hold)
+        return None
+
+    def withdraw(self, hold: _Waiting) -> None:
+        if hold.queued:
+            hold.queued = False
+            self.waiting.remove(hold)
+
+    def placed(self) -> None:
+        return None
+
+    def kick(self) -> None:
+        if not self.waiting:
+            return
+        now = self.clock()
+        for held in [h for h in self.waiting if not self.saturated(h.candidates, now)]:
+            self._let_go(held)
+
+    def pod_refreshed(self, endpoint: Endpoint) -> None:
+        self.kick()
+
+    def with_room(self, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        return candidates

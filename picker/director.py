@@ -1,23 +1,26 @@
-"""The director: parse → resolve priority → admit → locate candidates → schedule → account.
+"""The director: parse → resolve → admit → locate candidates → schedule → account, as synchronous steps.
 
-It knows policy only through the Scheduler and Admission interfaces and nothing of ext_proc: the servicer hands
-it headers and a body (and, at the end, the token usage it read), Explain and the benchmark's fast mode call
-`rank` and `decide` directly.
+`begin` resolves a request and offers it to the admission gate (placed now, held, or refused), `place` schedules
+it and accounts for it, `release` undoes that when it ends. `picker serve` (`route`) and the benchmark's fast mode
+run literally these steps; each supplies only how a held request waits (`go` and a call to `expire` at the hold's
+deadline: the event loop's future and timer, or simulated-time events). It knows policy only through the Gate,
+PostScoring and Scheduler interfaces and nothing of ext_proc: the servicer hands it headers and a body (and, at
+the end, the token usage it read); Explain calls `screen` and `rank`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
-from picker.admission import Priorities
+from picker.admission import Gate, Hold, PostScoring, Priorities, SloShedding, Ungated
 from picker.endpoints.model_listing import MODELS_PATH
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
-from picker.flowcontrol.controller import FlowController
 from picker.model_rewrite import ModelRewrites, body_for_target, response_swaps
 from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics, ResponseTrace
@@ -29,18 +32,48 @@ from picker.scheduling.types import Scheduler, SchedulingResult
 log = logging.getLogger(__name__)
 
 
-class Admission(Protocol):
-    """Admission control on a request whose priority is resolved: shed (RequestError 429), or tell whether it
-    should wait for capacity first."""
+async def through_gate(gate: Gate[Any], offer: Callable[[Callable[[], bool]], Hold | None],
+                       clock: Callable[[], float]) -> None:
+    """The event loop's way through an admission gate: `offer(go)` offers the request; returns once it may be
+    placed (the caller then places it and calls `gate.placed`); raises its RequestError when it is refused, at once
+    or at its hold's deadline. A cancelled wait (the client left) withdraws it."""
+    release = _Release()
+    hold = offer(release.go)
+    if hold is None or not hold.queued:  # placed now, or let go by the offer itself
+        return
+    loop = asyncio.get_running_loop()
+    let_go = release.future = loop.create_future()
 
-    def check(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> bool:
-        """Raises RequestError(429) to shed; returns True when the request should wait for capacity."""
-        ...
+    def expired() -> None:
+        refusal = gate.expire(hold)
+        if refusal is not None and not let_go.done():
+            let_go.set_exception(refusal)
 
-    def wait_for_capacity(self, candidates_fn: Callable[[], Sequence[Endpoint]],
-                          clock: Callable[[], float]) -> Awaitable[None]:
-        """Returns once capacity frees or the configured wait is over (never raises for a standard request)."""
-        ...
+    timer = loop.call_later(max(0.0, hold.deadline - clock()), expired)
+    try:
+        await let_go
+    except asyncio.CancelledError:
+        gate.withdraw(hold)
+        raise
+    finally:
+        timer.cancel()
+
+
+class _Release:
+    """A held request's `go`: resolves the future its route awaits (none yet: let go while being offered)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[None] | None = None
+
+    def go(self) -> bool:
+        if self.future is None:
+            return True
+        if self.future.done():  # cancelled while held: withdrawn already
+            return False
+        self.future.set_result(None)
+        return True
 
 
 def match_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...]) -> list[Endpoint]:
@@ -75,28 +108,28 @@ class Director:
         pool: EndpointPool,
         scheduler: Scheduler,
         *,
-        admission: Admission | None = None,
+        gate: Gate[Any] | None = None,
         priorities: Priorities | None = None,
         metrics: PickerMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         fallbacks: int = 1,
         tracer: DecisionTracer | None = None,
         chars_per_token: int = CHARS_PER_TOKEN,
-        flow: FlowController | None = None,
         models: ModelServing | None = None,
         rewrites: ModelRewrites | None = None,
         tokenizer: PromptTokenizer | None = None,
+        post_scoring: Sequence[PostScoring] = (SloShedding(),),
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
-        self.admission = admission
+        self.gate: Gate[Any] = gate if gate is not None else Ungated()  # the bounded wait or flow control
+        self.post_scoring = tuple(post_scoring)  # admission that reads the scores (SLO shedding)
         self.priorities = priorities if priorities is not None else Priorities()
         self.metrics = metrics
         self.clock = clock
         self.fallbacks = max(1, fallbacks)
         self.tracer = tracer
         self.chars_per_token = chars_per_token  # the scheduling config's prefixCache.charsPerToken
-        self.flow = flow  # flow control: queues what the pool has no room for (replaces the bounded wait)
         self.models = models if models is not None else ModelServing()  # which pods serve which model
         self.rewrites = rewrites if rewrites is not None else ModelRewrites()  # requested model -> served one
         self.tokenizer = tokenizer  # precise prefix routing: the prompt's token ids before it is scheduled
@@ -109,8 +142,8 @@ class Director:
             self.scheduler.on_endpoint_removed(endpoint)
         if event is PoolEvent.REMOVED and self.metrics is not None:
             self.metrics.forget_pod(endpoint)
-        if self.flow is not None and event in (PoolEvent.ADDED, PoolEvent.READY, PoolEvent.DEGRADED):
-            self.flow.kick()  # a pod joined or recovered (a degraded pod is routable): room
+        if event in (PoolEvent.ADDED, PoolEvent.READY, PoolEvent.DEGRADED):
+            self.gate.kick()  # a pod joined or recovered (a degraded pod is routable): room
 
     def candidates(self, request: InferenceRequest) -> Sequence[Endpoint]:
         """Ready endpoints the request may go to (Envoy's subset hint applied); RequestError 503 when none."""
@@ -134,10 +167,9 @@ class Director:
         return self.models.listing(self.pool.ready())
 
     def rank(self, request: InferenceRequest, now: float) -> SchedulingResult:
-        """Schedule without side effects on the index or counters (used by Explain)."""
-        candidates = self.candidates(request)
-        if self.flow is not None:
-            candidates = self.flow.with_room(candidates)
+        """Schedule without side effects on the index or counters (used by Explain); RequestError when no pod
+        remains or a post-scoring check refuses the request."""
+        candidates = self.gate.with_room(self.candidates(request))
         if not request.has_body:
             # Header-only requests (GET /v1/models, ...) carry no prompt: least loaded healthy endpoint.
             ranked = sorted(candidates, key=lambda e: (e.in_flight, e.last_picked_at))
@@ -145,12 +177,8 @@ class Director:
         result = self.scheduler.schedule(request, candidates, now)
         if not result.ranked:
             raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
-        slo = request.slo_ttft_s
-        if slo is not None and request.priority < 0 and result.context is not None \
-                and result.context.slo_attainable is False:  # priority resolved by admit() before
-            raise RequestError(429, "slo_unattainable", f"no pod is predicted to give the first token within "
-                               f"{slo * 1e3:g} ms (x-slo-ttft-ms); the request is sheddable",
-                               headers={"retry-after": "1"})
+        for check in self.post_scoring:
+            check.check(request, result)
         return result
 
     def resolve(self, request: InferenceRequest) -> None:
@@ -159,41 +187,38 @@ class Director:
         if self.rewrites:
             self.rewrites.apply(request)
 
-    def admit(self, request: InferenceRequest, now: float) -> bool:
-        """Resolve the request and run admission without waiting: raises RequestError (429 shed, 503 no
-        endpoint); returns whether the request should wait for capacity before it is placed."""
+    def begin(self, request: InferenceRequest, go: Callable[[], bool]) -> Hold | None:
+        """Step one: resolve the request and offer it to the gate. None: place it now; a hold: `go` is called
+        when it may be placed, or `expire` refuses it at the hold's deadline. RequestError: refused now (429 shed,
+        503 no endpoint at all: not after a wait)."""
         self.resolve(request)
-        if self.admission is None or not request.has_body:
-            return False
-        return self.admission.check(request, self.candidates(request), now)
+        return self.gate.offer(request, self.candidates(request), go)
 
-    def decide(self, request: InferenceRequest, now: float) -> Decision:
-        """The whole decision, synchronously, at time `now`: admit (a request that would wait goes at once),
-        schedule, record the pick. Simulated time (the benchmark's fast mode) calls this directly."""
-        self.admit(request, now)
-        return self.place(request, now)
+    def expire(self, hold: Hold) -> RequestError | None:
+        """A hold's deadline has come: its refusal, or None (let go: its `go` has been called)."""
+        return self.gate.expire(hold)
+
+    def screen(self, request: InferenceRequest, now: float) -> None:
+        """Explain's admission: resolve the request and raise the refusal the gate would give it at once, taking
+        no place in a queue and no token budget."""
+        self.resolve(request)
+        refusal = self.gate.refusal(request, self.candidates(request), now)
+        if refusal is not None:
+            raise refusal
 
     async def route(self, request: InferenceRequest) -> Decision:
-        """Route a parsed request in real time: with flow control it waits its turn while the pool has no room;
-        without, a standard request in a saturated pool first waits (bounded)."""
+        """Route a parsed request in real time: the steps, with the event loop's way to wait on a hold. Its
+        duration and first token count from its arrival, time held included."""
         if self.tokenizer is None:
             request.parsed = None  # nothing will tokenize it: a waiting request does not keep its parsed body
-        if self.flow is not None:
-            arrived = self.clock()
-            self.resolve(request)
-            self.candidates(request)  # no endpoint at all: 503 now, not after a wait
-            await self.flow.admit(request)
-            try:
-                await self._tokenize(request)
-                decision = self.place(request, self.clock())
-            finally:
-                self.flow.placed()
-            decision.started_at = arrived  # its duration and first token count the time it queued
-            return decision
-        if self.admit(request, self.clock()) and self.admission is not None:
-            await self.admission.wait_for_capacity(lambda: self.candidates(request), self.clock)
-        await self._tokenize(request)
-        return self.place(request, self.clock())
+        arrived = self.clock()
+        await through_gate(self.gate, lambda go: self.begin(request, go), self.clock)
+        try:
+            await self._tokenize(request)
+        except BaseException:
+            self.gate.placed()  # given up before it was placed: the next may go
+            raise
+        return self.place(request, self.clock(), arrived)
 
     async def _tokenize(self, request: InferenceRequest) -> None:
         """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it); then
@@ -202,17 +227,21 @@ class Director:
             request.token_ids = await self.tokenizer.token_ids(request, lambda: self.candidates(request))
         request.parsed = None
 
-    def place(self, request: InferenceRequest, now: float) -> Decision:
-        """Schedule an admitted request and account for it: the scheduler learns the pick, the pod's in-flight
-        count moves at once (scraped metrics lag)."""
+    def place(self, request: InferenceRequest, now: float, arrived: float | None = None) -> Decision:
+        """Step two: schedule an admitted request and account for it: the scheduler learns the pick, the pod's
+        in-flight count moves at once (scraped metrics lag), and the gate hears it is placed (or failed to be).
+        `arrived`: when it came, if before `now`."""
         start = time.perf_counter()
-        result = self.rank(request, now)
-        ranked = result.ranked[: self.fallbacks]
-        chosen = ranked[0]
-        if result.context is not None:
-            self.scheduler.on_picked(result.context, chosen, now)
-        tokens = estimated_tokens(request, self.chars_per_token)
-        chosen.start_request(tokens, now)
+        try:
+            result = self.rank(request, now)
+            ranked = result.ranked[: self.fallbacks]
+            chosen = ranked[0]
+            if result.context is not None:
+                self.scheduler.on_picked(result.context, chosen, now)
+            tokens = estimated_tokens(request, self.chars_per_token)
+            chosen.start_request(tokens, now)
+        finally:
+            self.gate.placed()  # after its in-flight count moved: the next is let through on the new level
         if self.metrics is not None:
             self.metrics.observe_routed(request, time.perf_counter() - start, result.prefix_matched_blocks,
                                         result.prefix_blocks, chosen,
@@ -220,7 +249,8 @@ class Director:
         destination = ",".join(e.address for e in ranked)
         expected = (result.prefix_matched_blocks * result.context.block_chars // self.chars_per_token
                     if result.context is not None else 0)
-        return Decision(request, ranked, destination, result, tokens, now, expected_cached=expected)
+        return Decision(request, ranked, destination, result, tokens, now if arrived is None else arrived,
+                        expected_cached=expected)
 
     async def route_http(self, headers: dict[str, str], body: bytes, *, request_id: str,
                          subset: tuple[str, ...] | None = None) -> Decision:
@@ -281,8 +311,7 @@ class Director:
             return
         decision.released = True
         decision.endpoint.finish_request(decision.tokens)
-        if self.flow is not None:
-            self.flow.kick()  # room freed
+        self.gate.kick()  # room freed
         if self.metrics is not None:
             self.metrics.observe_finished(decision.request, self.clock() - decision.started_at, usage, response)
             if usage is not None and usage.prompt_tokens:

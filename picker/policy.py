@@ -9,10 +9,12 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from picker.admission import AdmissionConfig, AdmissionController, Priorities
+from picker.admission import AdmissionConfig, BoundedWait, Gate, Priorities
 from picker.config import ConfigError, ServeConfig
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper
@@ -32,7 +34,6 @@ class Policy:
     """The decision-making objects of one picker, built from its config before anything is served."""
 
     scheduler: Scheduler
-    admission: AdmissionController
     priorities: Priorities
     shared_index: SharedPrefixIndex | None  # with --index-backend redis: start() it, stop() it
     precise_index: PreciseIndex | None = None  # with --kv-events-endpoint: fed by the KV-event subscriber
@@ -56,8 +57,7 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
                                index_key=key, timer=metrics, precise=precise)
     if shared is not None:
         shared.peer_listener = scheduler.on_peer_picked
-    return Policy(scheduler, AdmissionController(config.admission), Priorities(config.admission), shared,
-                  precise_index)
+    return Policy(scheduler, Priorities(config.admission), shared, precise_index)
 
 
 def shared_index(config: ServeConfig) -> SharedPrefixIndex | None:
@@ -70,13 +70,16 @@ def shared_index(config: ServeConfig) -> SharedPrefixIndex | None:
     return SharedPrefixIndex(build_prefix_index(config.scheduling), config.redis_url, index_namespace(config))
 
 
-def build_flow_control(config: ServeConfig, pool: EndpointPool, metrics: PickerMetrics) -> FlowController | None:
-    """The flow controller `admission.flowControl` asks for (None: off, the bounded wait applies)."""
-    settings = flow_settings(config.admission, config.scheduling.prefix_cache.chars_per_token)
+def build_gate(admission: AdmissionConfig, chars_per_token: int, pool: EndpointPool,
+               metrics: PickerMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> Gate[Any]:
+    """The admission gate the `admission` section asks for: flow control when `flowControl` is enabled, else the
+    saturation detector's bounded wait. The benchmark's fast mode builds the same, on its simulated clock."""
+    settings = flow_settings(admission, chars_per_token)
     if settings is None:
-        return None
-    controller = FlowController(settings, config.admission.thresholds, pool.ready, observer=metrics)
-    metrics.watch_flow(controller)
+        return BoundedWait(admission, clock)
+    controller = FlowController(settings, admission.thresholds, pool.ready, clock=clock, observer=metrics)
+    if metrics is not None:
+        metrics.watch_flow(controller)
     return controller
 
 
@@ -90,18 +93,16 @@ def flow_settings(admission: AdmissionConfig, chars_per_token: int) -> FlowSetti
                         critical_slot_share=fc.critical_slot_share, max_running_per_pod=fc.max_running_per_pod)
 
 
-def scrape_listener(flow: FlowController | None, precise: PreciseIndex | None) -> Callable[[Endpoint], None] | None:
-    """What hears of each refreshed pod: flow control (room may have freed), the precise view (whether the
+def scrape_listener(gate: Gate[Any], precise: PreciseIndex | None) -> Callable[[Endpoint], None]:
+    """What hears of each refreshed pod: the admission gate (room may have freed), the precise view (whether the
     pod's events account for the work its metrics show)."""
-    if flow is None and precise is None:
-        return None
+    if precise is None:
+        return gate.pod_refreshed
 
     def refreshed(endpoint: Endpoint) -> None:
-        if flow is not None:
-            flow.pod_refreshed(endpoint)
-        if precise is not None:
-            m = endpoint.metrics
-            precise.observe_scrape(endpoint.address, m.prefix_queries - m.prefix_hits, m.updated_at)
+        gate.pod_refreshed(endpoint)
+        m = endpoint.metrics
+        precise.observe_scrape(endpoint.address, m.prefix_queries - m.prefix_hits, m.updated_at)
     return refreshed
 
 

@@ -44,7 +44,7 @@ from picker.logformat import configure_logging, exit_line
 from picker.model_rewrite import ModelRewrites, configured_rules
 from picker.model_serving import ModelServing
 from picker.observability import DecisionTracer, PickerMetrics
-from picker.policy import build_flow_control, build_policy, index_namespace, scrape_listener, start_monitor
+from picker.policy import build_gate, build_policy, index_namespace, scrape_listener, start_monitor
 from picker.prefix.precise import PreciseIndex
 from picker.prefix.tokens import LocalTokenizer, PodTokenizer, PromptTokenizer
 from picker.tls import certificate_hosts, server_credentials
@@ -142,19 +142,19 @@ class PickerServer:
             await self.shared_index.start()
             self.metrics.watch_index_sync(self.shared_index.stats)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
-        self.flow = build_flow_control(c, self.pool, self.metrics)
+        gate = build_gate(c.admission, c.scheduling.prefix_cache.chars_per_token, self.pool, self.metrics)
         self.tokenizer: PromptTokenizer | None = None
         if policy.precise_index is not None and c.prefix_mode != "approximate":
             self.tokenizer = (LocalTokenizer(c.tokenizer) if c.tokenizer else
                               PodTokenizer(timeout=c.tokenize_timeout, scheme=c.model_server_metrics_scheme))
-        self.director = Director(self.pool, self.scheduler, admission=policy.admission,
+        self.director = Director(self.pool, self.scheduler, gate=gate,
                                  priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
                                  tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,
-                                 flow=self.flow, models=ModelServing(models.adapters),
+                                 models=ModelServing(models.adapters),
                                  rewrites=ModelRewrites(configured_rules(models.rewrites), rng=random.Random(c.seed)),
                                  tokenizer=self.tokenizer)
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics,
-                                     on_metrics=scrape_listener(self.flow, policy.precise_index)))
+                                     on_metrics=scrape_listener(gate, policy.precise_index)))
         if policy.precise_index is not None:
             self._start_kv_events(c, policy.precise_index)
         if c.models_refresh_interval > 0:

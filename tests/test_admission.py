@@ -7,9 +7,11 @@ import random
 
 import pytest
 
-from picker.admission import AdmissionConfig, AdmissionController, Priorities
+from picker.admission import AdmissionConfig, BoundedWait, Priorities
+from picker.director import Director
+from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
-from picker.requests import InferenceRequest, RequestError
+from picker.requests import ApiKind, InferenceRequest, RequestError
 from picker.saturation import (
     SaturationThresholds,
     dispatch_level,
@@ -34,7 +36,7 @@ def pods(n: int, waiting: float = 0.0, kv: float = 0.0, at: float = 0.0) -> list
 
 def req(objective: str | None = None) -> InferenceRequest:
     """A request whose priority is resolved from its objective, as the director does before admission."""
-    r = InferenceRequest("r", "m", prompt_text="hello", objective=objective)
+    r = InferenceRequest("r", "m", api=ApiKind.COMPLETIONS, prompt_text="hello", objective=objective)
     r.priority = Priorities(CONFIG).of(r)
     return r
 
@@ -85,104 +87,115 @@ def test_a_degraded_pod_is_judged_by_our_own_sends_in_flow_control_only() -> Non
     assert dispatch_level([never], 0.0, cfg) == 0.0
 
 
+def go() -> bool:
+    return True
+
+
 def test_does_not_shed_by_default_even_when_saturated() -> None:
-    ctl = AdmissionController(CONFIG)
+    gate = BoundedWait(CONFIG, clock=lambda: 0.0)
     full = pods(3, waiting=8, kv=0.95)
-    assert ctl.check(req(), full, 0.0) is False  # saturated, but standard traffic is routed (no maxWait)
-    assert ctl.check(req("critical"), full, 0.0) is False
-    assert ctl.saturated(full, 0.0)
-    waiting = AdmissionController(AdmissionConfig(max_wait=1.0))
-    assert waiting.check(req(), full, 0.0) is True  # with a maxWait, standard traffic waits first
-    assert waiting.check(req("critical"), full, 0.0) is False  # critical never waits
+    assert gate.offer(req(), full, go) is None  # saturated, but standard traffic is routed (no maxWait)
+    assert gate.offer(req("critical"), full, go) is None
+    assert gate.saturated(full, 0.0)
+    waiting = BoundedWait(AdmissionConfig(max_wait=1.0), clock=lambda: 0.0)
+    hold = waiting.offer(req(), full, go)  # with a maxWait, standard traffic waits first
+    assert hold is not None and hold.queued and hold.deadline == 1.0
+    assert waiting.offer(req("critical"), full, go) is None  # critical never waits
+    header_only = req()
+    header_only.api = None
+    assert waiting.offer(header_only, full, go) is None  # nothing to schedule: no wait
     result = build_scheduler(rng=random.Random(0)).schedule(req(), full, 0.0)
     assert len(result.ranked) == 3  # the saturation filter keeps everyone when all are saturated
 
 
 def test_sheds_sheddable_request_when_all_pods_saturated() -> None:
-    ctl = AdmissionController(CONFIG)
+    gate = BoundedWait(CONFIG, clock=lambda: 0.0)
     with pytest.raises(RequestError) as err:
-        ctl.check(req("batch"), pods(3, waiting=5), 0.0)
+        gate.offer(req("batch"), pods(3, waiting=5), go)
     assert err.value.status == 429 and err.value.code == "saturated"
     assert err.value.headers == {"retry-after": "1"}
-    assert ctl.check(req("batch"), pods(3, waiting=4.9), 0.0) is False  # just below: admitted
+    assert gate.offer(req("batch"), pods(3, waiting=4.9), go) is None  # just below: admitted
     mixed = pods(2, waiting=10) + pods(2)  # mean 1.0 from two full and two idle pods
     with pytest.raises(RequestError):
-        ctl.check(req("batch"), mixed, 0.0)
-    assert ctl.check(req("batch"), [], 0.0) is False  # empty pool: the scheduler answers 503
+        gate.offer(req("batch"), mixed, go)
+    assert gate.refusal(req("batch"), mixed, 0.0) is not None  # what Explain reports, taking nothing
+    assert gate.offer(req("batch"), [], go) is None  # empty pool: the scheduler answers 503
 
 
-class FakeTime:
+class Released:
+    """A held request's `go`: counts the calls."""
+
     def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
+        self.calls = 0
 
-    def clock(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
+    def __call__(self) -> bool:
+        self.calls += 1
+        return True
 
 
-async def test_standard_request_waits_until_capacity_frees() -> None:
-    ctl = AdmissionController(AdmissionConfig.from_dict({"maxWait": "500ms", "pollInterval": "50ms"}))
-    t = FakeTime()
+def test_standard_request_waits_until_a_refreshed_pod_frees_capacity() -> None:
+    now = [0.0]
+    gate = BoundedWait(AdmissionConfig.from_dict({"maxWait": "500ms"}), clock=lambda: now[0])
     endpoints = pods(2, waiting=6)
-
-    def candidates() -> list[Endpoint]:
-        if t.now >= 0.2:  # the queue drains after 200 ms of (simulated) time
-            for e in endpoints:
-                e.metrics = EndpointMetrics(waiting=1, updated_at=t.now)
-        else:
-            for e in endpoints:
-                e.metrics.updated_at = t.now
-        return endpoints
-
-    assert ctl.check(req(), candidates(), t.clock())
-    await ctl.wait_for_capacity(candidates, t.clock, t.sleep)
-    assert t.now == pytest.approx(0.2)
-    assert all(s == pytest.approx(0.05) for s in t.sleeps)
-
-
-async def test_standard_request_goes_through_after_max_wait() -> None:
-    ctl = AdmissionController(AdmissionConfig(max_wait=0.3, poll_interval=0.08))
-    t = FakeTime()
-    endpoints = pods(2, waiting=9)
-
-    def candidates() -> list[Endpoint]:
-        for e in endpoints:
-            e.metrics.updated_at = t.now
-        return endpoints
-
-    assert ctl.check(req(), candidates(), t.clock())
-    await ctl.wait_for_capacity(candidates, t.clock, t.sleep)  # never raises: the request is not lost
-    assert t.now == pytest.approx(0.3)
-    assert sum(t.sleeps) == pytest.approx(0.3) and t.sleeps[-1] == pytest.approx(0.06)
+    released = Released()
+    hold = gate.offer(req(), endpoints, released)
+    assert hold is not None and hold.deadline == pytest.approx(0.5)
+    now[0] = 0.1
+    endpoints[0].metrics = EndpointMetrics(waiting=6, updated_at=0.1)
+    gate.pod_refreshed(endpoints[0])  # still saturated: held
+    gate.kick()  # a request finished elsewhere: saturation reads the metrics only, still held
+    assert released.calls == 0 and hold.queued
+    now[0] = 0.2
+    for e in endpoints:  # the queues drain
+        e.metrics = EndpointMetrics(waiting=1, updated_at=0.2)
+    gate.pod_refreshed(endpoints[1])
+    assert released.calls == 1 and not hold.queued and not gate.waiting
+    assert gate.expire(hold) is None and released.calls == 1  # its deadline later: gone already
 
 
-async def test_critical_never_waits_and_sheddable_is_shed_at_once() -> None:
-    ctl = AdmissionController(AdmissionConfig.from_dict({"maxWait": 1}))
-    t = FakeTime()
-    full = pods(2, waiting=9)
-    assert ctl.check(req("critical"), full, t.clock()) is False
-    with pytest.raises(RequestError) as err:
-        ctl.check(req("batch"), full, t.clock())
-    assert err.value.status == 429 and t.sleeps == []
+def test_standard_request_goes_through_after_max_wait() -> None:
+    gate = BoundedWait(AdmissionConfig(max_wait=0.3), clock=lambda: 0.0)
+    released = Released()
+    hold = gate.offer(req(), pods(2, waiting=9), released)
+    assert hold is not None
+    assert gate.expire(hold) is None  # never refused: the request is not lost, it goes now
+    assert released.calls == 1 and not gate.waiting
 
 
-async def test_wait_with_real_sleep_is_bounded() -> None:
-    ctl = AdmissionController(AdmissionConfig(max_wait=0.05, poll_interval=0.01))
-    loop = asyncio.get_running_loop()
+def test_a_withdrawn_request_is_never_let_go() -> None:
+    gate = BoundedWait(AdmissionConfig(max_wait=1.0), clock=lambda: 0.0)
     endpoints = pods(1, waiting=9)
+    released = Released()
+    hold = gate.offer(req(), endpoints, released)
+    assert hold is not None
+    gate.withdraw(hold)  # its client left
+    endpoints[0].metrics = EndpointMetrics(updated_at=0.0)
+    gate.kick()
+    assert gate.expire(hold) is None and released.calls == 0 and not gate.waiting
 
-    def candidates() -> list[Endpoint]:
-        endpoints[0].metrics.updated_at = loop.time()
-        return endpoints
 
+def test_critical_never_waits_and_sheddable_is_shed_at_once() -> None:
+    gate = BoundedWait(AdmissionConfig.from_dict({"maxWait": 1}), clock=lambda: 0.0)
+    full = pods(2, waiting=9)
+    assert gate.offer(req("critical"), full, go) is None
+    with pytest.raises(RequestError) as err:
+        gate.offer(req("batch"), full, go)
+    assert err.value.status == 429 and not gate.waiting
+
+
+async def test_the_director_holds_a_standard_request_for_its_max_wait_in_real_time() -> None:
+    loop = asyncio.get_running_loop()
+    pool = EndpointPool()
+    endpoints = pods(1, waiting=9, at=loop.time())
+    endpoints[0].scrape_interval = 60.0  # fresh for the whole test
+    pool.set_endpoints(endpoints)
+    gate = BoundedWait(AdmissionConfig(max_wait=0.05), clock=loop.time)
+    director = Director(pool, build_scheduler(rng=random.Random(0)), gate=gate, clock=loop.time)
+    request = req()
     start = loop.time()
-    assert ctl.check(req(), candidates(), start)
-    await ctl.wait_for_capacity(candidates, loop.time)
-    assert 0.045 <= loop.time() - start < 0.5
+    decision = await director.route(request)
+    assert 0.045 <= loop.time() - start < 0.5  # held its maxWait, then routed anyway
+    assert start <= decision.started_at < start + 0.04  # its duration counts from its arrival, the wait too
 
 
 def test_config_parsing() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
+from picker.director import through_gate
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import FlowController, FlowSettings
 from picker.kvevents.relay import RelayStats
@@ -90,7 +91,8 @@ def dashboard_exprs() -> list[str]:
 
 
 async def _scraped_while_one_waits(flow: FlowController, metrics: PickerMetrics) -> str:
-    waiting = asyncio.create_task(flow.admit(InferenceRequest(request_id="q", model="m")))
+    request = InferenceRequest(request_id="q", model="m")
+    waiting = asyncio.create_task(through_gate(flow, lambda go: flow.offer(request, (), go), flow.clock))
     await asyncio.sleep(0)  # it queues: the pool has no room
     queued = generate_latest(metrics.registry).decode()
     waiting.cancel()  # its client leaves: an outcome, and the time it waited

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 
+from picker.director import through_gate
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import DROPPED_REASON_HEADER, FlowController, FlowSettings
 from picker.flowcontrol.queues import FlowQueues, QueueFull
 from picker.flowcontrol.slots import RunningSlots
 from picker.requests import InferenceRequest, RequestError
 from picker.saturation import SaturationThresholds, dispatch_level
+
+
+def through(fc: FlowController, r: InferenceRequest) -> Coroutine[Any, Any, None]:
+    """The request through the controller as the director's route waits on it."""
+    return through_gate(fc, lambda go: fc.offer(r, (), go), fc.clock)
 
 
 def queues(max_requests: int = 100, max_tokens: int = 10_000) -> FlowQueues[str]:
@@ -117,7 +125,7 @@ async def test_requests_wait_while_the_pool_is_full_and_go_best_first_one_at_a_t
     order: list[str] = []
 
     async def admit(r: InferenceRequest) -> None:
-        await fc.admit(r)
+        await through(fc, r)
         order.append(r.request_id)
         full.in_flight += 1  # placed: the pod's in-flight count shows it
         fc.placed()
@@ -141,7 +149,7 @@ async def test_room_for_two_lets_two_through_and_the_rest_on_release() -> None:
     admitted: list[str] = []
 
     async def admit(name: str) -> None:
-        await fc.admit(request(name))
+        await through(fc, request(name))
         admitted.append(name)
         p.in_flight += 1
         fc.placed()
@@ -165,13 +173,13 @@ async def test_sheddable_is_refused_at_once_full_bands_and_ttl_with_reasons() ->
     clock = Clock()
     fc = controller([pod(1, waiting=10)], clock, ttl=0.05, max_requests=1)
     with pytest.raises(RequestError) as shed:
-        await fc.admit(request("batch", priority=-1))
+        await through(fc, request("batch", priority=-1))
     assert (shed.value.status, shed.value.code) == (429, "saturated")
     assert shed.value.headers[DROPPED_REASON_HEADER] == "rejected-saturated" and shed.value.headers["retry-after"]
-    waiting = asyncio.create_task(fc.admit(request("std")))
+    waiting = asyncio.create_task(through(fc, request("std")))
     await asyncio.sleep(0)
     with pytest.raises(RequestError) as full:
-        await fc.admit(request("std-2"))
+        await through(fc, request("std-2"))
     assert (full.value.status, full.value.code) == (429, "queue_full")
     with pytest.raises(RequestError) as expired:
         await waiting  # nothing frees room: its TTL (50 ms, the loop's timer) passes
@@ -184,7 +192,7 @@ async def test_a_client_that_leaves_while_queued_is_withdrawn() -> None:
     clock = Clock()
     p = pod(1, waiting=10)
     fc = controller([p], clock)
-    task = asyncio.create_task(fc.admit(request("gone")))
+    task = asyncio.create_task(through(fc, request("gone")))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -226,10 +234,10 @@ async def test_room_above_the_standard_ceiling_is_held_back_for_critical_request
     p.in_flight = 2  # level 2/5 = 0.4: above a 0.3 standard ceiling, below the limit
     fc = FlowController(FlowSettings(standard_ceiling=0.3), SaturationThresholds(queue=5, stale=1e9), lambda: [p],
                         clock=clock)
-    standard = asyncio.create_task(fc.admit(request("std")))
+    standard = asyncio.create_task(through(fc, request("std")))
     await asyncio.sleep(0)
     assert not standard.done() and len(fc.queues) == 1  # held back
-    await fc.admit(request("crit", priority=3))  # goes at once
+    await through(fc, request("crit", priority=3))  # goes at once
     fc.placed()
     p.in_flight = 1  # 0.2: under the ceiling
     fc.kick()
@@ -250,7 +258,7 @@ async def test_a_queued_requests_duration_counts_from_its_arrival() -> None:
     pool = EndpointPool()
     pool.set_endpoints([full])
     fc = FlowController(FlowSettings(), SaturationThresholds(queue=5, stale=1e9), pool.ready, clock=clock)
-    director = Director(pool, build_scheduler(rng=random.Random(0)), clock=clock, flow=fc)
+    director = Director(pool, build_scheduler(rng=random.Random(0)), clock=clock, gate=fc)
     r = request("queued")
     r.api = ApiKind.COMPLETIONS  # a request with a body (has_body follows the API)
     routed = asyncio.create_task(director.route(r))
@@ -276,16 +284,16 @@ async def test_a_flow_over_its_budget_is_refused_and_others_are_not() -> None:
     clock = Clock()
     fc = FlowController(FlowSettings(tokens_per_minute_per_flow=20), SaturationThresholds(queue=5, stale=1e9),
                         lambda: [pod(1)], clock=clock)
-    await fc.admit(request("first", flow="tenant-a"))  # 40 characters: 10 tokens
+    await through(fc, request("first", flow="tenant-a"))  # 40 characters: 10 tokens
     fc.placed()
-    await fc.admit(request("second", flow="tenant-a"))
+    await through(fc, request("second", flow="tenant-a"))
     fc.placed()
     with pytest.raises(RequestError) as refused:
-        await fc.admit(request("third", flow="tenant-a"))
+        await through(fc, request("third", flow="tenant-a"))
     assert (refused.value.status, refused.value.code) == (429, "token_budget_exceeded")
     assert refused.value.headers["retry-after"] == "30" and \
         refused.value.headers[DROPPED_REASON_HEADER] == "rejected-token-budget"
-    await fc.admit(request("other", flow="tenant-b"))  # its own budget
+    await through(fc, request("other", flow="tenant-b"))  # its own budget
 
 
 def test_a_pods_running_capacity_is_learned_once_it_has_shown_a_queue() -> None:
@@ -321,19 +329,19 @@ async def test_slots_held_back_for_critical_requests() -> None:
     fc = FlowController(FlowSettings(critical_slot_share=0.25, max_running_per_pod=4),
                         SaturationThresholds(queue=5, stale=1e9), lambda: [a, b], clock=clock)
     a.in_flight, b.in_flight = 4, 2  # 2 of 8 slots free: the 2 held back (25 %)
-    standard = asyncio.create_task(fc.admit(request("std")))
+    standard = asyncio.create_task(through(fc, request("std")))
     await asyncio.sleep(0)
     assert not standard.done()
     with pytest.raises(RequestError) as refused:  # sheddable: no room for it, at once
-        await fc.admit(request("shed", priority=-1))
+        await through(fc, request("shed", priority=-1))
     assert refused.value.status == 429
-    await fc.admit(request("crit", priority=3))  # takes a held slot at once
+    await through(fc, request("crit", priority=3))  # takes a held slot at once
     fc.placed()
     b.in_flight = 3
-    await fc.admit(request("crit2", priority=3))
+    await through(fc, request("crit2", priority=3))
     fc.placed()
     b.in_flight = 4  # every slot taken: critical requests wait too, here rather than in a pod's queue
-    critical = asyncio.create_task(fc.admit(request("crit3", priority=3)))
+    critical = asyncio.create_task(through(fc, request("crit3", priority=3)))
     await asyncio.sleep(0)
     assert not critical.done()
     a.in_flight = 3  # one finished
@@ -351,13 +359,13 @@ async def test_without_known_capacities_nothing_is_held_back() -> None:
     a = pod(1, running=2)
     fc = FlowController(FlowSettings(critical_slot_share=0.5), SaturationThresholds(queue=5, stale=1e9),
                         lambda: [a], clock=clock)
-    await fc.admit(request("std"))  # capacity unknown: the level alone decides
+    await through(fc, request("std"))  # capacity unknown: the level alone decides
     fc.placed()
     a.metrics = EndpointMetrics(running=2, waiting=1, updated_at=0.0)  # a queue: it runs 2 at most
     fc.pod_refreshed(a)
     a.metrics = EndpointMetrics(running=1, updated_at=0.0)
     a.in_flight = 1
-    standard = asyncio.create_task(fc.admit(request("std2")))
+    standard = asyncio.create_task(through(fc, request("std2")))
     await asyncio.sleep(0)
     assert not standard.done()  # 1 of 2 slots free, and that one is held back
     standard.cancel()
@@ -392,7 +400,7 @@ async def test_a_request_let_through_for_a_free_slot_goes_to_a_pod_that_has_one(
     fc = FlowController(FlowSettings(critical_slot_share=0.25, max_running_per_pod=2),
                         SaturationThresholds(queue=5, stale=1e9), pool.ready, clock=clock)
     critical = Priorities(AdmissionConfig.model_validate({"defaultPriority": 3}))  # every request critical
-    director = Director(pool, build_scheduler(rng=random.Random(0)), priorities=critical, clock=clock, flow=fc)
+    director = Director(pool, build_scheduler(rng=random.Random(0)), priorities=critical, clock=clock, gate=fc)
     warm = request("warm", priority=3)
     warm.api, warm.prompt_text = ApiKind.COMPLETIONS, "a long shared system prompt " * 40
     first = await director.route(warm)

@@ -155,7 +155,7 @@ def test_readme_config_example_builds_the_policy(tmp_path: Path) -> None:
     assert config.admission.objectives == {"batch": -1, "interactive": 1}
     assert config.metrics_slow_interval == 1.0 and config.refresh_metrics_interval is None
     policy = build_policy(config)
-    assert policy.admission.config.max_wait == pytest.approx(0.5)
+    assert config.admission.max_wait == pytest.approx(0.5)
     assert policy.priorities.of(InferenceRequest("r", "m", objective="batch")) == -1
 
 

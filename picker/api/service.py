@@ -20,7 +20,7 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
     try:
         request = build_request(headers, message.body, request_id="explain", subset=subset)
         now = director.clock()
-        director.admit(request, now)  # a request admission would shed is explained as its 429
+        director.screen(request, now)  # a request admission would refuse at once is explained as its refusal
         response.priority = request.priority
         result = director.rank(request, now)
     except RequestError as err:

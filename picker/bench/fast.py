@@ -45,7 +45,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from picker.admission import AdmissionConfig, AdmissionController, Priorities
+from picker.admission import AdmissionConfig, Hold, Priorities, Ungated
 from picker.bench.oracle import InfiniteCacheOracle
 from picker.bench.prompts import PromptBuilder, prompt_text
 from picker.bench.results import OK, SHED, RunResult
@@ -54,9 +54,7 @@ from picker.director import Decision, Director
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence
 from picker.endpoints.state import Endpoint
-from picker.flowcontrol.controller import FlowController
-from picker.flowcontrol.queues import Waiter
-from picker.policy import flow_settings
+from picker.policy import build_gate
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -208,17 +206,17 @@ class _FastRun:
         own_config = scheduling_config(scheduling if strategy == "picker" else None)
         chars_per_token = own_config.prefix_cache.chars_per_token
         admission = cfg.admission_config if cfg.admission_config is not None else AdmissionConfig()
-        flow = flow_settings(admission, chars_per_token) if use_admission else None
-        self.now = 0.0  # the simulated clock flow control reads
+        self.now = 0.0  # the simulated clock the admission gates read
+
+        def clock() -> float:
+            return self.now
         # The director `picker serve` runs, one per replica, called synchronously in simulated time.
         self.directors = []
         for endpoints, scheduler in zip(self.replica_endpoints, schedulers, strict=True):
             pool = _pool_of(endpoints)
-            controller = (FlowController(flow, admission.thresholds, pool.ready, clock=lambda: self.now)
-                          if flow is not None else None)
-            self.directors.append(Director(pool, scheduler, priorities=Priorities(admission), flow=controller,
-                                           admission=AdmissionController(admission) if use_admission else None,
-                                           chars_per_token=chars_per_token))
+            gate = build_gate(admission, chars_per_token, pool, clock=clock) if use_admission else Ungated()
+            self.directors.append(Director(pool, scheduler, gate=gate, priorities=Priorities(admission),
+                                           chars_per_token=chars_per_token, clock=clock))
         self.hasher: PrefixHasher = build_hasher(own_config)
         self.arrivals = 0  # requests dealt to replicas so far
         use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks
@@ -377,57 +375,39 @@ class _FastRun:
             return
         replica = self.arrivals % self.cfg.replicas  # Envoy round-robins ext_proc streams over the replicas
         self.arrivals += 1
-        director = self.directors[replica]
-        if director.flow is not None:
-            self.offer(director.flow, i, request, ids, hashes, replica, now)
-            return
-        try:
-            decision = director.decide(request, now)
-        except RequestError as err:
-            self.refused(i, err, now)
-            return
-        self.send(i, decision, ids, hashes, replica, now)
+        self.offer(i, request, ids, hashes, replica, now)
 
-    def offer(self, flow: FlowController, i: int, request: InferenceRequest, ids: list[int], hashes: list[int],
-              replica: int, now: float) -> None:
-        """Flow control admits the request, queues it (placed when let through, refused when its TTL passes) or
-        refuses it, as `Director.route` has it do in `picker serve`."""
+    def offer(self, i: int, request: InferenceRequest, ids: list[int], hashes: list[int], replica: int,
+              now: float) -> None:
+        """The director's first step, as `picker serve` runs it: placed now, refused, or held; a held request is
+        placed when its gate lets it go (an event now) and hears its deadline as an event."""
         director = self.directors[replica]
 
         def go() -> bool:
             self.push(self.now, _PLACE, (i, request, ids, hashes, replica))
             return True
         try:
-            director.resolve(request)
-            director.candidates(request)
-            waiter = flow.offer(request, go)
+            hold = director.begin(request, go)
         except RequestError as err:
             self.refused(i, err, now)
             return
-        if waiter is None:
+        if hold is None:
             self.place(i, request, ids, hashes, replica, now)
-        elif not waiter.item.dispatched:
-            self.push(now + flow.settings.queue_ttl, _EXPIRE, (i, waiter, replica))
+        elif hold.queued:
+            self.push(hold.deadline, _EXPIRE, (i, hold, replica))
 
     def place(self, i: int, request: InferenceRequest, ids: list[int], hashes: list[int], replica: int,
               now: float) -> None:
-        """A request flow control let through is scheduled now; the next may go once it is placed."""
-        director = self.directors[replica]
-        flow = director.flow
-        assert flow is not None
+        """The director's second step: the request is scheduled now and sent to its pod."""
         try:
-            decision = director.place(request, now)
+            decision = self.directors[replica].place(request, now)
         except RequestError as err:
             self.refused(i, err, now)
             return
-        finally:
-            flow.placed()
         self.send(i, decision, ids, hashes, replica, now)
 
-    def expire(self, i: int, waiter: Waiter[Any], replica: int, now: float) -> None:
-        flow = self.directors[replica].flow
-        assert flow is not None
-        refusal = flow.expire(waiter)
+    def expire(self, i: int, hold: Hold, replica: int, now: float) -> None:
+        refusal = self.directors[replica].expire(hold)
         if refusal is not None:
             self.refused(i, refusal, now)
 
@@ -499,9 +479,7 @@ class _FastRun:
         if replica < 0:
             return
         self.replica_endpoints[replica][k].finish_request(tokens)
-        flow = self.directors[replica].flow
-        if flow is not None:
-            flow.kick()
+        self.directors[replica].gate.kick()
 
     def deliver(self, k: int, result: StepResult, now: float) -> None:
         """Outputs of one batch at its end: first tokens, finished requests and their follow-ups."""
@@ -561,8 +539,7 @@ class _FastRun:
         interval = self.cadence.interval(self.endpoints[k], ok=True)
         for endpoints, director in zip(self.replica_endpoints, self.directors, strict=True):
             endpoints[k].scrape_interval = interval
-            if director.flow is not None:
-                director.flow.pod_refreshed(endpoints[k])
+            director.gate.pod_refreshed(endpoints[k])
         self.scrapes[k] += self.scrapers
         if self.cfg.scrape_cost > 0:
             self.api_busy_until[k] = max(now, self.api_busy_until[k]) + self.cfg.scrape_cost * self.scrapers

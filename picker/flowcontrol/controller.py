@@ -19,7 +19,6 @@ refused.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import OrderedDict
@@ -108,8 +107,8 @@ class _Ticket:
 class FlowController:
     """Admits, queues and dispatches requests; `kick` whenever room may have freed.
 
-    The decisions are synchronous (`offer`, `kick`, `expire`, `withdraw`: every time read from `clock`), so the
-    benchmark's fast mode runs them in simulated time; `admit` is the event loop's way to wait on them."""
+    One of the director's gates (picker.admission.Gate): its decisions are synchronous (`offer`, `kick`, `expire`,
+    `withdraw`: every time read from `clock`), so the benchmark's fast mode runs them in simulated time."""
 
     def __init__(self, settings: FlowSettings, thresholds: SaturationThresholds,
                  pool: Callable[[], Sequence[Endpoint]], clock: Callable[[], float] = time.monotonic,
@@ -160,11 +159,27 @@ class FlowController:
             self.slots.forget_absent(self.pool())
         self.kick()
 
-    def offer(self, request: InferenceRequest, go: Callable[[], bool]) -> Waiter[_Ticket] | None:
-        """Admit `request` (its priority resolved): None when it may be placed now (the caller then calls
-        `placed`); else its place in the queue, and `go` is called when `kick` lets it through (the caller then
-        places it and calls `placed`), or `expire` refuses it once its TTL has passed. RequestError when
-        refused at once."""
+    def refusal(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> RequestError | None:
+        """The refusal a sheddable request gets at once when the pool has no room (its flow's token budget is not
+        read: Explain must not spend it)."""
+        if request.priority >= 0 or self._may_go(now, request.priority):
+            return None
+        return self._shed(request.priority)
+
+    def _may_go(self, now: float, priority: int) -> bool:
+        """Nobody of this priority or higher waits, and the pool has room for it."""
+        return not self.queues.has_waiting_at_or_above(priority) and self.has_room(now, priority)
+
+    def _shed(self, priority: int) -> RequestError:
+        return self._refusal(429, "saturated", "rejected-saturated", f"the pool has no room; request priority "
+                             f"{priority} is sheddable")
+
+    def offer(self, request: InferenceRequest, candidates: Sequence[Endpoint],
+              go: Callable[[], bool]) -> Waiter[_Ticket] | None:
+        """Admit `request` (its priority resolved; the gate looks at the pool, not at its `candidates`): None when
+        it may be placed now (the caller then calls `placed`); else its place in the queue, and `go` is called
+        when `kick` lets it through (the caller then places it and calls `placed`), or `expire` refuses it once
+        its TTL has passed. RequestError when refused at once."""
         now = self.clock()
         priority = request.priority
         if self.budgets is not None:
@@ -176,14 +191,13 @@ class FlowController:
                                    f"used its {self.settings.tokens_per_minute_per_flow} tokens per minute",
                                    headers={"retry-after": str(max(1, math.ceil(wait))),
                                             DROPPED_REASON_HEADER: "rejected-token-budget"})
-        if not self.queues.has_waiting_at_or_above(priority) and self.has_room(now, priority):
+        if self._may_go(now, priority):
             self.unplaced += 1
             self._observe(request, "Dispatched", 0.0)
             return None
         if priority < 0:
             self._observe(request, "RejectedCapacity", 0.0)
-            raise self._refusal(429, "saturated", "rejected-saturated", f"the pool has no room; request priority "
-                                f"{priority} is sheddable")
+            raise self._shed(priority)
         began = time.perf_counter()
         try:
             waiter = self.queues.push(_Ticket(request, go), priority=priority,
@@ -199,37 +213,6 @@ class FlowController:
             self.observer.observe_enqueue(request, "Enqueued", time.perf_counter() - began)
         self.kick()
         return waiter
-
-    async def admit(self, request: InferenceRequest) -> None:
-        """Return when the request may be placed (the caller then calls `placed`); RequestError when refused,
-        at once or when its queue TTL passes. Its priority is resolved already."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def go() -> bool:
-            if future.done():  # cancelled while queued: withdrawn already, never counted
-                return False
-            future.set_result(None)
-            return True
-
-        waiter = self.offer(request, go)
-        if waiter is None:
-            return
-        if waiter.item.dispatched:  # let through by the offer's own kick
-            return
-
-        def expired() -> None:
-            refusal = self.expire(waiter)
-            if refusal is not None and not future.done():
-                future.set_exception(refusal)
-
-        timer = asyncio.get_running_loop().call_later(self.settings.queue_ttl, expired)
-        try:
-            await future
-        except asyncio.CancelledError:
-            self.withdraw(waiter)
-            raise
-        finally:
-            timer.cancel()
 
     def withdraw(self, waiter: Waiter[_Ticket]) -> None:
         """The client of a queued or let-through (not yet placed) request has left."""
