@@ -32,7 +32,7 @@ USER 10001:10001
 WORKDIR /tmp
 # Fail the build, not the first request, if the API stubs or the Envoy templates are missing.
 RUN python -c "import picker.api; from picker.api.v1 import picker_pb2_grpc; \
-from picker.envoyconfig import template_path; template_path('buffered'); template_path('full-duplex')" \
+from picker.serving.envoyconfig import template_path; template_path('buffered'); template_path('full-duplex')" \
  && picker serve --help > /dev/null && picker sim --help > /dev/null
 # ext_proc + picker.v1 API, gRPC health, Prometheus /metrics
 EXPOSE 9002 9003 9090

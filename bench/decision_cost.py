@@ -20,11 +20,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from picker.core.requests import InferenceRequest  # noqa: E402
 from picker.endpoints.metrics import parse_vllm_metrics  # noqa: E402
 from picker.endpoints.state import Endpoint, EndpointMetrics  # noqa: E402
 from picker.prefix.hashing import prefix_keys, prefix_seed  # noqa: E402
 from picker.prefix.memory import InMemoryPrefixIndex  # noqa: E402
-from picker.requests import InferenceRequest  # noqa: E402
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler, predicted_ttft_scheduling  # noqa: E402
 
 WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "or", "an", "at", "from", "model", "cache", "token"]

@@ -32,7 +32,7 @@ from picker.bench import vllm_engine as engine  # noqa: E402
 from picker.kvevents.subscriber import KVEventSubscriber, ZmqReplayer  # noqa: E402
 from picker.prefix.precise import PreciseIndex, token_keys  # noqa: E402
 from picker.prefix.tokens import LocalTokenizer  # noqa: E402
-from picker.supervisor import free_port  # noqa: E402
+from picker.serving.supervisor import free_port  # noqa: E402
 
 BLOCK, BLOCKS = 64, 160
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import timeit
 
+from picker.core.requests import InferenceRequest, Usage
 from picker.endpoints.state import Endpoint
-from picker.observability import PickerMetrics, ResponseTrace
-from picker.requests import InferenceRequest, Usage
+from picker.routing.observers import ResponseTrace
+from picker.serving.metrics import PickerMetrics
 
 
 def main() -> None:
@@ -27,15 +28,15 @@ def main() -> None:
     usage = Usage(100, 10, 50)
 
     def headers_only() -> None:
-        metrics.observe_routed(request, 0.001, 1, 2, pod, 64)
-        metrics.observe_finished(request, 1.0, None)
+        metrics.requests.observe_routed(request, 0.001, 1, 2, pod, 64)
+        metrics.requests.observe_finished(request, 1.0, None)
 
     def with_body() -> None:
-        metrics.observe_routed(request, 0.001, 1, 2, pod, 64)
-        trace = ResponseTrace(0.0, metrics.itl_observer(request))
+        metrics.requests.observe_routed(request, 0.001, 1, 2, pod, 64)
+        trace = ResponseTrace(0.0, metrics.requests.itl_observer(request))
         for at in (0.1, 0.12, 0.14, 0.16, 0.18):
             trace.on_chunk(at, 120, 0.00002)
-        metrics.observe_finished(request, 1.0, usage, trace)
+        metrics.requests.observe_finished(request, 1.0, usage, trace)
 
     for name, call in (("response body not seen (buffered)", headers_only),
                        ("response body seen, 5 chunks (full-duplex)", with_body)):

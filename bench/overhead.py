@@ -20,8 +20,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from picker.envoyconfig import envoy_binary
-from picker.supervisor import (
+from picker.serving.envoyconfig import envoy_binary
+from picker.serving.supervisor import (
     Envoy,
     Managed,
     free_port,

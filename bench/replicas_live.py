@@ -25,7 +25,7 @@ from picker.bench.progress import ProgressBar  # noqa: E402
 from picker.bench.results import RunResult  # noqa: E402
 from picker.bench.summary import summarize  # noqa: E402
 from picker.bench.workloads import FleetSpec, generate  # noqa: E402
-from picker.supervisor import (  # noqa: E402
+from picker.serving.supervisor import (  # noqa: E402
     Managed,
     free_port,
     process_scope,

@@ -808,8 +808,8 @@ def _git_commit() -> str:
 def start_stack(args: argparse.Namespace, logdir: Path, started: list[Any], probe_dir: Path | None
                 ) -> tuple[Any, Any, Any]:
     """Sim pods, the picker (plaintext ext_proc on loopback) and Envoy in front of it, on free ports."""
-    from picker.envoyconfig import EnvoySettings, envoy_binary, render
-    from picker.supervisor import Envoy, Picker, free_port, port_open, spawn, start_sim, wait_until
+    from picker.serving.envoyconfig import EnvoySettings, envoy_binary, render
+    from picker.serving.supervisor import Envoy, Picker, free_port, port_open, spawn, start_sim, wait_until
 
     sim = start_sim(args.pods, logdir, extra=["--seed", "1"])
     started.append(sim.process)
@@ -898,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rest >= 0.2 * args.cycle:
         parser.error("--rest must be under a fifth of the cycle (the last abandoned batch runs at 80 %)")
 
-    from picker.supervisor import process_scope
+    from picker.serving.supervisor import process_scope
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # unwinds through process_scope, which stops every child

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from picker.bench.uploads import MIB, UploadRun, unfinished_uploads
-from picker.supervisor import process_scope, start_backends, start_envoy, start_picker
+from picker.serving.supervisor import process_scope, start_backends, start_envoy, start_picker
 
 
 def one_round(count: int, body_mib: int, cap_mib: int, within: float) -> UploadRun:

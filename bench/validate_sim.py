@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from picker.bench import vllm_engine as engine  # noqa: E402
+from picker.serving.supervisor import free_port  # noqa: E402
 from picker.sim.fleet import SimFleet  # noqa: E402
 from picker.sim.profiles import TINY_CPU  # noqa: E402
-from picker.supervisor import free_port  # noqa: E402
 
 OUT = engine.OUT
 MODEL_DIR = engine.MODEL_DIR

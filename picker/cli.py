@@ -8,15 +8,15 @@ import importlib
 import re
 import sys
 
-from picker import reference_flags
+from picker.serving import reference_flags
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("picker.server", "run the ext_proc endpoint picker (gRPC), health service and metrics"),
-    "demo": ("picker.demo", "start Envoy, a simulated vLLM fleet and the picker; send sample requests"),
-    "envoy-config": ("picker.envoyconfig", "write a checked Envoy config that uses the picker"),
-    "explain": ("picker.explain", "ask a running picker why a request would go where it goes"),
-    "doctor": ("picker.doctor", "ask Envoy whether requests reach the picker, and why not when they fail open"),
+    "serve": ("picker.serving.server", "run the ext_proc endpoint picker (gRPC), health service and metrics"),
+    "demo": ("picker.tools.demo", "start Envoy, a simulated vLLM fleet and the picker; send sample requests"),
+    "envoy-config": ("picker.serving.envoyconfig", "write a checked Envoy config that uses the picker"),
+    "explain": ("picker.tools.explain", "ask a running picker why a request would go where it goes"),
+    "doctor": ("picker.tools.doctor", "ask Envoy whether requests reach the picker, and why not when they fail open"),
     "sim": ("picker.sim.cli", "run simulated vLLM servers (OpenAI API, /metrics, KV events)"),
     "bench": ("picker.bench.cli", "compare routing strategies on the same trace and fleet"),
 }

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from picker.supervisor import (
+from picker.serving.supervisor import (
     Backends,
     Envoy,
     Picker,

@@ -7,20 +7,20 @@ import random
 
 import pytest
 
-from picker.admission import AdmissionConfig, BoundedWait, Priorities
-from picker.director import Director
+from picker.core.requests import ApiKind, InferenceRequest, RequestError
+from picker.core.schema import ConfigError
 from picker.endpoints.pool import EndpointPool
-from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
-from picker.requests import ApiKind, InferenceRequest, RequestError
-from picker.saturation import (
+from picker.endpoints.saturation import (
     SaturationThresholds,
     dispatch_level,
     not_past_full,
     pod_saturation,
     pool_saturation,
 )
+from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
+from picker.routing.admission import AdmissionConfig, BoundedWait, Priorities
+from picker.routing.director import Director
 from picker.scheduling.config import build_scheduler
-from picker.schema import ConfigError
 
 CONFIG = AdmissionConfig.from_dict({"objectives": {"batch": -1, "interactive": 0, "critical": 5}})
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from picker.bench.client import SERVED_BY_HEADER
 from picker.bench.membership import PoolChange, write_pool
-from picker.supervisor import (
+from picker.serving.supervisor import (
     HOST,
     process_scope,
     set_echo_metrics,

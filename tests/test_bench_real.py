@@ -34,8 +34,8 @@ from picker.bench.real import (
     where_ttft_goes,
 )
 from picker.endpoints.state import Endpoint
-from picker.observability import PickerMetrics
-from picker.supervisor import process_scope, start_backends
+from picker.serving.metrics import PickerMetrics
+from picker.serving.supervisor import process_scope, start_backends
 
 
 def run(strategy: str, repeat: int, hit: float, mean: float, p90: float, share: float, scrapes: float) -> dict:
@@ -144,8 +144,8 @@ def test_scrapes_are_read_per_pod_from_the_pickers_own_counter() -> None:
     metrics = PickerMetrics("pool")
     a, b = Endpoint.from_address("10.0.0.1:8000"), Endpoint.from_address("10.0.0.2:8000")
     for ok in (True, True, False):
-        metrics.observe_scrape(a, ok)
-    metrics.observe_scrape(b, True)
+        metrics.pool.observe_scrape(a, ok)
+    metrics.pool.observe_scrape(b, True)
     assert scrapes_per_pod(generate_latest(metrics.registry).decode()) == {"10.0.0.1:8000": 3.0, "10.0.0.2:8000": 1.0}
 
 

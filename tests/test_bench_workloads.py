@@ -10,7 +10,7 @@ from picker.bench.capacity import smallest_fleet
 from picker.bench.oracle import InfiniteCacheOracle
 from picker.bench.prompts import PromptBuilder, prompt_text
 from picker.bench.workloads import WORKLOADS, FleetSpec, generate, shared_prefix_groups
-from picker.requests import build_request
+from picker.core.requests import build_request
 from picker.sim.openai_api import chat_prompt
 from picker.sim.profiles import get_profile
 from picker.sim.tokenizer import Tokenizer

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from picker.core.requests import InferenceRequest
 from picker.endpoints.metrics import parse_metrics
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.chars_per_token import CharsPerToken
 from picker.prefix.memory import InMemoryPrefixIndex
-from picker.requests import InferenceRequest
 from picker.scheduling.config import build_scheduler
 
 
@@ -76,7 +76,7 @@ def test_index_capacity_follows_the_learned_ratio() -> None:
     scheduler = build_scheduler()
     e = pod()
     e.metrics.block_size = 16
-    learner = scheduler.chars_per_token
+    learner = scheduler.approximate.chars_per_token
     learner.smoothing, learner.min_requests = 1.0, 4
 
     def route(text: str) -> None:

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from picker import reference_flags
 from picker.cli import SUBCOMMANDS, main
+from picker.serving import reference_flags
 
 
 def help_text(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -88,7 +88,7 @@ def test_unknown_arguments_are_one_line_with_the_closest_flag(capsys: pytest.Cap
 
 def test_go_spellings_of_long_flags_work(capsys: pytest.CaptureFixture[str]) -> None:
     """Go's flag package takes `-pool-name=x` and `-grpc-port 9002`; a wrong one still names the closest flag."""
-    from picker import config as cfg
+    from picker.serving import config as cfg
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     cfg.add_arguments(parser)

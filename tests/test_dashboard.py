@@ -11,17 +11,18 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from picker.director import through_gate
+from picker.core.metric_twins import Twin
+from picker.core.requests import InferenceRequest, Usage
+from picker.endpoints.saturation import SaturationThresholds
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import FlowController, FlowSettings
 from picker.kvevents.relay import RelayStats
 from picker.kvevents.subscriber import SubscriberStats
-from picker.metric_twins import Twin
-from picker.observability import PickerMetrics, ResponseTrace
 from picker.prefix.precise import PreciseIndex
 from picker.prefix.shared import SyncStats
-from picker.requests import InferenceRequest, Usage
-from picker.saturation import SaturationThresholds
+from picker.routing.director import through_gate
+from picker.routing.observers import ResponseTrace
+from picker.serving.metrics import PickerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "manifests" / "grafana" / "picker-dashboard.json"
 METRIC = re.compile(r"\b(?:llm_d|inference|picker)_[a-z0-9_]+\b")
@@ -35,26 +36,25 @@ def exercised(deprecated_names: bool) -> tuple[PickerMetrics, str]:
     metrics.watch_index_sync(SyncStats())
     request = InferenceRequest(request_id="r", model="m", target_model="m-rewritten", stream=True)
     pod = Endpoint.from_address("10.0.0.1:8000")
-    metrics.observe_routed(request, 0.001, 1, 2, pod, 64)
-    metrics.observe_refused(request, "saturated")
-    metrics.observe_refused(request, "no_endpoints", scheduling=True)
-    response = ResponseTrace(started_at=0.0, itl=metrics.itl_observer(request))
+    metrics.requests.observe_routed(request, 0.001, 1, 2, pod, 64)
+    metrics.requests.observe_refused(request, "saturated")
+    metrics.requests.observe_refused(request, "no_endpoints", scheduling=True)
+    response = ResponseTrace(started_at=0.0, itl=metrics.requests.itl_observer(request))
     for at in (0.1, 0.2, 0.3):
         response.on_chunk(at, 100, 0.0001)
-    metrics.observe_finished(request, 1.0, Usage(100, 10, 50), response)
-    metrics.observe_plugin("Scorer", "queue-scorer", "queue-scorer", 0.00001)
-    metrics.observe_processing(0.001)
-    metrics.index_size_value.set(1)
-    metrics.stream_errors.labels("malformed").inc()
-    metrics.observe_pool([pod])
-    metrics.observe_scrape(pod, True)
-    metrics.observe_prediction(pod, 0.1, 0.12)
-    metrics.observe_prefix_hit(pod, 100, 90)
+    metrics.requests.observe_finished(request, 1.0, Usage(100, 10, 50), response)
+    metrics.scheduling.observe_plugin("Scorer", "queue-scorer", "queue-scorer", 0.00001)
+    metrics.requests.observe_processing(0.001)
+    metrics.scheduling.index_size_value.set(1)
+    metrics.streams.stream_failed("malformed")
+    metrics.pool.observe_pool([pod])
+    metrics.pool.observe_scrape(pod, True)
+    metrics.scheduling.observe_prediction(pod, 0.1, 0.12)
+    metrics.requests.observe_prefix_hit(pod, 100, 90)
     full = Endpoint.from_address("10.0.0.2:8000")
     full.metrics = EndpointMetrics(waiting=50, updated_at=0.0)
-    flow = FlowController(FlowSettings(), SaturationThresholds(stale=1e9), lambda: [full], clock=lambda: 0.0,
-                          observer=metrics)
-    metrics.watch_flow(flow)
+    flow = FlowController(FlowSettings(), SaturationThresholds(stale=1e9), lambda: [full], clock=lambda: 0.0)
+    flow.observer = metrics.watch_flow(flow)
     precise = PreciseIndex()
     precise.apply(pod.address, [], now=0.0)
     events = SubscriberStats(by_pod={pod.address: 1})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from picker.supervisor import process_scope, start_backends, start_envoy, start_picker
+from picker.serving.supervisor import process_scope, start_backends, start_envoy, start_picker
 
 
 def _complete(url: str, prompt: str) -> int:
@@ -39,7 +39,7 @@ def test_debug_run_logs_one_json_line_per_decision_and_no_grpc_internals() -> No
 
 
 def test_an_exit_error_follows_the_log_format() -> None:
-    from picker.logformat import exit_line
+    from picker.core.logformat import exit_line
 
     assert exit_line("picker serve: --grpc-port 1: address already in use") == \
         "picker serve: --grpc-port 1: address already in use"

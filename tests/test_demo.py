@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from picker import demo
+from picker.tools import demo
 
 
 def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

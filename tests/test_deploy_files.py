@@ -29,9 +29,9 @@ import pytest
 import yaml
 
 from picker import cli
-from picker.config import ServeConfig, parse_ports, resolve
 from picker.endpoints.kubernetes import objective_priorities
-from picker.envoyconfig import EnvoySettings, render, validate_with_envoy
+from picker.serving.config import ServeConfig, parse_ports, resolve
+from picker.serving.envoyconfig import EnvoySettings, render, validate_with_envoy
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"

@@ -11,7 +11,14 @@ import urllib.request
 
 import pytest
 
-from picker.supervisor import Picker, free_port, process_scope, start_backends, start_envoy, start_picker
+from picker.serving.supervisor import (
+    Picker,
+    free_port,
+    process_scope,
+    start_backends,
+    start_envoy,
+    start_picker,
+)
 
 CASES: dict[str, tuple[str, str, str]] = {
     # what the picker serves, what Envoy is told it serves (or "wrong-port"), and what doctor must say

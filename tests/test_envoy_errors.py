@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 
-from picker.supervisor import Envoy
+from picker.serving.supervisor import Envoy
 from tests.conftest import Stack
 
 CHAT = "/v1/chat/completions"

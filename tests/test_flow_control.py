@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from picker.director import through_gate
+from picker.core.requests import InferenceRequest, RequestError
+from picker.endpoints.saturation import SaturationThresholds, dispatch_level
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import DROPPED_REASON_HEADER, FlowController, FlowSettings
 from picker.flowcontrol.queues import FlowQueues, QueueFull
 from picker.flowcontrol.slots import RunningSlots
-from picker.requests import InferenceRequest, RequestError
-from picker.saturation import SaturationThresholds, dispatch_level
+from picker.routing.director import through_gate
 
 
 def through(fc: FlowController, r: InferenceRequest) -> Coroutine[Any, Any, None]:
@@ -208,7 +208,7 @@ def test_envoy_config_and_the_picker_keep_the_queue_ttl_below_envoys_message_tim
     import argparse
 
     from picker.cli import main
-    from picker.config import add_arguments, resolve
+    from picker.serving.config import add_arguments, resolve
     assert main(["envoy-config", "--message-timeout", "3s"]) == 2
     assert "must exceed the picker's queue TTL --queue-ttl 4s" in capsys.readouterr().err
     assert main(["envoy-config", "--message-timeout", "8s", "--queue-ttl", "6s"]) == 0
@@ -248,9 +248,9 @@ async def test_room_above_the_standard_ceiling_is_held_back_for_critical_request
 async def test_a_queued_requests_duration_counts_from_its_arrival() -> None:
     import random
 
-    from picker.director import Director
+    from picker.core.requests import ApiKind
     from picker.endpoints.pool import EndpointPool
-    from picker.requests import ApiKind
+    from picker.routing.director import Director
     from picker.scheduling.config import build_scheduler
 
     clock = Clock()
@@ -387,10 +387,10 @@ async def test_a_request_let_through_for_a_free_slot_goes_to_a_pod_that_has_one(
     prefix); with slots held back the request still lands where a slot is free, not in the full pod's queue."""
     import random
 
-    from picker.admission import AdmissionConfig, Priorities
-    from picker.director import Director
+    from picker.core.requests import ApiKind
     from picker.endpoints.pool import EndpointPool
-    from picker.requests import ApiKind
+    from picker.routing.admission import AdmissionConfig, Priorities
+    from picker.routing.director import Director
     from picker.scheduling.config import build_scheduler
 
     clock = Clock()

@@ -19,13 +19,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from picker.director import Director
+from picker.core.memory import AllocatorTrim
+from picker.core.requests import RequestError, build_request
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.extproc.limits import BodyBudget
 from picker.extproc.servicer import Phase, ProtocolViolation, _Stream
-from picker.memory import AllocatorTrim
-from picker.requests import RequestError, build_request
+from picker.routing.director import Director
 from picker.scheduling.config import build_scheduler
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,13 +11,13 @@ import urllib.request
 import pytest
 import yaml
 
+from picker.core.requests import InferenceRequest
+from picker.core.schema import ConfigError
 from picker.endpoints.state import Endpoint
-from picker.requests import InferenceRequest
 from picker.scheduling.config import DEFAULT_CONFIG, build_strategy, with_scorer
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.fuzzy import FuzzyPrefixScorer, MinHasher
-from picker.schema import ConfigError
-from picker.supervisor import process_scope, start_backends, start_picker_fleet
+from picker.serving.supervisor import process_scope, start_backends, start_picker_fleet
 
 WORDS = [f"{w}{i}" for i in range(40) for w in ("alpha", "beta", "gamma", "delta", "omega")]
 

@@ -27,9 +27,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from picker.admission import AdmissionConfig, Priorities
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.config import ServeConfig
+from picker.core.model_rewrite import RewriteRule
+from picker.core.requests import InferenceRequest
+from picker.core.retry import Backoff
 from picker.endpoints.kubernetes import (
     CredentialsError,
     ExecCredentials,
@@ -40,7 +41,6 @@ from picker.endpoints.kubernetes import (
     KubernetesDiscovery,
     TokenFile,
     WatchEvent,
-    discovery_from_config,
     follow_collection,
     load_kube_config,
     objective_priorities,
@@ -52,10 +52,10 @@ from picker.endpoints.kubernetes import (
 )
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
-from picker.model_rewrite import RewriteRule
-from picker.requests import InferenceRequest
-from picker.retry import Backoff
-from picker.supervisor import (
+from picker.routing.admission import AdmissionConfig, Priorities
+from picker.serving.config import ServeConfig
+from picker.serving.server import discovery_from_config
+from picker.serving.supervisor import (
     Envoy,
     free_port,
     process_scope,
@@ -374,7 +374,7 @@ def test_envoy_routes_to_the_pods_an_inference_pool_selects(tmp_path: Path) -> N
     addresses_of = {name: f"{ip}:{port}" for name, ip in pods.items()}
     thread = FakeKubeThread()
     with thread as kube, process_scope("kube") as (logdir, started):
-        backends = spawn("pods", [sys.executable, "-m", "picker.echo", *addresses_of.values()], logdir)
+        backends = spawn("pods", [sys.executable, "-m", "picker.tools.echo", *addresses_of.values()], logdir)
         started.append(backends)
         for address in addresses_of.values():
             wait_until(lambda a=address: _bound(a), 20, f"pod {address}", backends.proc)  # type: ignore[misc]
@@ -530,7 +530,7 @@ def test_envoy_sheds_by_the_priority_an_inference_objective_declares(tmp_path: P
     with thread as kube, process_scope("kube-objectives") as (logdir, started):
         port = free_port()
         address = f"127.0.0.2:{port}"
-        backends = spawn("pods", [sys.executable, "-m", "picker.echo", address], logdir)
+        backends = spawn("pods", [sys.executable, "-m", "picker.tools.echo", address], logdir)
         started.append(backends)
         wait_until(lambda: _bound(address), 20, "pod", backends.proc)
         thread.run(kube.put_pool(NS, "llama", LABELS, [port]))

@@ -205,10 +205,10 @@ def test_topics_name_their_pod() -> None:
 
 
 def test_the_scheduler_scores_what_the_pods_events_say_they_hold() -> None:
+    from picker.core.requests import ApiKind, InferenceRequest
     from picker.endpoints.state import Endpoint, EndpointMetrics
     from picker.prefix.precise import PrecisePrefix
     from picker.prefix.tokens import given_token_ids
-    from picker.requests import ApiKind, InferenceRequest
     from picker.scheduling.config import build_scheduler
 
     index = PreciseIndex()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
+from picker.core.requests import build_request, tokenize_input
 from picker.prefix.tokens import LocalTokenizer, TokenizerFilesError
-from picker.requests import build_request, tokenize_input
 
 TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
             "'<|end_header_id|>\\n\\n' + (message['content'] | trim) + '<|eot_id|>' }}{% endfor %}"

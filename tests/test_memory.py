@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from picker.memory import AllocatorTrim
+from picker.core.memory import AllocatorTrim
 
 
 class Trims:

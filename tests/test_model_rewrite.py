@@ -11,11 +11,7 @@ from typing import Any
 
 import pytest
 
-from picker.director import Director
-from picker.endpoints.kube.objects import model_rewrite_rules
-from picker.endpoints.pool import EndpointPool
-from picker.endpoints.state import Endpoint, EndpointMetrics
-from picker.model_rewrite import (
+from picker.core.model_rewrite import (
     ModelRewrites,
     RewriteRule,
     RewriteRuleSpec,
@@ -24,9 +20,13 @@ from picker.model_rewrite import (
     response_swaps,
     swap_models,
 )
-from picker.requests import InferenceRequest, build_request
+from picker.core.requests import InferenceRequest, build_request
+from picker.core.schema import ConfigError
+from picker.endpoints.kube.objects import model_rewrite_rules
+from picker.endpoints.pool import EndpointPool
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.routing.director import Director
 from picker.scheduling.config import build_scheduler, scheduling_config
-from picker.schema import ConfigError
 
 
 def rules(*specs: dict[str, Any]) -> list[RewriteRule]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from picker.supervisor import (
+from picker.serving.supervisor import (
     Backends,
     Envoy,
     process_scope,

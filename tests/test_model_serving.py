@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from picker.core.requests import RequestError
+from picker.endpoints.model_serving import ModelServing
 from picker.endpoints.state import Endpoint, EndpointMetrics
-from picker.model_serving import ModelServing
-from picker.requests import RequestError
 
 
 def pod(i: int, models: tuple[str, ...] = (), loras: tuple[str, ...] = (), max_lora: int = 0) -> Endpoint:

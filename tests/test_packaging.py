@@ -180,7 +180,7 @@ def test_read_only_install_serves_and_explains(read_only_venv: Path, tmp_path: P
     ro = _read_only_prefix(read_only_venv)
     before = _snapshot(read_only_venv)
     where = _run([*ro, str(bin_dir / "python"), "-c", "import picker.api, picker; from picker.api.v1 import "
-                  "picker_pb2_grpc; from picker.envoyconfig import template_path; "
+                  "picker_pb2_grpc; from picker.serving.envoyconfig import template_path; "
                   "print(picker.__file__); print(template_path('full-duplex'))"], cwd=tmp_path, env=env)
     assert where.returncode == 0, where.stderr
     assert all(line.startswith(str(read_only_venv)) for line in where.stdout.split()), where.stdout
@@ -237,7 +237,7 @@ def test_subcommand_without_its_extra_says_which_to_install(command: str, extra:
 def test_serving_needs_no_extra_nor_simulator(tmp_path: Path) -> None:
     """serve, explain and envoy-config import neither the simulator, the benchmark, nor any extra's package."""
     result = _run_blocked(("picker.sim", "picker.bench", "zmq", "matplotlib", "grpc_tools", "tokenizers"), """
-        import picker.server, picker.explain, picker.envoyconfig, picker.api.service
+        import picker.serving.server, picker.tools.explain, picker.serving.envoyconfig, picker.api.service
         from picker.cli import main
         for command in ("serve", "explain", "envoy-config"):
             try:

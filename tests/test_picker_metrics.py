@@ -9,7 +9,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.endpoints.state import Endpoint, EndpointMetrics
-from picker.observability import ModelLabels, PickerMetrics
+from picker.serving.metrics import PickerMetrics
+from picker.serving.metrics.labels import ModelLabels
 from tests.conftest import Stack
 from tests.waiting import eventually_async
 
@@ -89,9 +90,9 @@ async def test_pool_gauges_follow_the_pool(stack: Stack) -> None:
 def test_scrape_counts_per_pod_and_a_departed_pod_leaves_no_series() -> None:
     metrics = PickerMetrics("pool")
     pod = Endpoint.from_address("10.0.0.1:8000")
-    metrics.observe_scrape(pod, True)
-    metrics.observe_scrape(pod, True)
-    metrics.observe_scrape(pod, False)
+    metrics.pool.observe_scrape(pod, True)
+    metrics.pool.observe_scrape(pod, True)
+    metrics.pool.observe_scrape(pod, False)
     text = generate_latest(metrics.registry).decode()
     assert 'picker_model_server_scrapes_total{model_server_pod="10.0.0.1:8000",name="pool",result="ok"} 2.0' in text
     assert 'result="error"} 1.0' in text

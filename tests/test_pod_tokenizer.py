@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from picker.core.requests import InferenceRequest, build_request
 from picker.prefix.tokens import PodTokenizer, TokenCache
-from picker.requests import InferenceRequest, build_request
 from tests.fake_pod import running_pods
 
 

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.bench.workloads import WORDS
-from picker.supervisor import (
+from picker.serving.supervisor import (
     Backends,
     Envoy,
     Picker,

@@ -18,14 +18,14 @@ from prometheus_client import generate_latest
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
+from picker.core.requests import InferenceRequest
+from picker.core.schema import ConfigError
 from picker.endpoints.state import Endpoint, EndpointMetrics
-from picker.observability import PickerMetrics
-from picker.requests import InferenceRequest
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler, predicted_ttft_scheduling
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.predicted import PredictedTTFTScorer, Prediction
-from picker.schema import ConfigError
-from picker.supervisor import process_scope, start_envoy, start_picker, start_sim
+from picker.serving.metrics import PickerMetrics
+from picker.serving.supervisor import process_scope, start_envoy, start_picker, start_sim
 from tests.test_scheduling_grpc import Scene, running_scene
 from tests.waiting import eventually_async
 
@@ -322,7 +322,7 @@ def test_predictions_are_compared_with_the_ttft_the_pod_measured() -> None:
 def test_the_metrics_show_prediction_against_measurement_and_forget_a_departed_pod() -> None:
     metrics = PickerMetrics("pool")
     e = pod(1)
-    metrics.observe_prediction(e, 0.15, 0.25)
+    metrics.scheduling.observe_prediction(e, 0.15, 0.25)
     text = generate_latest(metrics.registry).decode()
     assert f'picker_ttft_predicted_seconds{{model_server_pod="{e.name}",name="pool"}} 0.15' in text
     assert f'picker_ttft_observed_seconds{{model_server_pod="{e.name}",name="pool"}} 0.25' in text
@@ -377,7 +377,7 @@ def test_a_ttft_objective_makes_every_pod_that_meets_it_equal_and_says_when_none
 
 @pytest.mark.parametrize("value", ["fast", "0", "-5", "inf", "nan"])
 def test_a_bad_ttft_objective_is_the_clients_400(value: str) -> None:
-    from picker.requests import RequestError, build_request
+    from picker.core.requests import RequestError, build_request
 
     headers = {":path": "/v1/completions", ":method": "POST", "x-slo-ttft-ms": value}
     with pytest.raises(RequestError) as err:
@@ -412,7 +412,7 @@ def test_the_benchmarks_config_file_is_the_documented_config_and_serve_accepts_i
     import argparse
 
     from picker.bench.live import predicted_ttft_config
-    from picker.config import add_arguments, resolve
+    from picker.serving.config import add_arguments, resolve
 
     path = predicted_ttft_config(tmp_path, 0.5)
     expected = copy.deepcopy(PREDICTED_TTFT_CONFIG)

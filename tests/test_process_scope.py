@@ -9,7 +9,7 @@ import sys
 
 SCOPE = """
 import sys, time
-from picker.supervisor import process_scope, spawn
+from picker.serving.supervisor import process_scope, spawn
 with process_scope("sigterm-test") as (logdir, started):
     started.append(spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], logdir))
     print(started[0].proc.pid, flush=True)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from picker.quietlog import QuietLog
+from picker.core.quietlog import QuietLog
 
 
 def test_a_burst_per_window_then_a_count_of_what_was_held(caplog: pytest.LogCaptureFixture) -> None:

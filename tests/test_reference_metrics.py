@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker import __version__
-from picker.observability import PickerMetrics
-from picker.supervisor import (
+from picker.serving.metrics import PickerMetrics
+from picker.serving.supervisor import (
     Envoy,
     Picker,
     process_scope,

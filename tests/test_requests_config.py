@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from picker import config as cfg
-from picker.endpoints.discovery import EndpointsFileWatcher, load_endpoints_file, parse_endpoint_list
-from picker.endpoints.pool import EndpointPool, PoolEvent
-from picker.requests import (
+from picker.core.requests import (
     ApiKind,
     InferenceRequest,
     RequestError,
@@ -19,6 +16,9 @@ from picker.requests import (
     build_request,
     render_messages,
 )
+from picker.endpoints.discovery import EndpointsFileWatcher, load_endpoints_file, parse_endpoint_list
+from picker.endpoints.pool import EndpointPool, PoolEvent
+from picker.serving import config as cfg
 
 
 @pytest.mark.parametrize("path,kind", [
@@ -145,7 +145,7 @@ def test_file_watcher_replaces_pool_and_keeps_last_good(tmp_path: Path) -> None:
 
 
 def test_readme_config_example_builds_the_policy(tmp_path: Path) -> None:
-    from picker.policy import build_policy
+    from picker.serving.policy import build_policy
 
     readme = (Path(__file__).resolve().parents[1] / "docs" / "scheduling.md").read_text()
     example = readme.split("# picker.yaml (picker serve --config-file picker.yaml)\n", 1)[1].split("```", 1)[0]

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from picker.retry import Backoff
+from picker.core.retry import Backoff
 
 
 class Sleeps:

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from picker.director import Director
+from picker.core.requests import ApiKind, InferenceRequest, RequestError
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.memory import InMemoryPrefixIndex
-from picker.requests import ApiKind, InferenceRequest, RequestError
+from picker.routing.director import Director
 from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.strategies import (

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
+from picker.core.requests import InferenceRequest
+from picker.core.schema import ConfigError
+from picker.endpoints.saturation import SaturationThresholds
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import IndexKey
-from picker.requests import InferenceRequest
-from picker.saturation import SaturationThresholds
 from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.filters import SaturationFilter
@@ -28,7 +29,6 @@ from picker.scheduling.scorers import (
     QueueScorer,
     SessionAffinityScorer,
 )
-from picker.schema import ConfigError
 
 
 def ep(i: int, **metrics: object) -> Endpoint:

@@ -9,8 +9,8 @@ import yaml
 
 from picker.bench.client import SERVED_BY_HEADER
 from picker.bench.live import start_direct_envoy
-from picker.envoyconfig import EnvoySettings, http_managers, render, with_served_by
-from picker.supervisor import process_scope, start_backends, start_picker_fleet
+from picker.serving.envoyconfig import EnvoySettings, http_managers, render, with_served_by
+from picker.serving.supervisor import process_scope, start_backends, start_picker_fleet
 
 
 def post(url: str) -> tuple[str, str]:

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from picker import server
-from picker.config import ServeConfig
+from picker.serving import server
+from picker.serving.config import ServeConfig
 
 
 async def test_a_failed_background_task_stops_serve_with_an_error(caplog: pytest.LogCaptureFixture) -> None:

@@ -19,15 +19,15 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.config import ServeConfig
-from picker.policy import build_policy
+from picker.core.requests import build_request
+from picker.core.schema import ConfigError
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.shared import SharedPrefixIndex, decode_keys, encode_keys, stream_name
-from picker.requests import build_request
 from picker.scheduling.config import SchedulingConfig
-from picker.schema import ConfigError
-from picker.supervisor import (
+from picker.serving.config import ServeConfig
+from picker.serving.policy import build_policy
+from picker.serving.supervisor import (
     Backends,
     Envoy,
     Managed,

@@ -16,7 +16,7 @@ from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.shared_scrape import SharedSample, SharedScrapes, _decode, _encode
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
-from picker.supervisor import (
+from picker.serving.supervisor import (
     Envoy,
     Picker,
     Valkey,

@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.bench.uploads import MIB, picker_samples, unfinished_uploads
-from picker.supervisor import (
+from picker.serving.supervisor import (
     Backends,
     Envoy,
     Picker,

@@ -6,8 +6,8 @@ import grpc
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.director import Director
-from picker.requests import RequestError, build_request
+from picker.core.requests import RequestError, build_request
+from picker.routing.director import Director
 
 
 def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb2.ExplainResponse:

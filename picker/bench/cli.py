@@ -13,8 +13,8 @@ from typing import Any
 import yaml
 
 from picker.bench.workloads import WORKLOADS
-from picker.config import parse_duration
 from picker.scheduling.config import STRATEGIES
+from picker.serving.config import parse_duration
 
 FAST_STRATEGIES = ("round-robin", "random", "least-load", "prefix-only", "picker")
 PEERS = ("sglang-router", "vllm-router")

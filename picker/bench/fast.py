@@ -45,23 +45,23 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from picker.admission import AdmissionConfig, Hold, Priorities, Ungated
 from picker.bench.oracle import InfiniteCacheOracle
 from picker.bench.prompts import PromptBuilder, prompt_text
 from picker.bench.results import OK, SHED, RunResult
 from picker.bench.trace import Message, Trace
-from picker.director import Decision, Director
+from picker.core.requests import ApiKind, InferenceRequest, RequestError
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence
 from picker.endpoints.state import Endpoint
-from picker.policy import build_gate
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.precise import PreciseIndex, PrecisePrefix
-from picker.requests import ApiKind, InferenceRequest, RequestError
+from picker.routing.admission import AdmissionConfig, Hold, Priorities, Ungated
+from picker.routing.director import Decision, Director
 from picker.scheduling.config import build_hasher, build_prefix_index, build_strategy, scheduling_config
 from picker.scheduling.types import Scheduler
+from picker.serving.policy import build_gate
 from picker.sim.engine import Engine, SimRequest, StepResult
 from picker.sim.kvcache import block_hashes
 from picker.sim.profiles import Profile

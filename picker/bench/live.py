@@ -40,11 +40,9 @@ from picker.bench.results import RunResult
 from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
 from picker.endpoints.metrics import parse_metrics
-from picker.envoyconfig import EnvoySettings, add_served_by, envoy_binary, http_managers, render
 from picker.scheduling.config import predicted_ttft_scheduling
-from picker.sim.profiles import Profile, get_profile
-from picker.sim.tokenizer import Tokenizer
-from picker.supervisor import (
+from picker.serving.envoyconfig import EnvoySettings, add_served_by, envoy_binary, http_managers, render
+from picker.serving.supervisor import (
     HOST,
     Managed,
     free_port,
@@ -55,6 +53,8 @@ from picker.supervisor import (
     start_sim,
     wait_until,
 )
+from picker.sim.profiles import Profile, get_profile
+from picker.sim.tokenizer import Tokenizer
 
 PREDICTED_TTFT = "picker-predicted-ttft"  # the picker with PREDICTED_TTFT_CONFIG as its scheduler
 DEFAULT_ROUTERS = ("round-robin", "random", "least-load", "prefix-only", "picker", *peers.PEERS)

@@ -33,7 +33,7 @@ import aiohttp
 from picker.bench.client import stream_request
 from picker.bench.live import start_direct_envoy
 from picker.bench.workloads import text
-from picker.supervisor import Managed, process_scope, start_picker_fleet, start_sim
+from picker.serving.supervisor import Managed, process_scope, start_picker_fleet, start_sim
 
 ROUTERS = ("round-robin", "round-robin-per-model", "prefix-hash", "picker")
 FLEETS = (("llama", "sql-lora"), ("qwen", "chat-lora"))  # (base model, its adapter)

@@ -45,14 +45,14 @@ from typing import Any
 import aiohttp
 import yaml
 
-from picker.admission import AdmissionConfig
 from picker.bench.capacity import saturating
 from picker.bench.fast import FastConfig, run_fast
 from picker.bench.results import OK, SHED
 from picker.bench.trace import Trace, TraceRequest
 from picker.bench.workloads import WORDS
+from picker.core.requests import FAIRNESS_ID_HEADER
 from picker.endpoints.scraper import Cadence
-from picker.requests import FAIRNESS_ID_HEADER
+from picker.routing.admission import AdmissionConfig
 from picker.sim.profiles import get_profile
 
 OBJECTIVES = "admission:\n  objectives: [{name: critical, priority: 5}, {name: batch, priority: -1}]\n"
@@ -337,7 +337,7 @@ async def live_capacity(url: str, slots: int, seconds: float) -> float:
 
 
 async def run_live_overload(spec: OverloadSpec) -> dict[str, Any]:
-    from picker.supervisor import process_scope, start_envoy, start_picker, start_sim
+    from picker.serving.supervisor import process_scope, start_envoy, start_picker, start_sim
 
     with process_scope("overload") as (logdir, started):
         sim = start_sim(spec.pods, logdir, time_scale=TIME_SCALE, extra=["--max-num-seqs", str(spec.max_num_seqs)])

@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from picker.supervisor import HOST, Managed, free_port, port_open, spawn, wait_until
+from picker.serving.supervisor import HOST, Managed, free_port, port_open, spawn, wait_until
 
 # The peers' venvs, relative to the working directory (the repository root under `make`); resolved when used.
 VENVS = Path("bench") / ".venvs"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from picker.bench.trace import Message, TraceRequest
-from picker.requests import render_messages
+from picker.core.requests import render_messages
 from picker.sim.tokenizer import END_HEADER, EOT, SPECIAL_TOKENS, START_HEADER, Tokenizer
 
 
@@ -67,7 +67,7 @@ def full_messages(req: TraceRequest, history: Sequence[Message] | None) -> tuple
 
 
 def prompt_text(messages: Sequence[Message] | None, prompt: Sequence[str] | None) -> str:
-    """The canonical text the picker hashes (exactly what `picker.requests.build_request` computes)."""
+    """The canonical text the picker hashes (exactly what `picker.core.requests.build_request` computes)."""
     if prompt is not None:
         return "".join(prompt)
     return render_messages([{"role": r, "content": c} for r, c in messages or ()])

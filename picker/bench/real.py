@@ -59,8 +59,8 @@ from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, group_sizes, multi_turn, shared_prefix
 from picker.endpoints.scraper import Cadence
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG
+from picker.serving.supervisor import HOST, Managed, process_scope, start_picker_fleet, start_valkey
 from picker.sim.profiles import TINY_CPU
-from picker.supervisor import HOST, Managed, process_scope, start_picker_fleet, start_valkey
 
 STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "prefix-hash", "picker", "picker-predicted-ttft",
               "picker-4-replicas")

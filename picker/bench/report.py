@@ -16,7 +16,7 @@ from picker.bench import plots
 from picker.bench.suite import SuiteResult, ordered
 from picker.bench.summary import FIGURES, ratios_to
 from picker.bench.targets import evaluate_fast, evaluate_live, evaluate_sweep
-from picker.envoyconfig import editable_checkout
+from picker.serving.envoyconfig import editable_checkout
 
 PAPER_WORKLOADS = {"chat": "system_len", "code": "context_len", "multi-turn": None, "summarize": "doc_len"}
 PAPER_PREFIX = {"chat": 256, "code": 512, "multi-turn": 1024, "summarize": 2048}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.supervisor import Managed
+from picker.serving.supervisor import Managed
 
 MIB = 2**20
 REFUSED = ("inference_objective_request_error_total", "buffers_full")

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from picker.serving.supervisor import HOST, free_port
 from picker.sim.tokenizer import LLAMA3_JINJA_TEMPLATE
-from picker.supervisor import HOST, free_port
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"

@@ -39,7 +39,6 @@ from picker.endpoints.kube.discovery import (
     REWRITE_GROUP,
     REWRITE_VERSION,
     KubernetesDiscovery,
-    discovery_from_config,
     follow_collection,
     watch_model_rewrites,
     watch_objectives,
@@ -60,7 +59,7 @@ __all__ = [
     "SERVICE_ACCOUNT", "TOKEN_MAX_AGE",
     "TRANSIENT", "WATCH_TIMEOUT_SECONDS", "Credentials", "CredentialsError", "ExecCredentials", "ExecPlugin",
     "Gone", "KubeApi", "KubeConfig", "KubeError", "KubernetesDiscovery", "MalformedObject", "PoolSpec",
-    "StaticToken", "TokenFile", "WatchEvent", "discovery_from_config", "follow_collection", "label_selector",
+    "StaticToken", "TokenFile", "WatchEvent", "follow_collection", "label_selector",
     "load_kube_config", "model_rewrite_rules", "objective_priorities", "parse_exec_credential", "pod_endpoints",
     "pool_spec", "watch_model_rewrites", "watch_objectives",
 ]

@@ -27,10 +27,10 @@ from typing import Protocol
 
 import aiohttp
 
+from picker.core.lifecycle import cancel_all
 from picker.endpoints.metrics import parse_metrics
 from picker.endpoints.shared_scrape import SharedScrapes, grace
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
-from picker.lifecycle import cancel_all
 
 
 class HealthTransitions(Protocol):

@@ -15,23 +15,24 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from enum import Enum
+from typing import Protocol
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
-from picker.director import Decision, Director
+from picker.core.memory import AllocatorTrim
+from picker.core.model_rewrite import swap_models
+from picker.core.quietlog import QuietLog
+from picker.core.requests import InferenceRequest, RequestError, route_kind
 from picker.extproc import protocol as p
 from picker.extproc.limits import BodyBudget, StreamLimits
 from picker.extproc.usage import UsageReader
-from picker.memory import AllocatorTrim
-from picker.model_rewrite import swap_models
-from picker.observability import PickerMetrics, ResponseTrace
-from picker.quietlog import QuietLog
-from picker.requests import InferenceRequest, RequestError, route_kind
+from picker.routing.director import Decision, Director
+from picker.routing.observers import ResponseTrace
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,24 @@ def go_code_name(code: grpc.StatusCode) -> str:
     return "".join(part.capitalize() for part in code.name.split("_")) if code is not grpc.StatusCode.OK else "OK"
 
 
+class StreamObserver(Protocol):
+    """Hears of the servicer's streams (the serving assembly's metrics)."""
+
+    def watch_buffered(self, held: Callable[[], float]) -> None:
+        """`held()`: the request-body bytes the streams hold now."""
+        ...
+
+    def stream_opened(self) -> None: ...
+
+    def stream_closed(self, code: str, seconds: float) -> None:
+        """A stream ended with gRPC status `code` (its Go name) after `seconds`."""
+        ...
+
+    def stream_failed(self, reason: str) -> None:
+        """A stream ended by an error: malformed, protocol, timeout or internal."""
+        ...
+
+
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """`envoy.service.ext_proc.v3.ExternalProcessor/Process`: one bidirectional stream per HTTP request.
 
@@ -279,14 +298,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     reaches the port can send garbage. Tracebacks of malformed input only at DEBUG.
     """
 
-    def __init__(self, director: Director, limits: StreamLimits, metrics: PickerMetrics | None = None) -> None:
+    def __init__(self, director: Director, limits: StreamLimits, metrics: StreamObserver | None = None) -> None:
         self.director = director
         self.limits = limits
         self.budget = BodyBudget(limits.max_buffered)
         self.trim = AllocatorTrim.from_libc()
         self.metrics = metrics
         if metrics is not None:
-            metrics.buffered_bytes.set_function(lambda: self.budget.held)
+            metrics.watch_buffered(lambda: self.budget.held)
         self.quiet = QuietLog(log)
 
     async def Process(  # noqa: N802 - gRPC method name
@@ -296,9 +315,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         stream = _Stream(self.director, self.limits.max_body, self.budget, self.trim)
         loop = asyncio.get_running_loop()
         idle, routed_at, opened_at = self.limits.idle_timeout, 0.0, loop.time()
-        series = self.metrics.streams if self.metrics is not None else None
-        if series is not None:
-            series.open.inc()
+        observer = self.metrics
+        if observer is not None:
+            observer.stream_opened()
         code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: Envoy (or its client) went away
         try:
             # One timer per stream, moved on as messages come: idle_timeout until the decision, then at most
@@ -337,10 +356,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             code = self._end(context, grpc.StatusCode.INTERNAL, "picker internal error")
         finally:
             stream.release()
-            if series is not None:
-                series.open.dec()
-                series.duration.observe(loop.time() - opened_at)
-                series.ended.labels(go_code_name(code)).inc()
+            if observer is not None:
+                observer.stream_closed(go_code_name(code), loop.time() - opened_at)
 
     @staticmethod
     def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> grpc.StatusCode:
@@ -353,5 +370,5 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def _failed(self, reason: str, message: str, exc: object, *, level: int = logging.WARNING,
                 traceback: bool = False) -> None:
         if self.metrics is not None:
-            self.metrics.stream_errors.labels(reason).inc()
+            self.metrics.stream_failed(reason)
         self.quiet.log(level, message, exc, exc_info=traceback or log.isEnabledFor(logging.DEBUG))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from picker.requests import Usage
+from picker.core.requests import Usage
 
 _MAX_JSON_BYTES = 1 << 20  # a non-streamed body larger than this is not parsed for usage
 

@@ -2,7 +2,7 @@
 priority or higher waits; otherwise it waits in its band and flow (`queues`) and is dispatched when room frees, or
 refused.
 
-- Room: the pool's dispatch level (picker.saturation: waiting and KV-cache use against the admission thresholds,
+- Room: the pool's dispatch level (picker.endpoints.saturation: waiting and KV-cache use against the admission thresholds,
   where a pod's waiting counts the requests we sent it that it has not started yet, and requests dispatched but not
   yet placed count too) below `saturationLimit` for critical requests (priority > 0), below `standardCeiling` of it
   for the others: the room between is held back for critical requests, which then queue behind fewer in the pods. Requests go one at a time: each placement updates the level before
@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from picker.core.requests import InferenceRequest, RequestError, estimated_tokens
+from picker.endpoints.saturation import SaturationThresholds, dispatch_level
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.queues import FlowQueues, QueueFull, Waiter
 from picker.flowcontrol.slots import RunningSlots
 from picker.prefix.hashing import CHARS_PER_TOKEN
-from picker.requests import InferenceRequest, RequestError, estimated_tokens
-from picker.saturation import SaturationThresholds, dispatch_level
 
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"  # the reference picker's header
 DEFAULT_FLOW = "default"  # the flow of requests that name no fairness id
@@ -107,7 +107,7 @@ class _Ticket:
 class FlowController:
     """Admits, queues and dispatches requests; `kick` whenever room may have freed.
 
-    One of the director's gates (picker.admission.Gate): its decisions are synchronous (`offer`, `kick`, `expire`,
+    One of the director's gates (picker.routing.admission.Gate): its decisions are synchronous (`offer`, `kick`, `expire`,
     `withdraw`: every time read from `clock`), so the benchmark's fast mode runs them in simulated time."""
 
     def __init__(self, settings: FlowSettings, thresholds: SaturationThresholds,

@@ -25,8 +25,8 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from picker.lifecycle import cancel_all, close_clients
-from picker.retry import Backoff
+from picker.core.lifecycle import cancel_all, close_clients
+from picker.core.retry import Backoff
 
 log = logging.getLogger(__name__)
 

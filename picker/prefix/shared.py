@@ -26,9 +26,9 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from picker.lifecycle import cancel_all, close_clients
+from picker.core.lifecycle import cancel_all, close_clients
+from picker.core.retry import Backoff
 from picker.prefix.memory import InMemoryPrefixIndex
-from picker.retry import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from picker.core.requests import InferenceRequest, tokenize_input
 from picker.endpoints.state import Endpoint
-from picker.requests import InferenceRequest, tokenize_input
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,9 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field
 
-from picker.model_rewrite import RewriteRuleSpec
+from picker.core.model_rewrite import RewriteRuleSpec
+from picker.core.schema import ConfigError, Section, decode
+from picker.endpoints.saturation import SaturationThresholds
 from picker.prefix.hashing import (
     CHARS_PER_TOKEN,
     DEFAULT_BLOCK_CHARS,
@@ -41,7 +43,6 @@ from picker.prefix.hashing import (
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
 from picker.prefix.precise import PrecisePrefix
-from picker.saturation import SaturationThresholds
 from picker.scheduling import filters, fuzzy, picker, predicted, profiles, reference_plugins, scorers
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import (
@@ -68,7 +69,6 @@ from picker.scheduling.strategies import (
     RoundRobinScheduler,
 )
 from picker.scheduling.types import Scheduler
-from picker.schema import ConfigError, Section, decode
 
 _COMMON_HEAD = [{"pluginRef": "saturation-filter"}]
 _COMMON_TAIL = [{"pluginRef": "max-score-picker"}]

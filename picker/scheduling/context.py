@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from picker.core.requests import InferenceRequest
 from picker.endpoints.state import Endpoint
-from picker.requests import InferenceRequest
 
 
 class Detail(Protocol):

@@ -7,15 +7,15 @@ from typing import Any
 
 from pydantic import Field
 
+from picker.core.schema import Section
+from picker.endpoints.saturation import SaturationThresholds, not_past_full
 from picker.endpoints.state import Endpoint
-from picker.saturation import SaturationThresholds, not_past_full
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory
-from picker.schema import Section
 
 
 class SaturationFilter(Plugin):
-    """Drop pods past full (picker.saturation: the level admission control reads too) — unless that would
+    """Drop pods past full (picker.endpoints.saturation: the level admission control reads too) — unless that would
     drop every pod.
 
     Routing to a saturated pod only adds to its queue; when all are saturated, admission control (not this

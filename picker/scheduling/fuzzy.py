@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
+from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.memory import PodMemory
 from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory, default_of
-from picker.schema import Section
 
 
 class MinHasher:

@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import Field
 
+from picker.core.schema import Section
 from picker.scheduling.plugins import Plugin, PluginDeps, PluginFactory, default_of
-from picker.schema import Section
 
 
 class _RankingPicker(Plugin):

@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from picker.core.schema import Section
+from picker.endpoints.saturation import SaturationThresholds
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.prefix.index import CacheRoom
-from picker.saturation import SaturationThresholds
 from picker.scheduling.context import SchedulingContext
-from picker.schema import Section
 
 
 @dataclass(frozen=True, slots=True)

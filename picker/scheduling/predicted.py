@@ -56,6 +56,7 @@ from typing import Any
 
 from pydantic import Field
 
+from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
@@ -68,7 +69,6 @@ from picker.scheduling.plugins import (
     PredictionObserver,
     default_of,
 )
-from picker.schema import Section
 
 
 class PrefillCost:

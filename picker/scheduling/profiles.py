@@ -11,10 +11,10 @@ from typing import Any, Protocol
 
 from pydantic import Field
 
+from picker.core.schema import Section
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import Filter, Picker, Plugin, PluginFactory, Scorer, default_of, with_params
-from picker.schema import Section
 
 
 @dataclass(slots=True)

@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from picker.core.schema import ConfigError, Duration, Section, decode
 from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_BLOCK_CHARS
-from picker.schema import ConfigError, Duration, Section, decode
 
 API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")
 KIND = "EndpointPickerConfig"

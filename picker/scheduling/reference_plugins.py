@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
+from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.plugins import (
@@ -23,7 +24,6 @@ from picker.scheduling.plugins import (
     min_max_inverse,
     no_params,
 )
-from picker.schema import Section
 
 # The pod label that names a pod's role in disaggregated serving, and the roles that decode.
 ROLE_LABEL = "llm-d.ai/role"

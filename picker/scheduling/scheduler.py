@@ -1,4 +1,4 @@
-"""PrefixAwareScheduler: hash the prompt, look the prefix up, classify, filter, score, pick.
+"""PrefixAwareScheduler: run the prefix sources (`producers`), classify, filter, score, pick.
 
 Pure: reads the request, the endpoint snapshot, the index and `now`; mutates only its own learning state
 (index, session map, spread counters) and only in `on_picked` / `on_endpoint_removed`.
@@ -12,15 +12,15 @@ from typing import cast
 
 import numpy as np
 
+from picker.core.requests import InferenceRequest, RequestError
 from picker.endpoints.state import Endpoint
-from picker.prefix.chars_per_token import CharsPerToken
-from picker.prefix.hashing import PrefixHasher, prefix_keys
+from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.precise import PrecisePrefix
-from picker.requests import InferenceRequest, RequestError
 from picker.scheduling.context import SchedulingContext, effective_model
 from picker.scheduling.plugins import PeerPick, Plugin, PluginTimer, Scorer
+from picker.scheduling.producers import ApproximatePrefix, PreciseOverlay, PrefixProducer
 from picker.scheduling.profiles import Classifier, Profile, SingleProfile
 from picker.scheduling.types import CandidateScore, SchedulingResult
 
@@ -45,13 +45,14 @@ class PrefixAwareScheduler:
         if len(self.profiles) != len(profiles):
             raise ValueError("scheduling profile names must be unique")
         self.classifier: Classifier = classifier if classifier is not None else SingleProfile(profiles[0].name)
-        self._index: PrefixIndex = index if index is not None else InMemoryPrefixIndex()
         self.hasher = hasher if hasher is not None else PrefixHasher()
         self.explain = explain  # per-candidate score breakdown in the result (the Explain API reads it)
         self.timer = timer  # times the plugins of some requests (llm_d_epp_plugin_duration_seconds)
-        self.precise = precise  # KV events: what the pods it vouches for really hold, over the approximate match
-        # what the traffic's prompts really are in tokens: sizes each pod's share of the index from its cache
-        self.chars_per_token = CharsPerToken(self.hasher.chars_per_token)
+        # the prefix sources, in order: the approximate index, then the KV events' view over it
+        self.approximate = ApproximatePrefix(index if index is not None else InMemoryPrefixIndex(), self.hasher)
+        self.producers: list[PrefixProducer] = [self.approximate]
+        if precise is not None:
+            self.producers.append(PreciseOverlay(precise, self.hasher))
         self.uses_prefix = any(p.uses_prefix for p in profiles) or self.classifier.needs_prefix
         seen: dict[int, Plugin] = {}
         for profile in profiles:
@@ -61,59 +62,24 @@ class PrefixAwareScheduler:
             seen.setdefault(id(self.classifier), self.classifier)
         self._plugins = list(seen.values())
         self._stateful = [p for p in self._plugins if _overrides_hooks(p)]
-        self._next_sweep = -float("inf")
 
     @property
     def index(self) -> PrefixIndex:
-        return self._index
+        return self.approximate.index
 
     @property
     def learned_chars_per_token(self) -> float:
-        return self.chars_per_token.value
-
-    def _keys(self, request: InferenceRequest, block_chars: int) -> list[int]:
-        seed = self.hasher.key.seed(effective_model(request), None, request.cache_salt)
-        return prefix_keys(request.prompt_text, seed, block_chars, self.hasher.max_blocks)
-
-    def _block_chars(self, endpoints: Sequence[Endpoint]) -> int:
-        """Block width from the first pod that reports its cache block size (pods of a pool share it)."""
-        for endpoint in endpoints:
-            size = endpoint.metrics.block_size
-            if size:
-                return self.hasher.block_chars(size)
-        return self.hasher.block_chars(None)
+        return self.approximate.chars_per_token.value
 
     def context(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingContext:
+        """The request's cycle state: its session key, and what the prefix sources know of its prompt."""
         ctx = SchedulingContext(request=request, now=now, model=effective_model(request))
         if request.session_id:
             ctx.session = self.hasher.key.session(request.session_id)
         if self.uses_prefix and request.prompt_text:
-            ctx.block_chars = self._block_chars(endpoints)
-            ctx.keys = self._keys(request, ctx.block_chars)
-            ctx.matches = self._index.match(ctx.keys, None, now)
-            if self.precise is not None and request.token_ids:
-                self._overlay_precise(ctx, request.token_ids, endpoints, now)
+            for producer in self.producers:
+                producer.produce(ctx, endpoints, now)
         return ctx
-
-    def _overlay_precise(self, ctx: SchedulingContext, tokens: Sequence[int], endpoints: Sequence[Endpoint],
-                         now: float) -> None:
-        """Replace the approximate match of the pods the precise view vouches for with what their caches hold,
-        in the approximate index's blocks (tokens x chars per token / block width) so every scorer reads it
-        the same way."""
-        assert self.precise is not None
-        keys, held = self.precise.matches(tokens, ctx.model, endpoints, now, ctx.request.cache_salt)
-        if not keys:
-            return
-        ctx.precise_keys = keys
-        ctx.precise_pods = frozenset(held)
-        chars_per_token, width, most = self.hasher.chars_per_token, ctx.block_chars, len(ctx.keys)
-        matches = ctx.matches
-        for address, n in held.items():
-            blocks = min(most, n * chars_per_token // width)
-            if blocks:
-                matches[address] = blocks
-            else:
-                matches.pop(address, None)
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult:
         if not endpoints:
@@ -155,18 +121,8 @@ class PrefixAwareScheduler:
                                (candidates, names, columns, totals, steps))
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
-        request = ctx.request
-        if ctx.keys:  # hashed in `context` (only when some plugin reads the prefix and there is a prompt)
-            self.chars_per_token.picked(endpoint, len(request.prompt_text))
-            capacity = self._capacity_blocks(endpoint, ctx.block_chars)
-            if capacity:
-                self._index.set_capacity(endpoint.address, capacity)
-            self._index.record(ctx.keys, endpoint.address, now, prompt_chars=len(request.prompt_text),
-                               session_id=ctx.session)
-            if now >= self._next_sweep:
-                self._sweep(now)
-        if ctx.precise_keys and self.precise is not None:
-            self.precise.picked(ctx.precise_keys, endpoint.address, now)
+        for producer in self.producers:
+            producer.on_picked(ctx, endpoint, now)
         for plugin in self._stateful:
             plugin.on_picked(ctx, endpoint, now)
 
@@ -176,28 +132,9 @@ class PrefixAwareScheduler:
         for plugin in self._stateful:
             plugin.on_peer_picked(pick, now)
 
-    def _sweep(self, now: float) -> None:
-        """Free expired entries now and then (matches already ignore them) for backends that can sweep."""
-        ttl = self._index.ttl
-        if not ttl:
-            self._next_sweep = float("inf")
-            return
-        self._index.expire(now)
-        self._next_sweep = now + ttl / 4
-
-    def _capacity_blocks(self, endpoint: Endpoint, block_chars: int) -> int | None:
-        """The pod's KV cache in our blocks: num_gpu_blocks x block_size tokens, re-cut into `block_chars` at the
-        traffic's learned characters per token."""
-        m = endpoint.metrics
-        if not m.num_gpu_blocks:
-            return None
-        if not m.block_size:
-            return m.num_gpu_blocks
-        return max(1, int(m.num_gpu_blocks * m.block_size * self.chars_per_token.value) // block_chars)
-
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        self._index.remove_endpoint(endpoint.address)
-        self.chars_per_token.forget(endpoint.address)
+        for producer in self.producers:
+            producer.on_endpoint_removed(endpoint)
         for plugin in self._stateful:
             plugin.on_endpoint_removed(endpoint)
 

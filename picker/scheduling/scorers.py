@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
+from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.prefix.index import CacheRoom
@@ -28,7 +29,6 @@ from picker.scheduling.plugins import (
     no_params,
     with_params,
 )
-from picker.schema import Section
 
 
 class PrefixCacheScorer(Plugin):

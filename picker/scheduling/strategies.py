@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import xxhash
 
+from picker.core.requests import InferenceRequest, RequestError
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
-from picker.requests import InferenceRequest, RequestError
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.profiles import Profile, WeightedScorer

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from picker.core.requests import InferenceRequest
 from picker.endpoints.state import Endpoint
 from picker.prefix.index import PrefixIndex
-from picker.requests import InferenceRequest
 from picker.scheduling.context import SchedulingContext
 
 

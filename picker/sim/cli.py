@@ -9,7 +9,7 @@ import contextlib
 import signal
 import sys
 
-from picker.config import parse_duration
+from picker.serving.config import parse_duration
 from picker.sim.fleet import SimFleet
 from picker.sim.metrics import DIALECTS
 from picker.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile

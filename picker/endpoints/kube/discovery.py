@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from picker.config import ServeConfig, parse_ports
+from picker.core.model_rewrite import RewriteRule
+from picker.core.retry import Backoff
 from picker.endpoints.kube.client import TRANSIENT, Gone, KubeApi, KubeError
-from picker.endpoints.kube.kubeconfig import load_kube_config
 from picker.endpoints.kube.objects import (
     MalformedObject,
     PoolSpec,
@@ -35,8 +35,6 @@ from picker.endpoints.kube.objects import (
     pool_spec,
 )
 from picker.endpoints.pool import EndpointPool
-from picker.model_rewrite import RewriteRule
-from picker.retry import Backoff
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -294,14 +292,3 @@ async def watch_pool_objects(api: KubeApi, path: str, what: str,
         except Exception:
             log.exception("%s: stopped; an unexpected error is a bug, not retried", what)
             raise
-
-
-def discovery_from_config(config: ServeConfig, pool: EndpointPool) -> KubernetesDiscovery:
-    """`picker serve`'s Kubernetes discovery (`config.discovery` is "inferencepool" or "selector")."""
-    kube = load_kube_config(config.kubeconfig)
-    namespace = config.pool_namespace or kube.namespace
-    if config.discovery == "selector":
-        return KubernetesDiscovery(KubeApi(kube), pool, namespace, selector=config.endpoint_selector,
-                                   ports=tuple(parse_ports(config.endpoint_target_ports)))
-    return KubernetesDiscovery(KubeApi(kube), pool, namespace, pool_name=config.pool_name,
-                               pool_group=config.pool_group)

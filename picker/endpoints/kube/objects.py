@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from picker.core.model_rewrite import RewriteRule, RewriteRuleSpec
+from picker.core.schema import ConfigError, decode
 from picker.endpoints.state import Endpoint
-from picker.model_rewrite import RewriteRule, RewriteRuleSpec
-from picker.schema import ConfigError, decode
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import AliasChoices, Field, PrivateAttr, field_validator
 
+from picker.core.requests import InferenceRequest, RequestError
+from picker.core.schema import Duration, Section, decode
+from picker.endpoints.saturation import SaturationThresholds, pool_saturation
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowSettings
-from picker.requests import InferenceRequest, RequestError
-from picker.saturation import SaturationThresholds, pool_saturation
-from picker.schema import Duration, Section, decode
 
 if TYPE_CHECKING:
     from picker.scheduling.types import SchedulingResult

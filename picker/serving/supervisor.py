@@ -25,8 +25,8 @@ from pathlib import Path
 
 import grpc
 
-from picker.envoyconfig import EnvoySettings, envoy_binary, render, with_served_by
-from picker.tls import client_credentials, make_pki, read_pair
+from picker.serving.envoyconfig import EnvoySettings, envoy_binary, render, with_served_by
+from picker.serving.tls import client_credentials, make_pki, read_pair
 
 HOST = "127.0.0.1"
 
@@ -130,14 +130,14 @@ class Backends:
 
 def start_backends(count: int, logdir: Path, name: str = "backends") -> Backends:
     addresses = [f"{HOST}:{free_port()}" for _ in range(count)]
-    process = spawn(name, [sys.executable, "-m", "picker.echo", *addresses], logdir)
+    process = spawn(name, [sys.executable, "-m", "picker.tools.echo", *addresses], logdir)
     for address in addresses:
         wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 20, f"backend {address}", process.proc)
     return Backends(addresses, process)
 
 
 def set_echo_metrics(address: str, **state: object) -> None:
-    """Set what an echo pod (`picker.echo`) reports on /metrics: waiting, running, kv, models, max_lora, ..."""
+    """Set what an echo pod (`picker.tools.echo`) reports on /metrics: waiting, running, kv, models, max_lora, ..."""
     request = urllib.request.Request(f"http://{address}/test/metrics", data=json.dumps(state).encode(),
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=5) as response:
@@ -201,7 +201,7 @@ class Picker:
     endpoints_file: Path | None = None
     host: str = HOST
     tls: str = "plaintext"  # "plaintext", "tls" (its self-signed pair) or "mtls" (certificates from `pki`)
-    pki: Path | None = None  # with mtls: ca.crt, server/ and client/ (picker.tls.Pki.write)
+    pki: Path | None = None  # with mtls: ca.crt, server/ and client/ (picker.serving.tls.Pki.write)
 
     @property
     def target(self) -> str:

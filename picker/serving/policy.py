@@ -14,18 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from picker.admission import AdmissionConfig, BoundedWait, Gate, Priorities
-from picker.config import ConfigError, ServeConfig
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.shared_scrape import SharedScrapes
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowController, FlowSettings
-from picker.observability import PickerMetrics
 from picker.prefix.precise import PreciseIndex, PrecisePrefix
 from picker.prefix.shared import SharedPrefixIndex
+from picker.routing.admission import AdmissionConfig, BoundedWait, Gate, Priorities
 from picker.scheduling.config import INDEXED_STRATEGIES, build_prefix_index, build_strategy
 from picker.scheduling.types import Scheduler
+from picker.serving.config import ConfigError, ServeConfig
+from picker.serving.metrics import PickerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,10 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
     precise_index = PreciseIndex() if config.kv_events_endpoint or config.kv_events_port else None
     precise = (PrecisePrefix(precise_index, config.prefix_mode)
                if precise_index is not None and config.prefix_mode != "approximate" else None)
+    observer = metrics.scheduling if metrics is not None else None  # plugin timings and TTFT predictions
     scheduler = build_strategy(config.strategy, config=config.scheduling, rng=random.Random(config.seed),
-                               index=shared, saturation=config.admission.thresholds, observer=metrics,
-                               index_key=key, timer=metrics, precise=precise)
+                               index=shared, saturation=config.admission.thresholds, observer=observer,
+                               index_key=key, timer=observer, precise=precise)
     if shared is not None:
         shared.peer_listener = scheduler.on_peer_picked
     return Policy(scheduler, Priorities(config.admission), shared, precise_index)
@@ -77,9 +78,9 @@ def build_gate(admission: AdmissionConfig, chars_per_token: int, pool: EndpointP
     settings = flow_settings(admission, chars_per_token)
     if settings is None:
         return BoundedWait(admission, clock)
-    controller = FlowController(settings, admission.thresholds, pool.ready, clock=clock, observer=metrics)
+    controller = FlowController(settings, admission.thresholds, pool.ready, clock=clock)
     if metrics is not None:
-        metrics.watch_flow(controller)
+        controller.observer = metrics.watch_flow(controller)
     return controller
 
 
@@ -88,9 +89,9 @@ def flow_settings(admission: AdmissionConfig, chars_per_token: int) -> FlowSetti
     fc = admission.flow_control
     if not fc.enabled:
         return None
-    return FlowSettings(fc.queue_ttl, fc.max_requests_per_band, fc.max_tokens_per_band, admission.saturation_limit,
-                        fc.standard_ceiling, admission.retry_after, chars_per_token, fc.tokens_per_minute_per_flow,
-                        critical_slot_share=fc.critical_slot_share, max_running_per_pod=fc.max_running_per_pod)
+    # the section's fields are FlowSettings' own (its defaults come from there): handed over by name
+    return FlowSettings(**fc.model_dump(exclude={"enabled"}), saturation_limit=admission.saturation_limit,
+                        retry_after=admission.retry_after, chars_per_token=chars_per_token)
 
 
 def scrape_listener(gate: Gate[Any], precise: PreciseIndex | None) -> Callable[[Endpoint], None]:
@@ -141,7 +142,7 @@ class PoolMonitor:
         self.shared = shared_scrapes(config)
         self.scraper = MetricsScraper(pool.all, cadence=cadence, failure_threshold=config.unhealthy_after_failures,
                                       timeout=max(0.2, min(2.0, cadence.fast * 10)), health=pool,
-                                      on_scrape=metrics.observe_scrape, shared=self.shared,
+                                      on_scrape=metrics.pool.observe_scrape, shared=self.shared,
                                       target=config.metrics_target, on_metrics=on_metrics)
 
     async def run(self) -> None:
@@ -150,12 +151,12 @@ class PoolMonitor:
         try:
             index = self.scheduler.index  # strategies without a prefix index have none
             while True:
-                self.metrics.observe_pool(self.pool.all())
+                self.metrics.pool.observe_pool(self.pool.all())
                 if index is not None:
-                    self.metrics.index_size_value.set(index.size())
+                    self.metrics.scheduling.index_size_value.set(index.size())
                 chars_per_token = self.scheduler.learned_chars_per_token
                 if chars_per_token is not None:
-                    self.metrics.chars_per_token.set(chars_per_token)
+                    self.metrics.scheduling.chars_per_token.set(chars_per_token)
                 await asyncio.sleep(1.0)
         finally:
             with contextlib.suppress(Exception):

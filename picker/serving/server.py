@@ -23,31 +23,33 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as extproc_grp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from picker import config as cfg
-from picker import reference_flags
 from picker.api.service import PickerService, picker_pb2_grpc
-from picker.director import Director
+from picker.core.lifecycle import cancel_all
+from picker.core.logformat import configure_logging, exit_line
+from picker.core.model_rewrite import ModelRewrites, configured_rules
 from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
 from picker.endpoints.kubernetes import (
+    KubeApi,
     KubernetesDiscovery,
-    discovery_from_config,
+    load_kube_config,
     watch_model_rewrites,
     watch_objectives,
 )
 from picker.endpoints.model_listing import ModelListings
+from picker.endpoints.model_serving import ModelServing
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.extproc.servicer import ExtProcServicer
 from picker.kvevents.relay import EventRelay
-from picker.lifecycle import cancel_all
-from picker.logformat import configure_logging, exit_line
-from picker.model_rewrite import ModelRewrites, configured_rules
-from picker.model_serving import ModelServing
-from picker.observability import DecisionTracer, PickerMetrics
-from picker.policy import build_gate, build_policy, index_namespace, scrape_listener, start_monitor
 from picker.prefix.precise import PreciseIndex
 from picker.prefix.tokens import LocalTokenizer, PodTokenizer, PromptTokenizer
-from picker.tls import certificate_hosts, server_credentials
+from picker.routing.director import Director
+from picker.serving import config as cfg
+from picker.serving import reference_flags
+from picker.serving.metrics import PickerMetrics
+from picker.serving.metrics.tracing import DecisionTracer
+from picker.serving.policy import build_gate, build_policy, index_namespace, scrape_listener, start_monitor
+from picker.serving.tls import certificate_hosts, server_credentials
 
 if TYPE_CHECKING:
     from picker.kvevents.subscriber import KVEventSubscriber
@@ -141,6 +143,8 @@ class PickerServer:
         if self.shared_index is not None:
             await self.shared_index.start()
             self.metrics.watch_index_sync(self.shared_index.stats)
+        metrics = self.metrics
+        self.pool.subscribe(lambda event, endpoint: metrics.forget_pod(endpoint) if event is PoolEvent.REMOVED else None)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
         gate = build_gate(c.admission, c.scheduling.prefix_cache.chars_per_token, self.pool, self.metrics)
         self.tokenizer: PromptTokenizer | None = None
@@ -148,7 +152,7 @@ class PickerServer:
             self.tokenizer = (LocalTokenizer(c.tokenizer) if c.tokenizer else
                               PodTokenizer(timeout=c.tokenize_timeout, scheme=c.model_server_metrics_scheme))
         self.director = Director(self.pool, self.scheduler, gate=gate,
-                                 priorities=policy.priorities, metrics=self.metrics, fallbacks=c.fallback_endpoints,
+                                 priorities=policy.priorities, metrics=self.metrics.requests, fallbacks=c.fallback_endpoints,
                                  tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,
                                  models=ModelServing(models.adapters),
                                  rewrites=ModelRewrites(configured_rules(models.rewrites), rng=random.Random(c.seed)),
@@ -264,7 +268,7 @@ class PickerServer:
         # Every server object exists before the first bind, so stop() can undo a start that failed half-way.
         self.server = grpc.aio.server(options=options)
         extproc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.director, c.stream_limits,
-                                                                             self.metrics), self.server)
+                                                                             self.metrics.streams), self.server)
         picker_pb2_grpc.add_PickerServicer_to_server(PickerService(self.director), self.server)
         self.health = health.aio.HealthServicer()
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -396,3 +400,14 @@ def run(args: argparse.Namespace) -> int:
             profiler.disable()
             profiler.dump_stats(profile_path)
     return 0
+
+
+def discovery_from_config(config: cfg.ServeConfig, pool: EndpointPool) -> KubernetesDiscovery:
+    """`picker serve`'s Kubernetes discovery (`config.discovery` is "inferencepool" or "selector")."""
+    kube = load_kube_config(config.kubeconfig)
+    namespace = config.pool_namespace or kube.namespace
+    if config.discovery == "selector":
+        return KubernetesDiscovery(KubeApi(kube), pool, namespace, selector=config.endpoint_selector,
+                                   ports=tuple(cfg.parse_ports(config.endpoint_target_ports)))
+    return KubernetesDiscovery(KubeApi(kube), pool, namespace, pool_name=config.pool_name,
+                               pool_group=config.pool_group)

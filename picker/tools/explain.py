@@ -15,7 +15,7 @@ import grpc
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.tls import TlsError, client_credentials, read_pair
+from picker.serving.tls import TlsError, client_credentials, read_pair
 
 REFUSED = 3  # exit status when the picker would refuse the request
 

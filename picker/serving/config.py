@@ -1,6 +1,6 @@
 """Server options: defaults, then `--config-file` (YAML), then command-line flags, in that order of strength.
 
-Decoded strictly (picker.schema): an unknown key or a wrong type at the top level or in the `admission` and
+Decoded strictly (picker.core.schema): an unknown key or a wrong type at the top level or in the `admission` and
 `scheduling` sections is a ConfigError naming the key's path, and `picker serve` exits non-zero with it.
 """
 
@@ -16,15 +16,15 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
-from picker import reference_flags
-from picker.admission import AdmissionConfig
+from picker.core.schema import ConfigError, Duration, Section, describe, parse_duration
 from picker.endpoints.scraper import MetricsTarget
 from picker.extproc.limits import StreamLimits
 from picker.prefix.hashing import IndexKey
+from picker.routing.admission import AdmissionConfig
 from picker.scheduling import reference
 from picker.scheduling.config import SchedulingConfig, StrategyName, build_strategy
-from picker.schema import ConfigError, Duration, Section, describe, parse_duration
-from picker.tls import TLS_VERSIONS, TlsError, TlsOptions
+from picker.serving import reference_flags
+from picker.serving.tls import TLS_VERSIONS, TlsError, TlsOptions
 
 __all__ = ["ConfigError", "ServeConfig", "add_arguments", "parse_duration", "parse_ports", "parse_size", "resolve"]
 
@@ -116,7 +116,7 @@ class ServeConfig(Section):
     endpoint_selector: str = ""
     endpoint_target_ports: str = ""
     kubeconfig: str = ""
-    # TLS on the ext_proc port (picker.tls): on by default, as the reference picker serves it.
+    # TLS on the ext_proc port (picker.serving.tls): on by default, as the reference picker serves it.
     secure_serving: bool = True
     cert_path: str = ""
     enable_cert_reload: bool = False

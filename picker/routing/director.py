@@ -17,16 +17,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from picker.admission import Gate, Hold, PostScoring, Priorities, SloShedding, Ungated
+from picker.core.model_rewrite import ModelRewrites, body_for_target, response_swaps
+from picker.core.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
 from picker.endpoints.model_listing import MODELS_PATH
+from picker.endpoints.model_serving import ModelServing
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
-from picker.model_rewrite import ModelRewrites, body_for_target, response_swaps
-from picker.model_serving import ModelServing
-from picker.observability import DecisionTracer, PickerMetrics, ResponseTrace
 from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.prefix.tokens import PromptTokenizer
-from picker.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
+from picker.routing.admission import Gate, Hold, PostScoring, Priorities, SloShedding, Ungated
+from picker.routing.observers import DecisionRecorder, RequestObserver, ResponseTrace
 from picker.scheduling.types import Scheduler, SchedulingResult
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,10 @@ class Director:
         *,
         gate: Gate[Any] | None = None,
         priorities: Priorities | None = None,
-        metrics: PickerMetrics | None = None,
+        metrics: RequestObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         fallbacks: int = 1,
-        tracer: DecisionTracer | None = None,
+        tracer: DecisionRecorder | None = None,
         chars_per_token: int = CHARS_PER_TOKEN,
         models: ModelServing | None = None,
         rewrites: ModelRewrites | None = None,
@@ -136,12 +136,10 @@ class Director:
         pool.subscribe(self._pool_changed)
 
     def _pool_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
-        """A departed pod is forgotten everywhere; an unready one's cache is presumed lost (vLLM restarts empty),
-        so the scheduler forgets what it holds but its metrics series stay until it leaves the pool."""
+        """A departed pod is forgotten by the scheduler; so is an unready one's cache, presumed lost (vLLM restarts
+        empty). (Its metrics series go when it leaves the pool: the server's concern.)"""
         if event is PoolEvent.REMOVED or event is PoolEvent.UNREADY:
             self.scheduler.on_endpoint_removed(endpoint)
-        if event is PoolEvent.REMOVED and self.metrics is not None:
-            self.metrics.forget_pod(endpoint)
         if event in (PoolEvent.ADDED, PoolEvent.READY, PoolEvent.DEGRADED):
             self.gate.kick()  # a pod joined or recovered (a degraded pod is routable): room
 

@@ -22,9 +22,7 @@ import grpc
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.explain import format_explain
-from picker.sim.profiles import LLAMA3_8B_H100
-from picker.supervisor import (
+from picker.serving.supervisor import (
     Managed,
     Picker,
     free_port,
@@ -36,6 +34,8 @@ from picker.supervisor import (
     start_sim,
     start_valkey,
 )
+from picker.sim.profiles import LLAMA3_8B_H100
+from picker.tools.explain import format_explain
 
 SYSTEM = ("You are a meticulous assistant for the ACME inference platform. Answer in short, precise sentences, "
           "cite the runbook section you rely on, and never invent configuration flags. ") * 6

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
+from picker.core.requests import RequestError
 from picker.endpoints.state import Endpoint
-from picker.requests import RequestError
 
 
 def serves(endpoint: Endpoint, model: str) -> bool:

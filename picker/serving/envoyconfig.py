@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
+from picker.core.schema import parse_duration
 from picker.endpoints.state import parse_address
-from picker.schema import parse_duration
 
 TEMPLATES = {"buffered": "envoy.yaml", "full-duplex": "envoy-full-duplex.yaml"}
 _DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
@@ -63,7 +63,7 @@ def editable_checkout() -> Path | None:
     """The source tree of the editable install (`pip install -e`) this package runs from, as pip records it
     (PEP 610); None for a regular install. Other installs of picker on sys.path (another venv's editable one,
     a stray .egg-info) are not this package and are skipped."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # picker/
     for dist in metadata.distributions(name="picker"):
         try:
             info = json.loads(dist.read_text("direct_url.json") or "{}")

@@ -21,8 +21,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from picker.requests import InferenceRequest
-from picker.schema import Section
+from picker.core.requests import InferenceRequest
+from picker.core.schema import Section
 
 MAX_WEIGHT = 1_000_000
 

@@ -1,7 +1,7 @@
 """Echo backends: tiny OpenAI-style servers for wiring checks, tests and overhead benchmarks. Each answers with its own address and what it received,
 so a test can tell which pod served a request and whether the body arrived intact.
 
-Run several in one process: `python -m picker.echo 127.0.0.1:8001 127.0.0.1:8002`.
+Run several in one process: `python -m picker.tools.echo 127.0.0.1:8001 127.0.0.1:8002`.
 """
 
 from __future__ import annotations
