@@ -43,7 +43,16 @@ from picker.prefix.hashing import (
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
 from picker.prefix.precise import PrecisePrefix
-from picker.scheduling import filters, fuzzy, picker, predicted, profiles, reference_plugins, scorers
+from picker.scheduling import (
+    filters,
+    fuzzy,
+    picker,
+    predicted,
+    profiles,
+    reference_plugins,
+    scorers,
+    strategies,
+)
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import (
     Filter,
@@ -55,19 +64,11 @@ from picker.scheduling.plugins import (
     PredictionObserver,
     Scorer,
 )
+from picker.scheduling.producers import PreciseOverlay
 from picker.scheduling.profiles import Classifier, Profile, RequestClassifier, SingleProfile, WeightedScorer
 from picker.scheduling.reference import API_VERSIONS, CONFIGURED_ELSEWHERE
 from picker.scheduling.reference_plugins import SingleProfileHandler
 from picker.scheduling.scheduler import PrefixAwareScheduler
-from picker.scheduling.strategies import (
-    BoundedLoadScheduler,
-    HashRingScheduler,
-    LeastLoadScheduler,
-    PrefixHashScheduler,
-    PrefixOnlyScheduler,
-    RandomScheduler,
-    RoundRobinScheduler,
-)
 from picker.scheduling.types import Scheduler
 
 _COMMON_HEAD = [{"pluginRef": "saturation-filter"}]
@@ -342,13 +343,16 @@ def build_scheduler(
         classifier = handler
     else:
         classifier = SingleProfile(built[0].name)
-    return PrefixAwareScheduler(built, classifier, index=index, hasher=build_hasher(cfg, index_key),
-                                explain=cfg.explain, timer=timer, precise=precise)
+    hasher = build_hasher(cfg, index_key)
+    # prefix sources over the approximate index, in order (producers.py): with KV events, the pods' own view
+    overlays = [PreciseOverlay(precise, hasher)] if precise is not None else []
+    return PrefixAwareScheduler(built, classifier, index=index, hasher=hasher, explain=cfg.explain, timer=timer,
+                                overlays=overlays)
 
 
 StrategyName = Literal["picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash", "hash-ring",
                        "bounded-load"]
-STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)  # the picker and the baselines' table (a test keeps them equal)
 # Strategies that keep a prefix index (and so can share one through Redis/Valkey)
 INDEXED_STRATEGIES = ("picker", "prefix-only")
 
@@ -371,19 +375,8 @@ def build_strategy(
     if name == "picker":
         return build_scheduler(config, rng=rng, index=index, saturation=saturation, observer=observer,
                                index_key=index_key, timer=timer, precise=precise)
-    if name == "round-robin":
-        return RoundRobinScheduler()
-    if name == "random":
-        return RandomScheduler(rng)
-    if name == "least-load":
-        return LeastLoadScheduler(rng)
-    if name == "prefix-hash":
-        return PrefixHashScheduler()
-    if name == "hash-ring":
-        return HashRingScheduler()
-    if name == "bounded-load":
-        return BoundedLoadScheduler()
-    if name == "prefix-only":
-        return PrefixOnlyScheduler(rng, index=index if index is not None else build_prefix_index(config),
-                                   hasher=build_hasher(config, index_key))
-    raise ConfigError(f"strategy: unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")
+    factory = strategies.FACTORIES.get(name)
+    if factory is None:
+        raise ConfigError(f"strategy: unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")
+    return factory(strategies.StrategyDeps(rng, lambda: index if index is not None else build_prefix_index(config),
+                                           lambda: build_hasher(config, index_key)))

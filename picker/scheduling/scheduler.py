@@ -17,10 +17,9 @@ from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
-from picker.prefix.precise import PrecisePrefix
 from picker.scheduling.context import SchedulingContext, effective_model
 from picker.scheduling.plugins import PeerPick, Plugin, PluginTimer, Scorer
-from picker.scheduling.producers import ApproximatePrefix, PreciseOverlay, PrefixProducer
+from picker.scheduling.producers import ApproximatePrefix, PrefixProducer
 from picker.scheduling.profiles import Classifier, Profile, SingleProfile
 from picker.scheduling.types import CandidateScore, SchedulingResult
 
@@ -37,7 +36,7 @@ class PrefixAwareScheduler:
         hasher: PrefixHasher | None = None,
         explain: bool = True,
         timer: PluginTimer | None = None,
-        precise: PrecisePrefix | None = None,
+        overlays: Sequence[PrefixProducer] = (),
     ) -> None:
         if not profiles:
             raise ValueError("at least one scheduling profile is needed")
@@ -48,11 +47,9 @@ class PrefixAwareScheduler:
         self.hasher = hasher if hasher is not None else PrefixHasher()
         self.explain = explain  # per-candidate score breakdown in the result (the Explain API reads it)
         self.timer = timer  # times the plugins of some requests (llm_d_epp_plugin_duration_seconds)
-        # the prefix sources, in order: the approximate index, then the KV events' view over it
+        # the prefix sources, in order: the approximate index, then the overlays over it (the KV events' view)
         self.approximate = ApproximatePrefix(index if index is not None else InMemoryPrefixIndex(), self.hasher)
-        self.producers: list[PrefixProducer] = [self.approximate]
-        if precise is not None:
-            self.producers.append(PreciseOverlay(precise, self.hasher))
+        self.producers: list[PrefixProducer] = [self.approximate, *overlays]
         self.uses_prefix = any(p.uses_prefix for p in profiles) or self.classifier.needs_prefix
         seen: dict[int, Plugin] = {}
         for profile in profiles:
