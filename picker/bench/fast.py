@@ -37,6 +37,7 @@ room, and are refused as they would be.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 import random
@@ -52,7 +53,7 @@ from picker.bench.trace import Message, Trace
 from picker.core.requests import ApiKind, InferenceRequest, RequestError
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence
-from picker.endpoints.state import Endpoint
+from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -94,6 +95,24 @@ class FastConfig:
     restart_every: float = 0.0  # seconds between pod restarts, one pod at a time in turn, its cache emptied
     leave_rejoin: tuple[float, float] | None = None  # the last pod leaves the pool at the first time, rejoins empty
     admission_config: AdmissionConfig | None = None  # the picker's admission section (None: its defaults)
+    record_inputs: bool = False  # keep what the first replica's director was given and decided (`_FastRun.inputs`)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectorInput:
+    """One thing a replica's director was given or decided, in the order of the replay (`cfg.record_inputs`):
+    a request arrived (`request`, as it came), was placed (`outcome`: its destination, or the refusal's status),
+    refused at arrival, expired in the queue, or ended; a pod's metrics were scraped (`metrics`, `interval`),
+    the last pod left or joined the pool."""
+
+    kind: str
+    at: float
+    index: int = -1  # the request's index in the trace
+    pod: int = -1
+    request: InferenceRequest | None = None
+    outcome: str = ""
+    metrics: EndpointMetrics | None = None
+    interval: float = 0.0
 
 
 def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None, *,
@@ -207,16 +226,15 @@ class _FastRun:
         chars_per_token = own_config.prefix_cache.chars_per_token
         admission = cfg.admission_config if cfg.admission_config is not None else AdmissionConfig()
         self.now = 0.0  # the simulated clock the admission gates read
-
-        def clock() -> float:
-            return self.now
+        self.admission = admission
+        self.gated = use_admission
+        self.chars_per_token = chars_per_token
         # The director `picker serve` runs, one per replica, called synchronously in simulated time.
-        self.directors = []
-        for endpoints, scheduler in zip(self.replica_endpoints, schedulers, strict=True):
-            pool = _pool_of(endpoints)
-            gate = build_gate(admission, chars_per_token, pool, clock=clock) if use_admission else Ungated()
-            self.directors.append(Director(pool, scheduler, gate=gate, priorities=Priorities(admission),
-                                           chars_per_token=chars_per_token, clock=clock))
+        self.directors = [self.make_director(endpoints, scheduler, self.simulated_time)
+                          for endpoints, scheduler in zip(self.replica_endpoints, schedulers, strict=True)]
+        # What the first replica's director was given, in order, and what it decided (cfg.record_inputs): a replay
+        # through `picker serve`'s own path must decide the same (tests/test_director_both_ways.py).
+        self.inputs: list[DirectorInput] | None = [] if cfg.record_inputs else None
         self.hasher: PrefixHasher = build_hasher(own_config)
         self.arrivals = 0  # requests dealt to replicas so far
         use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks
@@ -256,6 +274,22 @@ class _FastRun:
         for r, hook in enumerate(self.peers):
             if r != replica:
                 hook(address, chars, session, now)
+
+    def simulated_time(self) -> float:
+        return self.now
+
+    def make_director(self, endpoints: list[Endpoint], scheduler: Scheduler,
+                      clock: Callable[[], float]) -> Director:
+        """A replica's director as `picker serve` builds it: its pool, its admission gate, the same priorities."""
+        pool = _pool_of(endpoints)
+        admission = self.admission
+        gate = build_gate(admission, self.chars_per_token, pool, clock=clock) if self.gated else Ungated()
+        return Director(pool, scheduler, gate=gate, priorities=Priorities(admission),
+                        chars_per_token=self.chars_per_token, clock=clock)
+
+    def note(self, replica: int, entry: DirectorInput) -> None:
+        if self.inputs is not None and replica == 0:
+            self.inputs.append(entry)
 
     def make_endpoints(self) -> list[Endpoint]:
         """One replica's view of the pods."""
@@ -386,9 +420,12 @@ class _FastRun:
         def go() -> bool:
             self.push(self.now, _PLACE, (i, request, ids, hashes, replica))
             return True
+        if self.inputs is not None:
+            self.note(replica, DirectorInput("arrive", now, i, request=copy.copy(request)))
         try:
             hold = director.begin(request, go)
         except RequestError as err:
+            self.note(replica, DirectorInput("refused", now, i, outcome=str(err.status)))
             self.refused(i, err, now)
             return
         if hold is None:
@@ -402,13 +439,16 @@ class _FastRun:
         try:
             decision = self.directors[replica].place(request, now)
         except RequestError as err:
+            self.note(replica, DirectorInput("placed", now, i, outcome=str(err.status)))
             self.refused(i, err, now)
             return
+        self.note(replica, DirectorInput("placed", now, i, outcome=decision.destination))
         self.send(i, decision, ids, hashes, replica, now)
 
     def expire(self, i: int, hold: Hold, replica: int, now: float) -> None:
         refusal = self.directors[replica].expire(hold)
         if refusal is not None:
+            self.note(replica, DirectorInput("expired", now, i, outcome=str(refusal.status)))
             self.refused(i, refusal, now)
 
     def refused(self, i: int, err: RequestError, now: float) -> None:
@@ -430,6 +470,7 @@ class _FastRun:
         sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
         delayed = self.api_busy_until[k] > now  # scrapes hold the pod's API server: the engine gets it later
         if not delayed and not self.hand_over(k, sim_request, now):
+            self.note(replica, DirectorInput("ended", now, i))
             self.directors[replica].release(decision)
             return
         tokens = decision.tokens
@@ -470,14 +511,15 @@ class _FastRun:
             return
         i = int(request.request_id)
         _, _, tokens, replica = self.live.pop(i)
-        self.ended(replica, k, tokens)
+        self.ended(i, replica, k, tokens, now)
         self.served[k] -= 1
         self.res.pod[i] = -1
 
-    def ended(self, replica: int, k: int, tokens: int) -> None:
+    def ended(self, i: int, replica: int, k: int, tokens: int, now: float) -> None:
         """A request routed by `replica` (-1: none) to pod k has ended: its in-flight count drops, room frees."""
         if replica < 0:
             return
+        self.note(replica, DirectorInput("ended", now, i))
         self.replica_endpoints[replica][k].finish_request(tokens)
         self.directors[replica].gate.kick()
 
@@ -501,7 +543,7 @@ class _FastRun:
             if fin.ttft is not None:
                 self.ttft_seconds[k] += fin.ttft
                 self.ttft_count[k] += 1
-            self.ended(replica, k, tokens)
+            self.ended(i, replica, k, tokens, now)
             res.e2e[i] = now - res.sent[i]
             out = len(fin.output_token_ids)
             res.output_tokens[i] = out
@@ -537,6 +579,9 @@ class _FastRun:
             m.ttft_count = self.ttft_count[k]
             m.updated_at = now
         interval = self.cadence.interval(self.endpoints[k], ok=True)
+        if self.inputs is not None:
+            self.note(0, DirectorInput("scraped", now, pod=k, metrics=copy.copy(self.endpoints[k].metrics),
+                                       interval=interval))
         for endpoints, director in zip(self.replica_endpoints, self.directors, strict=True):
             endpoints[k].scrape_interval = interval
             director.gate.pod_refreshed(endpoints[k])
@@ -565,6 +610,7 @@ class _FastRun:
             kv.wipe()
             if self.precise is not None:
                 self.precise.apply(self.endpoints[k].address, kv.drain_events(), now)
+        self.note(0, DirectorInput("joined" if join else "left", now, pod=k))
         for endpoints, director in zip(self.replica_endpoints, self.directors, strict=True):
             director.pool.set_endpoints(endpoints if join else endpoints[:k])
 
