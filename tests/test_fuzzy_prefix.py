@@ -14,7 +14,7 @@ import yaml
 from picker.core.requests import InferenceRequest
 from picker.core.schema import ConfigError
 from picker.endpoints.state import Endpoint
-from picker.scheduling.config import DEFAULT_CONFIG, build_strategy, with_scorer
+from picker.scheduling.config import DEFAULT_CONFIG, StrategyDeps, build_strategy, with_scorer
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.fuzzy import FuzzyPrefixScorer, MinHasher
 from picker.serving.supervisor import process_scope, start_backends, start_picker_fleet
@@ -64,10 +64,10 @@ def test_the_scorer_points_at_the_pod_of_a_similar_prompt_only_without_an_exact_
 
 def test_its_parameters_are_decoded_strictly() -> None:
     with pytest.raises(ConfigError, match="band"):
-        build_strategy("picker", config=with_scorer(DEFAULT_CONFIG, "fuzzy-prefix-scorer", 2, {"bandz": 4}))
+        build_strategy("picker", StrategyDeps(with_scorer(DEFAULT_CONFIG, "fuzzy-prefix-scorer", 2, {"bandz": 4})))
     with pytest.raises(ConfigError, match="rows"):
-        build_strategy("picker", config=with_scorer(DEFAULT_CONFIG, "fuzzy-prefix-scorer", 2, {"rows": 0}))
-    build_strategy("picker", config=with_scorer(DEFAULT_CONFIG, "fuzzy-prefix-scorer", 2, {"bands": 16}))
+        build_strategy("picker", StrategyDeps(with_scorer(DEFAULT_CONFIG, "fuzzy-prefix-scorer", 2, {"rows": 0})))
+    build_strategy("picker", StrategyDeps(with_scorer(DEFAULT_CONFIG, "fuzzy-prefix-scorer", 2, {"bands": 16})))
 
 
 def served_by(url: str, prompt: str) -> str:

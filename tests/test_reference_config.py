@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from picker.scheduling.config import build_strategy
+from picker.scheduling.config import StrategyDeps, build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.serving.config import ConfigError, ServeConfig, add_arguments, resolve
 from picker.serving.supervisor import free_port, process_scope, spawn, start_envoy, start_picker, wait_until
@@ -32,7 +32,7 @@ def load(name: str, *argv: str, notes: list[str] | None = None) -> ServeConfig:
 
 def profiles_of(config: ServeConfig) -> dict[str, Any]:
     """profile -> (filters, {scorer type: weight}, picker type), as the scheduler built from it runs them."""
-    scheduler = build_strategy(config.strategy, config=config.scheduling, saturation=config.admission.thresholds)
+    scheduler = build_strategy(config.strategy, StrategyDeps(config.scheduling, saturation=config.admission.thresholds))
     assert isinstance(scheduler, PrefixAwareScheduler)
     return {name: ([f.name for f in p.filters], {w.scorer.name: w.weight for w in p.scorers},
                    type(p.picker).__name__) for name, p in scheduler.profiles.items()}

@@ -60,7 +60,13 @@ from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.precise import PreciseIndex, PrecisePrefix
 from picker.routing.admission import AdmissionConfig, Hold, Priorities, Ungated
 from picker.routing.director import Decision, Director
-from picker.scheduling.config import build_hasher, build_prefix_index, build_strategy, scheduling_config
+from picker.scheduling.config import (
+    StrategyDeps,
+    build_hasher,
+    build_prefix_index,
+    build_strategy,
+    scheduling_config,
+)
 from picker.scheduling.types import Scheduler
 from picker.serving.policy import build_gate
 from picker.sim.engine import Engine, SimRequest, StepResult
@@ -120,7 +126,7 @@ def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | Non
     """The scheduler `picker serve --strategy` would run (scheduling config only applies to the full picker);
     `index` replaces its own prefix index (strategies without one ignore it); `precise`: KV events correct it."""
     config = scheduling if strategy == "picker" else None
-    return build_strategy(strategy, config=config, rng=random.Random(seed), index=index, precise=precise)
+    return build_strategy(strategy, StrategyDeps(config, random.Random(seed), index, precise=precise))
 
 
 def shared_prefix_index(strategy: str, scheduling: Mapping[str, Any] | None = None) -> InMemoryPrefixIndex:

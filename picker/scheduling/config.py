@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from picker.core.model_rewrite import RewriteRuleSpec
 from picker.core.schema import ConfigError, Section, decode
@@ -51,7 +52,6 @@ from picker.scheduling import (
     profiles,
     reference_plugins,
     scorers,
-    strategies,
 )
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import (
@@ -69,6 +69,15 @@ from picker.scheduling.profiles import Classifier, Profile, RequestClassifier, S
 from picker.scheduling.reference import API_VERSIONS, CONFIGURED_ELSEWHERE
 from picker.scheduling.reference_plugins import SingleProfileHandler
 from picker.scheduling.scheduler import PrefixAwareScheduler
+from picker.scheduling.strategies import (
+    BoundedLoadScheduler,
+    HashRingScheduler,
+    LeastLoadScheduler,
+    PrefixHashScheduler,
+    PrefixOnlyScheduler,
+    RandomScheduler,
+    RoundRobinScheduler,
+)
 from picker.scheduling.types import Scheduler
 
 _COMMON_HEAD = [{"pluginRef": "saturation-filter"}]
@@ -350,33 +359,61 @@ def build_scheduler(
                                 overlays=overlays)
 
 
-StrategyName = Literal["picker", "round-robin", "random", "least-load", "prefix-only", "prefix-hash", "hash-ring",
-                       "bounded-load"]
-STRATEGIES: tuple[str, ...] = get_args(StrategyName)  # the picker and the baselines' table (a test keeps them equal)
+@dataclass(frozen=True, slots=True)
+class StrategyDeps:
+    """What a strategy may be built with: the scheduling config (the full picker's, all of it; prefix-only reads
+    its prefixCache), the run's random source, and what `picker serve` hands the scheduler."""
+
+    config: SchedulingInput = None
+    rng: random.Random | None = None
+    index: PrefixIndex | None = None  # a shared index in place of the strategy's own (Redis/Valkey)
+    saturation: SaturationThresholds | None = None
+    observer: PredictionObserver | None = None
+    index_key: IndexKey | None = None  # keys what a prefix index stores
+    timer: PluginTimer | None = None
+    precise: PrecisePrefix | None = None  # KV events: correct the picker's prefix matches
+
+    def prefix_index(self) -> PrefixIndex:
+        return self.index if self.index is not None else build_prefix_index(self.config)
+
+    def hasher(self) -> PrefixHasher:
+        return build_hasher(self.config, self.index_key)
+
+
+def _full_picker(d: StrategyDeps) -> Scheduler:
+    return build_scheduler(d.config, rng=d.rng, index=d.index, saturation=d.saturation, observer=d.observer,
+                           index_key=d.index_key, timer=d.timer, precise=d.precise)
+
+
+# Every strategy `--strategy` may name: the full picker and the baselines the benchmarks compare it with
+# (picker/scheduling/strategies.py). A new baseline is its class and one line here.
+STRATEGY_FACTORIES: dict[str, Callable[[StrategyDeps], Scheduler]] = {
+    "picker": _full_picker,
+    "round-robin": lambda d: RoundRobinScheduler(),
+    "random": lambda d: RandomScheduler(d.rng),
+    "least-load": lambda d: LeastLoadScheduler(d.rng),
+    "prefix-only": lambda d: PrefixOnlyScheduler(d.rng, index=d.prefix_index(), hasher=d.hasher()),
+    "prefix-hash": lambda d: PrefixHashScheduler(),
+    "hash-ring": lambda d: HashRingScheduler(),
+    "bounded-load": lambda d: BoundedLoadScheduler(),
+}
+STRATEGIES: tuple[str, ...] = tuple(STRATEGY_FACTORIES)
 # Strategies that keep a prefix index (and so can share one through Redis/Valkey)
 INDEXED_STRATEGIES = ("picker", "prefix-only")
 
 
-def build_strategy(
-    name: str,
-    *,
-    config: SchedulingInput = None,
-    rng: random.Random | None = None,
-    index: PrefixIndex | None = None,
-    saturation: SaturationThresholds | None = None,
-    observer: PredictionObserver | None = None,
-    index_key: IndexKey | None = None,
-    timer: PluginTimer | None = None,
-    precise: PrecisePrefix | None = None,
-) -> Scheduler:
-    """A scheduler by strategy name (benchmarks compare them): picker, round-robin, random, least-load, prefix-only,
-    prefix-hash, hash-ring, bounded-load. The scheduling config applies to picker (all of it) and prefix-only (its prefixCache);
-    `index_key` keys what their prefix index stores; `precise` (KV events) corrects the picker's prefix matches."""
-    if name == "picker":
-        return build_scheduler(config, rng=rng, index=index, saturation=saturation, observer=observer,
-                               index_key=index_key, timer=timer, precise=precise)
-    factory = strategies.FACTORIES.get(name)
+def _known_strategy(name: str) -> str:
+    if name not in STRATEGY_FACTORIES:
+        raise ValueError(f"Input should be {', '.join(map(repr, STRATEGIES[:-1]))} or {STRATEGIES[-1]!r}")
+    return name
+
+
+StrategyName = Annotated[str, AfterValidator(_known_strategy)]  # a config's `strategy`: a key of the table
+
+
+def build_strategy(name: str, deps: StrategyDeps | None = None) -> Scheduler:
+    """A scheduler by strategy name (benchmarks compare them), built with `deps`."""
+    factory = STRATEGY_FACTORIES.get(name)
     if factory is None:
         raise ConfigError(f"strategy: unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")
-    return factory(strategies.StrategyDeps(rng, lambda: index if index is not None else build_prefix_index(config),
-                                           lambda: build_hasher(config, index_key)))
+    return factory(deps if deps is not None else StrategyDeps())

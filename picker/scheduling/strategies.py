@@ -1,8 +1,5 @@
-"""Baseline strategies for the benchmark: same Scheduler interface, deliberately simple policies.
-
-Each is built from `StrategyDeps` by its entry in `FACTORIES`, which the scheduling config's strategy table
-(`picker.scheduling.config.STRATEGY_FACTORIES`) takes as is: a new baseline is a class and a line here.
-"""
+"""Baseline strategies for the benchmark: same Scheduler interface, deliberately simple policies. Each is built
+by its line in the strategy table (`picker.scheduling.config.STRATEGY_FACTORIES`)."""
 
 from __future__ import annotations
 
@@ -10,8 +7,7 @@ import bisect
 import functools
 import math
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import xxhash
 
@@ -24,7 +20,7 @@ from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.profiles import Profile, WeightedScorer
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.scorers import KVCacheUtilizationScorer, PrefixCacheScorer, QueueScorer
-from picker.scheduling.types import Scheduler, SchedulingResult
+from picker.scheduling.types import SchedulingResult
 
 
 class _Stateless:
@@ -230,23 +226,3 @@ class PrefixOnlyScheduler(PrefixAwareScheduler):
         )
         super().__init__([profile], index=index, hasher=hasher)
 
-
-@dataclass(frozen=True, slots=True)
-class StrategyDeps:
-    """What a strategy may be built with: the run's random source, and the prefix index and hasher the
-    scheduling config asks for (built on demand: most baselines have none)."""
-
-    rng: random.Random | None
-    index: Callable[[], PrefixIndex]
-    hasher: Callable[[], PrefixHasher]
-
-
-FACTORIES: dict[str, Callable[[StrategyDeps], Scheduler]] = {
-    "round-robin": lambda deps: RoundRobinScheduler(),
-    "random": lambda deps: RandomScheduler(deps.rng),
-    "least-load": lambda deps: LeastLoadScheduler(deps.rng),
-    "prefix-only": lambda deps: PrefixOnlyScheduler(deps.rng, index=deps.index(), hasher=deps.hasher()),
-    "prefix-hash": lambda deps: PrefixHashScheduler(),
-    "hash-ring": lambda deps: HashRingScheduler(),
-    "bounded-load": lambda deps: BoundedLoadScheduler(),
-}

@@ -22,7 +22,7 @@ from picker.extproc.limits import StreamLimits
 from picker.prefix.hashing import IndexKey
 from picker.routing.admission import AdmissionConfig
 from picker.scheduling import reference
-from picker.scheduling.config import SchedulingConfig, StrategyName, build_strategy
+from picker.scheduling.config import SchedulingConfig, StrategyDeps, StrategyName, build_strategy
 from picker.serving import reference_flags
 from picker.serving.tls import TLS_VERSIONS, TlsError, TlsOptions
 
@@ -364,7 +364,7 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
                                       "command line" if flags else "")))
     config = decode_serve_config(data, source)
     try:  # the plugin graph (types, parameters, references) is checked now, not when the first request comes
-        build_strategy(config.strategy, config=config.scheduling, saturation=config.admission.thresholds)
+        build_strategy(config.strategy, StrategyDeps(config.scheduling, saturation=config.admission.thresholds))
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
     if config.discovery == "static" and not (config.endpoints or config.endpoints_file):

@@ -22,7 +22,7 @@ from picker.flowcontrol.controller import FlowController, FlowSettings
 from picker.prefix.precise import PreciseIndex, PrecisePrefix
 from picker.prefix.shared import SharedPrefixIndex
 from picker.routing.admission import AdmissionConfig, BoundedWait, Gate, Priorities
-from picker.scheduling.config import INDEXED_STRATEGIES, build_prefix_index, build_strategy
+from picker.scheduling.config import INDEXED_STRATEGIES, StrategyDeps, build_prefix_index, build_strategy
 from picker.scheduling.types import Scheduler
 from picker.serving.config import ConfigError, ServeConfig
 from picker.serving.metrics import PickerMetrics
@@ -53,9 +53,9 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
     precise = (PrecisePrefix(precise_index, config.prefix_mode)
                if precise_index is not None and config.prefix_mode != "approximate" else None)
     observer = metrics.scheduling if metrics is not None else None  # plugin timings and TTFT predictions
-    scheduler = build_strategy(config.strategy, config=config.scheduling, rng=random.Random(config.seed),
-                               index=shared, saturation=config.admission.thresholds, observer=observer,
-                               index_key=key, timer=observer, precise=precise)
+    scheduler = build_strategy(config.strategy, StrategyDeps(
+        config.scheduling, random.Random(config.seed), shared, config.admission.thresholds, observer=observer,
+        index_key=key, timer=observer, precise=precise))
     if shared is not None:
         shared.peer_listener = scheduler.on_peer_picked
     return Policy(scheduler, Priorities(config.admission), shared, precise_index)
