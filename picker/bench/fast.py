@@ -11,20 +11,21 @@ tokens. So each scrape delays the pod's next request intake and first token by t
 
 Events, in time order (ties: deliveries, placements, arrivals, intakes, steps, scrapes, samples, restarts,
 expiries, pool changes):
-- arrival: build the request (a follow-up gets its parent's answer), admit, schedule, hand it to the pod;
+- arrival: build the request (a follow-up gets its parent's answer), the director's `begin` (placed now, held or
+  refused), then its `place` (schedule), hand it to the pod;
 - intake: the pod's API server passes a request on to its engine (at once unless scrapes hold it);
 - step: the pod runs one batch; its outputs are delivered when the batch ends;
 - deliver: first tokens, finished requests (in-flight released, follow-ups scheduled);
 - scrape: refresh one pod's metrics in every replica's view and schedule its next scrape;
 - sample: every `sample_interval`, record per-pod load;
-- with flow control (`admission_config` with `flowControl` on): place, a request let through the queue is scheduled;
-  expire, a queued request's TTL has passed (503);
+- place: a held request its gate let go is scheduled (`Director.place`); expire: a hold's deadline has come
+  (flow control: 503; the bounded wait: it goes anyway);
 - with `leave_rejoin`: the last pod leaves every replica's pool (what it holds runs on: a drain) and later comes
   back with an empty cache, as a restarted pod does (bench-real's leave-rejoin workload).
 
 Several picker replicas (`replicas` > 1) stand for N `picker serve` processes behind one Envoy, which round-robins
 ext_proc streams over them: the n-th arriving request goes to replica n % N. Each replica has its own scheduler
-(seed + r), admission controller and Endpoint objects (its own in-flight counts); the scrape refreshes every
+(seed + r), admission gate and Endpoint objects (its own in-flight counts); the scrape refreshes every
 replica's copy of a pod's metrics with the same values. Each replica keeps its own prefix index, or with
 `shared_index` all share one `InMemoryPrefixIndex`: the Redis/Valkey-shared index (`--index-backend redis`) with
 zero replication lag.

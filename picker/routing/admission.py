@@ -1,4 +1,6 @@
-"""Admission control: GIE's saturation detector, shedding and a bounded wait; priorities from objectives.
+"""Admission control: the `Gate` interface the director's steps run, GIE's saturation detector as one gate
+(`BoundedWait`; flow control, picker.flowcontrol, is the other), SLO shedding after scoring; priorities from
+objectives.
 
 Shedding protects latency for important traffic: when the pool is saturated, sheddable requests
 (priority < 0) get 429 + Retry-After at once; standard ones (priority 0) may wait up to `maxWait` for
