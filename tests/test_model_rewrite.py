@@ -126,6 +126,7 @@ def test_the_director_routes_a_rewritten_request_to_pods_serving_its_target() ->
     for i in range(10):
         request = build_request({":path": "/v1/completions", ":method": "POST"},
                                 json.dumps({"model": "llama", "prompt": f"p{i}"}).encode(), request_id=str(i))
-        assert director.begin(request, lambda: True) is None  # no admission: placed now
-        decision = director.place(request, 0.0)
+        hold, candidates = director.begin(request, lambda: True)
+        assert hold is None  # no admission: placed now
+        decision = director.place(request, 0.0, candidates=candidates)
         assert decision.endpoint is pods[1] and request.target_model == "llama-v2"

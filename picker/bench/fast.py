@@ -267,8 +267,8 @@ class _FastRun:
         self.ttft_seconds = [0.0] * cfg.pods  # vllm:time_to_first_token_seconds sum and count, engine time
         self.ttft_count = [0] * cfg.pods
         self.history: dict[int, tuple[Message, ...]] = {}  # full messages (+ answer) of requests with follow-ups
-        # index -> (prompt ids, oracle hashes, tokens, replica that routed it)
-        self.live: dict[int, tuple[list[int], list[int], int, int]] = {}
+        # index -> (prompt ids, oracle hashes, its decision (None: no picker routed it), replica that routed it)
+        self.live: dict[int, tuple[list[int], list[int], Decision | None, int]] = {}
         self.first_token: dict[int, float] = {}
         self.outstanding = len(trace)
         self.unreported = 0
@@ -430,21 +430,21 @@ class _FastRun:
         if self.inputs is not None:
             self.note(replica, DirectorInput("arrive", now, i, request=copy.copy(request)))
         try:
-            hold = director.begin(request, go)
+            hold, candidates = director.begin(request, go)
         except RequestError as err:
             self.note(replica, DirectorInput("refused", now, i, outcome=str(err.status)))
             self.refused(i, err, now)
             return
         if hold is None:
-            self.place(i, request, ids, hashes, replica, now)
+            self.place(i, request, ids, hashes, replica, now, candidates)
         elif hold.queued:
             self.push(hold.deadline, _EXPIRE, (i, hold, replica))
 
     def place(self, i: int, request: InferenceRequest, ids: list[int], hashes: list[int], replica: int,
-              now: float) -> None:
+              now: float, candidates: Sequence[Endpoint] | None = None) -> None:
         """The director's second step: the request is scheduled now and sent to its pod."""
         try:
-            decision = self.directors[replica].place(request, now)
+            decision = self.directors[replica].place(request, now, candidates=candidates)
         except RequestError as err:
             self.note(replica, DirectorInput("placed", now, i, outcome=str(err.status)))
             self.refused(i, err, now)
@@ -477,13 +477,11 @@ class _FastRun:
         sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
         delayed = self.api_busy_until[k] > now  # scrapes hold the pod's API server: the engine gets it later
         if not delayed and not self.hand_over(k, sim_request, now):
-            self.note(replica, DirectorInput("ended", now, i))
-            self.directors[replica].release(decision)
+            self.ended(i, replica, decision, now)
             return
-        tokens = decision.tokens
         res.pod[i] = k
         self.served[k] += 1
-        self.live[i] = (ids, hashes, tokens, replica)
+        self.live[i] = (ids, hashes, decision, replica)
         if delayed:
             self.push(self.api_busy_until[k], _INTAKE, (k, sim_request))
         else:
@@ -497,7 +495,7 @@ class _FastRun:
         self.res.pod[i] = k
         self.res.bypassed.append(i)
         self.served[k] += 1
-        self.live[i] = (ids, hashes, 0, -1)  # replica -1: no picker counts it in flight
+        self.live[i] = (ids, hashes, None, -1)  # no picker counts it in flight
         self.wake(k, now)
 
     def hand_over(self, k: int, request: SimRequest, now: float) -> bool:
@@ -517,18 +515,18 @@ class _FastRun:
             self.wake(k, now)
             return
         i = int(request.request_id)
-        _, _, tokens, replica = self.live.pop(i)
-        self.ended(i, replica, k, tokens, now)
+        _, _, decision, replica = self.live.pop(i)
+        self.ended(i, replica, decision, now)
         self.served[k] -= 1
         self.res.pod[i] = -1
 
-    def ended(self, i: int, replica: int, k: int, tokens: int, now: float) -> None:
-        """A request routed by `replica` (-1: none) to pod k has ended: its in-flight count drops, room frees."""
-        if replica < 0:
+    def ended(self, i: int, replica: int, decision: Decision | None, now: float) -> None:
+        """A request has ended: the director that routed it releases it (in-flight count down, room freed), as
+        `picker serve`'s does when the stream closes. None: no picker routed it."""
+        if decision is None:
             return
         self.note(replica, DirectorInput("ended", now, i))
-        self.replica_endpoints[replica][k].finish_request(tokens)
-        self.directors[replica].gate.kick()
+        self.directors[replica].release(decision)
 
     def deliver(self, k: int, result: StepResult, now: float) -> None:
         """Outputs of one batch at its end: first tokens, finished requests and their follow-ups."""
@@ -542,7 +540,7 @@ class _FastRun:
             res.ttft[i] = streamed - res.sent[i]
         for fin in result.finished:
             i = int(fin.request_id)
-            ids, hashes, tokens, replica = self.live.pop(i)
+            ids, hashes, decision, replica = self.live.pop(i)
             if fin.first_scheduled_time is not None and fin.first_token_time is not None:
                 self.prefill_tokens[k] += fin.prompt_tokens - fin.num_cached_tokens
                 self.prefill_seconds[k] += fin.first_token_time - fin.first_scheduled_time
@@ -550,7 +548,7 @@ class _FastRun:
             if fin.ttft is not None:
                 self.ttft_seconds[k] += fin.ttft
                 self.ttft_count[k] += 1
-            self.ended(i, replica, k, tokens, now)
+            self.ended(i, replica, decision, now)
             res.e2e[i] = now - res.sent[i]
             out = len(fin.output_token_ids)
             res.output_tokens[i] = out

@@ -258,21 +258,22 @@ class BoundedWait:
         self.waiting.append(held)
         return held
 
-    def _let_go(self, held: _Waiting) -> None:
+    def _take(self, held: _Waiting) -> bool:
+        """Take a held request out of the wait; False when it is out already."""
+        if not held.queued:
+            return False
         held.queued = False
         self.waiting.remove(held)
-        held.go()
+        return True
 
     def expire(self, hold: _Waiting) -> RequestError | None:
         """Never a refusal: a request that waited its maxWait goes anyway."""
-        if hold.queued:
-            self._let_go(hold)
+        if self._take(hold):
+            hold.go()
         return None
 
     def withdraw(self, hold: _Waiting) -> None:
-        if hold.queued:
-            hold.queued = False
-            self.waiting.remove(hold)
+        self._take(hold)
 
     def placed(self) -> None:
         return None
@@ -282,7 +283,8 @@ class BoundedWait:
             return
         now = self.clock()
         for held in [h for h in self.waiting if not self.saturated(h.candidates, now)]:
-            self._let_go(held)
+            if self._take(held):
+                held.go()
 
     def pod_refreshed(self, endpoint: Endpoint) -> None:
         self.kick()

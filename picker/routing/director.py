@@ -164,10 +164,12 @@ class Director:
             return None
         return self.models.listing(self.pool.ready())
 
-    def rank(self, request: InferenceRequest, now: float) -> SchedulingResult:
+    def rank(self, request: InferenceRequest, now: float,
+             candidates: Sequence[Endpoint] | None = None) -> SchedulingResult:
         """Schedule without side effects on the index or counters (used by Explain); RequestError when no pod
-        remains or a post-scoring check refuses the request."""
-        candidates = self.gate.with_room(self.candidates(request))
+        remains or a post-scoring check refuses the request. `candidates`: `begin`'s, when nothing happened since."""
+        found = candidates if candidates is not None else self.candidates(request)
+        candidates = self.gate.with_room(found)
         if not request.has_body:
             # Header-only requests (GET /v1/models, ...) carry no prompt: least loaded healthy endpoint.
             ranked = sorted(candidates, key=lambda e: (e.in_flight, e.last_picked_at))
@@ -185,12 +187,14 @@ class Director:
         if self.rewrites:
             self.rewrites.apply(request)
 
-    def begin(self, request: InferenceRequest, go: Callable[[], bool]) -> Hold | None:
-        """Step one: resolve the request and offer it to the gate. None: place it now; a hold: `go` is called
-        when it may be placed, or `expire` refuses it at the hold's deadline. RequestError: refused now (429 shed,
-        503 no endpoint at all: not after a wait)."""
+    def begin(self, request: InferenceRequest, go: Callable[[], bool]) -> tuple[Hold | None, Sequence[Endpoint]]:
+        """Step one: resolve the request and offer it to the gate with its candidates (returned too: `place` takes
+        them when it runs at once). No hold: place it now; a hold: `go` is called when it may be placed, or
+        `expire` refuses it at the hold's deadline. RequestError: refused now (429 shed, 503 no endpoint at all:
+        not after a wait)."""
         self.resolve(request)
-        return self.gate.offer(request, self.candidates(request), go)
+        candidates = self.candidates(request)
+        return self.gate.offer(request, candidates, go), candidates
 
     def expire(self, hold: Hold) -> RequestError | None:
         """A hold's deadline has come: its refusal, or None (let go: its `go` has been called)."""
@@ -210,13 +214,21 @@ class Director:
         if self.tokenizer is None:
             request.parsed = None  # nothing will tokenize it: a waiting request does not keep its parsed body
         arrived = self.clock()
-        await through_gate(self.gate, lambda go: self.begin(request, go), self.clock)
+        at_once: list[Sequence[Endpoint]] = []  # begin's candidates, when nothing waits between it and place
+
+        def offer(go: Callable[[], bool]) -> Hold | None:
+            hold, candidates = self.begin(request, go)
+            if (hold is None or not hold.queued) and self.tokenizer is None:  # tokenizing awaits a pod: not kept
+                at_once.append(candidates)
+            return hold
+
+        await through_gate(self.gate, offer, self.clock)
         try:
             await self._tokenize(request)
         except BaseException:
             self.gate.placed()  # given up before it was placed: the next may go
             raise
-        return self.place(request, self.clock(), arrived)
+        return self.place(request, self.clock(), arrived, at_once[0] if at_once else None)
 
     async def _tokenize(self, request: InferenceRequest) -> None:
         """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it); then
@@ -225,13 +237,14 @@ class Director:
             request.token_ids = await self.tokenizer.token_ids(request, lambda: self.candidates(request))
         request.parsed = None
 
-    def place(self, request: InferenceRequest, now: float, arrived: float | None = None) -> Decision:
+    def place(self, request: InferenceRequest, now: float, arrived: float | None = None,
+              candidates: Sequence[Endpoint] | None = None) -> Decision:
         """Step two: schedule an admitted request and account for it: the scheduler learns the pick, the pod's
         in-flight count moves at once (scraped metrics lag), and the gate hears it is placed (or failed to be).
-        `arrived`: when it came, if before `now`."""
+        `arrived`: when it came, if before `now`; `candidates`: `begin`'s, when it runs at once after it."""
         start = time.perf_counter()
         try:
-            result = self.rank(request, now)
+            result = self.rank(request, now, candidates)
             ranked = result.ranked[: self.fallbacks]
             chosen = ranked[0]
             if result.context is not None:
