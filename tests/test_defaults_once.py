@@ -16,6 +16,10 @@ from picker.scheduling.plugins import NoParams
 # Parameter sections whose fields are no constructor argument of one plugin (a factory maps them), and why.
 MAPPED_BY_THEIR_FACTORY = {
     "saturation-filter": "unset thresholds are the admission section's",
+    # the reference's P/D keys: two formats (nested or flat, unset = not given) and keys only accepted
+    "disagg-profile-handler": "nested or flat keys, unset meaning not given",
+    "pd-profile-handler": "keys the reference declares but does not read (unset), and primaryPort (0 only)",
+    "disagg-headers-handler": "encodeProfile is only named", "prefill-header-handler": "encodeProfile is only named",
 }
 
 

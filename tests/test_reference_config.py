@@ -51,6 +51,9 @@ def profiles_of(config: ServeConfig) -> dict[str, Any]:
     ("optimized-baseline.yaml", {"default": ([], {"queue-scorer": 2, "kv-cache-utilization-scorer": 2,
                                                   "prefix-cache-scorer": 3, "no-hit-lru-scorer": 2},
                                              "MaxScorePicker")}),
+    ("disaggregated.yaml", {
+        "prefill": (["prefill-filter"], {"prefix-cache-scorer": 2, "queue-scorer": 1}, "MaxScorePicker"),
+        "decode": (["decode-filter"], {"prefix-cache-scorer": 2, "queue-scorer": 1}, "MaxScorePicker")}),
     ("openai-parser-lora.yaml", {"default": ([], {"queue-scorer": 1, "kv-cache-utilization-scorer": 1,
                                                   "prefix-cache-scorer": 1, "lora-affinity-scorer": 1},
                                              "MaxScorePicker")}),
@@ -78,7 +81,7 @@ def test_settings_of_non_scheduling_plugins_land_where_ours_live() -> None:
 
 
 @pytest.mark.parametrize("name,message", [
-    ("refused-disaggregated.yaml", r"plugins\[0\]\.type: 'prefill-filter' .* prefill/decode disaggregation"),
+    ("refused-encode.yaml", r"plugins\[0\]\.type: 'encode-filter' .* encode disaggregation"),
     ("refused-payload-agnostic.yaml", r"plugins\[0\]\.type: 'passthrough-parser' .* OpenAI-style body"),
 ])
 def test_plugins_we_do_not_implement_are_named(name: str, message: str) -> None:

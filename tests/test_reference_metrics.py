@@ -105,8 +105,7 @@ NOT_HERE = {
     "llm_d_epp_encoder_cache_": "multimodal encoder-cache affinity is not implemented",
     "llm_d_epp_program_aware_": "program-aware fairness belongs to flow control",
     "llm_d_epp_request_predicted_": "the latency-predictor sidecars are not used (predicted TTFT: picker_ttft_*)",
-    "llm_d_epp_disagg": "prefill/decode disaggregation is not implemented",
-    "llm_d_epp_pd_decision": "prefill/decode disaggregation is not implemented",
+    "llm_d_epp_pd_decision": "counted as llm_d_epp_disagg_decision_total (plugin_type pd-profile-handler)",
     "llm_d_epp_kv_cache_": "the KV-event (precise) prefix index is not implemented",
 }
 

@@ -6,10 +6,10 @@ import random
 from collections import Counter
 
 from picker.endpoints.state import Endpoint
+from picker.scheduling.disagg import DecodeFilter
 from picker.scheduling.picker import WeightedRandomPicker
 from picker.scheduling.reference_plugins import (
     ActiveRequestScorer,
-    DecodeFilter,
     LoadAwareScorer,
     NoHitLRUScorer,
     RunningRequestsSizeScorer,

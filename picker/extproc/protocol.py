@@ -22,6 +22,8 @@ LB_NAMESPACE = "envoy.lb"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+# P/D: the prefill pod ("ip:port") the decode pod's sidecar sends the prompt to first (llm-d's header)
+PREFILLER_HEADER = "x-prefiller-host-port"
 REQUEST_ID_HEADER = "x-request-id"
 SESSION_HEADER = "x-session-id"
 
@@ -67,6 +69,8 @@ def routing_common(destination: str, extra_headers: dict[str, str] | None = None
     mutation = pb.HeaderMutation(set_headers=[header_option(DESTINATION_HEADER, destination)])
     if extra_headers:
         mutation.set_headers.extend(header_option(k, v) for k, v in extra_headers.items())
+    if not extra_headers or PREFILLER_HEADER not in extra_headers:
+        mutation.remove_headers.append(PREFILLER_HEADER)  # the picker's to set: never the client's
     return pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
 
 

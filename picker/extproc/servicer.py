@@ -117,6 +117,8 @@ class _Stream:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
+            if self.decision is not None:
+                self.director.prefilled(self.decision)
             if message.response_headers.end_of_stream:
                 self.release()
             elif self.response_mode != p.NONE and self.decision is not None:
@@ -232,7 +234,9 @@ class _Stream:
             return self._reject(err, counted=True)
         self.phase = Phase.ROUTED
         extra = {p.REQUEST_ID_HEADER: self.request_id} if self.generated_id else None
-        destination, forwarded = self.decision.destination, self.decision.body
+        destination, forwarded, prefill = self.decision.destination, self.decision.body, self.decision.prefill
+        if prefill is not None:
+            extra = {**(extra or {}), p.PREFILLER_HEADER: prefill.address}
         if forwarded is not None:  # the model rewritten: the pod gets another body, of another length
             extra = {**(extra or {}), "content-length": str(len(forwarded))}
         if by_headers:

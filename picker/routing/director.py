@@ -96,6 +96,7 @@ class Decision:
     expected_cached: int = 0  # prompt tokens the index expected the pod to have cached
     body: bytes | None = None  # the body the pod gets, when it is not the client's (its model rewritten)
     swaps: tuple[tuple[bytes, bytes], ...] = ()  # in response bodies: the pod's model name -> the client's
+    prefill: Endpoint | None = None  # with P/D: the pod prefilling it (None again once the response began)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -251,17 +252,21 @@ class Director:
                 self.scheduler.on_picked(result.context, chosen, now)
             tokens = estimated_tokens(request, self.chars_per_token)
             chosen.start_request(tokens, now)
+            prefill = result.prefill
+            if prefill is not None:  # busy with the prompt until the response begins (`prefilled`)
+                prefill.start_request(tokens, now)
         finally:
             self.gate.placed()  # after its in-flight count moved: the next is let through on the new level
         if self.metrics is not None:
             self.metrics.observe_routed(request, time.perf_counter() - start, result.prefix_matched_blocks,
                                         result.prefix_blocks, chosen,
-                                        result.context.block_chars if result.context is not None else 0)
+                                        result.context.block_chars if result.context is not None else 0,
+                                        result.disaggregation)
         destination = ",".join(e.address for e in ranked)
         expected = (result.prefix_matched_blocks * result.context.block_chars // self.chars_per_token
                     if result.context is not None else 0)
         return Decision(request, ranked, destination, result, tokens, now if arrived is None else arrived,
-                        expected_cached=expected)
+                        expected_cached=expected, prefill=prefill)
 
     async def route_http(self, headers: dict[str, str], body: bytes, *, request_id: str,
                          subset: tuple[str, ...] | None = None) -> Decision:
@@ -315,6 +320,13 @@ class Director:
         itl = self.metrics.itl_observer(decision.request) if self.metrics is not None else None
         return ResponseTrace(decision.started_at, itl)
 
+    def prefilled(self, decision: Decision) -> None:
+        """The response has begun (its headers came), so its prefill is done: a prefill pod's count is undone."""
+        prefill = decision.prefill
+        if prefill is not None:
+            decision.prefill = None
+            prefill.finish_request(decision.tokens)
+
     def release(self, decision: Decision, usage: Usage | None = None, response: ResponseTrace | None = None) -> None:
         """The request finished (response end or stream closed): undo its in-flight accounting once, and
         record the token usage the model server reported and how the response came, when its body was visible."""
@@ -322,6 +334,7 @@ class Director:
             return
         decision.released = True
         decision.endpoint.finish_request(decision.tokens)
+        self.prefilled(decision)
         self.gate.kick()  # room freed
         if self.metrics is not None:
             self.metrics.observe_finished(decision.request, self.clock() - decision.started_at, usage, response)

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from picker.core.requests import InferenceRequest, Usage
 from picker.endpoints.state import Endpoint
+from picker.scheduling.types import Disaggregation
 
 
 @dataclass(slots=True)
@@ -41,8 +42,10 @@ class RequestObserver(Protocol):
     """Hears what happens to each request the director handles."""
 
     def observe_routed(self, request: InferenceRequest, seconds: float, matched_blocks: int, blocks: int,
-                       endpoint: Endpoint | None = None, block_chars: int = 0) -> None:
-        """Scheduled on `endpoint` in `seconds`; the index matched `matched_blocks` of its `blocks`."""
+                       endpoint: Endpoint | None = None, block_chars: int = 0,
+                       disaggregation: Disaggregation | None = None) -> None:
+        """Scheduled on `endpoint` in `seconds`; the index matched `matched_blocks` of its `blocks`; with P/D,
+        where it is prefilled."""
         ...
 
     def observe_refused(self, request: InferenceRequest, code: str, scheduling: bool = False) -> None:

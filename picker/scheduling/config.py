@@ -45,6 +45,7 @@ from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
 from picker.prefix.precise import PrecisePrefix
 from picker.scheduling import (
+    disagg,
     filters,
     fuzzy,
     picker,
@@ -53,6 +54,7 @@ from picker.scheduling import (
     reference_plugins,
     scorers,
 )
+from picker.scheduling.disagg import DisaggPdHeadersHandler, DisaggProfileHandler
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import (
     Filter,
@@ -185,7 +187,8 @@ def predicted_ttft_scheduling(**parameters: Any) -> dict[str, Any]:
 # Every plugin type a config may name, each with the factory that decodes its parameters.
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
     f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
-                             *picker.FACTORIES, *profiles.FACTORIES, *reference_plugins.FACTORIES)
+                             *picker.FACTORIES, *profiles.FACTORIES, *reference_plugins.FACTORIES,
+                             *disagg.FACTORIES)
 }
 
 
@@ -295,6 +298,7 @@ def build_scheduler(
                       saturation=saturation if saturation is not None else SaturationThresholds(),
                       observer=observer, cache_room=index)
     plugins: dict[str, Plugin] = {}
+    positions: dict[str, int] = {}  # plugin name -> its place in scheduling.plugins (for errors)
     elsewhere: set[str] = set()  # names of plugins whose settings live in other sections (reference configs)
     for i, spec in enumerate(cfg.plugins):
         if spec.type in CONFIGURED_ELSEWHERE:
@@ -307,6 +311,7 @@ def build_scheduler(
         if plugin.name in plugins or plugin.name in elsewhere:
             raise ConfigError(f"scheduling.plugins[{i}].name: duplicate plugin name {plugin.name!r}")
         plugins[plugin.name] = plugin
+        positions[plugin.name] = i
     built: list[Profile] = []
     for i, pspec in enumerate(cfg.scheduling_profiles):
         profile = Profile(pspec.name)
@@ -318,7 +323,7 @@ def build_scheduler(
                 continue  # a producer or data source named in a profile: the reference allows it, it does nothing
             if used is None:
                 raise ConfigError(f"{where}: unknown plugin {ref.plugin_ref!r} (not in scheduling.plugins)")
-            if isinstance(used, RequestClassifier | SingleProfileHandler):
+            if isinstance(used, _HANDLERS):
                 raise ConfigError(f"{where}: {ref.plugin_ref!r} is a profile handler: list it in plugins only")
             if isinstance(used, Picker):
                 if picker_set:
@@ -337,7 +342,7 @@ def build_scheduler(
     if len({p.name for p in built}) != len(built):
         raise ConfigError("scheduling.schedulingProfiles: profile names must be unique")
     classifier: Classifier
-    handlers = [p for p in plugins.values() if isinstance(p, RequestClassifier | SingleProfileHandler)]
+    handlers = [p for p in plugins.values() if isinstance(p, _HANDLERS)]
     if len(handlers) > 1:
         raise ConfigError(f"scheduling.plugins: one profile handler at most, not {len(handlers)} "
                           f"({', '.join(h.name for h in handlers)})")
@@ -350,6 +355,8 @@ def build_scheduler(
             if target not in names:
                 raise ConfigError(f"scheduling.plugins: request-classifier names unknown profile {target!r}")
         classifier = handler
+    elif isinstance(handler, DisaggProfileHandler):
+        classifier = _disaggregating(handler, plugins, positions, names)
     else:
         classifier = SingleProfile(built[0].name)
     hasher = build_hasher(cfg, index_key)
@@ -357,6 +364,28 @@ def build_scheduler(
     overlays = [PreciseOverlay(precise, hasher)] if precise is not None else []
     return PrefixAwareScheduler(built, classifier, index=index, hasher=hasher, explain=cfg.explain, timer=timer,
                                 overlays=overlays)
+
+
+# Plugins that choose profiles: listed in `plugins` only, one per config.
+_HANDLERS = (RequestClassifier, SingleProfileHandler, DisaggProfileHandler)
+
+
+def _disaggregating(handler: DisaggProfileHandler, plugins: dict[str, Plugin], positions: dict[str, int],
+                    profiles: set[str]) -> Classifier:
+    """The P/D handler with its decider found, after checking the profiles it runs (and any header plugin's)."""
+    where = f"scheduling.plugins[{positions[handler.name]}]"
+    problem = handler.bind(plugins)
+    if problem is not None:
+        raise ConfigError(f"{where}.parameters: {problem}")
+    for profile in handler.profiles():
+        if profile not in profiles:
+            raise ConfigError(f"{where}.parameters: runs unknown profile {profile!r} (not in scheduling.schedulingProfiles)")
+    for plugin in plugins.values():
+        if isinstance(plugin, DisaggPdHeadersHandler) and plugin.prefill_profile != handler.prefill_profile_name:
+            raise ConfigError(f"scheduling.plugins[{positions[plugin.name]}].parameters.prefillProfile: "
+                              f"{plugin.prefill_profile!r} is not the handler's prefill profile "
+                              f"{handler.prefill_profile_name!r}")
+    return handler
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ class SchedulingContext:
     # With a TTFT objective (request.slo_ttft_s): whether some candidate is predicted to meet it (None: not
     # predicted); the director sheds a sheddable request none can serve in time
     slo_attainable: bool | None = None
+    prefill: Endpoint | None = None  # with P/D: the pod that prefills the prompt (it caches it too)
     # plugin name -> what that plugin computed for this request and reads again at `on_picked` (None until a
     # plugin keeps something: most requests need no dict)
     state: dict[str, object] | None = None

@@ -12,9 +12,11 @@ from typing import Any, Protocol
 from pydantic import Field
 
 from picker.core.schema import Section
+from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import Filter, Picker, Plugin, PluginFactory, Scorer, default_of, with_params
+from picker.scheduling.types import Disaggregation
 
 
 @dataclass(slots=True)
@@ -45,14 +47,35 @@ class Profile:
 
 
 class Classifier(Protocol):
+    """A profile handler: which profile picks the request's pod and, with prefill/decode disaggregation, which
+    one picks a second pod to prefill it (picker/scheduling/disagg.py)."""
+
     needs_prefix: bool  # reads the prefix match to classify
 
     def classify(self, ctx: SchedulingContext) -> str:
-        """Name of the profile for this request."""
+        """Name of the profile that picks the destination."""
+        ...
+
+    def prefill_profile(self, ctx: SchedulingContext, decode: Endpoint) -> str | None:
+        """The profile that picks a pod to prefill the request for `decode`, or None (prefilled where it runs)."""
+        ...
+
+    def decided(self, prefill: Endpoint | None) -> Disaggregation | None:
+        """The decision to report (None: this handler does not disaggregate, nothing to count)."""
         ...
 
 
-class SingleProfile:
+class OneStage:
+    """What a handler without disaggregation answers: every request is prefilled where it is decoded."""
+
+    def prefill_profile(self, ctx: SchedulingContext, decode: Endpoint) -> str | None:
+        return None
+
+    def decided(self, prefill: Endpoint | None) -> Disaggregation | None:
+        return None
+
+
+class SingleProfile(OneStage):
     """Always the same profile (GIE's single-profile-handler)."""
 
     needs_prefix = False
@@ -64,7 +87,7 @@ class SingleProfile:
         return self.profile
 
 
-class RequestClassifier(Plugin):
+class RequestClassifier(OneStage, Plugin):
     """context-heavy when the prompt is long or a long prefix is already cached somewhere; else bursty-chat.
 
     A prompt that is mostly a prefix one pod alone holds (at least `continuation_share` of it and

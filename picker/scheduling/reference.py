@@ -44,13 +44,13 @@ CONFIGURED_ELSEWHERE = frozenset({
 })
 
 # The reference's plugin types we do not implement, and why (the error a config naming one gets).
-_PD = "prefill/decode disaggregation is not implemented"
-_PRECISE = "KV-event (precise) prefix tracking is not implemented; the approximate prefix index is what picker has"
+_PD = ("encode disaggregation, P2P KV sources and topology affinity are not implemented (prefill/decode "
+       "disaggregation is: disagg-profile-handler)")
+_PRECISE = ("KV-event (precise) prefix routing is not a plugin here: set kvEventsEndpoint or kvEventsPort "
+            "(--kv-events-endpoint / --kv-events-port) and the prefix scorers read the pods' own view")
 _LATENCY = "the latency-predictor sidecars are not used; picker's own predicted-ttft-scorer predicts TTFT"
 NOT_IMPLEMENTED: dict[str, str] = {
-    **dict.fromkeys(("disagg-profile-handler", "pd-profile-handler", "prefill-filter", "encode-filter",
-                     "prefix-based-pd-decider", "always-disagg-pd-decider", "always-disagg-multimodal-decider",
-                     "disagg-headers-handler", "prefill-header-handler", "p2p-source-producer",
+    **dict.fromkeys(("encode-filter", "always-disagg-multimodal-decider", "p2p-source-producer",
                      "topology-affinity-filter", "topology-affinity-scorer", "topology-extractor"), _PD),
     **dict.fromkeys(("precise-prefix-cache-producer", "precise-prefix-cache-scorer", "endpoint-notification-source",
                      "burst-prefix-cache-producer"), _PRECISE),

@@ -1,6 +1,6 @@
 """Plugins the reference picker (GIE's, now llm-d's router) ships that ours had no twin for, with its meanings, so
 its EndpointPickerConfig files run unchanged: the scorers `running-requests-size-scorer`, `load-aware-scorer`,
-`active-request-scorer` and `no-hit-lru-scorer`, the `decode-filter` and the `single-profile-handler` (its
+`active-request-scorer` and `no-hit-lru-scorer` and the `single-profile-handler` (its
 `weighted-random-picker` stands with our pickers, in `picker.py`). Each is written from the reference's documented behaviour, in our plugin contracts.
 """
 
@@ -24,10 +24,6 @@ from picker.scheduling.plugins import (
     min_max_inverse,
     no_params,
 )
-
-# The pod label that names a pod's role in disaggregated serving, and the roles that decode.
-ROLE_LABEL = "llm-d.ai/role"
-DECODE_ROLES = frozenset({"decode", "prefill-decode", "both", "encode-prefill-decode"})
 
 
 class RunningRequestsSizeScorer(Plugin):
@@ -116,18 +112,6 @@ class NoHitLRUScorer(Plugin):
         self._cold_picks.pop(endpoint.address, None)
 
 
-class DecodeFilter(Plugin):
-    """Pods that decode: those whose `llm-d.ai/role` label is a decoding role, and those without the label (a
-    pool that does not split prefill from decode has none)."""
-
-    type_name = "decode-filter"
-
-    def filter(self, ctx: SchedulingContext, candidates: list[Endpoint]) -> list[Endpoint]:
-        if not any(ROLE_LABEL in e.labels for e in candidates):
-            return candidates
-        return [e for e in candidates if e.labels.get(ROLE_LABEL, "decode") in DECODE_ROLES]
-
-
 class SingleProfileHandler(Plugin):
     """The reference's profile handler for a config of one profile: every request runs it. Naming it is what
     `build_scheduler` does anyway without a request classifier; with more than one profile it is an error."""
@@ -165,6 +149,5 @@ FACTORIES: tuple[PluginFactory[Any], ...] = (
     PluginFactory(LoadAwareScorer.type_name, LoadAwareParams, _load_aware),
     PluginFactory(ActiveRequestScorer.type_name, ActiveRequestParams, _active),
     PluginFactory(NoHitLRUScorer.type_name, NoHitLRUParams, _no_hit_lru),
-    PluginFactory(DecodeFilter.type_name, NoParams, no_params(DecodeFilter)),
     PluginFactory(SingleProfileHandler.type_name, NoParams, no_params(SingleProfileHandler)),
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from picker.scheduling.context import SchedulingContext, effective_model
 from picker.scheduling.plugins import PeerPick, Plugin, PluginTimer, Scorer
 from picker.scheduling.producers import ApproximatePrefix, PrefixProducer
 from picker.scheduling.profiles import Classifier, Profile, SingleProfile
-from picker.scheduling.types import CandidateScore, SchedulingResult
+from picker.scheduling.types import CandidateScore, Disaggregation, SchedulingResult
 
 
 class PrefixAwareScheduler:
@@ -82,13 +82,37 @@ class PrefixAwareScheduler:
         if not endpoints:
             raise RequestError(503, "no_endpoints", "no candidate endpoints")
         ctx = self.context(request, endpoints, now)
-        profile = self.profiles.get(self.classifier.classify(ctx))
+        handler = self.classifier
+        profile = self._profile(handler.classify(ctx))
+        timer = self.timer if self.timer is not None and self.timer.plugin_timing_due() else None
+        run = self._run(profile, ctx, endpoints, timer)
+        if not run.candidates:
+            raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
+        ranked = [run.candidates[i] for i in run.order]
+        matched = ctx.matched[run.order[0]] if run.order else 0
+        if ranked:
+            second = handler.prefill_profile(ctx, ranked[0])
+            prefill = self._prefill(self._profile(second), ctx, endpoints, timer) if second is not None else None
+            ctx.prefill = prefill
+            disaggregation = handler.decided(prefill)
+        else:
+            disaggregation = None
+        if not self.explain:
+            return SchedulingResult(ranked, profile.name, [], len(ctx.keys), matched, ctx, disaggregation)
+        return ExplainedResult(ranked, profile.name, len(ctx.keys), matched, ctx,
+                               (run.candidates, run.names, run.columns, run.totals, run.steps), disaggregation)
+
+    def _profile(self, name: str) -> Profile:
+        profile = self.profiles.get(name)
         if profile is None:
             raise RequestError(500, "bad_profile", "classifier chose an unknown scheduling profile")
-        explain = self.explain
-        timer = self.timer if self.timer is not None and self.timer.plugin_timing_due() else None
+        return profile
+
+    def _run(self, profile: Profile, ctx: SchedulingContext, endpoints: Sequence[Endpoint],
+             timer: PluginTimer | None) -> _Run:
+        """One profile over the endpoints: its filters, then its weighted scorers and its picker."""
         candidates = list(endpoints)
-        steps: list[tuple[str, list[Endpoint], list[Endpoint]]] = []  # filters that removed someone
+        steps: _Steps = []  # filters that removed someone
         for f in profile.filters:
             began = time.perf_counter() if timer is not None else 0.0
             kept = f.filter(ctx, candidates)
@@ -98,7 +122,7 @@ class PrefixAwareScheduler:
                 steps.append((f.name, candidates, kept))
             candidates = kept
         if not candidates:
-            raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
+            return _Run(candidates, [], [], [], [], steps)
         ctx.align(candidates)
         names = [w.scorer.name for w in profile.scorers]
         if timer is None:
@@ -110,16 +134,26 @@ class PrefixAwareScheduler:
         order = profile.picker.pick(totals)
         if timer is not None:
             timer.observe_plugin("Picker", profile.picker.type_name, profile.picker.name, time.perf_counter() - began)
-        ranked = [candidates[i] for i in order]
-        matched = ctx.matched[order[0]] if order else 0
-        if not explain:
-            return SchedulingResult(ranked, profile.name, [], len(ctx.keys), matched, ctx)
-        return ExplainedResult(ranked, profile.name, len(ctx.keys), matched, ctx,
-                               (candidates, names, columns, totals, steps))
+        return _Run(candidates, order, names, columns, totals, steps)
+
+    def _prefill(self, profile: Profile, ctx: SchedulingContext, endpoints: Sequence[Endpoint],
+                 timer: PluginTimer | None) -> Endpoint | None:
+        """The prefill profile's pick, or None when no pod survives its filters (decode-only, not an error). What
+        its plugins write in the cycle state is dropped: the state the decode pick learns from stays the decode
+        profile's."""
+        kept = ctx.matched, ctx.details, ctx.state
+        ctx.details, ctx.state = None, None
+        try:
+            run = self._run(profile, ctx, endpoints, timer)
+        finally:
+            ctx.matched, ctx.details, ctx.state = kept
+        return run.candidates[run.order[0]] if run.order else None
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         for producer in self.producers:
             producer.on_picked(ctx, endpoint, now)
+            if ctx.prefill is not None:  # the prefill pod computed the prompt too: it holds its prefix as well
+                producer.on_picked(ctx, ctx.prefill, now)
         for plugin in self._stateful:
             plugin.on_picked(ctx, endpoint, now)
 
@@ -171,6 +205,18 @@ def _overrides_hooks(plugin: Plugin) -> bool:
 
 
 _Steps = list[tuple[str, list[Endpoint], list[Endpoint]]]
+
+
+class _Run(NamedTuple):
+    """What one profile made of the endpoints: survivors, their ranking (indices), and the scores behind it."""
+
+    candidates: list[Endpoint]
+    order: list[int]
+    names: list[str]
+    columns: list[list[float]]
+    totals: list[float]
+    steps: _Steps
+
 _Breakdown = tuple[list[Endpoint], list[str], list[list[float]], list[float], _Steps]
 
 
@@ -185,10 +231,10 @@ class ExplainedResult(SchedulingResult):
 
     def __init__(
         self, ranked: list[Endpoint], profile: str, prefix_blocks: int, prefix_matched_blocks: int,
-        context: SchedulingContext, breakdown: _Breakdown,
+        context: SchedulingContext, breakdown: _Breakdown, disaggregation: Disaggregation | None = None,
     ) -> None:
         self._breakdown: _Breakdown | None = breakdown
-        super().__init__(ranked, profile, [], prefix_blocks, prefix_matched_blocks, context)
+        super().__init__(ranked, profile, [], prefix_blocks, prefix_matched_blocks, context, disaggregation)
 
     @property  # type: ignore[override]
     def candidates(self) -> list[CandidateScore]:

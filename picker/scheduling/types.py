@@ -23,6 +23,20 @@ class CandidateScore:
     details: dict[str, float] = field(default_factory=dict)  # "plugin.figure" -> value (e.g. predicted TTFT parts)
 
 
+@dataclass(frozen=True, slots=True)
+class Disaggregation:
+    """A P/D handler's decision for one request: the prefill pod (None: decode-only), for the header and the
+    decision metric (labelled with the handler's name and type, as the reference's)."""
+
+    plugin_name: str
+    plugin_type: str
+    prefill: Endpoint | None
+
+    @property
+    def decision_type(self) -> str:
+        return "decode-only" if self.prefill is None else "prefill-decode"
+
+
 @dataclass(slots=True)
 class SchedulingResult:
     """Ranked endpoints (best first) plus the why: profile used and every candidate's scores."""
@@ -34,6 +48,12 @@ class SchedulingResult:
     prefix_matched_blocks: int = 0  # blocks the chosen endpoint already holds (index view)
     # The request's cycle state, handed back to `Scheduler.on_picked` (None for header-only requests: no prompt)
     context: SchedulingContext | None = None
+    # With a P/D profile handler: where the prompt is prefilled (None without one: no decision to count)
+    disaggregation: Disaggregation | None = None
+
+    @property
+    def prefill(self) -> Endpoint | None:
+        return self.disaggregation.prefill if self.disaggregation is not None else None
 
 
 class Scheduler(Protocol):

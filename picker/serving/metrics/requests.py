@@ -13,6 +13,7 @@ from picker.core.metric_twins import Twin
 from picker.core.requests import InferenceRequest, Usage
 from picker.endpoints.state import Endpoint
 from picker.routing.observers import ResponseTrace
+from picker.scheduling.types import Disaggregation
 from picker.serving.metrics.labels import (
     LATENCY_BUCKETS,
     SCHEDULER_BUCKETS,
@@ -117,6 +118,10 @@ class RequestMetrics:
         self.rewrites = Counter("llm_d_epp_model_rewrite_decisions",
                                 "Requests whose model was rewritten (x-gateway-model-name-rewrite).",
                                 ["model_rewrite_name", "model_name", "target_model"], registry=r)
+        self.disagg_decisions = Counter("llm_d_epp_disagg_decision",
+                                        "Requests a P/D profile handler decided on: decision_type decode-only "
+                                        "(prefilled where decoded) or prefill-decode (prefilled on another pod).",
+                                        ["plugin_name", "plugin_type", "model_name", "decision_type"], registry=r)
         indexer = ["plugin_name", "plugin_type"]
         self.index_hit_ratio = Histogram("llm_d_epp_prefix_indexer_hit_ratio",
                                          "Share of a request's prefix blocks the chosen pod already holds (index view).",
@@ -184,8 +189,13 @@ class RequestMetrics:
         return series
 
     def observe_routed(self, request: InferenceRequest, seconds: float, matched_blocks: int, blocks: int,
-                       endpoint: Endpoint | None = None, block_chars: int = 0) -> None:
+                       endpoint: Endpoint | None = None, block_chars: int = 0,
+                       disaggregation: Disaggregation | None = None) -> None:
         self.scheduler_duration.observe(seconds)
+        if disaggregation is not None:
+            self.disagg_decisions.labels(disaggregation.plugin_name, disaggregation.plugin_type,
+                                         self.labels.models.label(request.target_model or request.model) or "unknown",
+                                         disaggregation.decision_type).inc()
         series = self._request_series(request)
         series.requests.inc()
         series.sizes.observe(request.body_bytes)
