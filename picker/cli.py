@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "envoy-config": ("picker.serving.envoyconfig", "write a checked Envoy config that uses the picker"),
     "explain": ("picker.tools.explain", "ask a running picker why a request would go where it goes"),
     "doctor": ("picker.tools.doctor", "ask Envoy whether requests reach the picker, and why not when they fail open"),
+    "pd-sidecar": ("picker.serving.pd_sidecar", "run beside a decode pod: prefill on the pod the picker names, "
+                   "then decode here (P/D disaggregation)"),
     "sim": ("picker.sim.cli", "run simulated vLLM servers (OpenAI API, /metrics, KV events)"),
     "bench": ("picker.bench.cli", "compare routing strategies on the same trace and fleet"),
 }

@@ -72,6 +72,7 @@ class SimRequest:
     cache_salt: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    remote_prefill: bool = False  # P/D: the prompt's KV comes from a prefill pod (loaded, not computed)
 
 
 @dataclass(slots=True)
@@ -125,6 +126,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prompt_tokens: int = 0
     prompt_tokens_cached: int = 0
+    external_queries: int = 0  # prompt tokens asked of a KV connector (P/D decode requests)
+    external_hits: int = 0  # of which loaded from a prefill pod instead of computed
+    prompt_tokens_external: int = 0  # prompt tokens of started requests loaded from a prefill pod
     generation_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
@@ -152,6 +156,8 @@ class _State:
         "last_token",
         "num_preemptions",
         "lora_id",
+        "loading",
+        "num_external",
     )
 
     def __init__(self, req: SimRequest, arrival: float, stream_key: int, stop_at: int | None, lora_id: int | None):
@@ -172,6 +178,8 @@ class _State:
         self.last_token: float | None = None
         self.num_preemptions = 0
         self.lora_id = lora_id
+        self.loading = 0  # tokens of the step being scheduled that are loaded from a prefill pod, not computed
+        self.num_external = 0  # of its cached prompt tokens, those loaded from a prefill pod
 
 
 class Engine:
@@ -413,25 +421,34 @@ class Engine:
                 extend_block_hashes(st.hashes, st.tokens, bs, lora, st.req.cache_salt)
                 hits = self.kv.lookup(st.hashes, (len(st.tokens) - 1) // bs)
             num_hit_tokens = len(hits) * bs
+            remote = 0
+            if st.req.remote_prefill and st.num_computed == 0 and st.num_preemptions == 0:
+                # the prompt's full blocks the pod lacks come from the prefill pod (the last token is computed)
+                remote = max(0, (len(st.tokens) - 1) // bs * bs - num_hit_tokens)
             # vLLM 0.32 (scheduler_reserve_full_isl) admits a request only if its whole sequence fits, not just
             # the first chunk
             full_blocks = -(-min(len(st.tokens), self.profile.max_model_len) // bs)
             if not self.kv.can_allocate(full_blocks - len(hits), hits):
                 break
             n = len(st.tokens) - num_hit_tokens
-            if n > budget:
+            if n - remote > budget:  # loaded tokens take no compute budget
                 if not self.profile.enable_chunked_prefill:
                     break
-                n = budget
+                n = remote + budget
             if not self._allocate(st, n, hits, num_hit_tokens):
                 break
             self.waiting.popleft()
+            st.loading = remote
             # counted at admission, and not for re-admitted preempted requests (vLLM's PrefixCacheStats)
             if st.num_preemptions == 0:
                 self.stats.prefix_cache_queries += len(st.tokens)
                 self.stats.prefix_cache_hits += num_hit_tokens
+                if st.req.remote_prefill:
+                    self.stats.external_queries += len(st.tokens) - num_hit_tokens
+                    self.stats.external_hits += remote
             if st.num_cached_tokens < 0:
-                st.num_cached_tokens = num_hit_tokens
+                st.num_cached_tokens = num_hit_tokens + remote
+                st.num_external = remote
             if st.first_scheduled is None:
                 st.first_scheduled = now
             if lora:
@@ -448,7 +465,7 @@ class Engine:
                     self.loaded_loras.move_to_end(lora)
             self.running.append(st)
             scheduled.append((st, n, st.num_computed))
-            budget -= n
+            budget -= n - remote
         for st in reversed(skipped):
             self.waiting.appendleft(st)
         return budget
@@ -501,7 +518,12 @@ class Engine:
         attn_pairs = 0.0
         decode_seqs = 0
         decode_ctx = 0
+        loaded = 0
         for st, n, ctx in scheduled:
+            if st.loading:  # moved from a prefill pod: a transfer, then only the rest is computed
+                loaded += st.loading
+                n -= st.loading
+                ctx += st.loading
             if n == 1 and ctx >= st.num_prompt:
                 decode_seqs += 1
                 decode_ctx += ctx + 1
@@ -517,6 +539,7 @@ class Engine:
             + decode_seqs * p.decode_seq_s
             + decode_ctx * p.decode_ctx_token_s
             + num_lora_loads * p.lora_load_s
+            + loaded * p.prefill_token_s * p.kv_transfer_cost
         )
 
     def _execute(self, scheduled: list[tuple[_State, int, int]], end: float, result: StepResult) -> None:
@@ -532,6 +555,7 @@ class Engine:
 
     def _execute_one(self, st: _State, n: int, ctx: int, end: float, result: StepResult) -> None:
         """Apply one scheduled request's share of the batch: computed tokens, sampled token, finish."""
+        st.loading = 0
         result.num_scheduled_tokens += n
         if n == 1 and ctx >= st.num_prompt:
             result.num_decode_seqs += 1
@@ -553,6 +577,7 @@ class Engine:
             result.ttfts.append(end - st.arrival)
             stats.prompt_tokens += st.num_prompt
             stats.prompt_tokens_cached += max(st.num_cached_tokens, 0)
+            stats.prompt_tokens_external += st.num_external
         elif st.last_token is not None:
             result.inter_token_latencies.append(end - st.last_token)
         st.last_token = end

@@ -261,8 +261,8 @@ class SimMetrics(Collector):
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_usage())
         yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", [(self._labels(), s.prefix_cache_queries)])
         yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", [(self._labels(), s.prefix_cache_hits)])
-        yield self._counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", one)
-        yield self._counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", one)
+        yield self._counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", [(self._labels(), s.external_queries)])
+        yield self._counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", [(self._labels(), s.external_hits)])
         yield self._counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.", one)
         yield self._counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.", one)
         yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", [(self._labels(), s.num_preemptions)])
@@ -270,14 +270,14 @@ class SimMetrics(Collector):
         computed = s.prompt_tokens - s.prompt_tokens_cached
         yield self._counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [
             (self._labels(source="local_compute"), computed),
-            (self._labels(source="local_cache_hit"), s.prompt_tokens_cached),
-            (self._labels(source="external_kv_transfer"), 0),
+            (self._labels(source="local_cache_hit"), s.prompt_tokens_cached - s.prompt_tokens_external),
+            (self._labels(source="external_kv_transfer"), s.prompt_tokens_external),
         ])  # fmt: skip
         yield self._counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", [(self._labels(), s.prompt_tokens_cached)])
         yield self._counter("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.", [
             (self._labels(source="device"), s.prefix_cache_hits),
             (self._labels(source="host"), 0),
-            (self._labels(source="p2p"), 0),
+            (self._labels(source="p2p"), s.external_hits),
             (self._labels(source="disk"), 0),
             (self._labels(source="external_unspecified"), 0),
         ])  # fmt: skip

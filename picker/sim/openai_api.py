@@ -76,6 +76,17 @@ class GenerationPlan:
     min_tokens: int = 0
     cache_salt: str | None = None
     echo_role: str = "assistant"
+    # vLLM's KV-connector handshake (P/D): do_remote_decode asks to keep the KV for a decode pod,
+    # do_remote_prefill says the KV comes from a prefill pod
+    kv_transfer: Mapping[str, Any] | None = None
+
+    @property
+    def remote_decode(self) -> bool:
+        return bool(self.kv_transfer and self.kv_transfer.get("do_remote_decode"))
+
+    @property
+    def remote_prefill(self) -> bool:
+        return bool(self.kv_transfer and self.kv_transfer.get("do_remote_prefill"))
 
 
 def dumps(obj: Any) -> str:
@@ -324,11 +335,15 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
     if n > MAX_N_SEQUENCES:
         raise ApiError(f"n must be at most {MAX_N_SEQUENCES}, got {n}. To increase this limit, set the "
                        "VLLM_MAX_N_SEQUENCES environment variable.", 400, "n")  # fmt: skip
+    transfer = body.get("kv_transfer_params")
+    if transfer is not None and not isinstance(transfer, Mapping):
+        raise invalid("kv_transfer_params", "must be an object")
     return {
         "n": n,
         "ignore_eos": _bool_field(body, "ignore_eos"),
         "min_tokens": _int_field(body, "min_tokens", 0, 0) or 0,
         "cache_salt": salt,
+        "kv_transfer": transfer,
     }
 
 
@@ -436,7 +451,8 @@ class ChoiceResult:
 
 
 def completion_response(
-    rid: str, created: int, model: str, choices: list[ChoiceResult], use: dict[str, Any], fingerprint: str
+    rid: str, created: int, model: str, choices: list[ChoiceResult], use: dict[str, Any], fingerprint: str,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Non-streaming /v1/completions body."""
     return {
@@ -461,14 +477,15 @@ def completion_response(
         "service_tier": None,
         "system_fingerprint": fingerprint,
         "usage": use,
-        "kv_transfer_params": None,
+        "kv_transfer_params": kv_transfer_params,
         "ec_transfer_params": None,
         "metrics": None,
     }
 
 
 def chat_response(
-    rid: str, created: int, model: str, choices: list[ChoiceResult], use: dict[str, Any], fingerprint: str
+    rid: str, created: int, model: str, choices: list[ChoiceResult], use: dict[str, Any], fingerprint: str,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Non-streaming /v1/chat/completions body."""
     return {
@@ -502,7 +519,7 @@ def chat_response(
         "prompt_logprobs": None,
         "prompt_token_ids": None,
         "prompt_text": None,
-        "kv_transfer_params": None,
+        "kv_transfer_params": kv_transfer_params,
         "ec_transfer_params": None,
         "metrics": None,
     }

@@ -44,6 +44,8 @@ class Profile:
     # Seconds one GET /metrics holds the pod's API server loop, which also takes in requests and streams tokens.
     # bench/scrape_cost.py measures 4.4-6.7 ms of CPU per scrape on vLLM 0.32 (CPU); 0 keeps scrapes free.
     scrape_cost_s: float = 0.0
+    # P/D: loading one prompt token's KV from a prefill pod, as a fraction of computing it (prefill_token_s)
+    kv_transfer_cost: float = 0.05
 
     def usable_blocks(self) -> int:
         """Blocks requests can use (vLLM keeps block 0 as the null block)."""

@@ -319,6 +319,7 @@ class SimPod:
                         cache_salt=plan.cache_salt,
                         ignore_eos=plan.ignore_eos,
                         min_tokens=plan.min_tokens,
+                        remote_prefill=plan.remote_prefill,
                     )
                     try:
                         handles.append(self.driver.submit(req, changed, plan.stream))
@@ -340,10 +341,20 @@ class SimPod:
                        for i, f in enumerate(finished)]  # fmt: skip
             use = self._usage(plan, finished)
             build = completion_response if plan.kind == "completion" else chat_response
-            return self._json(build(rid, created, plan.model, choices, use, self.fingerprint))
+            return self._json(build(rid, created, plan.model, choices, use, self.fingerprint,
+                                    self._kept_for_decode(plan, rid)))
         finally:
             self._waiting.discard(changed)
             self._abort_unfinished(handles)
+
+    def _kept_for_decode(self, plan: GenerationPlan, rid: str) -> dict[str, Any] | None:
+        """A prefill asked to keep its KV for a remote decode (NIXL's handshake) answers with where to fetch it;
+        the sim's decode side only needs to know it was prefilled elsewhere (its prompt blocks are loaded)."""
+        if not plan.remote_decode:
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.config.name,
+                "remote_block_ids": [], "remote_host": self.config.host, "remote_port": self.port,
+                "remote_request_id": rid, "tp_size": 1}
 
     def _usage(self, plan: GenerationPlan, finished: list[FinishedRequest]) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in plan.prompts)

@@ -307,3 +307,20 @@ def test_abort_frees_blocks() -> None:
     fin = engine.abort_request("a", 1.0)
     assert fin is not None and fin.finish_reason == "abort"
     assert engine.kv_usage() == 0.0 and not engine.has_work()
+
+
+def test_a_remote_prefill_loads_the_prompts_full_blocks_at_transfer_cost() -> None:
+    """P/D's decode side: the prompt's full blocks come from the prefill pod (counted as external hits, charged
+    at kv_transfer_cost of a prefill), only the last partial block is computed; the blocks are cached after."""
+    prompt = list(range(2000, 2000 + 500))  # 31 full blocks and 4 tokens
+    local = serve_one(make_engine(), "local", prompt, 0.0)
+    engine = make_engine()
+    engine.add_request(SimRequest("remote", prompt, 4, remote_prefill=True), 0.0)
+    _, results = run_until_idle(engine)
+    remote = finished(results)["remote"]
+    assert remote.num_cached_tokens == 31 * BS
+    assert (engine.stats.external_queries, engine.stats.external_hits) == (500, 31 * BS)
+    assert engine.stats.prompt_tokens_external == 31 * BS
+    assert remote.ttft is not None and local.ttft is not None and remote.ttft < 0.5 * local.ttft
+    again = serve_one(engine, "again", prompt, 100.0)  # loaded blocks are in its prefix cache like computed ones
+    assert again.num_cached_tokens == 31 * BS and engine.stats.external_hits == 31 * BS

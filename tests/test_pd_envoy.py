@@ -1,0 +1,124 @@
+"""Prefill/decode disaggregation through real Envoy: the picker names a prefill pod for a long uncached prompt, the
+decode pod's sidecar prefills there and decodes with the transferred KV (both pods' counters show it), a short
+prompt stays decode-only, each decision is counted, and a dead prefill pod costs a local prefill, not a failure.
+
+Pods are `picker sim` servers, which speak vLLM's KV-connector handshake (`kv_transfer_params`): a prefill asked
+to keep its KV answers with transfer parameters, and a decode request carrying them loads the prompt's blocks
+instead of computing them (vllm:external_prefix_cache_hits)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from picker.serving.supervisor import (
+    HOST,
+    free_port,
+    process_scope,
+    spawn,
+    start_envoy,
+    start_picker,
+    start_sim,
+    wait_until,
+)
+from tests.test_disagg import PD
+
+ROLE = "llm-d.ai/role"
+WORDS = ["alpha", "bo", "cider", "delta", "ex", "fox", "gamma", "hi", "iota", "jam"]
+
+
+def counter(address: str, name: str, **labels: str) -> float:
+    """A counter summed over its series (those with `labels`), from a page of Prometheus text."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def send(url: str, prompt: str) -> dict[str, object]:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+        answer: dict[str, object] = json.loads(response.read())
+        return answer
+
+
+def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_a_dead_one_costs_a_local_prefill(tmp_path: Path) -> None:
+    rng = random.Random(5)
+
+    def prompt(words: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(words))
+
+    with process_scope("pd") as (logdir, started):
+        decoders = start_sim(2, logdir, model="tiny", extra=["--profile", "tiny-cpu"], name="decoders")
+        started.append(decoders.process)
+        prefiller = start_sim(1, logdir, model="tiny", extra=["--profile", "tiny-cpu"], name="prefiller")
+        started.append(prefiller.process)
+        sidecars, sidecar_metrics = [], []
+        for i, decoder in enumerate(decoders.addresses):
+            port, metrics_port = free_port(), free_port()
+            started.append(spawn(f"sidecar-{i}", [sys.executable, "-m", "picker", "pd-sidecar", "--host", HOST,
+                                                  "--port", str(port), "--model-server-port",
+                                                  decoder.rsplit(":", 1)[1], "--metrics-port", str(metrics_port)],
+                                 logdir))
+            sidecars.append(f"{HOST}:{port}")
+            sidecar_metrics.append(f"{HOST}:{metrics_port}")
+        for address in sidecar_metrics:
+            wait_until(lambda a=address: _answers(a), 20, f"sidecar {address}")
+        endpoints = tmp_path / "endpoints.yaml"
+        endpoints.write_text(yaml.safe_dump(
+            [{"address": a, "labels": {ROLE: "decode"}} for a in sidecars]
+            + [{"address": prefiller.addresses[0], "labels": {ROLE: "prefill"}}]))
+        config = tmp_path / "picker.yaml"
+        config.write_text(yaml.safe_dump({"scheduling": PD}))
+        # slow scrapes: the dead prefill pod is still believed ready when the last request comes
+        picker = start_picker(logdir, endpoints_file=endpoints, extra=[
+            "--config-file", str(config), "--metrics-fast-interval", "5s", "--metrics-slow-interval", "5s",
+            "--unhealthy-after-failures", "5"])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, [*sidecars, *prefiller.addresses])
+        started.append(envoy.process)
+        prefill_pod = prefiller.addresses[0]
+        wait_until(lambda: counter(f"{HOST}:{picker.metrics_port}", "picker_endpoint_state",
+                                   state="ready") == 3, 20, "three pods ready", picker.process.proc)
+        decisions = f"{HOST}:{picker.metrics_port}"
+
+        send(envoy.url, prompt(600))  # ~3,000 characters, cached nowhere: prefilled on the prefill pod
+        assert counter(prefill_pod, "vllm:request_success_total") == 1
+        assert counter(prefill_pod, "vllm:generation_tokens_total") == 1  # the prefill leg asks for one token
+        loaded = sum(counter(a, "vllm:external_prefix_cache_hits_total") for a in decoders.addresses)
+        assert loaded > 0  # the decode pod loaded the prompt's blocks instead of computing them
+        assert sum(counter(a, "vllm:request_success_total") for a in decoders.addresses) == 1
+        assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="prefill-decode") == 1
+
+        send(envoy.url, prompt(10))  # short: prefilled where it is decoded
+        assert counter(prefill_pod, "vllm:request_success_total") == 1
+        assert sum(counter(a, "vllm:external_prefix_cache_hits_total") for a in decoders.addresses) == loaded
+        assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="decode-only") == 1
+        assert sum(counter(a, "picker_pd_sidecar_requests_total", prefill="remote") for a in sidecar_metrics) == 1
+        assert sum(counter(a, "picker_pd_sidecar_requests_total", prefill="local") for a in sidecar_metrics) == 1
+
+        prefiller.process.proc.terminate()
+        prefiller.process.proc.wait(10)
+        send(envoy.url, prompt(600))  # routed to the dead prefill pod: the sidecar prefills locally
+        assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="prefill-decode") == 2
+        assert sum(counter(a, "picker_pd_sidecar_prefill_fallbacks_total", reason="unreachable")
+                   for a in sidecar_metrics) == 1
+        assert sum(counter(a, "vllm:external_prefix_cache_hits_total") for a in decoders.addresses) == loaded
+
+
+def _answers(address: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
