@@ -8,6 +8,7 @@ instead of computing them (vllm:external_prefix_cache_hits)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import sys
@@ -73,7 +74,7 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_a_dead_one_costs_a_lo
             sidecars.append(f"{HOST}:{port}")
             sidecar_metrics.append(f"{HOST}:{metrics_port}")
         for address in sidecar_metrics:
-            wait_until(lambda a=address: _answers(a), 20, f"sidecar {address}")
+            wait_until(functools.partial(_answers, address), 20, f"sidecar {address}")
         endpoints = tmp_path / "endpoints.yaml"
         endpoints.write_text(yaml.safe_dump(
             [{"address": a, "labels": {ROLE: "decode"}} for a in sidecars]
