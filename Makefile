@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload pd mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -93,6 +93,10 @@ upload-memory: install
 # Flow control under overload, fast (seconds) then live (~20 min): 5 pickers x 3 phases on 2 sim pods.
 overload: install
 	$(BIN)/picker bench --scenario overload --mode both --out bench/out/overload $(ARGS)
+
+# Prefill/decode disaggregation against aggregated serving at equal pod count, fast mode (~2 minutes).
+pd: install
+	$(BIN)/picker bench --scenario pd --out bench/out/pd $(ARGS)
 
 # Two base models x 4 sim pods + 2 adapters: round-robin (one pool, per model) vs prefix-hash vs the picker (~12 min).
 mixed-models: install

@@ -153,3 +153,16 @@ def test_the_director_counts_the_prefill_pod_busy_until_the_response_begins() ->
     assert prefill.in_flight == 0 and decision.endpoint.in_flight == 1
     director.release(decision)
     assert prefill.in_flight == 0 and decision.endpoint.in_flight == 0
+
+
+def test_a_backlogged_prefill_pod_is_passed_over_for_a_local_prefill() -> None:
+    pods = [pod(1, "prefill"), pod(2, "decode")]
+    pods[0].in_flight_tokens = 8192  # prompt tokens we sent it that are still prefilling
+    result = build_scheduler(PD).schedule(request(2000), pods, 0.0)
+    assert result.prefill is None and result.disaggregation is not None
+    assert result.disaggregation.decision_type == "decode-only"
+    unlimited = copy.deepcopy(PD)
+    unlimited["plugins"][5]["parameters"]["maxPrefillQueueTokens"] = None
+    assert build_scheduler(unlimited).schedule(request(2000), pods, 0.0).prefill is pods[0]
+    pods[0].in_flight_tokens = 8191
+    assert build_scheduler(PD).schedule(request(2000), pods, 0.0).prefill is pods[0]

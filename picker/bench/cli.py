@@ -33,11 +33,13 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker bench`."""
     a = parser.add_argument
-    a("--scenario", choices=("routing", "mixed-models", "overload"), default="routing",
+    a("--scenario", choices=("routing", "mixed-models", "overload", "pd"), default="routing",
       help="routing: the workloads and strategies below (default); mixed-models: two base models on disjoint sim "
       "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply); "
       "overload: flow control at 0.5x, 2x and 6.6x the fleet's capacity (--mode fast: seconds, live: ~20 min; "
-      "--strategies picks the pickers, --phase, --pods, --max-num-seqs, --seed and --repeats apply)")
+      "--strategies picks the pickers, --phase, --pods, --max-num-seqs, --seed and --repeats apply); pd: prefill/"
+      "decode disaggregation against aggregated serving at equal pod count (fast mode, ~2 min; --pods, --requests, "
+      "--profile, --seed and --repeats apply)")
     a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
     a("--max-num-seqs", type=int, default=None, help="--scenario overload: sequences per pod (default 8)")
     a("--engine", choices=("sim", "vllm"), default="sim",
@@ -149,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         return run_mixed_models(args, out)
     if args.scenario == "overload":
         return run_overload(args, mode, out)
+    if args.scenario == "pd":
+        return run_disaggregation(args, out)
     fast = None
     live = None
     try:
@@ -229,6 +233,18 @@ def run_overload(args: argparse.Namespace, mode: str, out: Path) -> int:
         print(f"picker bench: {exc}", file=sys.stderr)
         return 2
     print((out / "overload.md").read_text())
+    return 0
+
+
+def run_disaggregation(args: argparse.Namespace, out: Path) -> int:
+    """`--scenario pd` (picker.bench.disagg)."""
+    from picker.bench.disagg import PdSpec, run_pd
+
+    repeats = args.repeats or 2
+    spec = PdSpec(profile=args.profile, pods=args.pods or 4, requests=args.requests or 1500,
+                  seeds=tuple(range(args.seed, args.seed + repeats)))
+    run_pd(spec, out)
+    print((out / "pd.md").read_text())
     return 0
 
 

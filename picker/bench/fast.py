@@ -68,6 +68,7 @@ from picker.scheduling.config import (
     build_strategy,
     scheduling_config,
 )
+from picker.scheduling.disagg import ROLE_LABEL
 from picker.scheduling.types import Scheduler
 from picker.serving.policy import build_gate
 from picker.sim.engine import Engine, SimRequest, StepResult
@@ -103,6 +104,7 @@ class FastConfig:
     leave_rejoin: tuple[float, float] | None = None  # the last pod leaves the pool at the first time, rejoins empty
     admission_config: AdmissionConfig | None = None  # the picker's admission section (None: its defaults)
     record_inputs: bool = False  # keep what the first replica's director was given and decided (`_FastRun.inputs`)
+    roles: tuple[str, ...] = ()  # P/D: each pod's llm-d.ai/role label, in pod order (empty: no roles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +271,7 @@ class _FastRun:
         self.history: dict[int, tuple[Message, ...]] = {}  # full messages (+ answer) of requests with follow-ups
         # index -> (prompt ids, oracle hashes, its decision (None: no picker routed it), replica that routed it)
         self.live: dict[int, tuple[list[int], list[int], Decision | None, int]] = {}
+        self.prefilling: dict[int, int] = {}  # P/D: index -> its decode pod, while its prefill leg runs
         self.first_token: dict[int, float] = {}
         self.outstanding = len(trace)
         self.unreported = 0
@@ -302,6 +305,8 @@ class _FastRun:
         """One replica's view of the pods."""
         endpoints = [Endpoint.from_address(f"10.0.{k // 250}.{k % 250 + 1}:8000", name=f"pod-{k}")
                      for k in range(self.cfg.pods)]
+        for k, role in enumerate(self.cfg.roles):
+            endpoints[k].labels = {ROLE_LABEL: role}
         for ep in endpoints:
             ep.metrics.block_size = self.cfg.profile.block_size
             ep.metrics.num_gpu_blocks = max(2, round(self.cfg.profile.num_gpu_blocks * self.cfg.kv_reported))
@@ -474,6 +479,8 @@ class _FastRun:
         if self.peers:
             self.tell_peers(replica, decision.request, chosen.address, now)
         k = self.pod_of[chosen.address]
+        if decision.prefill is not None and self.prefill_leg(i, k, decision, ids, hashes, replica, now):
+            return
         sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
         delayed = self.api_busy_until[k] > now  # scrapes hold the pod's API server: the engine gets it later
         if not delayed and not self.hand_over(k, sim_request, now):
@@ -487,6 +494,35 @@ class _FastRun:
         else:
             self.wake(k, now)
 
+    def prefill_leg(self, i: int, k: int, decision: Decision, ids: list[int], hashes: list[int], replica: int,
+                    now: float) -> bool:
+        """P/D, as `picker pd-sidecar` does it: the prompt with one output token to the prefill pod first; the
+        decode leg follows when it ends (`decoded`). False: the prefill pod refused it (prefilled where decoded)."""
+        assert decision.prefill is not None
+        kp = self.pod_of[decision.prefill.address]
+        if not self.hand_over(kp, SimRequest(f"p{i}", ids, 1, ignore_eos=True), now, counts=False):
+            return False
+        self.res.pod[i] = k
+        self.served[k] += 1
+        self.live[i] = (ids, hashes, decision, replica)
+        self.prefilling[i] = k
+        self.wake(kp, now)
+        return True
+
+    def decoded(self, i: int, now: float) -> None:
+        """The prefill leg ended: the response begins (the director hears it), and the decode leg goes to the
+        decode pod, which loads the prompt's blocks instead of computing them."""
+        k = self.prefilling.pop(i)
+        ids, _, decision, replica = self.live[i]
+        if decision is not None:
+            self.directors[replica].prefilled(decision)
+        request = SimRequest(str(i), ids, self.trace.requests[i].max_tokens, ignore_eos=True, remote_prefill=True)
+        if self.hand_over(k, request, now):
+            self.wake(k, now)
+            return
+        self.live.pop(i)
+        self.ended(i, replica, decision, now)
+
     def around_the_picker(self, i: int, ids: list[int], hashes: list[int], max_tokens: int, now: float) -> None:
         """A request sent straight to a random pod (another gateway, a batch job): no picker sees it."""
         k = self.bypass_rng.randrange(self.cfg.pods)
@@ -498,14 +534,16 @@ class _FastRun:
         self.live[i] = (ids, hashes, None, -1)  # no picker counts it in flight
         self.wake(k, now)
 
-    def hand_over(self, k: int, request: SimRequest, now: float) -> bool:
-        """Give the request to pod k's engine; a refused one (vLLM's 400) ends at once."""
+    def hand_over(self, k: int, request: SimRequest, now: float, counts: bool = True) -> bool:
+        """Give the request to pod k's engine; a refused one (vLLM's 400) ends at once (`counts`: it is the
+        request's last leg, so it is done)."""
         try:
             self.engines[k].add_request(request, now)
         except ValueError as exc:
             if len(self.res.notes) < 5:
                 self.res.notes.append(f"request {request.request_id} refused by pod {k}: {exc}")
-            self.done()
+            if counts:
+                self.done()
             return False
         return True
 
@@ -535,10 +573,15 @@ class _FastRun:
             self.precise.apply(self.endpoints[k].address, result.kv_events, now)
         streamed = max(now, self.api_busy_until[k])  # the first token leaves through the pod's API server
         for rid in result.first_tokens:
+            if rid[0] == "p":  # a prefill leg's token goes back to the sidecar, not to the client
+                continue
             i = int(rid)
             self.first_token[i] = streamed
             res.ttft[i] = streamed - res.sent[i]
         for fin in result.finished:
+            if fin.request_id[0] == "p":
+                self.decoded(int(fin.request_id[1:]), now)
+                continue
             i = int(fin.request_id)
             ids, hashes, decision, replica = self.live.pop(i)
             if fin.first_scheduled_time is not None and fin.first_token_time is not None:

@@ -108,8 +108,11 @@ class DisaggProfileHandler(Plugin):
     type_name = "disagg-profile-handler"
 
     def __init__(self, name: str | None = None, *, decode_profile: str = "decode", prefill_profile: str = "prefill",
-                 decider: str | None = None) -> None:
+                 decider: str | None = None, max_prefill_queue_tokens: int | None = 8192) -> None:
         super().__init__(name)
+        # A prefill pod with this many prompt tokens of ours still to prefill is backlogged: the request is
+        # prefilled where it decodes rather than queued behind them (None: always the prefill pod)
+        self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.decode_profile = decode_profile
         self.prefill_profile_name = prefill_profile
         self.decider_name = decider  # None: decode-only (the reference's handler without deciders.prefill)
@@ -141,6 +144,9 @@ class DisaggProfileHandler(Plugin):
         return self.prefill_profile_name
 
     def decided(self, prefill: Endpoint | None) -> Disaggregation | None:
+        limit = self.max_prefill_queue_tokens
+        if prefill is not None and limit is not None and prefill.in_flight_tokens >= limit:
+            prefill = None  # backlogged: a local prefill starts sooner than a place in its queue
         return Disaggregation(self.name, self.type_name, prefill)
 
 
@@ -194,6 +200,8 @@ class DisaggProfileHandlerParams(Section):
     prefill_profile: str | None = None
     prefill_decider_plugin_name: str | None = None
     decider_plugin_name: str | None = None
+    # ours: a prefill pod this backlogged (prompt tokens we sent it still prefilling) is passed over (null: never)
+    max_prefill_queue_tokens: int | None = Field(default_of(DisaggProfileHandler, "max_prefill_queue_tokens"), gt=0)
 
     @model_validator(mode="after")
     def _one_format(self) -> DisaggProfileHandlerParams:
@@ -208,7 +216,8 @@ class DisaggProfileHandlerParams(Section):
         decider = self.deciders.prefill if self.deciders is not None else None
         return {"decode_profile": self.decode_profile or stages.decode,
                 "prefill_profile": self.prefill_profile or stages.prefill,
-                "decider": self.prefill_decider_plugin_name or self.decider_plugin_name or decider}
+                "decider": self.prefill_decider_plugin_name or self.decider_plugin_name or decider,
+                "max_prefill_queue_tokens": self.max_prefill_queue_tokens}
 
 
 class PdProfileHandlerParams(Section):
@@ -221,6 +230,7 @@ class PdProfileHandlerParams(Section):
     prefix_match_info_producer_name: str | None = None  # our prefix match is in the cycle state: nothing to name
     prefix_plugin_type: str | None = None  # declared by the reference, never read
     prefix_plugin_name: str | None = None
+    max_prefill_queue_tokens: int | None = Field(default_of(DisaggProfileHandler, "max_prefill_queue_tokens"), gt=0)
 
     @field_validator("primary_port")
     @classmethod
@@ -246,7 +256,7 @@ def _disagg(name: str, p: DisaggProfileHandlerParams, deps: PluginDeps) -> Plugi
 
 def _pd(name: str, p: PdProfileHandlerParams, deps: PluginDeps) -> Plugin:
     return PdProfileHandler(name, decode_profile=p.decode_profile, prefill_profile=p.prefill_profile,
-                            decider=p.decider_plugin_name)
+                            decider=p.decider_plugin_name, max_prefill_queue_tokens=p.max_prefill_queue_tokens)
 
 
 def _prefix_decider(name: str, p: PrefixBasedPdDeciderParams, deps: PluginDeps) -> Plugin:
