@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload pd mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -68,6 +68,10 @@ precise-scenarios: install
 # Fuzzy prefix matching (MinHash-LSH) with and without, prompts differing early and late (fast mode, ~20 s).
 fuzzy-prefix: install
 	$(BIN)/python bench/fuzzy_prefix.py $(ARGS)
+
+# Prefill/decode disaggregation on two real vLLM CPU servers through Envoy, picker and pd-sidecar (~5 minutes).
+pd-real: install
+	$(BIN)/python bench/pd_real.py $(ARGS)
 
 # The precise view against one real vLLM CPU server's KV events (~3 minutes).
 kv-events-real: install
