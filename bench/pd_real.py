@@ -46,7 +46,8 @@ from picker.serving.supervisor import (  # noqa: E402
 
 BLOCK, BLOCKS = 64, 160
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-            "vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+            "vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
+            "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
 
 
 def counters(url: str) -> dict[str, float]:
@@ -72,19 +73,22 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 
 def first_token(url: str, prompt: str, max_tokens: int) -> float:
-    """Seconds to the first streamed token of a completion."""
+    """Seconds to the first streamed token of a completion, read to its end (a stream left early is aborted)."""
     body = {"model": engine.MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0}
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
     began = time.perf_counter()
+    first: float | None = None
     with urllib.request.urlopen(request, timeout=600) as response:
         assert response.status == 200, response.status
         for raw in response:
             line = raw.decode().strip()
-            if line.startswith("data:") and '"text"' in line:
-                return time.perf_counter() - began
-    raise RuntimeError("no token streamed")
+            if first is None and line.startswith("data:") and '"text"' in line:
+                first = time.perf_counter() - began
+    if first is None:
+        raise RuntimeError("no token streamed")
+    return first
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,23 +168,28 @@ def render(r: dict[str, Any]) -> str:
     def source(part: dict[str, float], name: str) -> int:
         return int(part.get(f"vllm:prompt_tokens_by_source_total:{name}", 0))
 
+    def engine_ttft(part: dict[str, float]) -> str:
+        count = part.get("vllm:time_to_first_token_seconds_count", 0)
+        return f"{part.get('vllm:time_to_first_token_seconds_sum', 0) / count * 1e3:.0f} ms" if count else "-"
+
     lines = [f"# P/D on two real vLLM CPU servers ({c['model']}, {c['connector']}, block {c['block']})", "",
              f"{c['long_prompts']} unique prompts of {c['long_words']} words and {c['short_prompts']} of "
              f"{c['short_words']} through Envoy + picker (nonCachedTokens {c['non_cached_tokens']}) + `picker "
              f"pd-sidecar`, then {c['long_prompts']} long ones straight to the decode server (cold control); "
              f"{c['max_tokens']} output tokens each.", "",
              "| phase | prefill server: prompt tokens computed / requests | decode server: computed / loaded from "
-             "the prefill (external_kv_transfer) / requests | TTFT median (range) |", "|---|---|---|---|"]
+             "the prefill (external_kv_transfer) / requests | decode server's own TTFT (mean) | client TTFT median "
+             "(range) |", "|---|---|---|---|---|"]
     for phase in ("long", "short"):
         p, d = r[phase]["prefill"], r[phase]["decode"]
         lines.append(f"| {phase} via picker | {source(p, 'local_compute')} / "
                      f"{int(p.get('vllm:request_success_total', 0))} | {source(d, 'local_compute')} / "
                      f"{source(d, 'external_kv_transfer')} / {int(d.get('vllm:request_success_total', 0))} | "
-                     f"{ms(r[phase]['ttft_s'])} |")
+                     f"{engine_ttft(d)} | {ms(r[phase]['ttft_s'])} |")
     d = r["cold_control"]["decode"]
     lines.append(f"| long, straight to decode (cold) | - | {source(d, 'local_compute')} / "
                  f"{source(d, 'external_kv_transfer')} / {int(d.get('vllm:request_success_total', 0))} | "
-                 f"{ms(r['cold_control']['ttft_s'])} |")
+                 f"{engine_ttft(d)} | {ms(r['cold_control']['ttft_s'])} |")
     lines += ["", f"Picker decisions (llm_d_epp_disagg_decision_total): {r['decisions']}; sidecar: {r['sidecar']}."]
     return "\n".join(lines) + "\n"
 
