@@ -158,9 +158,13 @@ def test_the_director_counts_the_prefill_pod_busy_until_the_response_begins() ->
 def test_a_backlogged_prefill_pod_is_passed_over_for_a_local_prefill() -> None:
     pods = [pod(1, "prefill"), pod(2, "decode")]
     pods[0].in_flight_tokens = 8192  # prompt tokens we sent it that are still prefilling
-    result = build_scheduler(PD).schedule(request(2000), pods, 0.0)
+    scheduler = build_scheduler(PD)
+    result = scheduler.schedule(request(2000), pods, 0.0)
     assert result.prefill is None and result.disaggregation is not None
     assert result.disaggregation.decision_type == "decode-only"
+    assert result.context is not None
+    scheduler.on_picked(result.context, result.ranked[0], 0.0)  # only the pod that computed it learns the prompt
+    assert set(scheduler.index.match(result.context.keys, None, 0.0)) == {pods[1].address}
     unlimited = copy.deepcopy(PD)
     unlimited["plugins"][5]["parameters"]["maxPrefillQueueTokens"] = None
     assert build_scheduler(unlimited).schedule(request(2000), pods, 0.0).prefill is pods[0]

@@ -90,17 +90,16 @@ class PrefixAwareScheduler:
             raise RequestError(503, "no_endpoints", "every candidate endpoint was filtered out")
         ranked = [run.candidates[i] for i in run.order]
         matched = ctx.matched[run.order[0]] if run.order else 0
+        disaggregation = None
         if ranked:
             second = handler.prefill_profile(ctx, ranked[0])
             prefill = self._prefill(self._profile(second), ctx, endpoints, timer) if second is not None else None
-            ctx.prefill = prefill
             disaggregation = handler.decided(prefill)
-        else:
-            disaggregation = None
+            if disaggregation is not None:
+                ctx.prefill = disaggregation.prefill  # what on_picked records the prompt on, besides the pick
         if not self.explain:
             return SchedulingResult(ranked, profile.name, [], len(ctx.keys), matched, ctx, disaggregation)
-        return ExplainedResult(ranked, profile.name, len(ctx.keys), matched, ctx,
-                               (run.candidates, run.names, run.columns, run.totals, run.steps), disaggregation)
+        return ExplainedResult(ranked, profile.name, len(ctx.keys), matched, ctx, run, disaggregation)
 
     def _profile(self, name: str) -> Profile:
         profile = self.profiles.get(name)
@@ -217,7 +216,6 @@ class _Run(NamedTuple):
     totals: list[float]
     steps: _Steps
 
-_Breakdown = tuple[list[Endpoint], list[str], list[list[float]], list[float], _Steps]
 
 
 class ExplainedResult(SchedulingResult):
@@ -231,9 +229,9 @@ class ExplainedResult(SchedulingResult):
 
     def __init__(
         self, ranked: list[Endpoint], profile: str, prefix_blocks: int, prefix_matched_blocks: int,
-        context: SchedulingContext, breakdown: _Breakdown, disaggregation: Disaggregation | None = None,
+        context: SchedulingContext, breakdown: _Run, disaggregation: Disaggregation | None = None,
     ) -> None:
-        self._breakdown: _Breakdown | None = breakdown
+        self._breakdown: _Run | None = breakdown
         super().__init__(ranked, profile, [], prefix_blocks, prefix_matched_blocks, context, disaggregation)
 
     @property  # type: ignore[override]
@@ -241,7 +239,7 @@ class ExplainedResult(SchedulingResult):
         breakdown = self._breakdown
         if breakdown is not None:
             self._breakdown = None
-            endpoints, names, columns, totals, steps = breakdown
+            endpoints, _, names, columns, totals, steps = breakdown
             rows = zip(*columns, strict=True) if columns else ((),) * len(endpoints)
             built = [
                 CandidateScore(e, dict(zip(names, row, strict=True)), t)
