@@ -101,17 +101,30 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_a_dead_one_costs_a_lo
         assert sum(counter(a, "vllm:request_success_total") for a in decoders.addresses) == 1
         assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="prefill-decode") == 1
 
+        # a streamed chat, disaggregated: the prefill leg is a one-token non-streamed call, the answer streams back
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": prompt(600)}], "max_tokens": 8,
+                           "stream": True}).encode()
+        request = urllib.request.Request(envoy.url + "/v1/chat/completions", data=body,
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200 and response.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) > 3
+        assert counter(prefill_pod, "vllm:request_success_total") == 2
+        assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="prefill-decode") == 2
+        loaded = sum(counter(a, "vllm:external_prefix_cache_hits_total") for a in decoders.addresses)
+
         send(envoy.url, prompt(10))  # short: prefilled where it is decoded
-        assert counter(prefill_pod, "vllm:request_success_total") == 1
+        assert counter(prefill_pod, "vllm:request_success_total") == 2
         assert sum(counter(a, "vllm:external_prefix_cache_hits_total") for a in decoders.addresses) == loaded
         assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="decode-only") == 1
-        assert sum(counter(a, "picker_pd_sidecar_requests_total", prefill="remote") for a in sidecar_metrics) == 1
+        assert sum(counter(a, "picker_pd_sidecar_requests_total", prefill="remote") for a in sidecar_metrics) == 2
         assert sum(counter(a, "picker_pd_sidecar_requests_total", prefill="local") for a in sidecar_metrics) == 1
 
         prefiller.process.proc.terminate()
         prefiller.process.proc.wait(10)
         send(envoy.url, prompt(600))  # routed to the dead prefill pod: the sidecar prefills locally
-        assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="prefill-decode") == 2
+        assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="prefill-decode") == 3
         assert sum(counter(a, "picker_pd_sidecar_prefill_fallbacks_total", reason="unreachable")
                    for a in sidecar_metrics) == 1
         assert sum(counter(a, "vllm:external_prefix_cache_hits_total") for a in decoders.addresses) == loaded
