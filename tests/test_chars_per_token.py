@@ -10,6 +10,7 @@ from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.chars_per_token import CharsPerToken
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.scheduling.config import build_scheduler
+from picker.scheduling.producers import ApproximatePrefix
 
 
 def pod(address: str = "10.0.0.1:8000", tokens: float = 0.0, count: float = 0.0) -> Endpoint:
@@ -76,7 +77,8 @@ def test_index_capacity_follows_the_learned_ratio() -> None:
     scheduler = build_scheduler()
     e = pod()
     e.metrics.block_size = 16
-    learner = scheduler.approximate.chars_per_token
+    (approximate,) = [p for p in scheduler.producers if isinstance(p, ApproximatePrefix)]
+    learner = approximate.chars_per_token
     learner.smoothing, learner.min_requests = 1.0, 4
 
     def route(text: str) -> None:

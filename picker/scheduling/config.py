@@ -50,6 +50,7 @@ from picker.scheduling import (
     fuzzy,
     picker,
     predicted,
+    producers,
     profiles,
     reference_plugins,
     scorers,
@@ -66,7 +67,7 @@ from picker.scheduling.plugins import (
     PredictionObserver,
     Scorer,
 )
-from picker.scheduling.producers import PreciseOverlay
+from picker.scheduling.producers import PrefixProducer
 from picker.scheduling.profiles import Classifier, Profile, RequestClassifier, SingleProfile, WeightedScorer
 from picker.scheduling.reference import API_VERSIONS, CONFIGURED_ELSEWHERE
 from picker.scheduling.reference_plugins import SingleProfileHandler
@@ -184,9 +185,10 @@ def predicted_ttft_scheduling(**parameters: Any) -> dict[str, Any]:
     return config
 
 
-# Every plugin type a config may name, each with the factory that decodes its parameters.
+# Every plugin type a config may name, each with the factory that decodes its parameters. The prefix sources come
+# first, in the order they run.
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
-    f.type_name: f for f in (*filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
+    f.type_name: f for f in (*producers.FACTORIES, *filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
                              *picker.FACTORIES, *profiles.FACTORIES, *reference_plugins.FACTORIES,
                              *disagg.FACTORIES)
 }
@@ -293,10 +295,11 @@ def build_scheduler(
     pc = cfg.prefix_cache
     if index is None:
         index = build_prefix_index(cfg)
+    hasher = build_hasher(cfg, index_key)
     deps = PluginDeps(rng=rng, base_models=tuple(cfg.models.base), adapters=tuple(cfg.models.adapters),
                       chars_per_token=pc.chars_per_token,
                       saturation=saturation if saturation is not None else SaturationThresholds(),
-                      observer=observer, cache_room=index)
+                      observer=observer, cache_room=index, prefix_index=index, hasher=hasher, precise=precise)
     plugins: dict[str, Plugin] = {}
     positions: dict[str, int] = {}  # plugin name -> its place in scheduling.plugins (for errors)
     elsewhere: set[str] = set()  # names of plugins whose settings live in other sections (reference configs)
@@ -319,8 +322,8 @@ def build_scheduler(
         for j, ref in enumerate(pspec.plugins):
             where = f"scheduling.schedulingProfiles[{i}].plugins[{j}].pluginRef"
             used = plugins.get(ref.plugin_ref)
-            if used is None and ref.plugin_ref in elsewhere:
-                continue  # a producer or data source named in a profile: the reference allows it, it does nothing
+            if (used is None and ref.plugin_ref in elsewhere) or isinstance(used, PrefixProducer):
+                continue  # a producer or data source named in a profile: the reference allows it; it runs for all
             if used is None:
                 raise ConfigError(f"{where}: unknown plugin {ref.plugin_ref!r} (not in scheduling.plugins)")
             if isinstance(used, _HANDLERS):
@@ -359,11 +362,22 @@ def build_scheduler(
         classifier = _disaggregating(handler, plugins, positions, names)
     else:
         classifier = SingleProfile(built[0].name)
-    hasher = build_hasher(cfg, index_key)
-    # prefix sources over the approximate index, in order (producers.py): with KV events, the pods' own view
-    overlays = [PreciseOverlay(precise, hasher)] if precise is not None else []
     return PrefixAwareScheduler(built, classifier, index=index, hasher=hasher, explain=cfg.explain, timer=timer,
-                                overlays=overlays)
+                                producers=_prefix_sources(plugins, deps))
+
+
+def _prefix_sources(plugins: dict[str, Plugin], deps: PluginDeps) -> list[PrefixProducer]:
+    """The producers the config lists, and those implied by the deps at hand (built with their defaults), in the
+    plugin table's order: each reads what the ones before it wrote."""
+    listed = [p for p in plugins.values() if isinstance(p, PrefixProducer)]
+    types = {p.type_name for p in listed}
+    for factory in PLUGIN_FACTORIES.values():
+        if factory.implied is not None and factory.type_name not in types and factory.implied(deps):
+            built = factory.build(factory.type_name, factory.params(), deps)
+            assert isinstance(built, PrefixProducer), factory.type_name
+            listed.append(built)
+    order = {name: i for i, name in enumerate(PLUGIN_FACTORIES)}
+    return sorted(listed, key=lambda p: order[p.type_name])
 
 
 # Plugins that choose profiles: listed in `plugins` only, one per config.

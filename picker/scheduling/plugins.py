@@ -16,8 +16,9 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from picker.core.schema import Section
 from picker.endpoints.saturation import SaturationThresholds
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import CHARS_PER_TOKEN
-from picker.prefix.index import CacheRoom
+from picker.prefix.hashing import CHARS_PER_TOKEN, PrefixHasher
+from picker.prefix.index import CacheRoom, PrefixIndex
+from picker.prefix.precise import PrecisePrefix
 from picker.scheduling.context import SchedulingContext
 
 
@@ -124,6 +125,11 @@ class PluginDeps:
     saturation: SaturationThresholds = field(default_factory=SaturationThresholds)  # the admission section's
     observer: PredictionObserver | None = None  # prediction vs measurement (None: not reported)
     cache_room: CacheRoom | None = None  # the prefix index's view of each pod's cache room (None: not known)
+    # What prefix sources read: the index (a shared one with Redis/Valkey), how prompts are cut into its blocks,
+    # and the pods' KV events (None: not subscribed)
+    prefix_index: PrefixIndex | None = None
+    hasher: PrefixHasher | None = None
+    precise: PrecisePrefix | None = None
 
 
 class NoParams(Section):
@@ -140,6 +146,9 @@ class PluginFactory(Generic[P]):
     type_name: str
     params: type[P]
     build: Callable[[str, P, PluginDeps], Plugin]
+    # Built with its default parameters when the config lists no plugin of this type and this says so for the
+    # deps at hand (the prefix sources every picker runs); None: only when listed
+    implied: Callable[[PluginDeps], bool] | None = None
 
 
 def no_params(cls: Callable[[str], Plugin]) -> Callable[[str, NoParams, PluginDeps], Plugin]:

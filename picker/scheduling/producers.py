@@ -1,15 +1,19 @@
 """Prefix sources: what a request's cycle state learns of the pods' caches before any filter or scorer reads it.
 
-Each producer writes typed fields of the `SchedulingContext` (the block width, the prompt's keys, how many blocks
-each pod holds) and learns from the pick; the scheduler runs them in order and knows none of them. The approximate
-index comes first (every pod gets a match from our own picks); the precise view then overwrites the match of
-the pods whose KV events it trusts.
+Each producer is a plugin of the plugin table (`approx-prefix-cache-producer`, `precise-prefix-cache-producer`)
+that writes typed fields of the `SchedulingContext` (the block width, the prompt's keys, how many blocks each pod
+holds) and learns from the pick; the scheduler runs them in the table's order and knows none of them. The
+approximate index comes first (every pod gets a match from our own picks); the precise view then overwrites the
+match of the pods whose KV events it trusts. Both are implied: built without being listed whenever their inputs
+exist (an index; a KV-event subscription). The prompt's token ids, which the precise view reads, are not a
+producer: tokenizing may await a pod's /tokenize, and producers run inside the synchronous scheduler, so the
+director tokenizes before it schedules (`picker.prefix.tokens.PromptTokenizer`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from picker.core.requests import InferenceRequest
 from picker.endpoints.state import Endpoint
@@ -18,10 +22,15 @@ from picker.prefix.hashing import PrefixHasher, prefix_keys
 from picker.prefix.index import PrefixIndex
 from picker.prefix.precise import PrecisePrefix
 from picker.scheduling.context import SchedulingContext, effective_model
+from picker.scheduling.plugins import NoParams, Plugin, PluginDeps, PluginFactory
 
 
+@runtime_checkable
 class PrefixProducer(Protocol):
     """Fills a request's prefix state before scoring and learns where it went."""
+
+    name: str
+    type_name: str
 
     def produce(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint], now: float) -> None:
         """Write what this source knows of the request's prefix on `endpoints` into `ctx` (a prompt is there)."""
@@ -35,13 +44,20 @@ class PrefixProducer(Protocol):
         """The pod left the pool, or its cache is presumed lost."""
         ...
 
+    def learned_chars_per_token(self) -> float | None:
+        """Characters per token of the traffic, when this source learns it (None: it does not)."""
+        ...
 
-class ApproximatePrefix:
+
+class ApproximatePrefix(Plugin):
     """The prompt's chained character-block keys matched in the prefix index (which pods probably hold how much
     of it, learned from our own picks), and each pod's share of the index sized from its cache at the traffic's
     learned characters per token."""
 
-    def __init__(self, index: PrefixIndex, hasher: PrefixHasher) -> None:
+    type_name = "approx-prefix-cache-producer"
+
+    def __init__(self, index: PrefixIndex, hasher: PrefixHasher, name: str | None = None) -> None:
+        super().__init__(name)
         self.index = index
         self.hasher = hasher
         # what the traffic's prompts really are in tokens: sizes each pod's share of the index from its cache
@@ -82,6 +98,9 @@ class ApproximatePrefix:
         self.index.remove_endpoint(endpoint.address)
         self.chars_per_token.forget(endpoint.address)
 
+    def learned_chars_per_token(self) -> float | None:
+        return self.chars_per_token.value
+
     def _sweep(self, now: float) -> None:
         """Free expired entries now and then (matches already ignore them) for backends that can sweep."""
         ttl = self.index.ttl
@@ -102,12 +121,15 @@ class ApproximatePrefix:
         return max(1, int(m.num_gpu_blocks * m.block_size * self.chars_per_token.value) // block_chars)
 
 
-class PreciseOverlay:
+class PreciseOverlay(Plugin):
     """The pods' KV events (the precise view): for each pod it vouches for, what its cache really holds of the
     prompt's tokens replaces the approximate match, in the approximate index's blocks (tokens x chars per token /
     block width) so every scorer reads it the same way. Needs the prompt's token ids (tokenized before)."""
 
-    def __init__(self, precise: PrecisePrefix, hasher: PrefixHasher) -> None:
+    type_name = "precise-prefix-cache-producer"
+
+    def __init__(self, precise: PrecisePrefix, hasher: PrefixHasher, name: str | None = None) -> None:
+        super().__init__(name)
         self.precise = precise
         self.hasher = hasher
 
@@ -135,3 +157,26 @@ class PreciseOverlay:
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         return None  # the view follows the pod's own events (AllBlocksCleared), not the pool
+
+    def learned_chars_per_token(self) -> float | None:
+        return None
+
+
+def _approximate(name: str, params: NoParams, deps: PluginDeps) -> Plugin:
+    if deps.prefix_index is None or deps.hasher is None:
+        raise ValueError("the approximate prefix index needs an index to read (a strategy without one cannot run it)")
+    return ApproximatePrefix(deps.prefix_index, deps.hasher, name)
+
+
+def _precise(name: str, params: NoParams, deps: PluginDeps) -> Plugin:
+    if deps.precise is None or deps.hasher is None:
+        raise ValueError("the precise view needs the pods' KV events: set kvEventsEndpoint or kvEventsPort "
+                         "(--kv-events-endpoint / --kv-events-port), prefixMode not approximate")
+    return PreciseOverlay(deps.precise, deps.hasher, name)
+
+
+# In the order the scheduler runs them: the approximate match first, the precise view over it.
+FACTORIES: tuple[PluginFactory[Any], ...] = (
+    PluginFactory(ApproximatePrefix.type_name, NoParams, _approximate, implied=lambda d: d.prefix_index is not None),
+    PluginFactory(PreciseOverlay.type_name, NoParams, _precise, implied=lambda d: d.precise is not None),
+)

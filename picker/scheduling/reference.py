@@ -6,8 +6,9 @@ A document whose `kind` is `EndpointPickerConfig` (apiVersion `llm-d.ai/v1alpha1
 own `scheduling:` section. What the reference spreads over plugins that are not part of scheduling here lands in
 the section that owns it:
 
-- prefix hashing (`approx-prefix-cache-producer`, and `prefix-cache-scorer`'s older `blockSize`,
-  `maxPrefixBlocksToMatch`, `lruCapacityPerServer`) -> `scheduling.prefixCache`;
+- prefix hashing (`approx-prefix-cache-producer`'s parameters, and `prefix-cache-scorer`'s older `blockSize`,
+  `maxPrefixBlocksToMatch`, `lruCapacityPerServer`) -> `scheduling.prefixCache` (the producer itself is ours:
+  `picker.scheduling.producers`);
 - where pods' metrics are read (`metrics-data-source`) -> the `model-server-metrics-*` options;
 - when a pod counts as full (`utilization-detector`, `saturationDetector`) -> `admission`;
 - `core-metrics-extractor` (vLLM), `openai-parser`, `token-producer` (estimating), `inflight-load-producer`: what
@@ -39,7 +40,7 @@ DOCUMENT_FIELDS = ("apiVersion", "kind", "featureGates", "plugins", "schedulingP
 # Plugin types whose settings this module moves to the section that owns them: the scheduler skips them (and
 # references to them in profiles, which the reference allows for non-scheduling plugins).
 CONFIGURED_ELSEWHERE = frozenset({
-    "approx-prefix-cache-producer", "metrics-data-source", "core-metrics-extractor", "utilization-detector",
+    "metrics-data-source", "core-metrics-extractor", "utilization-detector",
     "openai-parser", "token-producer", "inflight-load-producer",
 })
 
@@ -52,7 +53,7 @@ _LATENCY = "the latency-predictor sidecars are not used; picker's own predicted-
 NOT_IMPLEMENTED: dict[str, str] = {
     **dict.fromkeys(("encode-filter", "always-disagg-multimodal-decider", "p2p-source-producer",
                      "topology-affinity-filter", "topology-affinity-scorer", "topology-extractor"), _PD),
-    **dict.fromkeys(("precise-prefix-cache-producer", "precise-prefix-cache-scorer", "endpoint-notification-source",
+    **dict.fromkeys(("precise-prefix-cache-scorer", "endpoint-notification-source",
                      "burst-prefix-cache-producer"), _PRECISE),
     **dict.fromkeys(("predicted-latency-producer", "latency-scorer", "slo-headroom-tier-filter",
                      "latency-slo-admitter", "prefix-cache-affinity-filter"), _LATENCY),

@@ -36,7 +36,7 @@ class PrefixAwareScheduler:
         hasher: PrefixHasher | None = None,
         explain: bool = True,
         timer: PluginTimer | None = None,
-        overlays: Sequence[PrefixProducer] = (),
+        producers: Sequence[PrefixProducer] | None = None,
     ) -> None:
         if not profiles:
             raise ValueError("at least one scheduling profile is needed")
@@ -47,9 +47,11 @@ class PrefixAwareScheduler:
         self.hasher = hasher if hasher is not None else PrefixHasher()
         self.explain = explain  # per-candidate score breakdown in the result (the Explain API reads it)
         self.timer = timer  # times the plugins of some requests (llm_d_epp_plugin_duration_seconds)
-        # the prefix sources, in order: the approximate index, then the overlays over it (the KV events' view)
-        self.approximate = ApproximatePrefix(index if index is not None else InMemoryPrefixIndex(), self.hasher)
-        self.producers: list[PrefixProducer] = [self.approximate, *overlays]
+        self._index: PrefixIndex = index if index is not None else InMemoryPrefixIndex()
+        # the prefix sources, in the order they run (build_scheduler takes them from the plugin table); built
+        # directly, a scheduler reads its index alone
+        self.producers: list[PrefixProducer] = (list(producers) if producers is not None
+                                                else [ApproximatePrefix(self._index, self.hasher)])
         self.uses_prefix = any(p.uses_prefix for p in profiles) or self.classifier.needs_prefix
         seen: dict[int, Plugin] = {}
         for profile in profiles:
@@ -62,11 +64,15 @@ class PrefixAwareScheduler:
 
     @property
     def index(self) -> PrefixIndex:
-        return self.approximate.index
+        return self._index
 
     @property
-    def learned_chars_per_token(self) -> float:
-        return self.approximate.chars_per_token.value
+    def learned_chars_per_token(self) -> float | None:
+        for producer in self.producers:
+            value = producer.learned_chars_per_token()
+            if value is not None:
+                return value
+        return None
 
     def context(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingContext:
         """The request's cycle state: its session key, and what the prefix sources know of its prompt."""
