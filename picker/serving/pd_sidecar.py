@@ -12,6 +12,10 @@ A failed prefill leg (unreachable, an error status, an answer without transfer p
 not a failed request: the original request goes to the decode engine, counted in
 `picker_pd_sidecar_prefill_fallbacks_total{reason}` (the reference's sidecar returns the prefill's error instead).
 Every other path (`/metrics`, `/health`, `/v1/models`, ...) is passed to the decode engine as it is.
+
+The header decides where the sidecar sends a prompt, so only the picker should set it (it removes a client's):
+`--allowed-prefillers` (addresses or CIDR blocks, e.g. the pool's pod network) refuses any other target with 403,
+for callers that reach the pod without going through Envoy.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import ipaddress
 import json
 import logging
 import signal
+import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -77,11 +83,32 @@ class PrefillFailed(Exception):
         self.reason = reason
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def allowed_networks(text: str) -> tuple[Network, ...]:
+    """`--allowed-prefillers`: comma-separated addresses or CIDR blocks; ValueError naming a bad one."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            out.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(f"allowed-prefillers: {item!r} is not an IP address or CIDR block") from None
+    return tuple(out)
+
+
+def _host_of(target: str) -> str:
+    """"ip:port" or "[v6]:port" -> ip."""
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or target.startswith("[") else target
+    return host.strip("[]")
+
+
 class Sidecar:
     def __init__(self, decoder: str, connector: str = "nixlv2", prefill_timeout: float = 60.0,
-                 metrics: SidecarMetrics | None = None) -> None:
+                 metrics: SidecarMetrics | None = None, allowed: Sequence[Network] = ()) -> None:
         if connector not in CONNECTORS:
             raise ValueError(f"kv-connector: {connector!r} is not one of {', '.join(CONNECTORS)}")
+        self.allowed = tuple(allowed)  # empty: any prefill target (the picker is trusted to name it)
         self.decoder = decoder.rstrip("/")  # http://host:port of the decode engine
         self.connector = connector
         self.prefill_timeout = prefill_timeout
@@ -117,6 +144,10 @@ class Sidecar:
         if not prefiller:
             self.metrics.requests.labels("local").inc()
             return await self._relay(request, "POST", body, headers)
+        if self.allowed and not self._allowed(prefiller):
+            log.warning("refused a prefill target outside --allowed-prefillers: %s", prefiller)
+            return web.json_response({"error": {"code": "prefiller_not_allowed", "message": f"{PREFILLER_HEADER} "
+                                                f"{prefiller!r} is outside --allowed-prefillers"}}, status=403)
         try:
             parsed = json.loads(body)
             if not isinstance(parsed, dict):
@@ -131,6 +162,13 @@ class Sidecar:
             return await self._fall_back(request, body, headers, failed)
         self.metrics.requests.labels("remote").inc()
         return await self._relay(request, "POST", decode_body, headers)
+
+    def _allowed(self, target: str) -> bool:
+        try:
+            address = ipaddress.ip_address(_host_of(target))
+        except ValueError:
+            return False  # a name, not an address: cannot be checked against the networks
+        return any(address in network for network in self.allowed)
 
     async def _prefill(self, prefiller: str, path: str, body: dict[str, Any],
                        headers: Mapping[str, str]) -> bytes:
@@ -199,15 +237,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds the prefill leg may take before it is given up for a local prefill")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve the sidecar's /metrics on this port (0: not served)")
+    parser.add_argument("--allowed-prefillers", default="",
+                        help="comma-separated addresses or CIDR blocks a prefill may be sent to (e.g. the pod "
+                             "network); any other x-prefiller-host-port is refused with 403 (default: any)")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sidecar = Sidecar(f"http://{args.decoder_host}:{args.model_server_port}", args.kv_connector,
-                          args.prefill_timeout)
+                          args.prefill_timeout, allowed=allowed_networks(args.allowed_prefillers))
     except ValueError as exc:
-        print(f"picker pd-sidecar: {exc}")
+        print(f"picker pd-sidecar: {exc}", file=sys.stderr)
         return 2
     asyncio.run(_serve(sidecar, args.host, args.port, args.metrics_port))
     return 0
