@@ -1,5 +1,6 @@
 """What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes and with
-the Redis-shared prefix index (a local Valkey), same echo backends, same run. Reports req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies,
+the Redis-shared prefix index (a local Valkey), and Envoy + the floor (a minimal grpc.aio ext_proc server that only
+sets the destination header, `picker/bench/floor.py`), same echo backends, same run. Reports req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies,
 then profiles the picker to show where its time goes.
 
     .venv/bin/python bench/overhead.py [--requests 2000] [--concurrency 8]
@@ -14,6 +15,7 @@ import os
 import pstats
 import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from picker.serving.envoyconfig import envoy_binary
 from picker.serving.supervisor import (
     Envoy,
     Managed,
+    Picker,
     free_port,
     port_open,
     process_scope,
@@ -85,6 +88,16 @@ async def drive(url: str, body: bytes, requests: int, concurrency: int) -> tuple
     return requests / elapsed, latencies, errors
 
 
+def start_floor(logdir: Path, pool: list[str], started: list[Managed]) -> Picker:
+    """The floor ext_proc server, shaped as the Picker its Envoy config needs (ports, plaintext)."""
+    grpc_port, health_port = free_port(), free_port()
+    process = spawn("floor", [sys.executable, "-m", "picker.bench.floor", "--grpc-port", str(grpc_port),
+                              "--health-port", str(health_port), "--pool", ",".join(pool)], logdir)
+    started.append(process)
+    wait_until(lambda: port_open(grpc_port) and port_open(health_port), 30, "floor ext_proc server", process.proc)
+    return Picker(grpc_port, health_port, 0, process)
+
+
 def body_of(size: int) -> bytes:
     message = {"role": "user", "content": ""}
     base = {"model": "tiny", "messages": [message]}
@@ -122,11 +135,15 @@ def main() -> int:
         started.append(shared.process)
         envoy_shared = start_envoy(logdir, shared, backends.addresses, name="envoy-shared")
         started.append(envoy_shared.process)
+        floor = start_floor(logdir, backends.addresses, started)
+        envoy_floor = start_envoy(logdir, floor, backends.addresses, name="envoy-floor")
+        started.append(envoy_floor.process)
         # setup -> (URL, the picker process whose CPU it costs)
         urls = {"envoy direct": (start_direct_envoy(logdir, envoys["buffered"], started), None),
                 "envoy+picker buffered": (envoys["buffered"].url, picker.process.proc.pid),
                 "envoy+picker buffered, redis index": (envoy_shared.url, shared.process.proc.pid),
-                "envoy+picker full-duplex": (envoys["full-duplex"].url, picker.process.proc.pid)}
+                "envoy+picker full-duplex": (envoys["full-duplex"].url, picker.process.proc.pid),
+                "envoy+floor buffered (minimal grpc.aio ext_proc)": (envoy_floor.url, floor.process.proc.pid)}
         for size in (1024, 32 * 1024):
             body = body_of(size)
             results: dict[str, list[tuple[float, list[float], int, float, float]]] = {name: [] for name in urls}
@@ -168,6 +185,11 @@ def main() -> int:
     header = list(rows[0])
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     table += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
+    for size in sorted({row["body"] for row in rows}):
+        cost = {row["setup"]: row["picker_cpu_us_per_request"] for row in rows if row["body"] == size}
+        floor_cost = cost["envoy+floor buffered (minimal grpc.aio ext_proc)"]
+        table.append(f"\n{size}: picker buffered CPU per request {cost['envoy+picker buffered']} µs = "
+                     f"{cost['envoy+picker buffered'] / floor_cost:.2f}x the floor's {floor_cost} µs")
     text = "\n".join(table)
     print(text)
     (OUT / "overhead.md").write_text(text + "\n")
