@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -98,7 +98,11 @@ upload-memory: install
 overload: install
 	$(BIN)/picker bench --scenario overload --mode both --out bench/out/overload $(ARGS)
 
-# Prefill/decode disaggregation against aggregated serving at equal pod count, fast mode (~2 minutes).
+# One picker process as the pool grows: decision time, decisions/s, scrape and index cost at 64-4,000 pods (~2 min).
+scale: install
+	$(BIN)/picker bench --scenario scale --out bench/out/scale $(ARGS)
+
+# Prefill/decode disaggregation against aggregated serving at equal pod count, fast mode (~10 minutes).
 pd: install
 	$(BIN)/picker bench --scenario pd --out bench/out/pd $(ARGS)
 

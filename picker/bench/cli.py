@@ -33,13 +33,14 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker bench`."""
     a = parser.add_argument
-    a("--scenario", choices=("routing", "mixed-models", "overload", "pd"), default="routing",
+    a("--scenario", choices=("routing", "mixed-models", "overload", "pd", "scale"), default="routing",
       help="routing: the workloads and strategies below (default); mixed-models: two base models on disjoint sim "
       "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply); "
       "overload: flow control at 0.5x, 2x and 6.6x the fleet's capacity (--mode fast: seconds, live: ~20 min; "
       "--strategies picks the pickers, --phase, --pods, --max-num-seqs, --seed and --repeats apply); pd: prefill/"
       "decode disaggregation against aggregated serving at equal pod count (fast mode, ~2 min; --pods, --requests, "
-      "--profile, --seed and --repeats apply)")
+      "--profile, --seed and --repeats apply); scale: one picker process's decision time, decisions/s, scrape and "
+      "index cost at 64-4,000 pods (~2 min; --requests: timed decisions per size)")
     a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
     a("--max-num-seqs", type=int, default=None, help="--scenario overload: sequences per pod (default 8)")
     a("--engine", choices=("sim", "vllm"), default="sim",
@@ -153,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         return run_overload(args, mode, out)
     if args.scenario == "pd":
         return run_disaggregation(args, out)
+    if args.scenario == "scale":
+        return run_scale_scenario(args, out)
     fast = None
     live = None
     try:
@@ -245,6 +248,15 @@ def run_disaggregation(args: argparse.Namespace, out: Path) -> int:
                   seeds=tuple(range(args.seed, args.seed + repeats)))
     run_pd(spec, out)
     print((out / "pd.md").read_text())
+    return 0
+
+
+def run_scale_scenario(args: argparse.Namespace, out: Path) -> int:
+    """`--scenario scale` (picker.bench.scale)."""
+    from picker.bench.scale import ScaleSpec, run_scale
+
+    run_scale(ScaleSpec(decisions=args.requests or 2000, seed=args.seed), out)
+    print((out / "scale.md").read_text())
     return 0
 
 

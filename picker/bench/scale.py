@@ -1,0 +1,157 @@
+"""`picker bench --scenario scale`: the envelope of one picker process as the pool grows.
+
+In-process, single-threaded, on simulated pods (`Endpoint`s whose metrics are set, no network): for each pool size,
+the decision (`Director.place`, the whole step `picker serve` runs once a request is admitted: schedule, learn the
+pick, account for it) on a steady workload of 32 shared prefixes (three quarters of each prompt) and unique tails,
+with about four requests in flight per pod; the most decisions per second that leaves (1 / mean); what scraping the
+pool costs (parsing one real vLLM 0.32 /metrics page, times one scrape per pod per second: the calm cadence); and
+the prefix index's memory per 100k cached prefixes. Wall-clock per call (`time.perf_counter_ns`); this machine's
+speed moves between runs, so compare sizes within a run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import time
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from picker.core.requests import ApiKind, InferenceRequest
+from picker.endpoints.metrics import parse_vllm_metrics
+from picker.endpoints.pool import EndpointPool
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.prefix.hashing import prefix_keys, prefix_seed
+from picker.prefix.memory import InMemoryPrefixIndex
+from picker.routing.director import Director
+from picker.scheduling.config import build_scheduler
+
+# A real vLLM 0.32 CPU server's /metrics page (idle), as the scraper parses it.
+METRICS_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-cpu-idle.txt"
+WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this",
+         "are", "or", "an", "at", "from", "model", "cache", "token")
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleSpec:
+    pools: tuple[int, ...] = (64, 256, 1000, 4000)
+    decisions: int = 2000  # timed per pool size (after a warm-up that fills the index)
+    prompt_chars: int = 2048
+    seed: int = 1
+    index_prefixes: int = 100_000  # cached prefixes whose memory is measured
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        word = rng.choice(WORDS)
+        out.append(word)
+        n += len(word) + 1
+    return " ".join(out)[:chars]
+
+
+def _pool(n: int, rng: random.Random) -> EndpointPool:
+    endpoints = []
+    for i in range(n):
+        e = Endpoint.from_address(f"10.{i // 250}.{i % 250}.1:8000")
+        e.metrics = EndpointMetrics(waiting=rng.randint(0, 4), running=rng.randint(0, 8), kv_usage=rng.random() * 0.7,
+                                    block_size=16, num_gpu_blocks=30_000, updated_at=0.0)
+        endpoints.append(e)
+    pool = EndpointPool()
+    pool.set_endpoints(endpoints)
+    for e in endpoints:
+        pool.mark_ready(e)
+    return pool
+
+
+def decisions(pods: int, spec: ScaleSpec) -> dict[str, float]:
+    """p50/p99/mean µs of `Director.place` on a pool of `pods`, and the decisions per second that mean allows."""
+    rng = random.Random(spec.seed * 7919 + pods)
+    pool = _pool(pods, rng)
+    director = Director(pool, build_scheduler(rng=random.Random(spec.seed)))
+    prefixes = [_text(rng, spec.prompt_chars * 3 // 4) for _ in range(32)]
+    prompts = [rng.choice(prefixes) + _text(rng, spec.prompt_chars // 4) for _ in range(256)]
+    live = []
+    samples: list[int] = []
+    warm_up = min(4 * pods, 4000)
+    gc.collect()
+    for i in range(warm_up + spec.decisions):
+        request = InferenceRequest(f"r{i}", "llama", api=ApiKind.COMPLETIONS, prompt_text=prompts[i % len(prompts)],
+                                   session_id=f"s{i % 97}" if i % 3 == 0 else None)
+        now = i * 0.001
+        began = time.perf_counter_ns()
+        decision = director.place(request, now)
+        took = time.perf_counter_ns() - began
+        live.append(decision)
+        if len(live) > 4 * pods:  # a steady in-flight population
+            director.release(live.pop(rng.randrange(len(live))))
+        if i >= warm_up:
+            samples.append(took)
+    micros = sorted(s / 1000 for s in samples)
+    mean = statistics.fmean(micros)
+    return {"pods": pods, "p50_us": micros[len(micros) // 2], "p99_us": micros[int(len(micros) * 0.99)],
+            "mean_us": mean, "decisions_per_s": 1e6 / mean}
+
+
+def scrape_cost(iterations: int = 500) -> dict[str, float]:
+    """µs to parse one vLLM /metrics page, and the CPU share one scrape per pod per second costs per 1,000 pods."""
+    page = METRICS_PAGE.read_text()
+    samples = []
+    for _ in range(iterations):
+        began = time.perf_counter_ns()
+        parse_vllm_metrics(page, 0.0)
+        samples.append(time.perf_counter_ns() - began)
+    parse_us = statistics.median(samples) / 1000
+    return {"page_bytes": len(page.encode()), "parse_us": parse_us, "cores_per_1000_pods_at_1s": parse_us * 1000 / 1e6}
+
+
+def index_memory(prefixes: int = 100_000, pods: int = 64, blocks_per_prefix: int = 8) -> dict[str, float]:
+    """Bytes the in-memory index holds for `prefixes` cached prefixes of `blocks_per_prefix` blocks on one pod each."""
+    rng = random.Random(9)
+    addresses = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(pods)]
+    index = InMemoryPrefixIndex(default_capacity=prefixes * blocks_per_prefix, ttl=None)
+    seed = prefix_seed("m")
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(prefixes):
+        keys = prefix_keys(f"prefix {i} " + "x" * (64 * blocks_per_prefix), seed, 64, blocks_per_prefix)
+        index.record(keys[:blocks_per_prefix], rng.choice(addresses), float(i))
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return {"prefixes": prefixes, "blocks_per_prefix": blocks_per_prefix, "entries": index.size(),
+            "mb": used / 1e6, "bytes_per_entry": used / max(1, index.size())}
+
+
+def run_scale(spec: ScaleSpec, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    section = {"spec": {"pools": list(spec.pools), "decisions": spec.decisions, "prompt_chars": spec.prompt_chars},
+               "decisions": [decisions(n, spec) for n in spec.pools], "scrape": scrape_cost(),
+               "index": index_memory(spec.index_prefixes)}
+    (out / "scale.json").write_text(json.dumps(section, indent=1))
+    (out / "scale.md").write_text(render(section))
+    return section
+
+
+def render(section: dict[str, Any]) -> str:
+    spec, scrape, index = section["spec"], section["scrape"], section["index"]
+    lines = ["# One picker process as the pool grows", "",
+             f"`Director.place` on simulated pods, {spec['decisions']} timed decisions per size, "
+             f"{spec['prompt_chars']}-character prompts (32 shared prefixes, unique tails), ~4 in flight per pod.", "",
+             "| pods | decision p50 µs | p99 µs | mean µs | decisions/s (1 / mean) |", "|---:|---:|---:|---:|---:|"]
+    for row in section["decisions"]:
+        lines.append(f"| {row['pods']} | {row['p50_us']:.0f} | {row['p99_us']:.0f} | {row['mean_us']:.0f} | "
+                     f"{row['decisions_per_s']:.0f} |")
+    lines += ["", f"Scraping: one vLLM /metrics page ({scrape['page_bytes']:,} bytes) parses in {scrape['parse_us']:.0f} µs; "
+              f"one scrape per pod per second costs {scrape['cores_per_1000_pods_at_1s']:.2f} cores per 1,000 pods "
+              "in parsing alone (HTTP not counted).", "",
+              f"Prefix index: {index['prefixes']:,} prefixes of {index['blocks_per_prefix']} blocks "
+              f"({index['entries']:,} entries) hold {index['mb']:.0f} MB ({index['bytes_per_entry']:.0f} bytes an "
+              "entry)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,18 @@
+"""`picker bench --scenario scale` measures what it says on a small run: decision times per pool size, the scrape
+parse cost of a real vLLM page, the index's memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from picker.bench.scale import ScaleSpec, run_scale
+
+
+def test_the_scale_scenario_reports_each_pool_size(tmp_path: Path) -> None:
+    section = run_scale(ScaleSpec(pools=(8, 32), decisions=60, index_prefixes=5_000), tmp_path)
+    rows = section["decisions"]
+    assert [r["pods"] for r in rows] == [8, 32]
+    assert all(0 < r["p50_us"] <= r["p99_us"] and r["decisions_per_s"] > 0 for r in rows)
+    assert section["scrape"]["page_bytes"] > 50_000 and section["scrape"]["parse_us"] > 0
+    assert section["index"]["entries"] == 40_000 and section["index"]["bytes_per_entry"] > 0
+    assert "| 32 |" in (tmp_path / "scale.md").read_text()
