@@ -20,34 +20,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from picker.bench.scale import simulated_pods, words_text  # noqa: E402
 from picker.core.requests import InferenceRequest  # noqa: E402
 from picker.endpoints.metrics import parse_vllm_metrics  # noqa: E402
-from picker.endpoints.state import Endpoint, EndpointMetrics  # noqa: E402
+from picker.endpoints.state import Endpoint  # noqa: E402
 from picker.prefix.hashing import prefix_keys, prefix_seed  # noqa: E402
 from picker.prefix.memory import InMemoryPrefixIndex  # noqa: E402
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler, predicted_ttft_scheduling  # noqa: E402
 
-WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "or", "an", "at", "from", "model", "cache", "token"]
-
-
-def text(rng: random.Random, chars: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < chars:
-        w = rng.choice(WORDS)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)[:chars]
-
-
-def endpoints(n: int, rng: random.Random) -> list[Endpoint]:
-    out = []
-    for i in range(n):
-        e = Endpoint.from_address(f"10.{i // 250}.{i % 250}.1:8000")
-        e.metrics = EndpointMetrics(waiting=rng.randint(0, 4), running=rng.randint(0, 8), kv_usage=rng.random() * 0.7,
-                                    block_size=16, num_gpu_blocks=30_000, updated_at=0.0)
-        out.append(e)
-    return out
+text = words_text
+endpoints = simulated_pods
 
 
 def percentiles(samples_ns: list[int]) -> tuple[float, float]:

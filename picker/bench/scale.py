@@ -45,7 +45,8 @@ class ScaleSpec:
     index_prefixes: int = 100_000  # cached prefixes whose memory is measured
 
 
-def _text(rng: random.Random, chars: int) -> str:
+def words_text(rng: random.Random, chars: int) -> str:
+    """`chars` characters of common English words (what prompts are cut into blocks and hashed from)."""
     out: list[str] = []
     n = 0
     while n < chars:
@@ -55,13 +56,19 @@ def _text(rng: random.Random, chars: int) -> str:
     return " ".join(out)[:chars]
 
 
-def _pool(n: int, rng: random.Random) -> EndpointPool:
+def simulated_pods(n: int, rng: random.Random) -> list[Endpoint]:
+    """`n` pods with varied queues and KV use, scraped at time 0."""
     endpoints = []
     for i in range(n):
         e = Endpoint.from_address(f"10.{i // 250}.{i % 250}.1:8000")
         e.metrics = EndpointMetrics(waiting=rng.randint(0, 4), running=rng.randint(0, 8), kv_usage=rng.random() * 0.7,
                                     block_size=16, num_gpu_blocks=30_000, updated_at=0.0)
         endpoints.append(e)
+    return endpoints
+
+
+def _pool(n: int, rng: random.Random) -> EndpointPool:
+    endpoints = simulated_pods(n, rng)
     pool = EndpointPool()
     pool.set_endpoints(endpoints)
     for e in endpoints:
@@ -74,8 +81,8 @@ def decisions(pods: int, spec: ScaleSpec) -> dict[str, float]:
     rng = random.Random(spec.seed * 7919 + pods)
     pool = _pool(pods, rng)
     director = Director(pool, build_scheduler(rng=random.Random(spec.seed)))
-    prefixes = [_text(rng, spec.prompt_chars * 3 // 4) for _ in range(32)]
-    prompts = [rng.choice(prefixes) + _text(rng, spec.prompt_chars // 4) for _ in range(256)]
+    prefixes = [words_text(rng, spec.prompt_chars * 3 // 4) for _ in range(32)]
+    prompts = [rng.choice(prefixes) + words_text(rng, spec.prompt_chars // 4) for _ in range(256)]
     live = []
     samples: list[int] = []
     warm_up = min(4 * pods, 4000)
