@@ -30,13 +30,31 @@ def reports(endpoint: Endpoint) -> bool:
     return bool(endpoint.metrics.models or endpoint.listing())
 
 
+_NONE: frozenset[str] = frozenset()
+
+
+def _all_may_serve(model: str, candidates: Sequence[Endpoint]) -> bool:
+    """`all(not reports(e) or serves(e, model) for e in candidates)` in one loop without calls: it runs on every
+    request over every candidate pod."""
+    for e in candidates:
+        m = e.metrics
+        models = m.models
+        if model in models or model in m.running_loras or model in m.waiting_loras:
+            continue
+        listed = e.listed_models if e.listed_for == models else _NONE
+        if model in listed or not (models or listed):
+            continue
+        return False
+    return True
+
+
 class ModelServing:
     def __init__(self, adapters: Iterable[str] = ()) -> None:
         self.adapters = frozenset(adapters)
 
     def pods_for(self, model: str, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
         """The candidates that serve `model` (or may: nothing known against them); RequestError 404 for none."""
-        if all(not reports(e) or serves(e, model) for e in candidates):
+        if _all_may_serve(model, candidates):
             return candidates  # every pod serves it, or reports nothing against it (a single-model pool, unscraped)
         out = [e for e in candidates if not reports(e) or serves(e, model)]
         if out:

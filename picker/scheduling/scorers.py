@@ -250,10 +250,14 @@ class InFlightLoadScorer(Plugin):
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         unit = self.tokens_per_request
         loads = [e.in_flight + e.in_flight_tokens / unit for e in candidates]
-        if self.prefill_half_life > 0 and self._recent:
-            scale = self.prefill_weight / unit
-            loads = [x + scale * self._recent_prefill(e.address, ctx.now) for x, e in zip(loads, candidates,
-                                                                                     strict=True)]
+        recent = self._recent
+        if self.prefill_half_life > 0 and recent:
+            # _recent_prefill inlined (one call per pod was a fifth of a decision at 1,000 pods); same arithmetic
+            scale, half, now, get = self.prefill_weight / unit, self.prefill_half_life, ctx.now, recent.get
+            for i, e in enumerate(candidates):
+                entry = get(e.address)
+                if entry is not None and entry[0]:
+                    loads[i] = loads[i] + scale * (entry[0] * 0.5 ** ((now - entry[1]) / half))
         lo = min(loads)
         span = max(loads) - lo + self.slack
         if span <= 0:
