@@ -28,7 +28,7 @@ from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.routing.director import Director
-from picker.scheduling.config import build_scheduler
+from picker.scheduling.config import build_scheduler, sampled_scheduling
 
 # A real vLLM 0.32 CPU server's /metrics page (idle), as the scraper parses it.
 METRICS_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-cpu-idle.txt"
@@ -76,11 +76,12 @@ def _pool(n: int, rng: random.Random) -> EndpointPool:
     return pool
 
 
-def decisions(pods: int, spec: ScaleSpec) -> dict[str, float]:
-    """p50/p99/mean µs of `Director.place` on a pool of `pods`, and the decisions per second that mean allows."""
+def decisions(pods: int, spec: ScaleSpec, sampled: bool = False) -> dict[str, float]:
+    """p50/p99/mean µs of `Director.place` on a pool of `pods`, and the decisions per second that mean allows;
+    `sampled`: with the opt-in candidate-sample-filter."""
     rng = random.Random(spec.seed * 7919 + pods)
     pool = _pool(pods, rng)
-    director = Director(pool, build_scheduler(rng=random.Random(spec.seed)))
+    director = Director(pool, build_scheduler(sampled_scheduling() if sampled else None, rng=random.Random(spec.seed)))
     prefixes = [words_text(rng, spec.prompt_chars * 3 // 4) for _ in range(32)]
     prompts = [rng.choice(prefixes) + words_text(rng, spec.prompt_chars // 4) for _ in range(256)]
     live = []
@@ -101,8 +102,8 @@ def decisions(pods: int, spec: ScaleSpec) -> dict[str, float]:
             samples.append(took)
     micros = sorted(s / 1000 for s in samples)
     mean = statistics.fmean(micros)
-    return {"pods": pods, "p50_us": micros[len(micros) // 2], "p99_us": micros[int(len(micros) * 0.99)],
-            "mean_us": mean, "decisions_per_s": 1e6 / mean}
+    return {"pods": pods, "sampled": sampled, "p50_us": micros[len(micros) // 2],
+            "p99_us": micros[int(len(micros) * 0.99)], "mean_us": mean, "decisions_per_s": 1e6 / mean}
 
 
 def scrape_cost(iterations: int = 500) -> dict[str, float]:
@@ -139,7 +140,8 @@ def index_memory(prefixes: int = 100_000, pods: int = 64, blocks_per_prefix: int
 def run_scale(spec: ScaleSpec, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     section = {"spec": {"pools": list(spec.pools), "decisions": spec.decisions, "prompt_chars": spec.prompt_chars},
-               "decisions": [decisions(n, spec) for n in spec.pools], "scrape": scrape_cost(),
+               "decisions": [decisions(n, spec, sampled) for n in spec.pools for sampled in (False, True)],
+               "scrape": scrape_cost(),
                "index": index_memory(spec.index_prefixes)}
     (out / "scale.json").write_text(json.dumps(section, indent=1))
     (out / "scale.md").write_text(render(section))
@@ -151,9 +153,11 @@ def render(section: dict[str, Any]) -> str:
     lines = ["# One picker process as the pool grows", "",
              f"`Director.place` on simulated pods, {spec['decisions']} timed decisions per size, "
              f"{spec['prompt_chars']}-character prompts (32 shared prefixes, unique tails), ~4 in flight per pod.", "",
-             "| pods | decision p50 µs | p99 µs | mean µs | decisions/s (1 / mean) |", "|---:|---:|---:|---:|---:|"]
+             "| pods | scheduling | decision p50 µs | p99 µs | mean µs | decisions/s (1 / mean) |",
+             "|---:|---|---:|---:|---:|---:|"]
     for row in section["decisions"]:
-        lines.append(f"| {row['pods']} | {row['p50_us']:.0f} | {row['p99_us']:.0f} | {row['mean_us']:.0f} | "
+        kind = "defaults + candidate-sample-filter" if row["sampled"] else "defaults"
+        lines.append(f"| {row['pods']} | {kind} | {row['p50_us']:.0f} | {row['p99_us']:.0f} | {row['mean_us']:.0f} | "
                      f"{row['decisions_per_s']:.0f} |")
     lines += ["", f"Scraping: one vLLM /metrics page ({scrape['page_bytes']:,} bytes) parses in {scrape['parse_us']:.0f} µs; "
               f"one scrape per pod per second costs {scrape['cores_per_1000_pods_at_1s']:.2f} cores per 1,000 pods "

@@ -175,6 +175,18 @@ PREDICTED_TTFT_CONFIG: dict[str, Any] = {
 }
 
 
+def sampled_scheduling(**parameters: Any) -> dict[str, Any]:
+    """The defaults with `candidate-sample-filter` first in every profile (opt-in: in large pools it keeps a
+    decision's cost flat, and costs some TTFT, bench/README.md "One picker process as the pool grows");
+    `parameters` as in a config file (`minCandidates`, `sampleSize`)."""
+    out = copy.deepcopy(DEFAULT_CONFIG)
+    out["plugins"].insert(0, {"type": "candidate-sample-filter", "name": "candidate-sample-filter",
+                              **({"parameters": parameters} if parameters else {})})
+    for profile in out["schedulingProfiles"]:
+        profile["plugins"].insert(0, {"pluginRef": "candidate-sample-filter"})
+    return out
+
+
 def predicted_ttft_scheduling(**parameters: Any) -> dict[str, Any]:
     """A copy of PREDICTED_TTFT_CONFIG with the predicted-ttft-scorer's `parameters` (named as in a config file,
     e.g. `podTimeScale=0.5`) set: how the benchmarks and tests vary it."""

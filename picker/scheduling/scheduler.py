@@ -115,8 +115,9 @@ class PrefixAwareScheduler:
 
     def _run(self, profile: Profile, ctx: SchedulingContext, endpoints: Sequence[Endpoint],
              timer: PluginTimer | None) -> _Run:
-        """One profile over the endpoints: its filters, then its weighted scorers and its picker."""
-        candidates = list(endpoints)
+        """One profile over the endpoints: its filters, then its weighted scorers and its picker. The pool's own
+        list goes to the first filter uncopied (filters return new lists; none changes the one it is given)."""
+        candidates = endpoints if isinstance(endpoints, list) else list(endpoints)
         steps: _Steps = []  # filters that removed someone
         for f in profile.filters:
             began = time.perf_counter() if timer is not None else 0.0
