@@ -157,11 +157,13 @@ class Sidecar:
             return await self._fall_back(request, body, headers, PrefillFailed("bad_body", "not a JSON object"))
         headers.setdefault("x-request-id", str(uuid.uuid4()))
         try:
-            decode_body = await self._prefill(prefiller, request.path, parsed, headers)
+            params = await self._prefill(prefiller, request.path, parsed, headers)
         except PrefillFailed as failed:
             return await self._fall_back(request, body, headers, failed)
         self.metrics.requests.labels("remote").inc()
-        return await self._relay(request, "POST", decode_body, headers)
+        if params is not None:  # NIXL: the decode engine fetches the blocks the prefill answered with
+            body = json.dumps({**parsed, "kv_transfer_params": params}).encode()
+        return await self._relay(request, "POST", body, headers)
 
     def _allowed(self, target: str) -> bool:
         try:
@@ -171,8 +173,9 @@ class Sidecar:
         return any(address in network for network in self.allowed)
 
     async def _prefill(self, prefiller: str, path: str, body: dict[str, Any],
-                       headers: Mapping[str, str]) -> bytes:
-        """Run the prefill leg; the decode leg's body (the original, with the transfer parameters it returned)."""
+                       headers: Mapping[str, str]) -> dict[str, Any] | None:
+        """Run the prefill leg; the transfer parameters it answered with (NIXL), None where the decode engine finds
+        the KV by itself (shared storage: the request goes on as it came)."""
         url = f"http://{prefiller}{path}"
         try:
             async with self.session.post(url, json=prefill_body(body, path, self.connector), headers=headers,
@@ -184,7 +187,7 @@ class Sidecar:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise PrefillFailed("unreachable", f"{url}: {exc or type(exc).__name__}") from None
         if self.connector != "nixlv2":
-            return json.dumps(body).encode()
+            return None
         try:
             params = json.loads(text).get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -192,7 +195,7 @@ class Sidecar:
         if not isinstance(params, dict):
             raise PrefillFailed("no_transfer_params", f"{url} returned no kv_transfer_params (is its engine "
                                 "started with a KV connector, kv_role kv_producer or kv_both?)")
-        return json.dumps({**body, "kv_transfer_params": params}).encode()
+        return params
 
     async def _fall_back(self, request: web.Request, body: bytes, headers: dict[str, str],
                          failed: PrefillFailed) -> web.StreamResponse:
