@@ -247,13 +247,18 @@ def parse_body(body: bytes, api: ApiKind) -> dict[str, Any]:
     return data
 
 
+def _messages(data: dict[str, Any], kind: str) -> list[Any]:
+    """A chat-shaped body's non-empty `messages` list; RequestError 400 naming the request kind otherwise."""
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "missing_messages", f"{kind} request has no 'messages' list")
+    return messages
+
+
 def prompt_of(data: dict[str, Any], api: ApiKind) -> str:
     """The canonical prompt text of a validated body for its API family."""
     if api is ApiKind.CHAT:
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "missing_messages", "chat completions request has no 'messages' list")
-        return render_messages(messages, data.get("tools"))
+        return render_messages(_messages(data, "chat completions"), data.get("tools"))
     if api is ApiKind.COMPLETIONS:
         if "prompt" not in data:
             raise RequestError(400, "missing_prompt", "completions request has no 'prompt'")
@@ -271,9 +276,7 @@ def prompt_of(data: dict[str, Any], api: ApiKind) -> str:
             raise RequestError(400, "missing_input", "embeddings request has no 'input'")
         return _prompt_text(data["input"])
     if api is ApiKind.MESSAGES:
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "missing_messages", "messages request has no 'messages' list")
+        messages = _messages(data, "messages")
         system = data.get("system")  # a string or text blocks, ahead of the turns as a chat template puts it
         turns = [{"role": "system", "content": system}, *messages] if system else messages
         return render_messages(turns, data.get("tools"))
