@@ -479,35 +479,31 @@ class _FastRun:
         if self.peers:
             self.tell_peers(replica, decision.request, chosen.address, now)
         k = self.pod_of[chosen.address]
-        if decision.prefill is not None and self.prefill_leg(i, k, decision, ids, hashes, replica, now):
-            return
+        prefill_pod = self.prefill_leg(i, decision, ids, now) if decision.prefill is not None else None
         sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
         delayed = self.api_busy_until[k] > now  # scrapes hold the pod's API server: the engine gets it later
-        if not delayed and not self.hand_over(k, sim_request, now):
+        if prefill_pod is None and not delayed and not self.hand_over(k, sim_request, now):
             self.ended(i, replica, decision, now)
             return
         res.pod[i] = k
         self.served[k] += 1
         self.live[i] = (ids, hashes, decision, replica)
-        if delayed:
+        if prefill_pod is not None:  # the decode leg follows when the prefill leg ends (`decoded`)
+            self.prefilling[i] = k
+            self.wake(prefill_pod, now)
+        elif delayed:
             self.push(self.api_busy_until[k], _INTAKE, (k, sim_request))
         else:
             self.wake(k, now)
 
-    def prefill_leg(self, i: int, k: int, decision: Decision, ids: list[int], hashes: list[int], replica: int,
-                    now: float) -> bool:
-        """P/D, as `picker pd-sidecar` does it: the prompt with one output token to the prefill pod first; the
-        decode leg follows when it ends (`decoded`). False: the prefill pod refused it (prefilled where decoded)."""
+    def prefill_leg(self, i: int, decision: Decision, ids: list[int], now: float) -> int | None:
+        """P/D, as `picker pd-sidecar` does it: the prompt with one output token to the prefill pod first; its
+        index, or None when that pod refused it (the request is then prefilled where it decodes)."""
         assert decision.prefill is not None
         kp = self.pod_of[decision.prefill.address]
         if not self.hand_over(kp, SimRequest(f"p{i}", ids, 1, ignore_eos=True), now, counts=False):
-            return False
-        self.res.pod[i] = k
-        self.served[k] += 1
-        self.live[i] = (ids, hashes, decision, replica)
-        self.prefilling[i] = k
-        self.wake(kp, now)
-        return True
+            return None
+        return kp
 
     def decoded(self, i: int, now: float) -> None:
         """The prefill leg ended: the response begins (the director hears it), and the decode leg goes to the
