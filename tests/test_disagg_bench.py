@@ -47,10 +47,11 @@ def test_prefill_decode_interference_is_what_disaggregation_removes() -> None:
 
 
 def test_the_scenario_writes_its_tables(tmp_path: Path) -> None:
-    spec = PdSpec(requests=60, loads=(0.5,), splits=(2,), thresholds=(1024,), seeds=(1,))
+    spec = PdSpec(requests=60, loads=(0.5,), splits=(2,), thresholds=(1024,), seeds=(1,), queue_limits=(None,),
+                  queue_splits=(2,))
     section = run_pd(spec, tmp_path)
     assert [(r["workload"], r["fleet"]) for r in section["rows"]] == [
         ("long", "aggregated 4"), ("long", "P/D 2P+2D"), ("mixed", "aggregated 4"), ("mixed", "P/D 2P+2D")]
     assert all(r["completed"] == 60 for r in section["rows"])
     text = (tmp_path / "pd.md").read_text()
-    assert "| long | 0.5 | P/D 2P+2D |" in text and "| 1024 |" in text
+    assert "| long | 0.5 | P/D 2P+2D |" in text and "| 1024 |" in text and "| P/D 2P+2D | none |" in text

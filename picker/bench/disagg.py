@@ -92,6 +92,10 @@ class PdSpec:
     splits: tuple[int, ...] = (1, 2, 3)  # prefill pods of the disaggregated fleets
     thresholds: tuple[int, ...] = (256, 1024, 4096)  # nonCachedTokens tried on `mixed` at the middle load
     sweep_split: int = 2  # ... on a fleet with this many prefill pods
+    # maxPrefillQueueTokens tried on `long` at the middle load (the default, 8192, is in the main table; None: no
+    # backlog check, the reference's rule), for these splits
+    queue_limits: tuple[int | None, ...] = (None, 2048, 32768)
+    queue_splits: tuple[int, ...] = (1, 2)
     threshold: int = 1024  # nonCachedTokens of the comparison runs
     seeds: tuple[int, ...] = (1, 2)
     workloads: tuple[PdWorkload, ...] = field(default=WORKLOADS)
@@ -100,15 +104,19 @@ class PdSpec:
 FIGURES = ("ttft_mean", "ttft_p90", "itl_p95", "output_tokens_per_s", "e2e_p95")
 
 
+_DEFAULT_LIMIT = object()  # the handler's own maxPrefillQueueTokens
+
+
 def _run(spec: PdSpec, workload: PdWorkload, load: float, seed: int, prefill_pods: int,
-         threshold: int) -> dict[str, Any]:
+         threshold: int, queue_limit: Any = _DEFAULT_LIMIT) -> dict[str, Any]:
     profile = get_profile(spec.profile)
     rate = load * spec.pods / workload.mean_cost(profile)
     trace = workload.trace(spec.requests, rate, seed)
     if prefill_pods:
         roles = ("prefill",) * prefill_pods + ("decode",) * (spec.pods - prefill_pods)
         cfg = FastConfig(profile, spec.pods, seed=seed, roles=roles)
-        res = run_fast(trace, "picker", cfg, scheduling=pd_scheduling(threshold))
+        handler = {} if queue_limit is _DEFAULT_LIMIT else {"maxPrefillQueueTokens": queue_limit}
+        res = run_fast(trace, "picker", cfg, scheduling=pd_scheduling(threshold, **handler))
     else:
         res = run_fast(trace, "picker", FastConfig(profile, spec.pods, seed=seed),
                        scheduling=copy.deepcopy(DEFAULT_CONFIG))
@@ -132,7 +140,8 @@ def fleet_name(prefill_pods: int, pods: int) -> str:
 
 
 def run_pd(spec: PdSpec, out: Path) -> dict[str, Any]:
-    """Every (workload, load, fleet) over the seeds, then the threshold sweep; writes pd.json and pd.md."""
+    """Every (workload, load, fleet) over the seeds, then the threshold and backlog sweeps; writes pd.json and
+    pd.md."""
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for workload in spec.workloads:
@@ -148,10 +157,17 @@ def run_pd(spec: PdSpec, out: Path) -> dict[str, Any]:
         runs = [_run(spec, mixed, middle, seed, spec.sweep_split, threshold) for seed in spec.seeds]
         sweep.append({"workload": "mixed", "load": middle, "fleet": fleet_name(spec.sweep_split, spec.pods),
                       "non_cached_tokens": threshold, **_median(runs)})
+    long = next(w for w in spec.workloads if w.name == "long")
+    backlog = []
+    for split in spec.queue_splits:
+        for limit in spec.queue_limits:
+            runs = [_run(spec, long, middle, seed, split, spec.threshold, limit) for seed in spec.seeds]
+            backlog.append({"workload": "long", "load": middle, "fleet": fleet_name(split, spec.pods),
+                            "max_prefill_queue_tokens": limit, **_median(runs)})
     section = {"spec": {"profile": spec.profile, "pods": spec.pods, "requests": spec.requests,
                         "loads": list(spec.loads), "seeds": list(spec.seeds), "threshold": spec.threshold,
                         "workloads": [w.name for w in spec.workloads]},
-               "rows": rows, "sweep": sweep}
+               "rows": rows, "sweep": sweep, "backlog": backlog}
     (out / "pd.json").write_text(json.dumps(section, indent=1))
     (out / "pd.md").write_text(render(section))
     return section
@@ -170,15 +186,20 @@ def render(section: dict[str, Any]) -> str:
              "fleet's cache-blind capacity.", "",
              "| workload | load | fleet | TTFT mean ms | TTFT p90 ms | ITL p95 ms | output tokens/s |",
              "|---|---:|---|---:|---:|---:|---:|"]
-    for r in section["rows"]:
-        lines.append(f"| {r['workload']} | {r['load']} | {r['fleet']} | {_fmt(r, 'ttft_mean', 1e3, 0)} | "
-                     f"{_fmt(r, 'ttft_p90', 1e3, 0)} | {_fmt(r, 'itl_p95', 1e3, 1)} | "
-                     f"{_fmt(r, 'output_tokens_per_s', 1, 0)} |")
-    lines += ["", f"Where the threshold sits (`mixed`, load {section['sweep'][0]['load'] if section['sweep'] else ''}, "
-              f"{section['sweep'][0]['fleet'] if section['sweep'] else ''}):", "",
+    lines += [f"| {r['workload']} | {r['load']} | {r['fleet']} | {_figures(r)} |" for r in section["rows"]]
+    lines += ["", "Where the threshold sits (`mixed` at the middle load, 2 prefill pods):", "",
               "| nonCachedTokens | TTFT mean ms | TTFT p90 ms | ITL p95 ms | output tokens/s |",
               "|---:|---:|---:|---:|---:|"]
-    for r in section["sweep"]:
-        lines.append(f"| {r['non_cached_tokens']} | {_fmt(r, 'ttft_mean', 1e3, 0)} | {_fmt(r, 'ttft_p90', 1e3, 0)} | "
-                     f"{_fmt(r, 'itl_p95', 1e3, 1)} | {_fmt(r, 'output_tokens_per_s', 1, 0)} |")
+    lines += [f"| {r['non_cached_tokens']} | {_figures(r)} |" for r in section["sweep"]]
+    lines += ["", "The backlog check (`long` at the middle load; maxPrefillQueueTokens 8192, the default, is in the "
+              "first table; none: every request over the threshold goes to the prefill pod, the reference's rule):", "",
+              "| fleet | maxPrefillQueueTokens | TTFT mean ms | TTFT p90 ms | ITL p95 ms | output tokens/s |",
+              "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['fleet']} | {r['max_prefill_queue_tokens'] or 'none'} | {_figures(r)} |"
+              for r in section.get("backlog", [])]
     return "\n".join(lines) + "\n"
+
+
+def _figures(r: dict[str, Any]) -> str:
+    return (f"{_fmt(r, 'ttft_mean', 1e3, 0)} | {_fmt(r, 'ttft_p90', 1e3, 0)} | {_fmt(r, 'itl_p95', 1e3, 1)} | "
+            f"{_fmt(r, 'output_tokens_per_s', 1, 0)}")
