@@ -98,11 +98,12 @@ upload-memory: install
 overload: install
 	$(BIN)/picker bench --scenario overload --mode both --out bench/out/overload $(ARGS)
 
-# One picker process as the pool grows: decision time, decisions/s, scrape and index cost at 64-4,000 pods (~2 min).
+# One picker process as the pool grows: decision time, decisions/s, scrape and index cost at 64-4,000 pods, and what
+# the opt-in candidate sampling costs in routing (~8 min).
 scale: install
 	$(BIN)/picker bench --scenario scale --out bench/out/scale $(ARGS)
 
-# Prefill/decode disaggregation against aggregated serving at equal pod count, fast mode (~10 minutes).
+# Prefill/decode disaggregation against aggregated serving at equal pod count, fast mode (~12 minutes).
 pd: install
 	$(BIN)/picker bench --scenario pd --out bench/out/pd $(ARGS)
 

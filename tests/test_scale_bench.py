@@ -9,10 +9,14 @@ from picker.bench.scale import ScaleSpec, run_scale
 
 
 def test_the_scale_scenario_reports_each_pool_size(tmp_path: Path) -> None:
-    section = run_scale(ScaleSpec(pools=(8, 32), decisions=60, index_prefixes=5_000), tmp_path)
+    section = run_scale(ScaleSpec(pools=(8, 32), decisions=60, index_prefixes=5_000, routing=((8, 40, ("chat",)),)), tmp_path)
     rows = section["decisions"]
     assert [(r["pods"], r["sampled"]) for r in rows] == [(8, False), (8, True), (32, False), (32, True)]
     assert all(0 < r["p50_us"] <= r["p99_us"] and r["decisions_per_s"] > 0 for r in rows)
     assert section["scrape"]["page_bytes"] > 50_000 and section["scrape"]["parse_us"] > 0
     assert section["index"]["entries"] == 40_000 and section["index"]["bytes_per_entry"] > 0
     assert "| 32 | defaults + candidate-sample-filter |" in (tmp_path / "scale.md").read_text()
+    # 8 pods: under the sample's threshold, so both routings are the same
+    every, sampled = section["routing"]
+    assert (every["sampled"], sampled["sampled"]) == (False, True)
+    assert every["ttft_mean"] == sampled["ttft_mean"] and every["hit_rate"] == sampled["hit_rate"]

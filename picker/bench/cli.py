@@ -38,9 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply); "
       "overload: flow control at 0.5x, 2x and 6.6x the fleet's capacity (--mode fast: seconds, live: ~20 min; "
       "--strategies picks the pickers, --phase, --pods, --max-num-seqs, --seed and --repeats apply); pd: prefill/"
-      "decode disaggregation against aggregated serving at equal pod count (fast mode, ~2 min; --pods, --requests, "
+      "decode disaggregation against aggregated serving at equal pod count (fast mode, ~12 min; --pods, --requests, "
       "--profile, --seed and --repeats apply); scale: one picker process's decision time, decisions/s, scrape and "
-      "index cost at 64-4,000 pods (~2 min; --requests: timed decisions per size)")
+      "index cost at 64-4,000 pods, and what sampling pods costs in routing (~8 min; --requests: timed decisions per "
+      "size)")
     a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
     a("--max-num-seqs", type=int, default=None, help="--scenario overload: sequences per pod (default 8)")
     a("--engine", choices=("sim", "vllm"), default="sim",

@@ -6,7 +6,9 @@ pick, account for it) on a steady workload of 32 shared prefixes (three quarters
 with about four requests in flight per pod; the most decisions per second that leaves (1 / mean); what scraping the
 pool costs (parsing one real vLLM 0.32 /metrics page, times one scrape per pod per second: the calm cadence); and
 the prefix index's memory per 100k cached prefixes. Wall-clock per call (`time.perf_counter_ns`); this machine's
-speed moves between runs, so compare sizes within a run.
+speed moves between runs, so compare sizes within a run. Every figure twice: with the default profiles, and with
+the opt-in `candidate-sample-filter` first in each; then what the sampling costs in routing, in fast mode (the
+same trace through both, simulated llama3-8b-h100 pods at 0.8 load).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from picker.bench.capacity import cost_per_request, rate_for_load
+from picker.bench.fast import FastConfig, run_fast
+from picker.bench.summary import summarize
+from picker.bench.workloads import FleetSpec, generate
 from picker.core.requests import ApiKind, InferenceRequest
 from picker.endpoints.metrics import parse_vllm_metrics
 from picker.endpoints.pool import EndpointPool
@@ -28,7 +34,8 @@ from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.routing.director import Director
-from picker.scheduling.config import build_scheduler, sampled_scheduling
+from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, sampled_scheduling
+from picker.sim.profiles import get_profile
 
 # A real vLLM 0.32 CPU server's /metrics page (idle), as the scraper parses it.
 METRICS_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-cpu-idle.txt"
@@ -43,6 +50,9 @@ class ScaleSpec:
     prompt_chars: int = 2048
     seed: int = 1
     index_prefixes: int = 100_000  # cached prefixes whose memory is measured
+    # (pods, requests, workloads) of the routing comparison, every pod scored against the sampled few
+    routing: tuple[tuple[int, int, tuple[str, ...]], ...] = (
+        (256, 4000, ("shared-prefix", "chat", "zipf-prefix")), (1024, 8000, ("chat", "zipf-prefix")))
 
 
 def words_text(rng: random.Random, chars: int) -> str:
@@ -137,12 +147,29 @@ def index_memory(prefixes: int = 100_000, pods: int = 64, blocks_per_prefix: int
             "mb": used / 1e6, "bytes_per_entry": used / max(1, index.size())}
 
 
+def routing_cost(spec: ScaleSpec) -> list[dict[str, Any]]:
+    """Hit rate and latencies of the same fast-mode trace routed with every pod scored and with the sample."""
+    profile = get_profile("llama3-8b-h100")
+    rows = []
+    for pods, requests, workloads in spec.routing:
+        fleet = FleetSpec(profile, pods)
+        for workload in workloads:
+            rate = rate_for_load(0.8, pods, cost_per_request(workload, fleet, spec.seed))
+            trace = generate(workload, requests, rate, spec.seed, fleet)
+            for sampled, scheduling in ((False, DEFAULT_CONFIG), (True, sampled_scheduling())):
+                r = summarize(run_fast(trace, "picker", FastConfig(profile, pods, seed=spec.seed),
+                                       scheduling=scheduling))
+                rows.append({"workload": workload, "pods": pods, "sampled": sampled,
+                             **{k: r[k] for k in ("hit_rate", "ttft_mean", "ttft_p90", "ttft_p99", "itl_p95")}})
+    return rows
+
+
 def run_scale(spec: ScaleSpec, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     section = {"spec": {"pools": list(spec.pools), "decisions": spec.decisions, "prompt_chars": spec.prompt_chars},
                "decisions": [decisions(n, spec, sampled) for n in spec.pools for sampled in (False, True)],
                "scrape": scrape_cost(),
-               "index": index_memory(spec.index_prefixes)}
+               "index": index_memory(spec.index_prefixes), "routing": routing_cost(spec)}
     (out / "scale.json").write_text(json.dumps(section, indent=1))
     (out / "scale.md").write_text(render(section))
     return section
@@ -164,5 +191,11 @@ def render(section: dict[str, Any]) -> str:
               "in parsing alone (HTTP not counted).", "",
               f"Prefix index: {index['prefixes']:,} prefixes of {index['blocks_per_prefix']} blocks "
               f"({index['entries']:,} entries) hold {index['mb']:.0f} MB ({index['bytes_per_entry']:.0f} bytes an "
-              "entry)."]
+              "entry).", "",
+              "What sampling costs in routing (fast mode, llama3-8b-h100 pods at 0.8 load, the same trace for both):", "",
+              "| workload | pods | scheduling | hit rate | TTFT mean ms | p90 | p99 | ITL p95 |",
+              "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['workload']} | {r['pods']:,} | {'sampled 32' if r['sampled'] else 'every pod'} | "
+              f"{r['hit_rate']:.3f} | {r['ttft_mean'] * 1e3:.1f} | {r['ttft_p90'] * 1e3:.1f} | "
+              f"{r['ttft_p99'] * 1e3:.1f} | {r['itl_p95'] * 1e3:.1f} |" for r in section["routing"]]
     return "\n".join(lines) + "\n"

@@ -55,7 +55,7 @@ class CandidateSampleFilter(Plugin):
     random `sample_size` of them when more do) and `sample_size` pods drawn at random (power-of-k choices: the least loaded of a
     random handful is nearly as good as the least loaded of all). Below `min_candidates` it keeps every pod, so
     small pools are routed exactly as without it. Scoring is per pod; this keeps a decision's cost flat as the pool
-    grows (`make scale`). Opt-in: in the simulator at 256 pods it cost chat TTFT p90 1.26x (1.77x at 1,024) (the best pod is not
+    grows (`make scale`). Opt-in: in the simulator at 256 pods it cost chat TTFT p90 1.26x (1.74x at 1,024) (the best pod is not
     always in the sample); `sampled_scheduling()` in picker.scheduling.config puts it first in every profile."""
 
     type_name = "candidate-sample-filter"
