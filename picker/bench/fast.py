@@ -75,7 +75,7 @@ from picker.sim.engine import Engine, SimRequest, StepResult
 from picker.sim.kvcache import block_hashes
 from picker.sim.profiles import Profile
 
-_DELIVER, _PLACE, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE, _RESTART, _EXPIRE, _POOL = range(10)
+_DELIVER, _PLACE, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE, _RESTART, _EXPIRE, _POOL, _LOAD_SYNC = range(11)
 Progress = Callable[[int], None]
 
 
@@ -96,6 +96,9 @@ class FastConfig:
     replicas: int = 1  # picker replicas behind Envoy, requests dealt round-robin in arrival order
     shared_index: bool = False  # replicas share one prefix index (Redis-shared index with zero replication lag)
     peer_picks: bool = True  # with shared_index: replicas also learn each other's picks (load, stickiness), as serve does
+    # Replicas share their in-flight counts per pod (picker.endpoints.shared_load), each reading the others' as of
+    # the last sync, every `load_sync_interval` seconds (0: each counts only its own requests).
+    load_sync_interval: float = 0.0
     exact_index: bool = False  # prefix matches read from the pods' real caches: the bound of KV-event routing
     precise: bool = False  # the pods' KV events feed a precise view (--kv-events-endpoint, --prefix-mode auto)
     bypass: float = 0.0  # share of requests sent to a random pod around the picker (it never sees them)
@@ -330,6 +333,8 @@ class _FastRun:
             leave, rejoin = self.cfg.leave_rejoin
             self.push(leave, _POOL, False)
             self.push(rejoin, _POOL, True)
+        if self.cfg.load_sync_interval > 0 and self.cfg.replicas > 1:
+            self.push(self.cfg.load_sync_interval, _LOAD_SYNC, 0)
         heap = self.heap
         pop = heapq.heappop
         while heap:
@@ -357,6 +362,9 @@ class _FastRun:
                 self.place(i, request, ids, hashes, replica, now)
             elif kind == _EXPIRE:
                 self.expire(payload[0], payload[1], payload[2], now)
+            elif kind == _LOAD_SYNC:
+                self.sync_load(now)
+                continue
             else:
                 self.sample(now)
                 continue
@@ -634,6 +642,21 @@ class _FastRun:
             self.api_busy_until[k] = max(now, self.api_busy_until[k]) + self.cfg.scrape_cost * self.scrapers
         if self.outstanding > 0:
             self.push(now + interval, _SCRAPE, k)
+
+    def sync_load(self, now: float) -> None:
+        """Every replica reads the others' in-flight counts as they are now (each publishes and reads once per
+        interval: a count is at most one interval old, as with picker serve's shared load)."""
+        views = self.replica_endpoints
+        for k in range(self.cfg.pods):
+            requests = sum(view[k].own_in_flight for view in views)
+            tokens = sum(view[k].own_in_flight_tokens for view in views)
+            for view in views:
+                e = view[k]
+                e.set_peer_load(requests - e.own_in_flight, tokens - e.own_in_flight_tokens)
+        for director in self.directors:
+            director.gate.kick()
+        if self.outstanding > 0:
+            self.push(now + self.cfg.load_sync_interval, _LOAD_SYNC, 0)
 
     def restart(self, n: int, now: float) -> None:
         """Pod n % pods comes back with an empty cache, too fast for a failed scrape to tell the picker (requests

@@ -292,6 +292,30 @@ def zipf_prefix(n: int, rate: float, seed: int, fleet: FleetSpec, *, arrival: st
                                                           "fleet_kv_tokens": fleet.kv_tokens})
 
 
+def imbalance(n: int, rate: float, seed: int, fleet: FleetSpec, *, arrival: str = "poisson", system_prompts: int = 4,
+              system_len: int = 256, long_share: float = 0.15, question_len: tuple[int, int] = (16, 64),
+              document_len: tuple[int, int] = (1024, 3072), output_len: tuple[int, int] = (16, 64),
+              long_output_len: tuple[int, int] = (256, 768)) -> Trace:
+    """Chat whose requests differ widely in work: most are short questions with short answers, `long_share` carry
+    a document and ask for a long answer. A pod dealt a few long ones stays busy for seconds, so spreading by
+    request count is not spreading by work, and a router must see every request in flight on a pod: replicas
+    that each count only their own see a quarter of it (four replicas)."""
+    rng = random.Random(f"imbalance:{seed}")
+    systems = [text(rng, system_len) for _ in range(system_prompts)]
+    times = arrivals(rng, rate, n, arrival)
+    reqs = []
+    for i, t in enumerate(times):
+        g = rng.randrange(system_prompts)
+        long = rng.random() < long_share
+        q = text(rng, rng.randint(*(document_len if long else question_len)))
+        out = rng.randint(*(long_output_len if long else output_len))
+        reqs.append(TraceRequest(i, t, out, g, (("system", systems[g]), ("user", q))))
+    return Trace("imbalance", seed, rate, tuple(reqs), {
+        "system_prompts": system_prompts, "system_len": system_len, "long_share": long_share,
+        "question_len": list(question_len), "document_len": list(document_len), "output_len": list(output_len),
+        "long_output_len": list(long_output_len)})
+
+
 WORKLOADS: dict[str, WorkloadFn] = {
     "chat": chat,
     "code": code,
@@ -301,6 +325,7 @@ WORKLOADS: dict[str, WorkloadFn] = {
     "bursty": bursty,
     "hot-prefix": hot_prefix,
     "zipf-prefix": zipf_prefix,
+    "imbalance": imbalance,
 }
 
 

@@ -104,6 +104,8 @@ class ServeConfig(Section):
     index_backend: Literal["memory", "redis"] = "memory"
     redis_url: str = ""
     index_namespace: str = ""
+    # With a shared index, replicas also share their in-flight counts this often (0: each counts only its own)
+    shared_load_interval: Duration = Field(0.05, ge=0)
     index_hash_key_file: str = ""  # the replicas' shared secret keying what the prefix index stores
     # Precise prefix routing from the pods' KV events (picker.kvevents): where their publishers connect
     kv_events_endpoint: str = Field("", pattern=r"^(tcp://.+:\d+)?$")
@@ -261,6 +263,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")
     a("--redis-url", help="Redis/Valkey for --index-backend redis, e.g. redis://127.0.0.1:6379/0")
     a("--index-namespace", help="replicas with the same namespace share one index (default: pool namespace/name)")
+    a("--shared-load-interval", help="with --index-backend redis: how often the replicas share their in-flight "
+      "requests per pod through Redis, so each routes and admits on the whole fleet's load (default 50ms; 0: each "
+      "counts only its own)")
     a("--kv-events-endpoint", metavar="tcp://HOST:PORT",
       help="precise prefix routing: bind here for the pods' vLLM KV events (their --kv-events-config endpoint, "
       "topic kv@<pod ip>:<port>@<model>); default: none, the approximate index alone")

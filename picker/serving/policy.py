@@ -16,6 +16,7 @@ from typing import Any
 
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper
+from picker.endpoints.shared_load import SharedLoad
 from picker.endpoints.shared_scrape import SharedScrapes
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowController, FlowSettings
@@ -127,6 +128,15 @@ def shared_scrapes(config: ServeConfig) -> SharedScrapes | None:
     if config.index_backend != "redis":
         return None
     return SharedScrapes(config.redis_url, index_namespace(config))
+
+
+def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any]) -> SharedLoad | None:
+    """With `--index-backend redis`, replicas share their in-flight counts (unless --shared-load-interval 0);
+    flow control re-checks its room after each sync."""
+    if config.index_backend != "redis" or not config.shared_load_interval:
+        return None
+    return SharedLoad(config.redis_url, index_namespace(config), pool.all, interval=config.shared_load_interval,
+                      on_change=gate.kick)
 
 
 class PoolMonitor:

@@ -48,7 +48,14 @@ from picker.serving import config as cfg
 from picker.serving import reference_flags
 from picker.serving.metrics import PickerMetrics
 from picker.serving.metrics.tracing import DecisionTracer
-from picker.serving.policy import build_gate, build_policy, index_namespace, scrape_listener, start_monitor
+from picker.serving.policy import (
+    build_gate,
+    build_policy,
+    index_namespace,
+    scrape_listener,
+    shared_load,
+    start_monitor,
+)
 from picker.serving.tls import certificate_hosts, server_credentials
 
 if TYPE_CHECKING:
@@ -159,6 +166,10 @@ class PickerServer:
                                  tokenizer=self.tokenizer)
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics,
                                      on_metrics=scrape_listener(gate, policy.precise_index)))
+        self.shared_load = shared_load(c, self.pool, gate)
+        if self.shared_load is not None:
+            self.metrics.watch_load_sync(self.shared_load.stats)
+            self.supervise(asyncio.create_task(self.shared_load.run(), name="shared-load"))
         if policy.precise_index is not None:
             self._start_kv_events(c, policy.precise_index)
         if c.models_refresh_interval > 0:
@@ -335,6 +346,8 @@ class PickerServer:
         await self.health_server.stop(0)
         if self.shared_index is not None:
             await self.shared_index.stop()
+        if self.shared_load is not None:
+            await self.shared_load.close()
         if self.discovery is not None:
             await self.discovery.api.close()
         if self._http_server is not None:

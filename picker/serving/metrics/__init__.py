@@ -18,7 +18,12 @@ from picker import __version__
 from picker.core.metric_twins import Twin, TwinCollector
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowController
-from picker.serving.metrics.collectors import IndexSyncCollector, KVEventsCollector, KVRelayCollector
+from picker.serving.metrics.collectors import (
+    IndexSyncCollector,
+    KVEventsCollector,
+    KVRelayCollector,
+    LoadSyncCollector,
+)
 from picker.serving.metrics.flow import FlowSeries
 from picker.serving.metrics.labels import FirstSeenLabels, ModelLabels, RequestLabels
 from picker.serving.metrics.pool import PoolMetrics
@@ -27,6 +32,7 @@ from picker.serving.metrics.scheduling import SchedulingMetrics
 from picker.serving.metrics.streams import StreamMetrics
 
 if TYPE_CHECKING:  # annotations only: the KV-event modules import zmq, an extra `picker serve` may lack
+    from picker.endpoints.shared_load import LoadSyncStats
     from picker.kvevents.relay import RelayStats
     from picker.kvevents.subscriber import SubscriberStats
     from picker.prefix.precise import PreciseIndex
@@ -72,6 +78,10 @@ class PickerMetrics:
     def watch_index_sync(self, stats: SyncStats) -> None:
         """Export a shared index's replication counters, read at scrape time."""
         self.registry.register(IndexSyncCollector(stats))
+
+    def watch_load_sync(self, stats: LoadSyncStats) -> None:
+        """Export the shared load's counters (what it costs Redis, whether it works), read at scrape time."""
+        self.registry.register(LoadSyncCollector(stats))
 
     def watch_kv_events(self, stats: SubscriberStats, index: PreciseIndex, clock: Callable[[], float]) -> None:
         """Export the KV-event subscriber's counters and each pod's precise view, read at scrape time."""

@@ -1,4 +1,5 @@
-"""Series read at scrape time from the shared index's replication, the KV-event subscriber and relay."""
+"""Series read at scrape time from the shared index's replication, the shared load, the KV-event subscriber and
+relay."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # annotations only: the KV-event modules import zmq, an extra `picker serve` may lack
+    from picker.endpoints.shared_load import LoadSyncStats
     from picker.kvevents.relay import RelayStats
     from picker.kvevents.subscriber import SubscriberStats
     from picker.prefix.precise import PreciseIndex
@@ -34,6 +36,28 @@ class IndexSyncCollector(Collector):
                                 "Age of the newest entry from another replica when it was applied.",
                                 value=s.lag_seconds)
         yield GaugeMetricFamily("picker_prefix_index_sync_connected", "1 while Redis answers, else 0.",
+                                value=1.0 if s.connected else 0.0)
+
+
+class LoadSyncCollector(Collector):
+    def __init__(self, stats: LoadSyncStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        syncs = CounterMetricFamily("picker_shared_load_syncs", "Round trips to Redis sharing the replicas' "
+                                    "in-flight counts, by result.", labels=["result"])
+        syncs.add_metric(["ok"], s.syncs)
+        syncs.add_metric(["error"], s.errors)
+        yield syncs
+        sent = CounterMetricFamily("picker_shared_load_bytes", "Bytes of in-flight reports written to Redis (sent) "
+                                   "and read back (received).", labels=["direction"])
+        sent.add_metric(["sent"], s.bytes_sent)
+        sent.add_metric(["received"], s.bytes_received)
+        yield sent
+        yield GaugeMetricFamily("picker_shared_load_peers", "Other replicas whose in-flight counts this one routes on.",
+                                value=s.peers)
+        yield GaugeMetricFamily("picker_shared_load_connected", "1 while Redis answers the shared load, else 0.",
                                 value=1.0 if s.connected else 0.0)
 
 

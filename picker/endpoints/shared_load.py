@@ -1,0 +1,168 @@
+"""In-flight load shared by picker replicas through Redis or Valkey, so each routes and admits on the whole
+fleet's requests, not only the share Envoy dealt it.
+
+Every `interval` each replica writes its own in-flight requests and prompt tokens per pod (only the pods it has
+requests on) into one hash per pool, a field per replica, and reads the hash back: one pipelined round trip, never
+one inside a routing decision. It then sets each pod's `in_flight` to its own count plus the others' last report
+(`Endpoint.set_peer_load`), so the scorers, the saturation level flow control dispatches on and the running-slot
+count all see what the other replicas have sent. A report older than `stale` seconds (its replica stopped or lost
+Redis) no longer counts, and is deleted once it is older than a minute; a replica that stops cleanly deletes its
+own at once. When Redis cannot be reached for `stale` seconds the peers' counts are dropped: each replica then
+counts only its own requests, as without sharing, until Redis answers again. Reports carry wall-clock times, so
+the replicas' clocks must agree to well within `stale` (NTP does far better).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from picker.endpoints.state import Endpoint
+
+log = logging.getLogger(__name__)
+
+_FORGET_AFTER = 60.0  # seconds after which another replica's abandoned report is deleted from the hash
+
+
+@dataclass(slots=True)
+class LoadSyncStats:
+    """Counters the metrics loop exports (`picker_shared_load_*`): what sharing costs Redis, and whether it works."""
+
+    syncs: int = 0  # round trips that worked
+    errors: int = 0  # round trips that failed
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    peers: int = 0  # other replicas whose reports counted in the last sync
+    connected: bool = False  # the last round trip worked
+
+
+def encode(at: float, pods: Sequence[Endpoint]) -> bytes:
+    """One replica's report: when, and [address, requests, prompt tokens] of every pod it has requests on."""
+    return msgpack.packb([at, [[e.address, e.own_in_flight, e.own_in_flight_tokens]
+                               for e in pods if e.own_in_flight or e.own_in_flight_tokens]])
+
+
+def decode(data: bytes) -> tuple[float, list[tuple[str, int, int]]]:
+    """(wall time, [(address, requests, tokens)]); ValueError when the report is not one."""
+    try:
+        at, pods = msgpack.unpackb(data, raw=False)
+        return float(at), [(str(a), int(n), int(t)) for a, n, t in pods]
+    except (TypeError, ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"malformed load report: {exc}") from None
+
+
+class SharedLoad:
+    """Publishes this replica's in-flight counts and applies the others' to `pool()`; `on_change` hears of every
+    applied sync (flow control re-checks its room: a peer's requests may have ended)."""
+
+    def __init__(self, redis_url: str, namespace: str, pool: Callable[[], Sequence[Endpoint]], *,
+                 interval: float = 0.05, stale: float | None = None, replica_id: str | None = None,
+                 wall_clock: Callable[[], float] = time.time, on_change: Callable[[], None] | None = None) -> None:
+        if interval <= 0:
+            raise ValueError("the shared load's interval must be positive")
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.pool = pool
+        self.interval = interval
+        self.stale = stale if stale is not None else max(1.0, 10 * interval)
+        self.wall_clock = wall_clock
+        self.on_change = on_change
+        self.key = f"picker:{{{namespace}}}:load"  # one Redis Cluster slot per pool, like the index
+        self.stats = LoadSyncStats()
+        self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
+        self._last_ok = -1.0  # wall time of the last sync that worked
+        self._peers_applied = False  # some pod carries peers' counts now
+
+    async def close(self) -> None:
+        """Delete our report, so the others stop counting our requests at once (after `run` was cancelled)."""
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.hdel(self.key, self.replica_id)
+        await self._redis.aclose()
+
+    async def run(self) -> None:
+        """Sync every `interval` until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            await self.sync_once()
+            await asyncio.sleep(max(0.0, self.interval - (loop.time() - began)))
+
+    async def sync_once(self) -> bool:
+        """Publish ours, read everyone's, apply the others'. False when Redis did not answer."""
+        pods = self.pool()
+        now = self.wall_clock()
+        report = encode(now, pods)
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hset(self.key, self.replica_id, report)
+                pipe.hgetall(self.key)
+                _, reports = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._failed(exc, pods, now)
+            return False
+        if not self.stats.connected and self.stats.errors:
+            log.info("shared load: Redis answers again; counting the other replicas' requests")
+        self.stats.connected = True
+        self.stats.syncs += 1
+        self.stats.bytes_sent += len(report)
+        self._last_ok = now
+        self._apply(reports, pods, now)
+        return True
+
+    def _apply(self, reports: dict[bytes, bytes], pods: Sequence[Endpoint], now: float) -> None:
+        own = self.replica_id.encode()
+        requests: dict[str, int] = {}
+        tokens: dict[str, int] = {}
+        peers = 0
+        abandoned = []
+        for replica, data in reports.items():
+            self.stats.bytes_received += len(data)
+            if replica == own:
+                continue
+            try:
+                at, counts = decode(data)
+            except ValueError:
+                log.warning("ignoring a malformed shared load report from replica %r", replica)
+                continue
+            if now - at > self.stale:
+                if now - at > _FORGET_AFTER:
+                    abandoned.append(replica)
+                continue
+            peers += 1
+            for address, n, t in counts:
+                requests[address] = requests.get(address, 0) + n
+                tokens[address] = tokens.get(address, 0) + t
+        for e in pods:
+            e.set_peer_load(requests.get(e.address, 0), tokens.get(e.address, 0))
+        self.stats.peers = peers
+        self._peers_applied = peers > 0
+        if abandoned:
+            asyncio.get_running_loop().create_task(self._forget(abandoned))
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _forget(self, replicas: list[bytes]) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.hdel(self.key, *replicas)
+
+    def _failed(self, exc: BaseException, pods: Sequence[Endpoint], now: float) -> None:
+        self.stats.errors += 1
+        if self.stats.connected or self.stats.errors == 1:
+            log.warning("shared load: Redis unreachable (%s); each replica counts only its own requests after %gs",
+                        exc.__class__.__name__, self.stale)
+        self.stats.connected = False
+        if self._peers_applied and now - self._last_ok > self.stale:
+            for e in pods:  # the peers' last counts are too old to trust: ours alone, as without sharing
+                e.set_peer_load(0, 0)
+            self._peers_applied = False
+            self.stats.peers = 0
+            if self.on_change is not None:
+                self.on_change()

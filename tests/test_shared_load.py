@@ -1,0 +1,184 @@
+"""Replicas sharing their in-flight counts through a real valkey-server, falling back to their own when it is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+import uuid
+
+import aiohttp
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from picker.endpoints.shared_load import SharedLoad, decode, encode
+from picker.endpoints.state import Endpoint
+from picker.serving.supervisor import (
+    Picker,
+    Valkey,
+    process_scope,
+    start_backends,
+    start_picker_fleet,
+    start_valkey,
+)
+from tests.waiting import eventually, eventually_async
+
+PODS = ("10.0.0.1:8000", "10.0.0.2:8000")
+
+
+class Clock:
+    """Wall time the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _gone(client: aioredis.Redis, key: str, field: str) -> bool:
+    return not await client.hexists(key, field)
+
+
+def _replica(url: str, namespace: str, clock: Clock, name: str) -> tuple[SharedLoad, list[Endpoint]]:
+    pods = [Endpoint.from_address(a) for a in PODS]
+    return SharedLoad(url, namespace, lambda: pods, interval=0.05, stale=1.0, replica_id=name, wall_clock=clock), pods
+
+
+def test_report_round_trip_lists_only_pods_with_requests() -> None:
+    busy, idle = (Endpoint.from_address(a) for a in PODS)
+    busy.start_request(300, 0.0)
+    busy.start_request(200, 0.0)
+    assert decode(encode(12.5, [busy, idle])) == (12.5, [(PODS[0], 2, 500)])
+    with pytest.raises(ValueError, match="malformed"):
+        decode(msgpack.packb(["late", [["x", "y"]]]))
+
+
+async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
+    clock, changes = Clock(), []
+    namespace = uuid.uuid4().hex
+    a, pods_a = _replica(valkey.url, namespace, clock, "a")
+    b, pods_b = _replica(valkey.url, namespace, clock, "b")
+    b.on_change = lambda: changes.append(1)
+    try:
+        pods_a[0].start_request(400, 0.0)
+        pods_a[0].start_request(100, 0.0)
+        pods_b[1].start_request(50, 0.0)
+        assert await a.sync_once() and await b.sync_once() and await a.sync_once()
+        assert [(e.in_flight, e.in_flight_tokens, e.own_in_flight) for e in pods_b] == [(2, 500, 0), (1, 50, 1)]
+        assert [(e.in_flight, e.in_flight_tokens, e.own_in_flight) for e in pods_a] == [(2, 500, 2), (1, 50, 0)]
+        assert b.stats.peers == 1 and changes
+        pods_a[0].finish_request(400)
+        pods_b[1].start_request(70, 0.0)  # counted at once by its own replica, by the other at the next sync
+        assert pods_b[1].in_flight == 2
+        assert await a.sync_once() and await b.sync_once()
+        assert [e.in_flight for e in pods_b] == [1, 2]
+        await a.close()  # a stopping replica takes its report with it
+        assert await b.sync_once()
+        assert [e.in_flight for e in pods_b] == [0, 2] and b.stats.peers == 0
+    finally:
+        await b.close()
+
+
+async def test_a_silent_replica_stops_counting_and_an_abandoned_report_is_deleted(valkey: Valkey) -> None:
+    clock = Clock()
+    namespace = uuid.uuid4().hex
+    a, pods_a = _replica(valkey.url, namespace, clock, "a")
+    b, pods_b = _replica(valkey.url, namespace, clock, "b")
+    client = aioredis.Redis.from_url(valkey.url)
+    try:
+        pods_a[0].start_request(10, 0.0)
+        assert await a.sync_once() and await b.sync_once()
+        assert pods_b[0].in_flight == 1
+        clock.now += 1.5  # a is hung: its report is older than `stale`
+        assert await b.sync_once()
+        assert pods_b[0].in_flight == 0
+        assert await client.hexists(b.key, "a")
+        clock.now += 60
+        assert await b.sync_once()
+        await eventually_async(lambda: _gone(client, b.key, "a"), "the abandoned report deleted", 2.0)
+    finally:
+        await client.aclose()
+        for replica in (a, b):
+            await replica.close()
+
+
+async def test_without_redis_each_replica_falls_back_to_its_own_counts_and_recovers() -> None:
+    with process_scope("shared-load-outage") as (logdir, started):
+        valkey = start_valkey(logdir)
+        started.append(valkey.process)
+        clock = Clock()
+        a, pods_a = _replica(valkey.url, "outage", clock, "a")
+        b, pods_b = _replica(valkey.url, "outage", clock, "b")
+        try:
+            pods_a[0].start_request(10, 0.0)
+            pods_b[0].start_request(10, 0.0)
+            assert await a.sync_once() and await b.sync_once()
+            assert pods_b[0].in_flight == 2
+            valkey.process.stop()
+            clock.now += 0.5  # within `stale`: the peers' last counts still hold
+            assert not await b.sync_once()
+            assert pods_b[0].in_flight == 2 and not b.stats.connected
+            clock.now += 1.0  # past it: our own requests alone, as without sharing
+            assert not await b.sync_once()
+            assert pods_b[0].in_flight == 1 and b.stats.peers == 0
+            pods_b[0].start_request(10, 0.0)  # routing goes on counting its own
+            assert pods_b[0].in_flight == 2
+            restarted = start_valkey(logdir, port=valkey.port, name="valkey-again")
+            started.append(restarted.process)
+            ok = False
+            for _ in range(100):  # the client reconnects on its next call
+                ok = await a.sync_once()
+                if ok:
+                    break
+                await asyncio.sleep(0.02)
+            assert ok and await b.sync_once()
+            assert pods_b[0].in_flight == 3 and b.stats.connected
+        finally:
+            for replica in (a, b):
+                await replica.close()
+
+
+def _series(picker: Picker, name: str) -> float:
+    url = f"http://{picker.host}:{picker.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return sum(s.value for family in text_string_to_metric_families(response.read().decode())
+                   for s in family.samples if s.name == name)
+
+
+async def test_through_envoy_every_replica_sees_the_whole_fleets_requests_in_flight() -> None:
+    with process_scope("shared-load-envoy") as (logdir, started):
+        valkey = start_valkey(logdir)
+        started.append(valkey.process)
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        flags = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "load",
+                 "--shared-load-interval", "20ms"]
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=flags, replicas=2, name="replica", first_host=30)
+        started += fleet.processes
+        pickers = fleet.pickers
+
+        async def slow(session: aiohttp.ClientSession, i: int) -> int:
+            body = {"model": "tiny", "stream": True, "test_events": 40, "test_event_delay": 0.1,
+                    "messages": [{"role": "user", "content": f"question {i} " * 20}]}
+            async with session.post(f"{fleet.envoy.url}/v1/chat/completions", data=json.dumps(body),
+                                    headers={"content-type": "application/json"}) as response:
+                await response.read()
+                return response.status
+
+        async with aiohttp.ClientSession() as session:
+            streams = [asyncio.create_task(slow(session, i)) for i in range(6)]
+            try:
+                # Envoy deals the six streams over both replicas; each routes on all six
+                await eventually(lambda: all(_series(p, "picker_endpoint_fleet_in_flight_requests") == 6
+                                             for p in pickers), 5.0, "every replica counting all six")
+                own = [_series(p, "picker_endpoint_in_flight_requests") for p in pickers]
+                assert sum(own) == 6 and all(0 < n < 6 for n in own), own
+                assert all(_series(p, "picker_shared_load_peers") == 1 for p in pickers)
+            finally:
+                statuses = await asyncio.gather(*streams)
+        assert statuses == [200] * 6
+        await eventually(lambda: all(_series(p, "picker_endpoint_fleet_in_flight_requests") == 0 for p in pickers),
+                         5.0, "the finished streams leaving every replica's count")
