@@ -8,7 +8,9 @@ replicas. With their own prefix index each replica only knows where *it* sent a 
 in-process index updated at the pick, i.e. with zero replication lag (the real one converges within milliseconds).
 
 Same seeded traces and calibration as `picker bench --mode fast` (8 pods, profile llama3-8b-h100, load 0.8,
-seed 1); rows: Envoy round-robin (no picker), the picker with 1 replica, 2 and 4 replicas with own or shared index.
+seed 1); rows: Envoy round-robin (no picker), the picker with 1 replica, 2 and 4 replicas with own or shared index,
+and 4 replicas also sharing their in-flight counts every 50 ms (`--shared-load-interval`, the default with a
+shared index; the other rows count only their own requests, as before it).
 Writes DIR/replicas.md and DIR/replicas.json (default DIR: bench/out/replicas).
 """
 
@@ -36,7 +38,7 @@ from picker.bench.summary import summarize  # noqa: E402
 from picker.bench.trace import Trace  # noqa: E402
 from picker.bench.workloads import FleetSpec, generate  # noqa: E402
 
-WORKLOADS = ("shared-prefix", "multi-turn")
+WORKLOADS = ("shared-prefix", "multi-turn", "imbalance")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Variant:
     shared_index: bool = False
     peer_picks: bool = True
     exact_index: bool = False  # bench/exact_index.py: matches from the pods' real caches
+    load_sync_interval: float = 0.0  # replicas share their in-flight counts this often (picker serve: 50 ms)
 
 
 VARIANTS = (
@@ -57,6 +60,7 @@ VARIANTS = (
     Variant("picker, 4 replicas, own index", "picker", 4),
     Variant("picker, 4 replicas, shared index, no peer picks", "picker", 4, True, False),
     Variant("picker, 4 replicas, shared index", "picker", 4, True),
+    Variant("picker, 4 replicas, shared index and load", "picker", 4, True, load_sync_interval=0.05),
 )
 
 
@@ -71,7 +75,7 @@ def run_variant(spec: FastSpec, workload: str, rate: float, variant: Variant) ->
     """One replay; its figures plus how long it took."""
     cfg = FastConfig(spec.get_profile(), spec.pods, seed=spec.seed, replicas=variant.replicas,
                      shared_index=variant.shared_index, peer_picks=variant.peer_picks,
-                     exact_index=variant.exact_index)
+                     exact_index=variant.exact_index, load_sync_interval=variant.load_sync_interval)
     res = run_fast(_trace(spec, workload, rate), variant.strategy, cfg, scheduling=spec.scheduling_config())
     return {"figures": summarize(res), "wall_s": res.wall_s, "notes": res.notes}
 
@@ -91,14 +95,14 @@ def _ratio(value: float, base: float) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| workload | routing | hit rate (of oracle) | TTFT mean | TTFT p95 | mean / p95 vs round-robin | "
-             "completed |", "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | routing | hit rate (of oracle) | TTFT mean | TTFT p90 | TTFT p95 | mean / p95 vs round-robin | "
+             "completed |", "|---|---|---|---|---|---|---|---|"]
     base = {r["workload"]: r for r in rows if r["strategy"] == "round-robin" and r["replicas"] == 1}
     for r in rows:
         f, b = r["figures"], base[r["workload"]]["figures"]
         lines.append(
             f"| {r['workload']} | {r['label']} | {f['hit_rate'] * 100:.1f}% ({f['hit_rate_of_oracle'] * 100:.0f}%) "
-            f"| {_ms(f['ttft_mean'])} | {_ms(f['ttft_p95'])} "
+            f"| {_ms(f['ttft_mean'])} | {_ms(f['ttft_p90'])} | {_ms(f['ttft_p95'])} "
             f"| {_ratio(f['ttft_mean'], b['ttft_mean'])} / {_ratio(f['ttft_p95'], b['ttft_p95'])} "
             f"| {f['completed']} / {f['requests']} |")
     return "\n".join(lines) + "\n"

@@ -86,4 +86,23 @@ def test_overload_report_in_both_files(tmp_path: Path) -> None:
     assert (tmp_path / "overload.json").exists()
     assert fast["seeds"]["flow-control"]["seed"] == [2, 3]
     assert "Over 2 seeds" in report
-    assert "maxRunningPerPod: 4}" in dict(spec.chosen())["flow-control-slots-half-known"]
+    assert "maxRunningPerPod: 4}" in {c.name: c.config for c in spec.chosen()}["flow-control-slots-half-known"]
+
+
+def test_four_replicas_share_tenants_fairly_only_when_they_share_their_load() -> None:
+    """Two tenants at 10:1 over four replicas, both backlogged: replicas that count only their own requests each
+    let through what they think the pool has room for, the pods' queues decide, and the heavy tenant gets more;
+    sharing the in-flight counts keeps the queueing in the pickers, where turns are fair."""
+    spec = OverloadSpec(pickers=("flow-control",), replicas=4)
+    own, shared = spec.chosen()
+    assert (own.replicas, own.load_sync_s, shared.load_sync_s) == (4, 0.0, 0.05)
+    assert own.name == "flow-control, 4 replicas, own counts" and shared.name.endswith("shared load")
+    cap = fast_capacity(2, seed=4, requests=120)
+    trace = fast_trace(6.6 * cap, 20.0, TENANTS, seed=4)
+
+    def ratio(load_sync_s: float) -> float:
+        shots = fast_shots(trace, FLOW_CONFIG, 2, seed=4, replicas=4, load_sync_s=load_sync_s)
+        done = [s for s in shots if s.status == 200 and s.done is not None and 5.0 <= s.done - shots[0].sent <= 18.0]
+        return sum(1 for s in done if s.tenant == "tenant-b") / sum(1 for s in done if s.tenant == "tenant-a")
+    assert ratio(0.05) >= 0.9
+    assert ratio(0.0) < 0.5

@@ -141,6 +141,24 @@ async def test_requests_wait_while_the_pool_is_full_and_go_best_first_one_at_a_t
     assert fc.unplaced == 0
 
 
+def test_with_peers_each_replica_takes_its_share_of_the_room_until_the_next_sync() -> None:
+    """Four replicas share their load: between two syncs each may let through a quarter of the room, as the
+    three others are taken to let through as many as it does; a sync shows their real counts."""
+    clock = Clock()
+    p = pod(1)
+    fc = controller([p], clock)
+    fc.load_synced(3)
+    p.in_flight = 1  # level 0.2: room for four more before 1.0, one for each replica
+    assert fc.offer(request("r0"), (), lambda: True) is None
+    fc.placed()
+    p.start_request(10, 0.0)  # placed: ours shows at once; the level counts the three peers' likely ones too
+    waiter = fc.offer(request("r1"), (), lambda: True)
+    assert waiter is not None and waiter.item.dispatched is False
+    p.set_peer_load(1, 10)  # the sync: the peers had let through one request, not three
+    fc.load_synced(3)
+    assert waiter.item.dispatched
+
+
 async def test_room_for_two_lets_two_through_and_the_rest_on_release() -> None:
     clock = Clock()
     p = pod(1, waiting=0, running=0)

@@ -57,11 +57,11 @@ def test_report_round_trip_lists_only_pods_with_requests() -> None:
 
 
 async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
-    clock, changes = Clock(), []
+    clock, changes = Clock(), list[int]()
     namespace = uuid.uuid4().hex
     a, pods_a = _replica(valkey.url, namespace, clock, "a")
     b, pods_b = _replica(valkey.url, namespace, clock, "b")
-    b.on_change = lambda: changes.append(1)
+    b.on_change = changes.append
     try:
         pods_a[0].start_request(400, 0.0)
         pods_a[0].start_request(100, 0.0)
@@ -69,7 +69,7 @@ async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
         assert await a.sync_once() and await b.sync_once() and await a.sync_once()
         assert [(e.in_flight, e.in_flight_tokens, e.own_in_flight) for e in pods_b] == [(2, 500, 0), (1, 50, 1)]
         assert [(e.in_flight, e.in_flight_tokens, e.own_in_flight) for e in pods_a] == [(2, 500, 2), (1, 50, 0)]
-        assert b.stats.peers == 1 and changes
+        assert b.stats.peers == 1 and changes[-1] == 1
         pods_a[0].finish_request(400)
         pods_b[1].start_request(70, 0.0)  # counted at once by its own replica, by the other at the next sync
         assert pods_b[1].in_flight == 2
@@ -182,3 +182,46 @@ async def test_through_envoy_every_replica_sees_the_whole_fleets_requests_in_fli
         assert statuses == [200] * 6
         await eventually(lambda: all(_series(p, "picker_endpoint_fleet_in_flight_requests") == 0 for p in pickers),
                          5.0, "the finished streams leaving every replica's count")
+
+
+async def test_through_envoy_a_valkey_outage_fails_no_request_and_the_counts_come_back() -> None:
+    """Valkey stops while streams run: every request still succeeds, each replica soon counts only its own, and
+    once Valkey is back (empty, on the same port) every replica counts the whole fleet's again."""
+    with process_scope("shared-load-outage-envoy") as (logdir, started):
+        valkey = start_valkey(logdir)
+        started.append(valkey.process)
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        flags = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "outage",
+                 "--shared-load-interval", "20ms"]
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=flags, replicas=2, name="replica", first_host=40)
+        started += fleet.processes
+        pickers = fleet.pickers
+
+        def fleet_counts() -> list[float]:
+            return [_series(p, "picker_endpoint_fleet_in_flight_requests") for p in pickers]
+
+        def own_counts() -> list[float]:
+            return [_series(p, "picker_endpoint_in_flight_requests") for p in pickers]
+
+        async with aiohttp.ClientSession() as session:
+            async def slow(i: int, events: int) -> int:
+                body = {"model": "tiny", "stream": True, "test_events": events, "test_event_delay": 0.1,
+                        "messages": [{"role": "user", "content": f"question {i} " * 20}]}
+                async with session.post(f"{fleet.envoy.url}/v1/chat/completions", data=json.dumps(body),
+                                        headers={"content-type": "application/json"}) as response:
+                    await response.read()
+                    return response.status
+
+            first = [asyncio.create_task(slow(i, 100)) for i in range(4)]
+            await eventually(lambda: fleet_counts() == [4, 4], 5.0, "both replicas counting all four")
+            valkey.process.stop()
+            await eventually(lambda: fleet_counts() == own_counts() and sum(own_counts()) == 4, 5.0,
+                             "each replica back to its own counts")
+            assert all(_series(p, "picker_shared_load_peers") == 0 for p in pickers)
+            during = await asyncio.gather(*(slow(10 + i, 1) for i in range(4)))  # routed without Valkey
+            restarted = start_valkey(logdir, port=valkey.port, name="valkey-again")
+            started.append(restarted.process)
+            await eventually(lambda: fleet_counts() == [4, 4], 10.0, "both replicas counting all four again")
+            statuses = await asyncio.gather(*first)
+        assert during == [200] * 4 and statuses == [200] * 4

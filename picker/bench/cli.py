@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "size)")
     a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
     a("--max-num-seqs", type=int, default=None, help="--scenario overload: sequences per pod (default 8)")
+    a("--replicas", type=int, default=None, help="--scenario overload: picker replicas behind Envoy (default 1); more "
+      "than one runs each picker with each replica counting only its own requests and with the replicas sharing "
+      "their in-flight counts (live: through a local Valkey)")
     a("--engine", choices=("sim", "vllm"), default="sim",
       help="sim: the simulator (default); vllm: real vLLM CPU servers (make bench-real; ~40 minutes)")
     a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers (default 3); "
@@ -230,7 +233,7 @@ def run_overload(args: argparse.Namespace, mode: str, out: Path) -> int:
 
     spec = OverloadSpec(pods=args.pods or 2, phase_s=args.phase or 40.0, seed=args.seed, repeats=args.repeats or 10,
                         pickers=args.strategies or tuple(name for name, _ in PICKERS),
-                        max_num_seqs=args.max_num_seqs or MAX_NUM_SEQS)
+                        max_num_seqs=args.max_num_seqs or MAX_NUM_SEQS, replicas=args.replicas or 1)
     try:
         run_overload(spec, ("fast", "live") if mode == "both" else (mode,), out)
     except ValueError as exc:

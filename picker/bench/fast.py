@@ -654,7 +654,7 @@ class _FastRun:
                 e = view[k]
                 e.set_peer_load(requests - e.own_in_flight, tokens - e.own_in_flight_tokens)
         for director in self.directors:
-            director.gate.kick()
+            director.gate.load_synced(len(views) - 1)
         if self.outstanding > 0:
             self.push(now + self.cfg.load_sync_interval, _LOAD_SYNC, 0)
 

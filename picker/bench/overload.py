@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import yaml
@@ -79,6 +79,7 @@ MAX_NUM_SEQS = 8
 PROMPT_WORDS, MAX_TOKENS = 200, 96
 TIME_SCALE = 0.5  # model seconds per reported second, in both modes
 DRAIN_S = 3.0  # live: pause between phases
+LOAD_SYNC_S = 0.05  # replicas sharing load: picker serve's --shared-load-interval default
 
 
 @dataclass(frozen=True)
@@ -90,14 +91,31 @@ class OverloadSpec:
     seed: int = 0
     repeats: int = 10  # fast: seeds run (the first one's figures in full, the spread of all)
     max_num_seqs: int = MAX_NUM_SEQS  # each pod's batch (vLLM --max-num-seqs)
+    # Picker replicas behind Envoy (sharing an index through Valkey live); more than one runs each picker twice:
+    # each replica counting only its own requests, and the replicas sharing their in-flight counts.
+    replicas: int = 1
 
-    def chosen(self) -> list[tuple[str, str]]:
+    def chosen(self) -> list[Contender]:
         unknown = set(self.pickers) - {name for name, _ in PICKERS}
         if unknown:
             raise ValueError(f"unknown overload picker(s) {', '.join(sorted(unknown))}; choose from "
                              f"{', '.join(name for name, _ in PICKERS)}")
-        return [(name, config.replace("MAX_NUM_SEQS", str(self.max_num_seqs))) for name, config in PICKERS
-                if name in self.pickers]
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        fleets = [("", 0.0)] if self.replicas == 1 else [
+            (f", {self.replicas} replicas, own counts", 0.0), (f", {self.replicas} replicas, shared load", LOAD_SYNC_S)]
+        return [Contender(name + suffix, config.replace("MAX_NUM_SEQS", str(self.max_num_seqs)), self.replicas, sync)
+                for name, config in PICKERS if name in self.pickers for suffix, sync in fleets]
+
+
+class Contender(NamedTuple):
+    """One picker of the scenario as it runs: its name in the report, its config, its replicas and how often they
+    share their in-flight counts (0: never)."""
+
+    name: str
+    config: str
+    replicas: int = 1
+    load_sync_s: float = 0.0
 
 
 @dataclass
@@ -190,17 +208,18 @@ def fast_trace(rate: float, seconds: float, kinds: Sequence[tuple[str, str, floa
 
 
 def fast_config(pods: int, admission: AdmissionConfig | None, seed: int,
-                max_num_seqs: int = MAX_NUM_SEQS) -> FastConfig:
+                max_num_seqs: int = MAX_NUM_SEQS, replicas: int = 1, load_sync_s: float = 0.0) -> FastConfig:
     """The live fleet in simulated time: its pods, picker serve's adaptive scrape cadence and the queue TTL in
-    model seconds."""
+    model seconds; several replicas share an index and scrapes, and their load every `load_sync_s` (0: never)."""
     profile = replace(get_profile(PROFILE), max_num_seqs=max_num_seqs)
     if admission is not None:
         flow = admission.flow_control.model_copy(update={"queue_ttl": admission.flow_control.queue_ttl * TIME_SCALE})
         admission = admission.model_copy(update={"flow_control": flow})
     default = Cadence()
-    return FastConfig(profile, pods, seed=seed, cadence=Cadence(fast=default.fast * TIME_SCALE,
-                                                                 slow=default.slow * TIME_SCALE),
-                      admission_config=admission)
+    cadence = Cadence(fast=default.fast * TIME_SCALE, slow=default.slow * TIME_SCALE,
+                      compare_in_flight=replicas == 1)  # as picker serve's with a shared index
+    return FastConfig(profile, pods, seed=seed, cadence=cadence, admission_config=admission, replicas=replicas,
+                      shared_index=replicas > 1, load_sync_interval=load_sync_s * TIME_SCALE)
 
 
 def fast_capacity(pods: int, seed: int, requests: int = 400, max_num_seqs: int = MAX_NUM_SEQS) -> float:
@@ -212,8 +231,9 @@ def fast_capacity(pods: int, seed: int, requests: int = 400, max_num_seqs: int =
 
 
 def fast_shots(trace: Trace, strategy_config: str, pods: int, seed: int,
-               max_num_seqs: int = MAX_NUM_SEQS) -> list[Shot]:
-    res = run_fast(trace, "picker", fast_config(pods, admission_section(strategy_config), seed, max_num_seqs))
+               max_num_seqs: int = MAX_NUM_SEQS, replicas: int = 1, load_sync_s: float = 0.0) -> list[Shot]:
+    res = run_fast(trace, "picker", fast_config(pods, admission_section(strategy_config), seed, max_num_seqs,
+                                                replicas, load_sync_s))
     shots = []
     for r in trace.requests:
         i = r.index
@@ -236,7 +256,7 @@ def run_fast_overload(spec: OverloadSpec) -> dict[str, Any]:
                                "answer_429_p99_s": [r[name]["overload"]["answer_429_p99_s"] for r in runs],
                                "hung_or_timed_out": [sum(p["hung_or_timed_out"] for p in r[name].values())
                                                      for r in runs]}
-                        for name, _ in spec.chosen()}
+                        for name, *_ in spec.chosen()}
     return results
 
 
@@ -244,12 +264,12 @@ def fast_overload_once(spec: OverloadSpec, seed: int) -> dict[str, Any]:
     cap = fast_capacity(spec.pods, seed, max_num_seqs=spec.max_num_seqs)
     results: dict[str, Any] = {"seed": seed, "pods": spec.pods, "phase_s": spec.phase_s,
                                "max_num_seqs": spec.max_num_seqs, "capacity_rps": cap}
-    for name, config in spec.chosen():
-        results[name] = fast_phases(spec, config, cap, seed)
+    for contender in spec.chosen():
+        results[contender.name] = fast_phases(spec, contender, cap, seed)
     return results
 
 
-def fast_phases(spec: OverloadSpec, config: str, cap: float, seed: int) -> dict[str, Any]:
+def fast_phases(spec: OverloadSpec, contender: Contender, cap: float, seed: int) -> dict[str, Any]:
     """The phases one after another on one fleet and one picker, as the live run has them (what the picker
     learned in one phase, pods' capacities included, carries into the next): a phase begins DRAIN_S after the
     last answer of the one before, found by replaying the phases so far (each replay repeats the last exactly)."""
@@ -261,7 +281,8 @@ def fast_phases(spec: OverloadSpec, config: str, cap: float, seed: int) -> dict[
         trace = fast_trace(load * cap, spec.phase_s, kinds, seed + n, start=start, before=requests)
         spans.append((phase, len(requests), len(trace.requests)))
         requests = trace.requests
-        shots = fast_shots(trace, config, spec.pods, seed, spec.max_num_seqs)
+        shots = fast_shots(trace, contender.config, spec.pods, seed, spec.max_num_seqs, contender.replicas,
+                           contender.load_sync_s)
         start = max(s.done or s.sent for s in shots) + DRAIN_S
     return {phase: phase_result(shots[first:end], phase) for phase, first, end in spans}
 
@@ -337,31 +358,38 @@ async def live_capacity(url: str, slots: int, seconds: float) -> float:
 
 
 async def run_live_overload(spec: OverloadSpec) -> dict[str, Any]:
-    from picker.serving.supervisor import process_scope, start_envoy, start_picker, start_sim
+    from picker.serving.supervisor import process_scope, start_picker_fleet, start_sim, start_valkey
 
     with process_scope("overload") as (logdir, started):
         sim = start_sim(spec.pods, logdir, time_scale=TIME_SCALE, extra=["--max-num-seqs", str(spec.max_num_seqs)])
         started.append(sim.process)
-        results: dict[str, Any] = {"pods": spec.pods, "phase_s": spec.phase_s, "max_num_seqs": spec.max_num_seqs}
-        for name, config in spec.chosen():
-            picker = start_picker(logdir, endpoints=sim.addresses, name=f"picker-{name}",
-                                  extra=["--config-text", config])
-            started.append(picker.process)
-            envoy = start_envoy(logdir, picker, sim.addresses, name=f"envoy-{name}")
-            started.append(envoy.process)
-            url = envoy.url + "/v1/chat/completions"
+        shared: list[str] = []
+        if spec.replicas > 1:  # the replicas share an index, scrapes and (or not) their load through Valkey
+            valkey = start_valkey(logdir)
+            started.append(valkey.process)
+            shared = ["--index-backend", "redis", "--redis-url", valkey.url]
+        results: dict[str, Any] = {"pods": spec.pods, "phase_s": spec.phase_s, "max_num_seqs": spec.max_num_seqs,
+                                   "replicas": spec.replicas}
+        for k, c in enumerate(spec.chosen()):
+            flags = ["--config-text", c.config]
+            if shared:
+                flags += [*shared, "--index-namespace", f"overload-{k}", "--shared-load-interval", f"{c.load_sync_s}s"]
+            fleet = start_picker_fleet(logdir, sim.addresses, flags=flags, replicas=c.replicas, name=f"picker-{k}",
+                                       first_host=10 + 10 * k)
+            started.extend(fleet.processes)
+            url = fleet.envoy.url + "/v1/chat/completions"
             cap = results.setdefault("capacity_rps", await live_capacity(url, spec.pods * spec.max_num_seqs,
                                                                          spec.calibrate_s))
             phases = {}
             for n, (phase, load, kinds) in enumerate(PHASES):
-                print(f"overload live: {name}: {phase} at {load:g} x {cap:.1f} req/s for {spec.phase_s:g} s",
+                print(f"overload live: {c.name}: {phase} at {load:g} x {cap:.1f} req/s for {spec.phase_s:g} s",
                       flush=True)
                 phases[phase] = phase_result(await open_loop(url, load * cap, spec.phase_s, kinds, spec.seed + n),
                                              phase)
                 await asyncio.sleep(DRAIN_S)
-            results[name] = phases
-            envoy.process.stop()
-            picker.process.stop()
+            results[c.name] = phases
+            for process in reversed(fleet.processes):
+                process.stop()
         return results
 
 
@@ -386,14 +414,14 @@ def report(spec: OverloadSpec, results: dict[str, Any]) -> str:
                   f"{spec.phase_s:g} s phases", "",
                   "| picker | phase | critical TTFT p95 | standard TTFT p95 | 429 answered p99 | statuses | hung |",
                   "|---|---|---|---|---|---|---|"]
-        for name, _ in spec.chosen():
+        for name, *_ in spec.chosen():
             for phase, s in r[name].items():
                 statuses = ", ".join(f"{n} x {code}" for code, n in sorted(s["statuses"].items(), key=lambda x: str(x)))
                 lines.append(f"| {name} | {phase} | {_ms(s['critical_ttft_p95_s'])} | {_ms(s['standard_ttft_p95_s'])} "
                              f"| {_ms(s['answer_429_p99_s'])} | {statuses} | {s['hung_or_timed_out']} |")
         lines += ["", "| picker | critical p95 at 2x / nominal (target <= 1.5) | served at 2x | tenants served | "
                   "ratio | Jain |", "|---|---:|---:|---|---:|---:|"]
-        for name, _ in spec.chosen():
+        for name, *_ in spec.chosen():
             ratio = critical_ratio(r[name])
             f = r[name]["tenants"]["fairness"]
             lines.append(f"| {name} | {_num(ratio, 'x')} | {served_at_2x(r[name])} | "
@@ -404,7 +432,7 @@ def report(spec: OverloadSpec, results: dict[str, Any]) -> str:
             lines += [f"Over {len(next(iter(seeds.values()))['seed'])} seeds, median (range):", "",
                       "| picker | critical p95 at 2x / nominal | served at 2x | Jain | 429 answered p99 | hung |",
                       "|---|---:|---:|---:|---:|---:|"]
-            for name, _ in spec.chosen():
+            for name, *_ in spec.chosen():
                 x = seeds[name]
                 lines.append(f"| {name} | {_spread(x['critical_ratio'], 'x')} | {_spread(x['served_at_2x'], '', 0)} | "
                              f"{_spread(x['jain'], '', 3)} | {_spread([v * 1e3 for v in x['answer_429_p99_s'] if v is not None], ' ms', 0)} | "

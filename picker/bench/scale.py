@@ -5,7 +5,8 @@ the decision (`Director.place`, the whole step `picker serve` runs once a reques
 pick, account for it) on a steady workload of 32 shared prefixes (three quarters of each prompt) and unique tails,
 with about four requests in flight per pod; the most decisions per second that leaves (1 / mean); what scraping the
 pool costs (parsing one real vLLM 0.32 /metrics page, times one scrape per pod per second: the calm cadence); and
-the prefix index's memory per 100k cached prefixes. Wall-clock per call (`time.perf_counter_ns`); this machine's
+the prefix index's memory per 100k cached prefixes; what replicas sharing their load cost Valkey (a local one: each
+replica's report, one sync's round trip and bytes, per pool size and replica count). Wall-clock per call (`time.perf_counter_ns`); this machine's
 speed moves between runs, so compare sizes within a run. Every figure twice: with the default profiles, and with
 the opt-in `candidate-sample-filter` first in each; then what the sampling costs in routing, in fast mode (the
 same trace through both, simulated llama3-8b-h100 pods at 0.8 load).
@@ -13,12 +14,14 @@ same trace through both, simulated llama3-8b-h100 pods at 0.8 load).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import random
 import statistics
 import time
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ from picker.bench.workloads import FleetSpec, generate
 from picker.core.requests import ApiKind, InferenceRequest
 from picker.endpoints.metrics import parse_vllm_metrics
 from picker.endpoints.pool import EndpointPool
+from picker.endpoints.shared_load import SharedLoad
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -48,6 +52,8 @@ class ScaleSpec:
     pools: tuple[int, ...] = (64, 256, 1000, 4000)
     decisions: int = 2000  # timed per pool size (after a warm-up that fills the index)
     prompt_chars: int = 2048
+    replicas: tuple[int, ...] = (4, 16)  # replica counts whose shared load is measured, per pool size
+    syncs: int = 100  # timed load syncs per replica
     seed: int = 1
     index_prefixes: int = 100_000  # cached prefixes whose memory is measured
     # (pods, requests, workloads) of the routing comparison, every pod scored against the sampled few
@@ -164,12 +170,62 @@ def routing_cost(spec: ScaleSpec) -> list[dict[str, Any]]:
     return rows
 
 
+def shared_load_cost(spec: ScaleSpec) -> list[dict[str, Any]]:
+    """Per pool size and replica count, on a local Valkey: one replica's report (every pod with requests in flight
+    from it: 0-2 each), and one sync (`SharedLoad.sync_once`: write it, read every replica's) in wall time and bytes
+    read."""
+    from picker.serving.supervisor import process_scope, start_valkey
+
+    rows = []
+    with process_scope("scale-valkey") as (logdir, started):
+        valkey = start_valkey(logdir)
+        started.append(valkey.process)
+        for pods in spec.pools:
+            for replicas in spec.replicas:
+                rows.append(asyncio.run(_syncs(valkey.url, pods, replicas, spec)))
+    return rows
+
+
+async def _syncs(url: str, pods: int, replicas: int, spec: ScaleSpec) -> dict[str, Any]:
+    rng = random.Random(spec.seed)
+    loads = []
+    for r in range(replicas):
+        view = simulated_pods(pods, rng)
+        for e in view:
+            for _ in range(rng.randint(0, 2)):
+                e.start_request(rng.randint(100, 2000), 0.0)
+        loads.append(SharedLoad(url, f"scale-{pods}-{replicas}", _constant(view), replica_id=f"r{r}"))
+    first = loads[0]
+    try:
+        for load in loads:
+            await load.sync_once()
+        before = first.stats.bytes_received
+        times = []
+        for _ in range(spec.syncs):
+            started = time.perf_counter_ns()
+            await first.sync_once()
+            times.append((time.perf_counter_ns() - started) / 1000)
+        report = first.stats.bytes_sent / first.stats.syncs
+        received = (first.stats.bytes_received - before) / spec.syncs
+    finally:
+        for load in loads:
+            await load.close()
+    times.sort()
+    return {"pods": pods, "replicas": replicas, "report_bytes": report, "received_bytes": received,
+            "sync_p50_us": times[len(times) // 2], "sync_p99_us": times[min(len(times) - 1, int(0.99 * len(times)))]}
+
+
+def _constant(pods: list[Endpoint]) -> Callable[[], list[Endpoint]]:
+    return lambda: pods
+
+
 def run_scale(spec: ScaleSpec, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     section = {"spec": {"pools": list(spec.pools), "decisions": spec.decisions, "prompt_chars": spec.prompt_chars},
                "decisions": [decisions(n, spec, sampled) for n in spec.pools for sampled in (False, True)],
                "scrape": scrape_cost(),
-               "index": index_memory(spec.index_prefixes), "routing": routing_cost(spec)}
+               "index": index_memory(spec.index_prefixes), "shared_load": shared_load_cost(spec),
+               "routing": routing_cost(spec)}
     (out / "scale.json").write_text(json.dumps(section, indent=1))
     (out / "scale.md").write_text(render(section))
     return section
@@ -192,6 +248,14 @@ def render(section: dict[str, Any]) -> str:
               f"Prefix index: {index['prefixes']:,} prefixes of {index['blocks_per_prefix']} blocks "
               f"({index['entries']:,} entries) hold {index['mb']:.0f} MB ({index['bytes_per_entry']:.0f} bytes an "
               "entry).", "",
+              "Shared load on a local Valkey (`--shared-load-interval`, 50 ms: 20 syncs a second per replica, each one "
+              "pipelined HSET + HGETALL; 0-2 requests in flight per pod from each replica):", "",
+              "| pods | replicas | report bytes (one replica) | bytes read per sync | sync p50 µs | p99 µs | "
+              "read per replica at 50 ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['pods']:,} | {r['replicas']} | {r['report_bytes']:,.0f} | {r['received_bytes']:,.0f} | "
+              f"{r['sync_p50_us']:.0f} | {r['sync_p99_us']:.0f} | {r['received_bytes'] * 20 / 1e6:.2f} MB/s |"
+              for r in section["shared_load"]]
+    lines += ["",
               "What sampling costs in routing (fast mode, llama3-8b-h100 pods at 0.8 load, the same trace for both):", "",
               "| workload | pods | scheduling | hit rate | TTFT mean ms | p90 | p99 | ITL p95 |",
               "|---|---:|---|---:|---:|---:|---:|---:|"]

@@ -62,11 +62,11 @@ def decode(data: bytes) -> tuple[float, list[tuple[str, int, int]]]:
 
 class SharedLoad:
     """Publishes this replica's in-flight counts and applies the others' to `pool()`; `on_change` hears of every
-    applied sync (flow control re-checks its room: a peer's requests may have ended)."""
+    applied sync with the number of other replicas counted (admission's `Gate.load_synced`)."""
 
     def __init__(self, redis_url: str, namespace: str, pool: Callable[[], Sequence[Endpoint]], *,
                  interval: float = 0.05, stale: float | None = None, replica_id: str | None = None,
-                 wall_clock: Callable[[], float] = time.time, on_change: Callable[[], None] | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, on_change: Callable[[int], None] | None = None) -> None:
         if interval <= 0:
             raise ValueError("the shared load's interval must be positive")
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -108,6 +108,9 @@ class SharedLoad:
         except (RedisError, OSError) as exc:
             self._failed(exc, pods, now)
             return False
+        if not isinstance(reports, dict):  # not what HGETALL gives: a broken proxy or server, treated as away
+            self._failed(ValueError(f"HGETALL answered {type(reports).__name__}"), pods, now)
+            return False
         if not self.stats.connected and self.stats.errors:
             log.info("shared load: Redis answers again; counting the other replicas' requests")
         self.stats.connected = True
@@ -124,12 +127,12 @@ class SharedLoad:
         peers = 0
         abandoned = []
         for replica, data in reports.items():
-            self.stats.bytes_received += len(data)
             if replica == own:
                 continue
             try:
+                self.stats.bytes_received += len(data)
                 at, counts = decode(data)
-            except ValueError:
+            except (TypeError, ValueError):
                 log.warning("ignoring a malformed shared load report from replica %r", replica)
                 continue
             if now - at > self.stale:
@@ -147,7 +150,7 @@ class SharedLoad:
         if abandoned:
             asyncio.get_running_loop().create_task(self._forget(abandoned))
         if self.on_change is not None:
-            self.on_change()
+            self.on_change(peers)
 
     async def _forget(self, replicas: list[bytes]) -> None:
         with contextlib.suppress(RedisError, OSError):
@@ -156,8 +159,8 @@ class SharedLoad:
     def _failed(self, exc: BaseException, pods: Sequence[Endpoint], now: float) -> None:
         self.stats.errors += 1
         if self.stats.connected or self.stats.errors == 1:
-            log.warning("shared load: Redis unreachable (%s); each replica counts only its own requests after %gs",
-                        exc.__class__.__name__, self.stale)
+            log.warning("shared load: Redis unreachable or answering garbage (%s); each replica counts only its own "
+                        "requests after %gs", exc, self.stale)
         self.stats.connected = False
         if self._peers_applied and now - self._last_ok > self.stale:
             for e in pods:  # the peers' last counts are too old to trust: ours alone, as without sharing
@@ -165,4 +168,4 @@ class SharedLoad:
             self._peers_applied = False
             self.stats.peers = 0
             if self.on_change is not None:
-                self.on_change()
+                self.on_change(0)

@@ -121,10 +121,19 @@ class FlowController:
         self.queues: FlowQueues[_Ticket] = FlowQueues(settings.max_requests_per_band, settings.max_tokens_per_band)
         self.budgets = TokenBudgets(settings.tokens_per_minute_per_flow) if settings.tokens_per_minute_per_flow else None
         self.unplaced = 0  # dispatched, not yet placed on a pod: load the pool's metrics cannot show yet
+        # Replicas sharing their load (picker.endpoints.shared_load) see each other's requests only at each sync;
+        # until the next, each of the `peers` is taken to let through as many as we did since the last one.
+        self.peers = 0
+        self.since_sync = 0
         self.slots = RunningSlots(settings.max_running_per_pod)
 
     def level(self, now: float, pods: Sequence[Endpoint] | None = None) -> float:
-        return dispatch_level(self.pool() if pods is None else pods, now, self.thresholds, self.unplaced)
+        return dispatch_level(self.pool() if pods is None else pods, now, self.thresholds, self._pending())
+
+    def _pending(self) -> int:
+        """Requests let through that the pods' counts do not show yet: ours not yet placed, and what the other
+        replicas are taken to have let through since the last sync."""
+        return self.unplaced + self.since_sync * self.peers
 
     def ceiling(self, priority: int) -> float:
         """The level below which requests of `priority` are let through."""
@@ -138,7 +147,7 @@ class FlowController:
         share = self.settings.critical_slot_share
         if not share:
             return True
-        slots = self.slots.free(pods, self.unplaced)
+        slots = self.slots.free(pods, self._pending())
         if slots is None:  # some pod's capacity not known yet: nothing to hold back
             return True
         free, total = slots
@@ -151,6 +160,12 @@ class FlowController:
         if not self.settings.critical_slot_share:
             return candidates
         return self.slots.open_on(candidates) or candidates
+
+    def load_synced(self, peers: int) -> None:
+        """The pods' in-flight counts include the other replicas' as of now (`Gate.load_synced`)."""
+        self.peers = peers
+        self.since_sync = 0
+        self.kick()
 
     def pod_refreshed(self, endpoint: Endpoint) -> None:
         """A pod's metrics were refreshed: learn its capacity (when slots are held back); room may have freed."""
@@ -193,6 +208,7 @@ class FlowController:
                                             DROPPED_REASON_HEADER: "rejected-token-budget"})
         if self._may_go(now, priority):
             self.unplaced += 1
+            self.since_sync += 1
             self._observe(request, "Dispatched", 0.0)
             return None
         if priority < 0:
@@ -252,6 +268,7 @@ class FlowController:
                 continue
             ticket.dispatched = True
             self.unplaced += 1
+            self.since_sync += 1
             self._observe(ticket.request, "Dispatched", now - waiter.enqueued_at)
         if self.observer is not None:
             self.observer.observe_dispatch_cycle(time.perf_counter() - began)

@@ -155,6 +155,11 @@ class Gate(Protocol[H]):
         """A pod's metrics were refreshed."""
         ...
 
+    def load_synced(self, peers: int) -> None:
+        """The pods' in-flight counts now include `peers` other replicas' (picker.endpoints.shared_load): room may
+        have freed, and until the next sync each of them may let through about as many requests as we do."""
+        ...
+
     def with_room(self, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
         """Where a request let through may go."""
         ...
@@ -202,6 +207,9 @@ class Ungated:
         return None
 
     def pod_refreshed(self, endpoint: Endpoint) -> None:
+        return None
+
+    def load_synced(self, peers: int) -> None:
         return None
 
     def with_room(self, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
@@ -287,6 +295,9 @@ class BoundedWait:
                 held.go()
 
     def pod_refreshed(self, endpoint: Endpoint) -> None:
+        self.kick()
+
+    def load_synced(self, peers: int) -> None:
         self.kick()
 
     def with_room(self, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:

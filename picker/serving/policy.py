@@ -132,11 +132,11 @@ def shared_scrapes(config: ServeConfig) -> SharedScrapes | None:
 
 def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any]) -> SharedLoad | None:
     """With `--index-backend redis`, replicas share their in-flight counts (unless --shared-load-interval 0);
-    flow control re-checks its room after each sync."""
+    admission hears of each sync."""
     if config.index_backend != "redis" or not config.shared_load_interval:
         return None
     return SharedLoad(config.redis_url, index_namespace(config), pool.all, interval=config.shared_load_interval,
-                      on_change=gate.kick)
+                      on_change=gate.load_synced)
 
 
 class PoolMonitor:
