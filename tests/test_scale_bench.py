@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from picker.bench.scale import ScaleSpec, run_scale
+from picker.bench.scale import ScaleSpec, run_scale, sizing
 
 
 def test_the_scale_scenario_reports_each_pool_size(tmp_path: Path) -> None:
@@ -27,3 +27,20 @@ def test_the_scale_scenario_reports_each_pool_size(tmp_path: Path) -> None:
     every, sampled = section["routing"]
     assert (every["sampled"], sampled["sampled"]) == (False, True)
     assert every["ttft_mean"] == sampled["ttft_mean"] and every["hit_rate"] == sampled["hit_rate"]
+
+
+def test_the_sizing_rows_follow_from_the_measured_costs() -> None:
+    spec = ScaleSpec(pools=(64, 1000), rates=(1_000, 10_000), request_cpu_us=1000.0, valkey_cpu_us=20.0)
+    section = {"decisions": [{"pods": 64, "sampled": True, "mean_us": 200.0},
+                             {"pods": 1000, "sampled": True, "mean_us": 400.0},
+                             {"pods": 1000, "sampled": False, "mean_us": 2000.0}],
+               "shared_load": [{"pods": 1000, "replicas": 4, "received_bytes": 40_000.0, "sync_p50_us": 1000.0},
+                               {"pods": 1000, "replicas": 16, "received_bytes": 160_000.0, "sync_p50_us": 5000.0}]}
+    low, high = sizing(section, spec)
+    assert low["cpu_per_request_us"] == high["cpu_per_request_us"] == 1200.0  # 1,000 + (400 - 200)
+    assert (low["replicas"], high["replicas"]) == (2, 18)  # 1,000 x 1.2 ms / 0.7 -> 1.7; 10,000 -> 17.1
+    assert high["measured_replicas"] == 16
+    assert high["valkey_index_cores"] == 10_000 * 20e-6 * 18  # every replica reads every pick
+    # 16 replicas' sync took 5 ms: every 100 ms (5 %), not 50
+    assert abs(high["load_syncs_per_s"] - 18 / 0.1) < 1e-9
+    assert abs(high["load_read_mb_s"] - 18 * (160_000 * 18 / 16) / 0.1 / 1e6) < 1e-9

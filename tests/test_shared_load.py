@@ -51,9 +51,9 @@ def test_report_round_trip_lists_only_pods_with_requests() -> None:
     busy, idle = (Endpoint.from_address(a) for a in PODS)
     busy.start_request(300, 0.0)
     busy.start_request(200, 0.0)
-    assert decode(encode(12.5, [busy, idle])) == (12.5, [(PODS[0], 2, 500)])
+    assert decode(encode(12.5, 0.05, [busy, idle])) == (12.5, 0.05, [(PODS[0], 2, 500)])
     with pytest.raises(ValueError, match="malformed"):
-        decode(msgpack.packb(["late", [["x", "y"]]]))
+        decode(msgpack.packb(["late", 0.05, [["x", "y"]]]))
 
 
 async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
@@ -80,6 +80,25 @@ async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
         assert [e.in_flight for e in pods_b] == [0, 2] and b.stats.peers == 0
     finally:
         await b.close()
+
+
+async def test_a_peers_pick_counts_at_once_until_its_report_replaces_it(valkey: Valkey) -> None:
+    clock = Clock()
+    namespace = uuid.uuid4().hex
+    a, pods_a = _replica(valkey.url, namespace, clock, "a")
+    b, pods_b = _replica(valkey.url, namespace, clock, "b")
+    b.find = {e.address: e for e in pods_b}.get
+    try:
+        pods_a[1].start_request(400, 0.0)  # a routes a request; b hears of the pick through the shared index
+        b.peer_picked(PODS[1], 1600)
+        b.peer_picked("10.9.9.9:8000", 100)  # a pod b does not know: ignored
+        assert (pods_b[1].in_flight, pods_b[1].in_flight_tokens, pods_b[1].own_in_flight) == (1, 400, 0)
+        pods_a[1].finish_request(400)  # it ended before a's next report: the report says so
+        assert await a.sync_once() and await b.sync_once()
+        assert (pods_b[1].in_flight, pods_b[1].in_flight_tokens) == (0, 0)
+    finally:
+        for replica in (a, b):
+            await replica.close()
 
 
 async def test_a_silent_replica_stops_counting_and_an_abandoned_report_is_deleted(valkey: Valkey) -> None:

@@ -277,6 +277,7 @@ class _FastRun:
         self.prefilling: dict[int, int] = {}  # P/D: index -> its decode pod, while its prefill leg runs
         self.first_token: dict[int, float] = {}
         self.outstanding = len(trace)
+        self.pod_index = {e.address: k for k, e in enumerate(self.endpoints)}  # address -> pod number
         self.unreported = 0
         self.last_event = 0.0
 
@@ -287,6 +288,8 @@ class _FastRun:
         for r, hook in enumerate(self.peers):
             if r != replica:
                 hook(address, chars, session, now)
+                if self.cfg.load_sync_interval > 0:  # counted until the next sync, as SharedLoad.peer_picked does
+                    self.replica_endpoints[r][self.pod_index[address]].peer_started(int(chars / self.chars_per_token))
 
     def simulated_time(self) -> float:
         return self.now

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import random
 import statistics
 import time
@@ -33,7 +34,7 @@ from picker.bench.workloads import FleetSpec, generate
 from picker.core.requests import ApiKind, InferenceRequest
 from picker.endpoints.metrics import parse_vllm_metrics
 from picker.endpoints.pool import EndpointPool
-from picker.endpoints.shared_load import SharedLoad
+from picker.endpoints.shared_load import MAX_BUSY, SharedLoad
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -55,6 +56,12 @@ class ScaleSpec:
     replicas: tuple[int, ...] = (4, 16)  # replica counts whose shared load is measured, per pool size
     syncs: int = 100  # timed load syncs per replica
     seed: int = 1
+    # The sizing table's inputs measured elsewhere, by `make overhead` (docs/costs.md, "Against the floor": 1 KB
+    # bodies, buffered, 8 pods): the picker's CPU per request through Envoy, and Valkey's per request with the
+    # shared index (one replica writing, one reading)
+    request_cpu_us: float = 1244.0
+    valkey_cpu_us: float = 24.0
+    rates: tuple[int, ...] = (1_000, 10_000, 50_000)  # the sizing table's fleet-wide request rates
     index_prefixes: int = 100_000  # cached prefixes whose memory is measured
     # (pods, requests, workloads) of the routing comparison, every pod scored against the sampled few
     routing: tuple[tuple[int, int, tuple[str, ...]], ...] = (
@@ -219,6 +226,34 @@ def _constant(pods: list[Endpoint]) -> Callable[[], list[Endpoint]]:
     return lambda: pods
 
 
+BUSY = 0.7  # the share of a core a replica is sized to use, leaving room for bursts
+SYNC_RATE = 20.0  # shared-load syncs per second per replica at the default 50 ms
+
+
+def sizing(section: dict[str, Any], spec: ScaleSpec) -> list[dict[str, Any]]:
+    """Replicas and Valkey load for each fleet-wide rate and large pool: a replica's CPU per request is what `make
+    overhead` measured at 8 pods plus what the decision costs at this pool size beyond 64 pods (sampled scheduling:
+    the default profiles' decision grows with the pool); Valkey carries the shared index (each replica reads every
+    pick: `valkey_cpu_us` per request and reader) and the shared load (20 syncs a second per replica, slower when a
+    sync takes long; bytes as measured with the nearest replica count)."""
+    sampled = {r["pods"]: r for r in section["decisions"] if r["sampled"]}
+    base = sampled[min(sampled)]["mean_us"]
+    loads = section["shared_load"]
+    rows = []
+    for pods in [p for p in spec.pools if p >= 1000]:
+        per_request = spec.request_cpu_us + max(0.0, sampled[pods]["mean_us"] - base)
+        for rate in spec.rates:
+            replicas = max(2, math.ceil(rate * per_request / 1e6 / BUSY))
+            nearest = min((r for r in loads if r["pods"] == pods), key=lambda r: abs(r["replicas"] - replicas))
+            period = max(1 / SYNC_RATE, nearest["sync_p50_us"] / 1e6 / MAX_BUSY)
+            per_sync = nearest["received_bytes"] * replicas / nearest["replicas"]  # every replica's report
+            rows.append({"pods": pods, "rate": rate, "cpu_per_request_us": per_request, "replicas": replicas,
+                         "valkey_index_cores": rate * spec.valkey_cpu_us * replicas / 1e6,
+                         "load_syncs_per_s": replicas / period, "load_read_mb_s": replicas * per_sync / period / 1e6,
+                         "measured_replicas": nearest["replicas"]})
+    return rows
+
+
 def run_scale(spec: ScaleSpec, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     section = {"spec": {"pools": list(spec.pools), "decisions": spec.decisions, "prompt_chars": spec.prompt_chars},
@@ -226,6 +261,7 @@ def run_scale(spec: ScaleSpec, out: Path) -> dict[str, Any]:
                "scrape": scrape_cost(),
                "index": index_memory(spec.index_prefixes), "shared_load": shared_load_cost(spec),
                "routing": routing_cost(spec)}
+    section["sizing"] = sizing(section, spec)
     (out / "scale.json").write_text(json.dumps(section, indent=1))
     (out / "scale.md").write_text(render(section))
     return section
@@ -248,13 +284,15 @@ def render(section: dict[str, Any]) -> str:
               f"Prefix index: {index['prefixes']:,} prefixes of {index['blocks_per_prefix']} blocks "
               f"({index['entries']:,} entries) hold {index['mb']:.0f} MB ({index['bytes_per_entry']:.0f} bytes an "
               "entry).", "",
-              "Shared load on a local Valkey (`--shared-load-interval`, 50 ms: 20 syncs a second per replica, each one "
-              "pipelined HSET + HGETALL; 0-2 requests in flight per pod from each replica):", "",
+              "Shared load on a local Valkey (`--shared-load-interval` 50 ms, longer when a sync takes over 5 % of "
+              "that: each sync one pipelined HSET + HGETALL; 0-2 requests in flight per pod from each replica):", "",
               "| pods | replicas | report bytes (one replica) | bytes read per sync | sync p50 µs | p99 µs | "
-              "read per replica at 50 ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['pods']:,} | {r['replicas']} | {r['report_bytes']:,.0f} | {r['received_bytes']:,.0f} | "
-              f"{r['sync_p50_us']:.0f} | {r['sync_p99_us']:.0f} | {r['received_bytes'] * 20 / 1e6:.2f} MB/s |"
-              for r in section["shared_load"]]
+              "period (>= 20 x p50) | read per replica |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in section["shared_load"]:
+        period = max(0.05, r["sync_p50_us"] / 1e6 / MAX_BUSY)
+        lines.append(f"| {r['pods']:,} | {r['replicas']} | {r['report_bytes']:,.0f} | {r['received_bytes']:,.0f} | "
+                     f"{r['sync_p50_us']:.0f} | {r['sync_p99_us']:.0f} | {period * 1e3:.0f} ms | "
+                     f"{r['received_bytes'] / period / 1e6:.2f} MB/s |")
     lines += ["",
               "What sampling costs in routing (fast mode, llama3-8b-h100 pods at 0.8 load, the same trace for both):", "",
               "| workload | pods | scheduling | hit rate | TTFT mean ms | p90 | p99 | ITL p95 |",
@@ -262,4 +300,13 @@ def render(section: dict[str, Any]) -> str:
     lines += [f"| {r['workload']} | {r['pods']:,} | {'sampled 32' if r['sampled'] else 'every pod'} | "
               f"{r['hit_rate']:.3f} | {r['ttft_mean'] * 1e3:.1f} | {r['ttft_p90'] * 1e3:.1f} | "
               f"{r['ttft_p99'] * 1e3:.1f} | {r['itl_p95'] * 1e3:.1f} |" for r in section["routing"]]
+    if section.get("sizing"):
+        lines += ["", "Sizing (sampled scheduling; a replica's CPU per request: `make overhead`'s at 8 pods plus this "
+                  "run's decision beyond 64 pods; replicas at 70 % of a core each; Valkey: the shared index at its "
+                  "measured CPU per request and reader, the shared load's syncs and bytes read from the table above):",
+                  "", "| pods | req/s | CPU µs/request | replicas | Valkey cores (index) | load syncs/s | load read MB/s |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['pods']:,} | {r['rate']:,} | {r['cpu_per_request_us']:,.0f} | {r['replicas']} | "
+                  f"{r['valkey_index_cores']:.2f} | {r['load_syncs_per_s']:,.0f} | {r['load_read_mb_s']:,.1f} |"
+                  for r in section["sizing"]]
     return "\n".join(lines) + "\n"

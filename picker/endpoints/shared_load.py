@@ -4,10 +4,13 @@ fleet's requests, not only the share Envoy dealt it.
 Every `interval` each replica writes its own in-flight requests and prompt tokens per pod (only the pods it has
 requests on) into one hash per pool, a field per replica, and reads the hash back: one pipelined round trip, never
 one inside a routing decision. It then sets each pod's `in_flight` to its own count plus the others' last report
-(`Endpoint.set_peer_load`), so the scorers, the saturation level flow control dispatches on and the running-slot
-count all see what the other replicas have sent. A report older than `stale` seconds (its replica stopped or lost
-Redis) no longer counts, and is deleted once it is older than a minute; a replica that stops cleanly deletes its
-own at once. When Redis cannot be reached for `stale` seconds the peers' counts are dropped: each replica then
+(`Endpoint.set_peer_load`); a pick another replica makes counts at once in between, heard through the shared
+index's stream (`peer_picked`), so the replicas do not all pile onto the pod that looked least loaded at the last
+sync. The scorers, the saturation level flow control dispatches on and the running-slot
+count all see what the other replicas have sent. A sync that takes long (thousands of pods, many replicas) makes
+the next one wait longer, so syncing never takes more than 5 % of a replica's time. A report older than `stale`
+seconds, or than three of its writer's periods (its replica stopped or lost Redis), no longer counts, and is
+deleted once it is older than a minute; a replica that stops cleanly deletes its own at once. When Redis cannot be reached for `stale` seconds the peers' counts are dropped: each replica then
 counts only its own requests, as without sharing, until Redis answers again. Reports carry wall-clock times, so
 the replicas' clocks must agree to well within `stale` (NTP does far better).
 """
@@ -31,6 +34,7 @@ from picker.endpoints.state import Endpoint
 log = logging.getLogger(__name__)
 
 _FORGET_AFTER = 60.0  # seconds after which another replica's abandoned report is deleted from the hash
+MAX_BUSY = 0.05  # the most of its time a replica spends syncing (round trip, reading and summing the reports)
 
 
 @dataclass(slots=True)
@@ -45,17 +49,18 @@ class LoadSyncStats:
     connected: bool = False  # the last round trip worked
 
 
-def encode(at: float, pods: Sequence[Endpoint]) -> bytes:
-    """One replica's report: when, and [address, requests, prompt tokens] of every pod it has requests on."""
-    return msgpack.packb([at, [[e.address, e.own_in_flight, e.own_in_flight_tokens]
-                               for e in pods if e.own_in_flight or e.own_in_flight_tokens]])
+def encode(at: float, period: float, pods: Sequence[Endpoint]) -> bytes:
+    """One replica's report: when, the seconds until its next, and [address, requests, prompt tokens] of every pod
+    it has requests on."""
+    return msgpack.packb([at, period, [[e.address, e.own_in_flight, e.own_in_flight_tokens]
+                                       for e in pods if e.own_in_flight or e.own_in_flight_tokens]])
 
 
-def decode(data: bytes) -> tuple[float, list[tuple[str, int, int]]]:
-    """(wall time, [(address, requests, tokens)]); ValueError when the report is not one."""
+def decode(data: bytes) -> tuple[float, float, list[tuple[str, int, int]]]:
+    """(wall time, period, [(address, requests, tokens)]); ValueError when the report is not one."""
     try:
-        at, pods = msgpack.unpackb(data, raw=False)
-        return float(at), [(str(a), int(n), int(t)) for a, n, t in pods]
+        at, period, pods = msgpack.unpackb(data, raw=False)
+        return float(at), float(period), [(str(a), int(n), int(t)) for a, n, t in pods]
     except (TypeError, ValueError, msgpack.UnpackException) as exc:
         raise ValueError(f"malformed load report: {exc}") from None
 
@@ -65,12 +70,15 @@ class SharedLoad:
     applied sync with the number of other replicas counted (admission's `Gate.load_synced`)."""
 
     def __init__(self, redis_url: str, namespace: str, pool: Callable[[], Sequence[Endpoint]], *,
+                 find: Callable[[str], Endpoint | None] | None = None, chars_per_token: float = 4.0,
                  interval: float = 0.05, stale: float | None = None, replica_id: str | None = None,
                  wall_clock: Callable[[], float] = time.time, on_change: Callable[[int], None] | None = None) -> None:
         if interval <= 0:
             raise ValueError("the shared load's interval must be positive")
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.pool = pool
+        self.find = find  # a pod by address (the pool's index), for the peers' picks
+        self.chars_per_token = chars_per_token
         self.interval = interval
         self.stale = stale if stale is not None else max(1.0, 10 * interval)
         self.wall_clock = wall_clock
@@ -80,6 +88,15 @@ class SharedLoad:
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
         self._last_ok = -1.0  # wall time of the last sync that worked
         self._peers_applied = False  # some pod carries peers' counts now
+        self.period = interval  # the time between syncs now: `interval`, longer when a sync takes long
+
+    def peer_picked(self, address: str, prompt_chars: int) -> None:
+        """Another replica routed a request to `address` (its pick, heard through the shared index within
+        milliseconds): counted at once, until the next sync replaces it with that replica's report. Without it
+        every replica would read the same counts for a whole interval and send its requests to the same pod."""
+        endpoint = self.find(address) if self.find is not None else None
+        if endpoint is not None:
+            endpoint.peer_started(int(prompt_chars / self.chars_per_token))
 
     async def close(self) -> None:
         """Delete our report, so the others stop counting our requests at once (after `run` was cancelled)."""
@@ -88,18 +105,21 @@ class SharedLoad:
         await self._redis.aclose()
 
     async def run(self) -> None:
-        """Sync every `interval` until cancelled."""
+        """Sync every `interval` until cancelled; never more than `MAX_BUSY` of the time: a sync that takes long
+        (thousands of pods, many replicas: every report is read and summed on the event loop) waits longer."""
         loop = asyncio.get_running_loop()
         while True:
             began = loop.time()
             await self.sync_once()
-            await asyncio.sleep(max(0.0, self.interval - (loop.time() - began)))
+            took = loop.time() - began
+            self.period = max(self.interval, took / MAX_BUSY)
+            await asyncio.sleep(self.period - took)
 
     async def sync_once(self) -> bool:
         """Publish ours, read everyone's, apply the others'. False when Redis did not answer."""
         pods = self.pool()
         now = self.wall_clock()
-        report = encode(now, pods)
+        report = encode(now, self.period, pods)
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hset(self.key, self.replica_id, report)
@@ -131,11 +151,11 @@ class SharedLoad:
                 continue
             try:
                 self.stats.bytes_received += len(data)
-                at, counts = decode(data)
+                at, period, counts = decode(data)
             except (TypeError, ValueError):
                 log.warning("ignoring a malformed shared load report from replica %r", replica)
                 continue
-            if now - at > self.stale:
+            if now - at > max(self.stale, 3 * period):  # a replica syncing slowly (a large pool) is not gone
                 if now - at > _FORGET_AFTER:
                     abandoned.append(replica)
                 continue

@@ -119,6 +119,12 @@ class Endpoint:
         self.own_in_flight = max(0, self.own_in_flight - 1)
         self.own_in_flight_tokens = max(0, self.own_in_flight_tokens - tokens)
 
+    def peer_started(self, tokens: int) -> None:
+        """Another replica routed a request here (its pick, heard through the shared index): counted until the next
+        load sync replaces the peers' counts with their reports."""
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+
     def set_peer_load(self, requests: int, tokens: int) -> None:
         """What the other replicas last reported in flight on this pod (0, 0: none, or they cannot be heard)."""
         self.in_flight = self.own_in_flight + requests

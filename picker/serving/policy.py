@@ -130,13 +130,22 @@ def shared_scrapes(config: ServeConfig) -> SharedScrapes | None:
     return SharedScrapes(config.redis_url, index_namespace(config))
 
 
-def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any]) -> SharedLoad | None:
-    """With `--index-backend redis`, replicas share their in-flight counts (unless --shared-load-interval 0);
-    admission hears of each sync."""
-    if config.index_backend != "redis" or not config.shared_load_interval:
+def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any], policy: Policy) -> SharedLoad | None:
+    """With `--index-backend redis`, replicas share their in-flight counts (unless --shared-load-interval 0):
+    admission hears of each sync, and the other replicas' picks count at once (heard through the shared index)."""
+    if config.index_backend != "redis" or not config.shared_load_interval or policy.shared_index is None:
         return None
-    return SharedLoad(config.redis_url, index_namespace(config), pool.all, interval=config.shared_load_interval,
-                      on_change=gate.load_synced)
+    load = SharedLoad(config.redis_url, index_namespace(config), pool.all, find=pool.get,
+                      chars_per_token=config.scheduling.prefix_cache.chars_per_token,
+                      interval=config.shared_load_interval, on_change=gate.load_synced)
+    shared, scheduler_heard = policy.shared_index, policy.scheduler.on_peer_picked
+
+    def peer_picked(address: str, prompt_chars: int, session_id: str, at: float) -> None:
+        scheduler_heard(address, prompt_chars, session_id, at)
+        if shared.clock() - at <= load.period:  # a pick replayed after an outage is in the next report already
+            load.peer_picked(address, prompt_chars)
+    shared.peer_listener = peer_picked
+    return load
 
 
 class PoolMonitor:

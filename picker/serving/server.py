@@ -166,7 +166,7 @@ class PickerServer:
                                  tokenizer=self.tokenizer)
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics,
                                      on_metrics=scrape_listener(gate, policy.precise_index)))
-        self.shared_load = shared_load(c, self.pool, gate)
+        self.shared_load = shared_load(c, self.pool, gate, policy)
         if self.shared_load is not None:
             self.metrics.watch_load_sync(self.shared_load.stats)
             self.supervise(asyncio.create_task(self.shared_load.run(), name="shared-load"))
