@@ -67,17 +67,17 @@ async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
         pods_a[0].start_request(100, 0.0)
         pods_b[1].start_request(50, 0.0)
         assert await a.sync_once() and await b.sync_once() and await a.sync_once()
-        assert [(e.in_flight, e.in_flight_tokens, e.own_in_flight) for e in pods_b] == [(2, 500, 0), (1, 50, 1)]
-        assert [(e.in_flight, e.in_flight_tokens, e.own_in_flight) for e in pods_a] == [(2, 500, 2), (1, 50, 0)]
+        assert [(e.fleet_in_flight, e.peer_in_flight_tokens, e.in_flight) for e in pods_b] == [(2, 500, 0), (1, 0, 1)]
+        assert [(e.fleet_in_flight, e.peer_in_flight_tokens, e.in_flight) for e in pods_a] == [(2, 0, 2), (1, 50, 0)]
         assert b.stats.peers == 1 and changes[-1] == 1
         pods_a[0].finish_request(400)
         pods_b[1].start_request(70, 0.0)  # counted at once by its own replica, by the other at the next sync
-        assert pods_b[1].in_flight == 2
+        assert pods_b[1].fleet_in_flight == 2 and pods_a[1].fleet_in_flight == 1
         assert await a.sync_once() and await b.sync_once()
-        assert [e.in_flight for e in pods_b] == [1, 2]
+        assert [e.fleet_in_flight for e in pods_b] == [1, 2]
         await a.close()  # a stopping replica takes its report with it
         assert await b.sync_once()
-        assert [e.in_flight for e in pods_b] == [0, 2] and b.stats.peers == 0
+        assert [e.fleet_in_flight for e in pods_b] == [0, 2] and b.stats.peers == 0
     finally:
         await b.close()
 
@@ -92,10 +92,10 @@ async def test_a_peers_pick_counts_at_once_until_its_report_replaces_it(valkey: 
         pods_a[1].start_request(400, 0.0)  # a routes a request; b hears of the pick through the shared index
         b.peer_picked(PODS[1], 1600)
         b.peer_picked("10.9.9.9:8000", 100)  # a pod b does not know: ignored
-        assert (pods_b[1].in_flight, pods_b[1].in_flight_tokens, pods_b[1].own_in_flight) == (1, 400, 0)
+        assert (pods_b[1].fleet_in_flight, pods_b[1].peer_in_flight_tokens, pods_b[1].in_flight) == (1, 400, 0)
         pods_a[1].finish_request(400)  # it ended before a's next report: the report says so
         assert await a.sync_once() and await b.sync_once()
-        assert (pods_b[1].in_flight, pods_b[1].in_flight_tokens) == (0, 0)
+        assert (pods_b[1].fleet_in_flight, pods_b[1].peer_in_flight_tokens) == (0, 0)
     finally:
         for replica in (a, b):
             await replica.close()
@@ -110,10 +110,10 @@ async def test_a_silent_replica_stops_counting_and_an_abandoned_report_is_delete
     try:
         pods_a[0].start_request(10, 0.0)
         assert await a.sync_once() and await b.sync_once()
-        assert pods_b[0].in_flight == 1
+        assert pods_b[0].fleet_in_flight == 1
         clock.now += 1.5  # a is hung: its report is older than `stale`
         assert await b.sync_once()
-        assert pods_b[0].in_flight == 0
+        assert pods_b[0].fleet_in_flight == 0
         assert await client.hexists(b.key, "a")
         clock.now += 60
         assert await b.sync_once()
@@ -135,16 +135,16 @@ async def test_without_redis_each_replica_falls_back_to_its_own_counts_and_recov
             pods_a[0].start_request(10, 0.0)
             pods_b[0].start_request(10, 0.0)
             assert await a.sync_once() and await b.sync_once()
-            assert pods_b[0].in_flight == 2
+            assert pods_b[0].fleet_in_flight == 2
             valkey.process.stop()
             clock.now += 0.5  # within `stale`: the peers' last counts still hold
             assert not await b.sync_once()
-            assert pods_b[0].in_flight == 2 and not b.stats.connected
+            assert pods_b[0].fleet_in_flight == 2 and not b.stats.connected
             clock.now += 1.0  # past it: our own requests alone, as without sharing
             assert not await b.sync_once()
-            assert pods_b[0].in_flight == 1 and b.stats.peers == 0
-            pods_b[0].start_request(10, 0.0)  # routing goes on counting its own
-            assert pods_b[0].in_flight == 2
+            assert pods_b[0].fleet_in_flight == 1 and b.stats.peers == 0
+            pods_b[0].start_request(10, 0.0)  # admission goes on counting its own
+            assert pods_b[0].fleet_in_flight == 2
             restarted = start_valkey(logdir, port=valkey.port, name="valkey-again")
             started.append(restarted.process)
             ok = False
@@ -154,7 +154,7 @@ async def test_without_redis_each_replica_falls_back_to_its_own_counts_and_recov
                     break
                 await asyncio.sleep(0.02)
             assert ok and await b.sync_once()
-            assert pods_b[0].in_flight == 3 and b.stats.connected
+            assert pods_b[0].fleet_in_flight == 3 and b.stats.connected
         finally:
             for replica in (a, b):
                 await replica.close()

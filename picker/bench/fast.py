@@ -651,11 +651,11 @@ class _FastRun:
         interval: a count is at most one interval old, as with picker serve's shared load)."""
         views = self.replica_endpoints
         for k in range(self.cfg.pods):
-            requests = sum(view[k].own_in_flight for view in views)
-            tokens = sum(view[k].own_in_flight_tokens for view in views)
+            requests = sum(view[k].in_flight for view in views)
+            tokens = sum(view[k].in_flight_tokens for view in views)
             for view in views:
                 e = view[k]
-                e.set_peer_load(requests - e.own_in_flight, tokens - e.own_in_flight_tokens)
+                e.set_peer_load(requests - e.in_flight, tokens - e.in_flight_tokens)
         for director in self.directors:
             director.gate.load_synced(len(views) - 1)
         if self.outstanding > 0:

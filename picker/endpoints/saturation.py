@@ -36,14 +36,14 @@ class SaturationThresholds:
 def pod_saturation(endpoint: Endpoint, now: float, thresholds: SaturationThresholds,
                    own_sends: bool = False) -> float:
     """The pod's level: < 1 has room, 1 is full (or unknown), > 1 is past full. With `own_sends`, its waiting
-    requests are at least the ones we sent it that it is not running yet (in flight minus running): our own sends
-    show before a scrape can."""
+    requests are at least the ones the pickers sent it that it is not running yet (in flight minus running, every
+    replica's when they share their load): our sends show before a scrape can."""
     m = endpoint.metrics
     if own_sends and endpoint.state is EndpointState.DEGRADED:
-        return max(0.0, endpoint.in_flight - m.running) / thresholds.queue
+        return max(0.0, endpoint.fleet_in_flight - m.running) / thresholds.queue
     if m.updated_at < 0 or endpoint.metrics_overdue(now) > thresholds.stale:
         return FULL
-    waiting = max(m.waiting, endpoint.in_flight - m.running) if own_sends else m.waiting
+    waiting = max(m.waiting, endpoint.fleet_in_flight - m.running) if own_sends else m.waiting
     return max(waiting / thresholds.queue, m.kv_usage / thresholds.kv_cache)
 
 

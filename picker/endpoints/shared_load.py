@@ -1,18 +1,21 @@
-"""In-flight load shared by picker replicas through Redis or Valkey, so each routes and admits on the whole
-fleet's requests, not only the share Envoy dealt it.
+"""In-flight load shared by picker replicas through Redis or Valkey, so each admits on the whole fleet's
+requests, not only the share Envoy dealt it.
 
 Every `interval` each replica writes its own in-flight requests and prompt tokens per pod (only the pods it has
 requests on) into one hash per pool, a field per replica, and reads the hash back: one pipelined round trip, never
-one inside a routing decision. It then sets each pod's `in_flight` to its own count plus the others' last report
+one inside a routing decision. It then sets each pod's peer counts to the others' last reports
 (`Endpoint.set_peer_load`); a pick another replica makes counts at once in between, heard through the shared
-index's stream (`peer_picked`), so the replicas do not all pile onto the pod that looked least loaded at the last
-sync. The scorers, the saturation level flow control dispatches on and the running-slot
-count all see what the other replicas have sent. A sync that takes long (thousands of pods, many replicas) makes
-the next one wait longer, so syncing never takes more than 5 % of a replica's time. A report older than `stale`
-seconds, or than three of its writer's periods (its replica stopped or lost Redis), no longer counts, and is
-deleted once it is older than a minute; a replica that stops cleanly deletes its own at once. When Redis cannot be reached for `stale` seconds the peers' counts are dropped: each replica then
-counts only its own requests, as without sharing, until Redis answers again. Reports carry wall-clock times, so
-the replicas' clocks must agree to well within `stale` (NTP does far better).
+index's stream (`peer_picked`). Flow control's dispatch level and its running slots read the fleet's count
+(`Endpoint.fleet_in_flight`), so replicas do not each fill the room they all see. Routing keeps scoring on our own
+counts: on the simulator and on live replicas the fleet's counts, a sync old for the requests that ended, routed no
+better and live worse (bench/README.md, "Several picker replicas"; docs/decisions.md, 17).
+
+A sync that takes long (thousands of pods, many replicas) makes the next one wait longer, so syncing never takes
+more than 5 % of a replica's time. A report older than `stale` seconds, or than three of its writer's periods (its
+replica stopped or lost Redis), no longer counts, and is deleted once it is older than a minute; a replica that
+stops cleanly deletes its own at once. When Redis cannot be reached for `stale` seconds the peers' counts are
+dropped: each replica then counts only its own requests, as without sharing, until Redis answers again. Reports
+carry wall-clock times, so the replicas' clocks must agree to well within `stale` (NTP does far better).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ class LoadSyncStats:
 def encode(at: float, period: float, pods: Sequence[Endpoint]) -> bytes:
     """One replica's report: when, the seconds until its next, and [address, requests, prompt tokens] of every pod
     it has requests on."""
-    return msgpack.packb([at, period, [[e.address, e.own_in_flight, e.own_in_flight_tokens]
-                                       for e in pods if e.own_in_flight or e.own_in_flight_tokens]])
+    return msgpack.packb([at, period, [[e.address, e.in_flight, e.in_flight_tokens]
+                                       for e in pods if e.in_flight or e.in_flight_tokens]])
 
 
 def decode(data: bytes) -> tuple[float, float, list[tuple[str, int, int]]]:
@@ -92,8 +95,7 @@ class SharedLoad:
 
     def peer_picked(self, address: str, prompt_chars: int) -> None:
         """Another replica routed a request to `address` (its pick, heard through the shared index within
-        milliseconds): counted at once, until the next sync replaces it with that replica's report. Without it
-        every replica would read the same counts for a whole interval and send its requests to the same pod."""
+        milliseconds): counted at once, until the next sync replaces it with that replica's report."""
         endpoint = self.find(address) if self.find is not None else None
         if endpoint is not None:
             endpoint.peer_started(int(prompt_chars / self.chars_per_token))

@@ -67,13 +67,13 @@ class Endpoint:
     labels: dict[str, str] = field(default_factory=dict)  # the pod's labels (Kubernetes, endpoints file)
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     state: EndpointState = EndpointState.READY  # changed by the pool only (EndpointPool.mark_*)
-    # Our own view, updated from the ext_proc stream lifecycle because scraped metrics lag. `in_flight` is what
-    # routing reads: our requests, plus those our peer replicas report when they share their counts
-    # (picker.endpoints.shared_load); `own_in_flight` is ours alone, what we report to them.
+    # Our own view, updated from the ext_proc stream lifecycle because scraped metrics lag: what routing reads.
     in_flight: int = 0
     in_flight_tokens: int = 0
-    own_in_flight: int = 0
-    own_in_flight_tokens: int = 0
+    # What the other replicas have in flight here, when they share their load (picker.endpoints.shared_load): their
+    # last reports plus the picks heard since. Admission reads the fleet's count (`fleet_in_flight`).
+    peer_in_flight: int = 0
+    peer_in_flight_tokens: int = 0
     finished: int = 0  # requests we sent it that have ended, ever (what ended since a scrape: its count then)
     last_picked_at: float = -1.0
     consecutive_failures: int = 0
@@ -108,24 +108,25 @@ class Endpoint:
     def start_request(self, tokens: int, now: float) -> None:
         self.in_flight += 1
         self.in_flight_tokens += tokens
-        self.own_in_flight += 1
-        self.own_in_flight_tokens += tokens
         self.last_picked_at = now
 
     def finish_request(self, tokens: int) -> None:
         self.finished += 1
         self.in_flight = max(0, self.in_flight - 1)
         self.in_flight_tokens = max(0, self.in_flight_tokens - tokens)
-        self.own_in_flight = max(0, self.own_in_flight - 1)
-        self.own_in_flight_tokens = max(0, self.own_in_flight_tokens - tokens)
+
+    @property
+    def fleet_in_flight(self) -> int:
+        """Requests in flight here from every replica: ours, and the others' as last heard."""
+        return self.in_flight + self.peer_in_flight
 
     def peer_started(self, tokens: int) -> None:
         """Another replica routed a request here (its pick, heard through the shared index): counted until the next
         load sync replaces the peers' counts with their reports."""
-        self.in_flight += 1
-        self.in_flight_tokens += tokens
+        self.peer_in_flight += 1
+        self.peer_in_flight_tokens += tokens
 
     def set_peer_load(self, requests: int, tokens: int) -> None:
-        """What the other replicas last reported in flight on this pod (0, 0: none, or they cannot be heard)."""
-        self.in_flight = self.own_in_flight + requests
-        self.in_flight_tokens = self.own_in_flight_tokens + tokens
+        """What the other replicas last reported in flight here (0, 0: none, or they cannot be heard)."""
+        self.peer_in_flight = requests
+        self.peer_in_flight_tokens = tokens

@@ -66,7 +66,7 @@ class RunningSlots:
     def _use(self, e: Endpoint) -> int:
         m = e.metrics
         reported = math.ceil(m.running + m.waiting) - (e.finished - self._finished_then.get(e.address, e.finished))
-        return max(reported, e.in_flight)
+        return max(reported, e.fleet_in_flight)
 
     def free(self, pods: Sequence[Endpoint], pending: int) -> tuple[int, int] | None:
         """(free slots, all slots) over `pods`, the `pending` requests let through and not yet placed taking

@@ -263,7 +263,7 @@ class PredictedTTFTScorer(Plugin):
         if uncached < 0.0:
             uncached = 0.0
         cost = pod.cost
-        if e.own_in_flight == 0 and pod.busy_until > now:  # everything we sent it has been answered: prefilled too
+        if e.in_flight == 0 and pod.busy_until > now:  # everything we sent it has been answered: prefilled too
             pod.busy_until = now
         wait = (pod.busy_until if pod.busy_until > pod.peer_until else pod.peer_until) - now
         if wait < 0.0:

@@ -148,11 +148,8 @@ class PrefixCacheScorer(Plugin):
         holders = [i for i, m in enumerate(matched) if m >= depth]
         if all_picks <= 0.0 or len(holders) == len(candidates):
             return
-        # A holder is free: however much of the traffic wants it, it is not queueing anywhere. Free by our own
-        # requests: other replicas' shared counts are up to a sync old, and one that ended a moment ago would make
-        # every holder of a prefix sent one request after another look busy.
-        if any(candidates[i].own_in_flight == 0 for i in holders):
-            return
+        if any(candidates[i].in_flight == 0 for i in holders):
+            return  # a holder is free: however much of the traffic wants it, it is not queueing anywhere
         n = len(candidates)
         picks = demand.of(ctx.keys[depth - 1], now)
         if self.hot_share is not None and picks * n > self.hot_share * len(holders) * all_picks:
@@ -192,10 +189,9 @@ class PrefixCacheScorer(Plugin):
 
 
 def _idle(endpoint: Endpoint) -> bool:
-    """Nothing in flight from us and, at its last scrape, nothing running or waiting (other replicas' requests:
-    their shared counts can be a sync old, the scrape tells whether the pod has started anything)."""
+    """Nothing in flight from us and, at its last scrape, nothing running or waiting (other replicas' requests)."""
     m = endpoint.metrics
-    return endpoint.own_in_flight == 0 and m.running == 0 and m.waiting == 0
+    return endpoint.in_flight == 0 and m.running == 0 and m.waiting == 0
 
 
 class KVCacheUtilizationScorer(Plugin):

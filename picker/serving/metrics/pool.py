@@ -52,8 +52,8 @@ class PoolMetrics:
         self.in_flight = Gauge("picker_endpoint_in_flight_requests", "Requests the picker routed that have not finished.",
                                ["name", "model_server_pod"], registry=r)
         self.fleet_in_flight = Gauge("picker_endpoint_fleet_in_flight_requests",
-                                     "Requests in flight on the pod as this picker routes on them: its own, plus "
-                                     "what its peer replicas last reported (--shared-load-interval).",
+                                     "Requests in flight on the pod from every picker replica, as this one admits "
+                                     "on them: its own, plus what its peers last reported (--shared-load-interval).",
                                      ["name", "model_server_pod"], registry=r)
         self.pod_state = Gauge("picker_endpoint_state", "1 for the pod's state: ready (fresh metrics), degraded (routed on "
                                "the picker's own view: its metrics cannot be read) or unready (unreachable, not routed).",
@@ -107,8 +107,8 @@ class PoolMetrics:
         self.pool_prefix_hit_ratio.labels(name).set(hits / queries if queries else 0.0)
         for e in ready:
             self.pod_queue.labels(name, e.name).set(e.metrics.waiting)
-            self.in_flight.labels(name, e.name).set(e.own_in_flight)
-            self.fleet_in_flight.labels(name, e.name).set(e.in_flight)
+            self.in_flight.labels(name, e.name).set(e.in_flight)
+            self.fleet_in_flight.labels(name, e.name).set(e.fleet_in_flight)
         for e in endpoints:
             for state in EndpointState:
                 self.pod_state.labels(name, e.name, state.value).set(1.0 if e.state is state else 0.0)
@@ -141,8 +141,8 @@ class _InFlightCollector(Collector):
                                    "Estimated prompt tokens this picker has in flight per pod.", labels=labels)
         for e in self.metrics.endpoints:
             values = [e.name, self.metrics.namespace, "inflight-load-producer", NO_FAIRNESS_ID, ""]  # kept per pod
-            requests.add_metric(values, e.own_in_flight)
-            tokens.add_metric(values, e.own_in_flight_tokens)
+            requests.add_metric(values, e.in_flight)
+            tokens.add_metric(values, e.in_flight_tokens)
         yield requests
         yield tokens
 
