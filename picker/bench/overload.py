@@ -53,6 +53,7 @@ from picker.bench.workloads import WORDS
 from picker.core.requests import FAIRNESS_ID_HEADER
 from picker.endpoints.scraper import Cadence
 from picker.routing.admission import AdmissionConfig
+from picker.serving.config import ServeConfig
 from picker.sim.profiles import get_profile
 
 OBJECTIVES = "admission:\n  objectives: [{name: critical, priority: 5}, {name: batch, priority: -1}]\n"
@@ -79,7 +80,8 @@ MAX_NUM_SEQS = 8
 PROMPT_WORDS, MAX_TOKENS = 200, 96
 TIME_SCALE = 0.5  # model seconds per reported second, in both modes
 DRAIN_S = 3.0  # live: pause between phases
-LOAD_SYNC_S = 0.05  # replicas sharing load: picker serve's --shared-load-interval default
+# replicas sharing load: picker serve's --shared-load-interval default
+LOAD_SYNC_S: float = ServeConfig.model_fields["shared_load_interval"].default
 
 
 @dataclass(frozen=True)

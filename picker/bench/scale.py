@@ -34,14 +34,16 @@ from picker.bench.workloads import FleetSpec, generate
 from picker.core.requests import ApiKind, InferenceRequest
 from picker.endpoints.metrics import parse_vllm_metrics
 from picker.endpoints.pool import EndpointPool
-from picker.endpoints.shared_load import MAX_BUSY, SharedLoad
+from picker.endpoints.shared_load import SharedLoad, sync_period
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.routing.director import Director
 from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, sampled_scheduling
+from picker.serving.config import ServeConfig
 from picker.sim.profiles import get_profile
 
+SYNC_INTERVAL: float = ServeConfig.model_fields["shared_load_interval"].default  # picker serve's shared load
 # A real vLLM 0.32 CPU server's /metrics page (idle), as the scraper parses it.
 METRICS_PAGE = Path(__file__).resolve().parent / "data" / "vllm-0.32-cpu-idle.txt"
 WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this",
@@ -201,7 +203,8 @@ async def _syncs(url: str, pods: int, replicas: int, spec: ScaleSpec) -> dict[st
         for e in view:
             for _ in range(rng.randint(0, 2)):
                 e.start_request(rng.randint(100, 2000), 0.0)
-        loads.append(SharedLoad(url, f"scale-{pods}-{replicas}", _constant(view), replica_id=f"r{r}"))
+        loads.append(SharedLoad(url, f"scale-{pods}-{replicas}", _constant(view), interval=SYNC_INTERVAL,
+                                replica_id=f"r{r}"))
     first = loads[0]
     try:
         for load in loads:
@@ -227,7 +230,6 @@ def _constant(pods: list[Endpoint]) -> Callable[[], list[Endpoint]]:
 
 
 BUSY = 0.7  # the share of a core a replica is sized to use, leaving room for bursts
-SYNC_RATE = 20.0  # shared-load syncs per second per replica at the default 50 ms
 
 
 def sizing(section: dict[str, Any], spec: ScaleSpec) -> list[dict[str, Any]]:
@@ -245,7 +247,7 @@ def sizing(section: dict[str, Any], spec: ScaleSpec) -> list[dict[str, Any]]:
         for rate in spec.rates:
             replicas = max(2, math.ceil(rate * per_request / 1e6 / BUSY))
             nearest = min((r for r in loads if r["pods"] == pods), key=lambda r: abs(r["replicas"] - replicas))
-            period = max(1 / SYNC_RATE, nearest["sync_p50_us"] / 1e6 / MAX_BUSY)
+            period = sync_period(SYNC_INTERVAL, nearest["sync_p50_us"] / 1e6)
             per_sync = nearest["received_bytes"] * replicas / nearest["replicas"]  # every replica's report
             rows.append({"pods": pods, "rate": rate, "cpu_per_request_us": per_request, "replicas": replicas,
                          "valkey_index_cores": rate * spec.valkey_cpu_us * replicas / 1e6,
@@ -289,7 +291,7 @@ def render(section: dict[str, Any]) -> str:
               "| pods | replicas | report bytes (one replica) | bytes read per sync | sync p50 µs | p99 µs | "
               "period (>= 20 x p50) | read per replica |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in section["shared_load"]:
-        period = max(0.05, r["sync_p50_us"] / 1e6 / MAX_BUSY)
+        period = sync_period(SYNC_INTERVAL, r["sync_p50_us"] / 1e6)
         lines.append(f"| {r['pods']:,} | {r['replicas']} | {r['report_bytes']:,.0f} | {r['received_bytes']:,.0f} | "
                      f"{r['sync_p50_us']:.0f} | {r['sync_p99_us']:.0f} | {period * 1e3:.0f} ms | "
                      f"{r['received_bytes'] / period / 1e6:.2f} MB/s |")
@@ -304,7 +306,8 @@ def render(section: dict[str, Any]) -> str:
         lines += ["", "Sizing (sampled scheduling; a replica's CPU per request: `make overhead`'s at 8 pods plus this "
                   "run's decision beyond 64 pods; replicas at 70 % of a core each; Valkey: the shared index at its "
                   "measured CPU per request and reader, the shared load's syncs and bytes read from the table above):",
-                  "", "| pods | req/s | CPU µs/request | replicas | Valkey cores (index) | load syncs/s | load read MB/s |",
+                  "", "| pods | req/s | CPU µs/request | replicas | Valkey cores, shared index | shared-load syncs/s, all "
+                  "replicas | shared-load MB/s read, all replicas |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['pods']:,} | {r['rate']:,} | {r['cpu_per_request_us']:,.0f} | {r['replicas']} | "
                   f"{r['valkey_index_cores']:.2f} | {r['load_syncs_per_s']:,.0f} | {r['load_read_mb_s']:,.1f} |"

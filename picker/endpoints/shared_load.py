@@ -40,6 +40,11 @@ _FORGET_AFTER = 60.0  # seconds after which another replica's abandoned report i
 MAX_BUSY = 0.05  # the most of its time a replica spends syncing (round trip, reading and summing the reports)
 
 
+def sync_period(interval: float, took: float) -> float:
+    """Seconds from one sync to the next: `interval`, or longer when a sync took over MAX_BUSY of that."""
+    return max(interval, took / MAX_BUSY)
+
+
 @dataclass(slots=True)
 class LoadSyncStats:
     """Counters the metrics loop exports (`picker_shared_load_*`): what sharing costs Redis, and whether it works."""
@@ -74,7 +79,7 @@ class SharedLoad:
 
     def __init__(self, redis_url: str, namespace: str, pool: Callable[[], Sequence[Endpoint]], *,
                  find: Callable[[str], Endpoint | None] | None = None, chars_per_token: float = 4.0,
-                 interval: float = 0.05, stale: float | None = None, replica_id: str | None = None,
+                 interval: float, stale: float | None = None, replica_id: str | None = None,
                  wall_clock: Callable[[], float] = time.time, on_change: Callable[[int], None] | None = None) -> None:
         if interval <= 0:
             raise ValueError("the shared load's interval must be positive")
@@ -114,7 +119,7 @@ class SharedLoad:
             began = loop.time()
             await self.sync_once()
             took = loop.time() - began
-            self.period = max(self.interval, took / MAX_BUSY)
+            self.period = sync_period(self.interval, took)
             await asyncio.sleep(self.period - took)
 
     async def sync_once(self) -> bool:
