@@ -28,7 +28,9 @@ ext_proc streams over them: the n-th arriving request goes to replica n % N. Eac
 (seed + r), admission gate and Endpoint objects (its own in-flight counts); the scrape refreshes every
 replica's copy of a pod's metrics with the same values. Each replica keeps its own prefix index, or with
 `shared_index` all share one `InMemoryPrefixIndex`: the Redis/Valkey-shared index (`--index-backend redis`) with
-zero replication lag.
+zero replication lag. With `load_sync_interval` they also share their in-flight counts as `--shared-load-interval`
+does: every interval each replica's peer counts become the others' counts then, and a peer's pick counts at once in
+between (flow control admits on the fleet's count; routing scores its own).
 
 `admission_config` is the picker's `admission:` section as `picker serve` reads it: its objectives give requests their
 priority (a trace request names its objective and tenant), and with `flowControl` each replica runs the flow

@@ -16,7 +16,9 @@ Open-loop Poisson arrivals of chat requests (200-word prompts, 96 output tokens)
 
 - live: `picker sim` pods (time scale 0.5: half speed keeps two cores ahead), each picker a `picker serve` behind
   its own Envoy (buffered ext_proc, message_timeout 5 s); capacity from a closed loop of 3 x max-num-seqs streams
-  per pod; TTFT is the first streamed token chunk at the client.
+  per pod; TTFT is the first streamed token chunk at the client. With `--replicas N` each picker is N replicas
+  behind that Envoy sharing an index through a local Valkey, run twice: each replica counting only its own
+  requests (`--shared-load-interval 0`), and sharing their load (the default).
 - fast: the same pickers' flow control and admission (`picker.bench.fast`) on simulated engines, on the live run's
   clock: the engines run at the same half speed (model seconds = 0.5 x reported seconds), so scrape cadence, queue
   TTL, phases and every reported time mean what they mean live. It has no Envoy, network or picker CPU, so a
