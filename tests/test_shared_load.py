@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import msgpack
@@ -16,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from picker.endpoints.shared_load import SharedLoad, decode, encode
 from picker.endpoints.state import Endpoint
 from picker.serving.supervisor import (
+    Managed,
     Picker,
+    PickerFleet,
     Valkey,
     process_scope,
     start_backends,
@@ -167,78 +172,73 @@ def _series(picker: Picker, name: str) -> float:
                    for s in family.samples if s.name == name)
 
 
-async def test_through_envoy_every_replica_sees_the_whole_fleets_requests_in_flight() -> None:
-    with process_scope("shared-load-envoy") as (logdir, started):
+@contextlib.contextmanager
+def _two_replicas(scope: str, first_host: int) -> Iterator[tuple[Path, list[Managed], Valkey, PickerFleet]]:
+    """A Valkey, two echo pods and two replicas behind one Envoy sharing their load every 20 ms; all stopped on
+    exit."""
+    with process_scope(scope) as (logdir, started):
         valkey = start_valkey(logdir)
         started.append(valkey.process)
         backends = start_backends(2, logdir)
         started.append(backends.process)
-        flags = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "load",
+        flags = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", scope,
                  "--shared-load-interval", "20ms"]
-        fleet = start_picker_fleet(logdir, backends.addresses, flags=flags, replicas=2, name="replica", first_host=30)
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=flags, replicas=2, name="replica",
+                                   first_host=first_host)
         started += fleet.processes
-        pickers = fleet.pickers
+        yield logdir, started, valkey, fleet
 
-        async def slow(session: aiohttp.ClientSession, i: int) -> int:
-            body = {"model": "tiny", "stream": True, "test_events": 40, "test_event_delay": 0.1,
-                    "messages": [{"role": "user", "content": f"question {i} " * 20}]}
-            async with session.post(f"{fleet.envoy.url}/v1/chat/completions", data=json.dumps(body),
-                                    headers={"content-type": "application/json"}) as response:
-                await response.read()
-                return response.status
 
+async def _stream(session: aiohttp.ClientSession, fleet: PickerFleet, i: int, events: int) -> int:
+    """A streamed chat through the fleet's Envoy that stays open `events` x 0.1 s; its status."""
+    body = {"model": "tiny", "stream": True, "test_events": events, "test_event_delay": 0.1,
+            "messages": [{"role": "user", "content": f"question {i} " * 20}]}
+    async with session.post(f"{fleet.envoy.url}/v1/chat/completions", data=json.dumps(body),
+                            headers={"content-type": "application/json"}) as response:
+        await response.read()
+        return response.status
+
+
+def _counts(fleet: PickerFleet, series: str) -> list[float]:
+    return [_series(p, series) for p in fleet.pickers]
+
+
+async def test_through_envoy_every_replica_sees_the_whole_fleets_requests_in_flight() -> None:
+    with _two_replicas("shared-load-envoy", first_host=30) as (_, _, _, fleet):
         async with aiohttp.ClientSession() as session:
-            streams = [asyncio.create_task(slow(session, i)) for i in range(6)]
+            streams = [asyncio.create_task(_stream(session, fleet, i, 40)) for i in range(6)]
             try:
-                # Envoy deals the six streams over both replicas; each routes on all six
-                await eventually(lambda: all(_series(p, "picker_endpoint_fleet_in_flight_requests") == 6
-                                             for p in pickers), 5.0, "every replica counting all six")
-                own = [_series(p, "picker_endpoint_in_flight_requests") for p in pickers]
+                # Envoy deals the six streams over both replicas; each admits on all six
+                await eventually(lambda: _counts(fleet, "picker_endpoint_fleet_in_flight_requests") == [6, 6], 5.0,
+                                 "every replica counting all six")
+                own = _counts(fleet, "picker_endpoint_in_flight_requests")
                 assert sum(own) == 6 and all(0 < n < 6 for n in own), own
-                assert all(_series(p, "picker_shared_load_peers") == 1 for p in pickers)
+                assert _counts(fleet, "picker_shared_load_peers") == [1, 1]
             finally:
                 statuses = await asyncio.gather(*streams)
         assert statuses == [200] * 6
-        await eventually(lambda: all(_series(p, "picker_endpoint_fleet_in_flight_requests") == 0 for p in pickers),
-                         5.0, "the finished streams leaving every replica's count")
+        await eventually(lambda: _counts(fleet, "picker_endpoint_fleet_in_flight_requests") == [0, 0], 5.0,
+                         "the finished streams leaving every replica's count")
 
 
 async def test_through_envoy_a_valkey_outage_fails_no_request_and_the_counts_come_back() -> None:
     """Valkey stops while streams run: every request still succeeds, each replica soon counts only its own, and
     once Valkey is back (empty, on the same port) every replica counts the whole fleet's again."""
-    with process_scope("shared-load-outage-envoy") as (logdir, started):
-        valkey = start_valkey(logdir)
-        started.append(valkey.process)
-        backends = start_backends(2, logdir)
-        started.append(backends.process)
-        flags = ["--index-backend", "redis", "--redis-url", valkey.url, "--index-namespace", "outage",
-                 "--shared-load-interval", "20ms"]
-        fleet = start_picker_fleet(logdir, backends.addresses, flags=flags, replicas=2, name="replica", first_host=40)
-        started += fleet.processes
-        pickers = fleet.pickers
-
+    with _two_replicas("shared-load-outage-envoy", first_host=40) as (logdir, started, valkey, fleet):
         def fleet_counts() -> list[float]:
-            return [_series(p, "picker_endpoint_fleet_in_flight_requests") for p in pickers]
+            return _counts(fleet, "picker_endpoint_fleet_in_flight_requests")
 
         def own_counts() -> list[float]:
-            return [_series(p, "picker_endpoint_in_flight_requests") for p in pickers]
+            return _counts(fleet, "picker_endpoint_in_flight_requests")
 
         async with aiohttp.ClientSession() as session:
-            async def slow(i: int, events: int) -> int:
-                body = {"model": "tiny", "stream": True, "test_events": events, "test_event_delay": 0.1,
-                        "messages": [{"role": "user", "content": f"question {i} " * 20}]}
-                async with session.post(f"{fleet.envoy.url}/v1/chat/completions", data=json.dumps(body),
-                                        headers={"content-type": "application/json"}) as response:
-                    await response.read()
-                    return response.status
-
-            first = [asyncio.create_task(slow(i, 100)) for i in range(4)]
+            first = [asyncio.create_task(_stream(session, fleet, i, 100)) for i in range(4)]
             await eventually(lambda: fleet_counts() == [4, 4], 5.0, "both replicas counting all four")
             valkey.process.stop()
             await eventually(lambda: fleet_counts() == own_counts() and sum(own_counts()) == 4, 5.0,
                              "each replica back to its own counts")
-            assert all(_series(p, "picker_shared_load_peers") == 0 for p in pickers)
-            during = await asyncio.gather(*(slow(10 + i, 1) for i in range(4)))  # routed without Valkey
+            assert _counts(fleet, "picker_shared_load_peers") == [0, 0]
+            during = await asyncio.gather(*(_stream(session, fleet, 10 + i, 1) for i in range(4)))  # no Valkey
             restarted = start_valkey(logdir, port=valkey.port, name="valkey-again")
             started.append(restarted.process)
             await eventually(lambda: fleet_counts() == [4, 4], 10.0, "both replicas counting all four again")

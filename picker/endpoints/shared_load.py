@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from picker.endpoints.state import Endpoint
+from picker.prefix.hashing import CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class SharedLoad:
     applied sync with the number of other replicas counted (admission's `Gate.load_synced`)."""
 
     def __init__(self, redis_url: str, namespace: str, pool: Callable[[], Sequence[Endpoint]], *,
-                 find: Callable[[str], Endpoint | None] | None = None, chars_per_token: float = 4.0,
+                 find: Callable[[str], Endpoint | None] | None = None, chars_per_token: float = CHARS_PER_TOKEN,
                  interval: float, stale: float | None = None, replica_id: str | None = None,
                  wall_clock: Callable[[], float] = time.time, on_change: Callable[[int], None] | None = None) -> None:
         if interval <= 0:

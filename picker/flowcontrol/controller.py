@@ -207,9 +207,7 @@ class FlowController:
                                    headers={"retry-after": str(max(1, math.ceil(wait))),
                                             DROPPED_REASON_HEADER: "rejected-token-budget"})
         if self._may_go(now, priority):
-            self.unplaced += 1
-            self.since_sync += 1
-            self._observe(request, "Dispatched", 0.0)
+            self._let_through(request, 0.0)
             return None
         if priority < 0:
             self._observe(request, "RejectedCapacity", 0.0)
@@ -267,11 +265,15 @@ class FlowController:
             if not ticket.go():
                 continue
             ticket.dispatched = True
-            self.unplaced += 1
-            self.since_sync += 1
-            self._observe(ticket.request, "Dispatched", now - waiter.enqueued_at)
+            self._let_through(ticket.request, now - waiter.enqueued_at)
         if self.observer is not None:
             self.observer.observe_dispatch_cycle(time.perf_counter() - began)
+
+    def _let_through(self, request: InferenceRequest, waited: float) -> None:
+        """A request goes to be placed: not on a pod yet, and one more let through since the last load sync."""
+        self.unplaced += 1
+        self.since_sync += 1
+        self._observe(request, "Dispatched", waited)
 
     def _refusal(self, status: int, code: str, reason: str, message: str) -> RequestError:
         return RequestError(status, code, message,

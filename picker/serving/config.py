@@ -264,7 +264,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--redis-url", help="Redis/Valkey for --index-backend redis, e.g. redis://127.0.0.1:6379/0")
     a("--index-namespace", help="replicas with the same namespace share one index (default: pool namespace/name)")
     a("--shared-load-interval", help="with --index-backend redis: how often the replicas share their in-flight "
-      "requests per pod through Redis, so each routes and admits on the whole fleet's load (default 50ms; 0: each "
+      "requests per pod through Redis, so flow control admits on the whole fleet's load (default 50ms; 0: each "
       "counts only its own)")
     a("--kv-events-endpoint", metavar="tcp://HOST:PORT",
       help="precise prefix routing: bind here for the pods' vLLM KV events (their --kv-events-config endpoint, "

@@ -133,7 +133,7 @@ def shared_scrapes(config: ServeConfig) -> SharedScrapes | None:
 def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any], policy: Policy) -> SharedLoad | None:
     """With `--index-backend redis`, replicas share their in-flight counts (unless --shared-load-interval 0):
     admission hears of each sync, and the other replicas' picks count at once (heard through the shared index)."""
-    if config.index_backend != "redis" or not config.shared_load_interval or policy.shared_index is None:
+    if policy.shared_index is None or not config.shared_load_interval:
         return None
     load = SharedLoad(config.redis_url, index_namespace(config), pool.all, find=pool.get,
                       chars_per_token=config.scheduling.prefix_cache.chars_per_token,

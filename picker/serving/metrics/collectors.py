@@ -55,7 +55,7 @@ class LoadSyncCollector(Collector):
         sent.add_metric(["sent"], s.bytes_sent)
         sent.add_metric(["received"], s.bytes_received)
         yield sent
-        yield GaugeMetricFamily("picker_shared_load_peers", "Other replicas whose in-flight counts this one routes on.",
+        yield GaugeMetricFamily("picker_shared_load_peers", "Other replicas whose in-flight counts this one admits on.",
                                 value=s.peers)
         yield GaugeMetricFamily("picker_shared_load_connected", "1 while Redis answers the shared load, else 0.",
                                 value=1.0 if s.connected else 0.0)
