@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from picker.core.requests import ApiKind, InferenceRequest, RequestError
+from picker.core.requests import MAX_COUNTED_OUTPUT_TOKENS, ApiKind, InferenceRequest, RequestError
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.memory import InMemoryPrefixIndex
@@ -94,6 +94,19 @@ def test_subset_hint_limits_candidates() -> None:
         with pytest.raises(RequestError) as err:
             director.rank(req("x", subset=subset, api=ApiKind.COMPLETIONS), 0.0)
         assert err.value.status == 503 and err.value.code == "no_endpoints" and "subset hint" in err.value.message
+
+
+@pytest.mark.parametrize("size", [2, 300])  # every pod scored, and a sample of a large pool
+def test_any_max_tokens_a_client_asks_for_leaves_routing_working(size: int) -> None:
+    """max_tokens is the client's to set (the pod refuses what it cannot serve): counted in flight as asked,
+    10**400 overflowed every later load score on that pod."""
+    pool = EndpointPool()
+    pool.set_endpoints(Endpoint.from_address(f"10.0.{i // 250}.{i % 250 + 1}:8000") for i in range(size))
+    director = Director(pool, build_scheduler(rng=random.Random(0)))
+    for _ in range(2 * size):
+        decision = director.place(req("x" * 300, max_tokens=10**400, api=ApiKind.COMPLETIONS), 0.0)
+        assert decision.endpoint in pool.ready()
+    assert sum(e.in_flight_tokens for e in pool.ready()) == 2 * size * (300 // 4 + MAX_COUNTED_OUTPUT_TOKENS)
 
 
 def test_shared_long_prefix_lands_on_one_pod() -> None:

@@ -354,7 +354,13 @@ class Usage:
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prefix-cache hits
 
 
+# The most output tokens one request is counted for in flight: past any model's context. A client may ask for any
+# max_tokens (the pod refuses what it cannot serve); counted as asked, 10**400 broke every later load score.
+MAX_COUNTED_OUTPUT_TOKENS = 10_000_000
+
+
 def estimated_tokens(request: InferenceRequest, chars_per_token: int) -> int:
     """A cheap token estimate (the scheduling config's prefixCache.charsPerToken) for in-flight accounting
     before metrics catch up."""
-    return len(request.prompt_text) // chars_per_token + (request.max_tokens or 0)
+    asked = min(max(request.max_tokens or 0, 0), MAX_COUNTED_OUTPUT_TOKENS)
+    return len(request.prompt_text) // chars_per_token + asked
