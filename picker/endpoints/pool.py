@@ -15,6 +15,7 @@ import enum
 import logging
 from collections.abc import Callable, Iterable
 
+from picker.endpoints.load_column import LoadColumn
 from picker.endpoints.state import Endpoint, EndpointState
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class EndpointPool:
     def __init__(self) -> None:
         self._endpoints: dict[str, Endpoint] = {}
         self._ready: list[Endpoint] = []
+        self._loads = LoadColumn()  # the ready pods' in-flight counts, as numpy columns (large pools' sampling)
         self._listeners: list[PoolListener] = []
 
     def subscribe(self, listener: PoolListener) -> None:
@@ -96,6 +98,7 @@ class EndpointPool:
 
     def _refresh(self) -> None:
         self._ready = [e for e in self._endpoints.values() if e.healthy]
+        self._loads.track(self._ready)
 
     def get(self, address: str) -> Endpoint | None:
         return self._endpoints.get(address)

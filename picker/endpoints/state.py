@@ -6,6 +6,8 @@ import enum
 import ipaddress
 from dataclasses import dataclass, field
 
+from picker.endpoints.load_column import LoadColumn
+
 
 def parse_address(text: str) -> tuple[str, int]:
     """Split and validate "ip:port" ("[v6]:port" for IPv6); ValueError with a readable reason otherwise."""
@@ -80,6 +82,9 @@ class Endpoint:
     scrape_interval: float = 0.0  # seconds until the scraper refreshes `metrics` again (its current cadence)
     listed_models: frozenset[str] = frozenset()  # what its GET /v1/models listed: base models, loaded adapters
     listed_for: frozenset[str] = frozenset()  # the base models its metrics named when that listing was read
+    # The pool's column of ready pods' counts this pod writes its own into (picker.endpoints.load_column), and its row
+    column: LoadColumn | None = field(default=None, repr=False, compare=False)
+    row: int = field(default=0, repr=False, compare=False)
 
     @classmethod
     def from_address(cls, address: str, name: str = "", labels: dict[str, str] | None = None) -> Endpoint:
@@ -109,11 +114,15 @@ class Endpoint:
         self.in_flight += 1
         self.in_flight_tokens += tokens
         self.last_picked_at = now
+        if self.column is not None:
+            self.column.update(self)
 
     def finish_request(self, tokens: int) -> None:
         self.finished += 1
         self.in_flight = max(0, self.in_flight - 1)
         self.in_flight_tokens = max(0, self.in_flight_tokens - tokens)
+        if self.column is not None:
+            self.column.update(self)
 
     @property
     def fleet_in_flight(self) -> int:

@@ -83,7 +83,9 @@ from picker.scheduling.strategies import (
 )
 from picker.scheduling.types import Scheduler
 
-_COMMON_HEAD = [{"pluginRef": "saturation-filter"}]
+# A large pool's candidates are sampled first (only those that can win are scored; none below 256 candidates),
+# then the saturated ones go
+_COMMON_HEAD = [{"pluginRef": "candidate-sample-filter"}, {"pluginRef": "saturation-filter"}]
 _COMMON_TAIL = [{"pluginRef": "max-score-picker"}]
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -100,6 +102,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # Each plugin's parameters default to its constructor's (picker/scheduling/*.py); only what the default
     # profiles set otherwise is written here (tests/test_defaults_once.py keeps it so).
     "plugins": [
+        {"type": "candidate-sample-filter", "name": "candidate-sample-filter"},
         # thresholds: the admission section's queueThreshold / kvCacheThreshold unless set here
         {"type": "saturation-filter", "name": "saturation-filter"},
         {"type": "prefix-cache-scorer", "name": "prefix-cache-scorer"},
@@ -175,15 +178,13 @@ PREDICTED_TTFT_CONFIG: dict[str, Any] = {
 }
 
 
-def sampled_scheduling(**parameters: Any) -> dict[str, Any]:
-    """The defaults with `candidate-sample-filter` first in every profile (opt-in: in large pools it keeps a
-    decision's cost flat, and costs some TTFT, bench/README.md "One picker process as the pool grows");
-    `parameters` as in a config file (`minCandidates`, `sampleSize`)."""
+def every_pod_scheduling() -> dict[str, Any]:
+    """The defaults without `candidate-sample-filter`: every candidate scored, however large the pool (what the
+    sample is measured against, bench/README.md "One picker process as the pool grows")."""
     out = copy.deepcopy(DEFAULT_CONFIG)
-    out["plugins"].insert(0, {"type": "candidate-sample-filter", "name": "candidate-sample-filter",
-                              **({"parameters": parameters} if parameters else {})})
+    out["plugins"] = [p for p in out["plugins"] if p["type"] != filters.CandidateSampleFilter.type_name]
     for profile in out["schedulingProfiles"]:
-        profile["plugins"].insert(0, {"pluginRef": "candidate-sample-filter"})
+        profile["plugins"] = [p for p in profile["plugins"] if p["pluginRef"] != "candidate-sample-filter"]
     return out
 
 

@@ -36,6 +36,9 @@ class SchedulingContext:
     # With a TTFT objective (request.slo_ttft_s): whether some candidate is predicted to meet it (None: not
     # predicted); the director sheds a sheddable request none can serve in time
     slo_attainable: bool | None = None
+    # the candidates a sample was drawn from when only a sample of them is scored (candidate-sample-filter); 0: all
+    # are scored. Plugins that weigh a pod's share of the traffic count shares of the whole set
+    sampled_from: int = 0
     prefill: Endpoint | None = None  # with P/D: the pod that prefills the prompt (it caches it too)
     # plugin name -> what that plugin computed for this request and reads again at `on_picked` (None until a
     # plugin keeps something: most requests need no dict)

@@ -118,6 +118,7 @@ class PrefixAwareScheduler:
         """One profile over the endpoints: its filters, then its weighted scorers and its picker. The pool's own
         list goes to the first filter uncopied (filters return new lists; none changes the one it is given)."""
         candidates = endpoints if isinstance(endpoints, list) else list(endpoints)
+        ctx.sampled_from = 0  # a sample filter of this profile says otherwise
         steps: _Steps = []  # filters that removed someone
         for f in profile.filters:
             began = time.perf_counter() if timer is not None else 0.0

@@ -146,19 +146,21 @@ class PrefixCacheScorer(Plugin):
             return
         all_picks = demand.total(now)
         holders = [i for i, m in enumerate(matched) if m >= depth]
-        if all_picks <= 0.0 or len(holders) == len(candidates):
+        # shares are of the whole candidate set, also when a sample of it is scored (SchedulingContext.sampled_from)
+        n = ctx.sampled_from or len(candidates)
+        held_by = sum(1 for m in ctx.matches.values() if m >= depth) if ctx.sampled_from else len(holders)
+        if all_picks <= 0.0 or held_by >= n or len(holders) == len(candidates):
             return
         if any(candidates[i].in_flight == 0 for i in holders):
             return  # a holder is free: however much of the traffic wants it, it is not queueing anywhere
-        n = len(candidates)
         picks = demand.of(ctx.keys[depth - 1], now)
-        if self.hot_share is not None and picks * n > self.hot_share * len(holders) * all_picks:
+        if self.hot_share is not None and picks * n > self.hot_share * held_by * all_picks:
             takers = [i for i, m in enumerate(matched) if m < depth]
         elif self.crowded_share is not None:
             # crowded: every holder took over `crowded_share` fair shares of the recent prefix picks without this
             # prefix's part (crowded by its other prefixes; a single prefix's traffic is the hot rule's to spread)
             counted = demand.counted(now)
-            bar, part = self.crowded_share * counted / n, picks / len(holders)
+            bar, part = self.crowded_share * counted / n, picks / held_by
             if counted <= 0.0 or any(demand.of_pod(candidates[i].address, now) - part <= bar for i in holders):
                 return
             takers = [i for i, m in enumerate(matched) if m < depth and _idle(candidates[i])
