@@ -221,3 +221,59 @@ async def test_metrics_are_read_where_the_target_says(pods: list[FakePod]) -> No
             await wrong.stop()
     finally:
         await scraper.stop()
+
+
+async def test_pods_that_join_together_are_first_scraped_spread_out() -> None:
+    """A pool that starts with hundreds of pods does not scrape them all in one burst (which then recurs every
+    interval): past FIRST_SCRAPES at once, the first scrapes are spaced over `fast` / FIRST_SCRAPES each."""
+    from picker.endpoints.scraper import FIRST_SCRAPES
+
+    many = [Endpoint.from_address(f"10.9.{i // 250}.{i % 250}:8000") for i in range(3 * FIRST_SCRAPES)]
+    scraper = MetricsScraper(lambda: many, cadence=Cadence(fast=0.1, slow=1.0))
+    scraper._sweep(50.0)
+    due = sorted(scraper._due.values())
+    assert due[0] == 50.0 and due[-1] == pytest.approx(50.0 + 0.1 * (3 * FIRST_SCRAPES - 1) / FIRST_SCRAPES)
+    few = many[:FIRST_SCRAPES]
+    scraper = MetricsScraper(lambda: few, cadence=Cadence(fast=0.1, slow=1.0))
+    scraper._sweep(50.0)
+    assert set(scraper._due.values()) == {50.0}  # a small pool is scraped at once
+
+
+async def test_the_pool_is_read_once_per_fast_interval_not_once_per_scrape(pods: list[FakePod]) -> None:
+    """Each finished scrape wakes the loop; the pool list is walked only every `fast` seconds (a pool of thousands
+    of pods walked once per scrape cost a core)."""
+    reads = 0
+
+    def endpoints() -> list[Endpoint]:
+        nonlocal reads
+        reads += 1
+        return [p.endpoint for p in pods]
+
+    scraper = MetricsScraper(endpoints, cadence=Cadence(fast=0.2, slow=0.2), timeout=0.5)
+    await scraper.start()
+    try:
+        await eventually(lambda: scraper.polls >= 4 * len(pods), 5.0)
+    finally:
+        await scraper.stop()
+    assert reads <= scraper.polls / len(pods) + 3, (reads, scraper.polls)
+
+
+async def test_a_scrape_budget_stretches_every_interval_alike(pods: list[FakePod]) -> None:
+    """Three pods at a fixed 20 ms ask for 150 scrapes a second; a budget of 30 stretches each interval five times
+    (a large pool of busy pods would otherwise cost the picker a core), and says so."""
+    loop = asyncio.get_running_loop()
+    endpoints = [p.endpoint for p in pods]
+    scraper = MetricsScraper(lambda: endpoints, refresh_interval=0.02, max_rate=30.0)
+    await scraper.start()
+    try:
+        # each pod's interval is set as its scrape ends: stretched fully once every pod has asked
+        await eventually(lambda: all(e.scrape_interval == pytest.approx(0.1) for e in endpoints), 2.0)
+        assert scraper.stretch == pytest.approx(5.0)
+        began, polls = loop.time(), scraper.polls
+        await eventually(lambda: loop.time() - began >= 0.5, 2.0)
+        assert scraper.polls - polls <= 0.5 * 30 * 1.5  # ~15 in half a second, not ~75
+    finally:
+        await scraper.stop()
+    unlimited = MetricsScraper(lambda: endpoints, refresh_interval=0.02)
+    await unlimited.poll_once()
+    assert unlimited.stretch == 1.0 and endpoints[0].scrape_interval == pytest.approx(0.02)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -57,7 +59,8 @@ async def serving_port_open(endpoint: Endpoint, connect_s: float) -> bool:
         await writer.wait_closed()
     return True
 
-ScrapeCallback = Callable[[Endpoint, bool, bool], None]  # endpoint, fetched and read, fetched but unreadable
+ScrapeCallback = Callable[[Endpoint, bool, bool], None]
+FIRST_SCRAPES = 64  # pods that may join in one sweep and be scraped at once; more are spread out  # endpoint, fetched and read, fetched but unreadable
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +133,14 @@ class MetricsScraper:
         shared: SharedScrapes | None = None,
         on_metrics: Callable[[Endpoint], None] | None = None,
         reachable: Reachable | None = None,
+        max_rate: float = 0.0,
     ) -> None:
         """`refresh_interval` (a fixed cadence) and `cadence` exclude each other; neither: `Cadence()`.
         With `shared`, replicas take turns scraping each pod and the others read the result. `on_metrics` hears
         of every pod whose metrics were refreshed (our scrape or a shared record): room may have freed.
-        `reachable` tells a degraded pod from an unready one (default: a TCP connection to its serving port)."""
+        `reachable` tells a degraded pod from an unready one (default: a TCP connection to its serving port).
+        `max_rate` (> 0) caps the pool's scrapes a second: when the pods' cadences ask for more, every interval
+        stretches by the same factor (a large pool of busy pods would otherwise cost the picker a core)."""
         if refresh_interval is not None and cadence is not None:
             raise ValueError("give refresh_interval or cadence, not both")
         if (refresh_interval is not None and refresh_interval <= 0) or timeout <= 0 or failure_threshold <= 0:
@@ -155,7 +161,17 @@ class MetricsScraper:
         self._owns_session = session is None
         self._inflight: dict[str, asyncio.Task[bool]] = {}
         self._due: dict[str, float] = {}  # address -> loop time of its next scrape
-        self._wakeup: asyncio.Future[None] | None = None  # the loop's sleep; a finished scrape ends it early
+        # (due, address) of every pod's next scrape, soonest first; an entry whose time is no longer its pod's
+        # `_due` (rescheduled, or the pod left) is skipped when it comes up
+        self._queue: list[tuple[float, str]] = []
+        self._known: dict[str, Endpoint] = {}  # the pool as of the last sweep, by address
+        self._next_sweep = 0.0  # loop time at which the pool is read again for pods that joined or left
+        self._wake_at = 0.0  # loop time the loop's timer is set for
+        self.max_rate = max_rate
+        self._rates: dict[str, float] = {}  # address -> 1 / its cadence's interval: scrapes a second it asks for
+        self._demand = 0.0  # their sum
+        self._rng = random.Random()  # spreads each pod's next scrape a little, so a pool's scrapes do not bunch
+        self._wakeup: asyncio.Future[None] | None = None  # the loop's sleep; an earlier due scrape ends it
         self._loop_task: asyncio.Task[None] | None = None
         self.polls = 0  # scrape attempts, for tests and our own metrics
         self.failures = 0
@@ -184,17 +200,22 @@ class MetricsScraper:
             self._session = None
 
     async def _run(self) -> None:
-        """Start every scrape that is due, then sleep until the next one is (at most `fast`: new pods join)."""
+        """Start the scrapes that are due, then sleep until the next one is. The pool is read at most every `fast`
+        seconds (pods that joined are scraped at once); in between, a wake-up costs only the scrapes it starts, so
+        a pool of thousands of pods is not walked once per finished scrape."""
         loop = asyncio.get_running_loop()
         while True:
             now = loop.time()
-            self._launch(now)
-            upcoming = [due for address, due in self._due.items() if address not in self._inflight]
-            wake = min(upcoming, default=now + self.cadence.fast)
-            # A plain future woken by a timer or by a finished scrape. Not wait_for(event.wait()): on Python 3.11
+            if now >= self._next_sweep:
+                self._sweep(now)
+                self._next_sweep = now + self.cadence.fast
+            self._launch_due(now)
+            wake = min(self._queue[0][0], self._next_sweep) if self._queue else self._next_sweep
+            # A plain future woken by a timer or by a sooner scrape. Not wait_for(event.wait()): on Python 3.11
             # that can swallow a cancellation that lands as the event fires, and stop() would wait forever.
             self._wakeup = loop.create_future()
-            timer = loop.call_later(min(self.cadence.fast, max(0.0, wake - now)), self._wake)
+            self._wake_at = wake
+            timer = loop.call_later(max(0.0, wake - now), self._wake)
             try:
                 await self._wakeup
             finally:
@@ -204,33 +225,76 @@ class MetricsScraper:
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
 
-    def _launch(self, now: float | None = None) -> list[asyncio.Task[bool]]:
-        """Scrape the endpoints due by `now` (None: all of them) that are not being scraped already."""
-        started = []
-        current = set()
-        for endpoint in self.endpoints_fn():
-            current.add(endpoint.address)
-            if endpoint.address in self._inflight or (now is not None and self._due.get(endpoint.address, 0.0) > now):
-                continue
-            task = asyncio.create_task(self._scrape_and_schedule(endpoint))
-            self._inflight[endpoint.address] = task
-            task.add_done_callback(functools.partial(self._done, endpoint.address))
-            started.append(task)
-        if len(self._due) > len(current):  # pods that left the pool
-            for address in [a for a in self._due if a not in current]:
-                del self._due[address]
-                self._applied.pop(address, None)
-        return started
+    def _sweep(self, now: float) -> None:
+        """Read the pool: pods not seen before are due now, or, when many join at once (start-up), one every
+        `fast / FIRST_SCRAPES` seconds, so their scrapes stay spread out from then on; a pod that left is forgotten."""
+        known = {e.address: e for e in self.endpoints_fn()}
+        joined = [address for address in known if address not in self._known and address not in self._due]
+        spacing = self.cadence.fast / FIRST_SCRAPES if len(joined) > FIRST_SCRAPES else 0.0
+        for i, address in enumerate(joined):
+            self._schedule(address, now + i * spacing)
+        for address in self._known.keys() - known.keys():
+            self._due.pop(address, None)
+            self._applied.pop(address, None)
+            self._rates.pop(address, None)
+        self._known = known
+        self._demand = sum(self._rates.values())  # afresh: no drift from adding and taking away
+
+    @property
+    def stretch(self) -> float:
+        """How much longer than their cadence asks the pods' intervals are (1: not at all), under `max_rate`."""
+        return self._demand / self.max_rate if self.max_rate and self._demand > self.max_rate else 1.0
+
+    def _paced(self, endpoint: Endpoint, ok: bool) -> float:
+        """The pod's next interval: its cadence's, stretched while the pool asks for more than `max_rate`."""
+        interval = self.cadence.interval(endpoint, ok)
+        rate = 1.0 / interval
+        self._demand += rate - self._rates.get(endpoint.address, 0.0)
+        self._rates[endpoint.address] = rate
+        endpoint.scrape_interval = interval * self.stretch
+        return endpoint.scrape_interval
+
+    def _schedule(self, address: str, due: float) -> None:
+        self._due[address] = due
+        heapq.heappush(self._queue, (due, address))
+        if due < self._wake_at:
+            self._wake()  # sooner than the loop's timer
+
+    def _launch_due(self, now: float) -> None:
+        queue = self._queue
+        while queue and queue[0][0] <= now:
+            due, address = heapq.heappop(queue)
+            endpoint = self._known.get(address)
+            if endpoint is None or self._due.get(address) != due or address in self._inflight:
+                continue  # gone, rescheduled, or being scraped (it schedules its next scrape when it ends)
+            self._start(endpoint)
+
+    def _start(self, endpoint: Endpoint) -> asyncio.Task[bool]:
+        task = asyncio.create_task(self._scrape_and_schedule(endpoint))
+        self._inflight[endpoint.address] = task
+        task.add_done_callback(functools.partial(self._done, endpoint.address))
+        return task
+
+    def _launch(self) -> list[asyncio.Task[bool]]:
+        """Scrape every current endpoint that is not being scraped already (poll_once)."""
+        return [self._start(e) for e in self.endpoints_fn() if e.address not in self._inflight]
 
     async def _scrape_and_schedule(self, endpoint: Endpoint) -> bool:
         start = asyncio.get_running_loop().time()
-        if self.shared is not None:
-            ok, wait = await self._refresh_shared(endpoint, self.shared)
-        else:
-            ok = await self.scrape(endpoint)
-            wait = endpoint.scrape_interval = self.cadence.interval(endpoint, ok)
-        self._due[endpoint.address] = start + wait
-        self._wake()  # its pod's next due time is known now
+        ok, wait = False, self.cadence.fast  # what an unexpected error leaves: try again soon
+        try:
+            if self.shared is not None:
+                ok, wait = await self._refresh_shared(endpoint, self.shared)
+            else:
+                ok = await self.scrape(endpoint)
+                wait = self._paced(endpoint, ok)
+        finally:
+            address = endpoint.address
+            if self._inflight.get(address) is asyncio.current_task():
+                del self._inflight[address]  # done: its next scrape may start (`_done` covers a cancelled one)
+            if address in self._known or self._loop_task is None:
+                # +-5 %: pods scraped together (all of them at start-up) drift apart instead of staying in one burst
+                self._schedule(address, start + wait * self._rng.uniform(0.95, 1.05))
         return ok
 
     async def _refresh_shared(self, endpoint: Endpoint, shared: SharedScrapes) -> tuple[bool, float]:
@@ -250,7 +314,7 @@ class MetricsScraper:
         if not await shared.claim(address, hold + grace(hold)):
             return True, min(0.02, self.cadence.fast)  # another replica took it just now: read its record soon
         ok = await self.scrape(endpoint)
-        interval = endpoint.scrape_interval = self.cadence.interval(endpoint, ok)
+        interval = self._paced(endpoint, ok)
         await shared.publish(address, endpoint.metrics if ok else None, interval)
         return ok, interval
 

@@ -162,7 +162,8 @@ class PoolMonitor:
         self.scraper = MetricsScraper(pool.all, cadence=cadence, failure_threshold=config.unhealthy_after_failures,
                                       timeout=max(0.2, min(2.0, cadence.fast * 10)), health=pool,
                                       on_scrape=metrics.pool.observe_scrape, shared=self.shared,
-                                      target=config.metrics_target, on_metrics=on_metrics)
+                                      target=config.metrics_target, on_metrics=on_metrics,
+                                      max_rate=config.max_scrapes_per_second)
 
     async def run(self) -> None:
         await self.scraper.poll_once()  # warm start: metrics before the first request where possible
@@ -170,7 +171,7 @@ class PoolMonitor:
         try:
             index = self.scheduler.index  # strategies without a prefix index have none
             while True:
-                self.metrics.pool.observe_pool(self.pool.all())
+                self.metrics.pool.observe_pool(self.pool.all(), self.scraper.stretch)
                 if index is not None:
                     self.metrics.scheduling.index_size_value.set(index.size())
                 chars_per_token = self.scheduler.learned_chars_per_token

@@ -4,9 +4,9 @@ scrapes of the pods cost them (`picker_model_server_scrapes`)."""
 from __future__ import annotations
 
 import contextlib
-import statistics
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -47,17 +47,11 @@ class PoolMetrics:
         self.std_running = Gauge("llm_d_epp_std_dev_running_requests", "Spread of the ready pods' running requests.",
                                  pool, registry=r)
         self.ready_pods = Gauge("llm_d_epp_ready_endpoints", "Pods the picker may route to.", pool, registry=r)
-        self.pod_queue = Gauge("llm_d_epp_per_endpoint_queue_size", "Waiting requests per pod.",
-                               ["name", "model_server_endpoint"], registry=r)
-        self.in_flight = Gauge("picker_endpoint_in_flight_requests", "Requests the picker routed that have not finished.",
-                               ["name", "model_server_pod"], registry=r)
-        self.fleet_in_flight = Gauge("picker_endpoint_fleet_in_flight_requests",
-                                     "Requests in flight on the pod from every picker replica, as this one admits "
-                                     "on them: its own, plus what its peers last reported (--shared-load-interval).",
-                                     ["name", "model_server_pod"], registry=r)
-        self.pod_state = Gauge("picker_endpoint_state", "1 for the pod's state: ready (fresh metrics), degraded (routed on "
-                               "the picker's own view: its metrics cannot be read) or unready (unreachable, not routed).",
-                               ["name", "model_server_pod", "state"], registry=r)
+        self.scrape_stretch = Gauge("picker_model_server_scrape_stretch", "How much longer the pods' scrape intervals "
+                                    "are than their cadence asks, to keep to --max-scrapes-per-second (1: not "
+                                    "stretched).", pool, registry=r)
+        self.pods = _PodCollector(self)  # each pod's queue, state and in-flight counts, read when /metrics is
+        r.register(self.pods)  # scraped: set pod by pod every second, they stalled the loop ~10 ms at 1,000 pods
         self.scrapes = Counter("picker_model_server_scrapes",
                                "/metrics requests this picker made to each model server (what our signals cost "
                                "the pods), by result.", ["name", "model_server_pod", "result"], registry=r)
@@ -73,7 +67,8 @@ class PoolMetrics:
             Twin("inference_pool_average_queue_size", self.avg_queue, ("name",)),
             Twin("inference_pool_average_running_requests", self.avg_running, ("name",)),
             Twin("inference_pool_ready_pods", self.ready_pods, ("name",)),
-            Twin("inference_pool_per_pod_queue_size", self.pod_queue, ("name", "model_server_endpoint"), pod),
+            Twin("inference_pool_per_pod_queue_size", self.pods, ("name", "model_server_endpoint"), pod,
+                 family=POD_QUEUE),
             Twin("llm_d_inference_scheduler_datalayer_poll_errors", self.poll_errors, ("source_type",)),
             Twin("llm_d_inference_scheduler_datalayer_extract_errors", self.extract_errors,
                  ("source_type", "extractor_type")),
@@ -87,8 +82,9 @@ class PoolMetrics:
             if unreadable:
                 self.extract_errors.labels("metrics-data-source", "core-metrics-extractor").inc()
 
-    def observe_pool(self, endpoints: Iterable[Endpoint]) -> None:
-        """Refresh pool gauges from the latest endpoint state (called after each scrape round)."""
+    def observe_pool(self, endpoints: Iterable[Endpoint], scrape_stretch: float = 1.0) -> None:
+        """Refresh pool gauges from the latest endpoint state (every second), and how far scraping is stretched."""
+        self.scrape_stretch.labels(self.pool_name).set(scrape_stretch)
         endpoints = list(endpoints)
         self.endpoints = endpoints
         self.models.learn(endpoints)
@@ -100,30 +96,49 @@ class PoolMetrics:
                     (self.avg_kv, self.std_kv, [e.metrics.kv_usage for e in ready]),
                     (self.avg_queue, self.std_queue, [e.metrics.waiting for e in ready]),
                     (self.avg_running, self.std_running, [e.metrics.running for e in ready])):
-                mean.labels(name).set(statistics.fmean(values))
-                spread.labels(name).set(statistics.pstdev(values))
+                column = np.array(values, dtype=np.float64)  # statistics' exact sums took ~1 ms at 1,000 pods
+                mean.labels(name).set(float(column.mean()))
+                spread.labels(name).set(float(column.std()))
         queries = sum(e.metrics.prefix_queries for e in ready)
         hits = sum(e.metrics.prefix_hits for e in ready)
         self.pool_prefix_hit_ratio.labels(name).set(hits / queries if queries else 0.0)
-        for e in ready:
-            self.pod_queue.labels(name, e.name).set(e.metrics.waiting)
-            self.in_flight.labels(name, e.name).set(e.in_flight)
-            self.fleet_in_flight.labels(name, e.name).set(e.fleet_in_flight)
-        for e in endpoints:
-            for state in EndpointState:
-                self.pod_state.labels(name, e.name, state.value).set(1.0 if e.state is state else 0.0)
 
     def forget_pod(self, endpoint: Endpoint) -> None:
-        """A departed pod's series go with it (pod churn must not grow /metrics)."""
-        for gauge in (self.pod_queue, self.in_flight, self.fleet_in_flight):
-            with contextlib.suppress(KeyError):
-                gauge.remove(self.pool_name, endpoint.name)
-        for state in EndpointState:
-            with contextlib.suppress(KeyError):
-                self.pod_state.remove(self.pool_name, endpoint.name, state.value)
+        """A departed pod's series go with it (pod churn must not grow /metrics); the per-pod gauges follow the pool."""
         for result in ("ok", "error"):
             with contextlib.suppress(KeyError):
                 self.scrapes.remove(self.pool_name, endpoint.name, result)
+
+
+POD_QUEUE = "llm_d_epp_per_endpoint_queue_size"
+
+
+class _PodCollector(Collector):
+    """Per pod, from the pool as of the last refresh, at scrape time: its waiting queue and our and the fleet's
+    in-flight requests (ready pods), its state (every pod)."""
+
+    def __init__(self, metrics: PoolMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        name = self.metrics.pool_name
+        queue = GaugeMetricFamily(POD_QUEUE, "Waiting requests per pod.", labels=["name", "model_server_endpoint"])
+        own = GaugeMetricFamily("picker_endpoint_in_flight_requests", "Requests the picker routed that have not "
+                                "finished.", labels=["name", "model_server_pod"])
+        fleet = GaugeMetricFamily("picker_endpoint_fleet_in_flight_requests", "Requests in flight on the pod from "
+                                  "every picker replica, as this one admits on them: its own, plus what its peers "
+                                  "last reported (--shared-load-interval).", labels=["name", "model_server_pod"])
+        state = GaugeMetricFamily("picker_endpoint_state", "1 for the pod's state: ready (fresh metrics), degraded "
+                                  "(routed on the picker's own view: its metrics cannot be read) or unready "
+                                  "(unreachable, not routed).", labels=["name", "model_server_pod", "state"])
+        for e in self.metrics.endpoints:
+            if e.healthy:
+                queue.add_metric([name, e.name], e.metrics.waiting)
+                own.add_metric([name, e.name], e.in_flight)
+                fleet.add_metric([name, e.name], e.fleet_in_flight)
+            for s in EndpointState:
+                state.add_metric([name, e.name, s.value], 1.0 if e.state is s else 0.0)
+        yield from (queue, own, fleet, state)
 
 
 class _InFlightCollector(Collector):
