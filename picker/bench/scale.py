@@ -7,9 +7,9 @@ with about four requests in flight per pod; the most decisions per second that l
 pool costs (parsing one real vLLM 0.32 /metrics page, times one scrape per pod per second: the calm cadence); and
 the prefix index's memory per 100k cached prefixes; what replicas sharing their load cost Valkey (a local one: each
 replica's report, one sync's round trip and bytes, per pool size and replica count). Wall-clock per call (`time.perf_counter_ns`); this machine's
-speed moves between runs, so compare sizes within a run. Every figure twice: with the default profiles, and with
-the opt-in `candidate-sample-filter` first in each; then what the sampling costs in routing, in fast mode (the
-same trace through both, simulated llama3-8b-h100 pods at 0.8 load).
+speed moves between runs, so compare sizes within a run. Every figure twice: with the default profiles (whose
+`candidate-sample-filter` scores a sample of 256 candidates or more), and with every pod scored; then what the
+sampling costs in routing, in fast mode (the same trace through both, simulated llama3-8b-h100 pods at 0.8 load).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 import tracemalloc
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,7 @@ from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.routing.director import Director
-from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, sampled_scheduling
+from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, every_pod_scheduling
 from picker.serving.config import ServeConfig
 from picker.sim.profiles import get_profile
 
@@ -68,6 +70,8 @@ class ScaleSpec:
     # (pods, requests, workloads) of the routing comparison, every pod scored against the sampled few
     routing: tuple[tuple[int, int, tuple[str, ...]], ...] = (
         (256, 4000, ("shared-prefix", "chat", "zipf-prefix")), (1024, 8000, ("chat", "zipf-prefix")))
+    round_trip_pools: tuple[int, ...] = (8, 1000)  # echo pods behind Envoy and `picker serve`, one size at a time
+    round_trips: int = 1000  # timed sequential requests per pool size (after as many to warm up)
 
 
 def words_text(rng: random.Random, chars: int) -> str:
@@ -82,12 +86,13 @@ def words_text(rng: random.Random, chars: int) -> str:
 
 
 def simulated_pods(n: int, rng: random.Random) -> list[Endpoint]:
-    """`n` pods with varied queues and KV use, scraped at time 0."""
+    """`n` pods serving the model "llama" (vLLM labels its series with it), with varied queues and KV use, scraped
+    at time 0."""
     endpoints = []
     for i in range(n):
         e = Endpoint.from_address(f"10.{i // 250}.{i % 250}.1:8000")
         e.metrics = EndpointMetrics(waiting=rng.randint(0, 4), running=rng.randint(0, 8), kv_usage=rng.random() * 0.7,
-                                    block_size=16, num_gpu_blocks=30_000, updated_at=0.0)
+                                    models=frozenset({"llama"}), block_size=16, num_gpu_blocks=30_000, updated_at=0.0)
         endpoints.append(e)
     return endpoints
 
@@ -101,12 +106,12 @@ def _pool(n: int, rng: random.Random) -> EndpointPool:
     return pool
 
 
-def decisions(pods: int, spec: ScaleSpec, sampled: bool = False) -> dict[str, float]:
+def decisions(pods: int, spec: ScaleSpec, sampled: bool = True) -> dict[str, float]:
     """p50/p99/mean µs of `Director.place` on a pool of `pods`, and the decisions per second that mean allows;
-    `sampled`: with the opt-in candidate-sample-filter."""
+    `sampled`: the defaults (a large pool's candidates sampled), else every pod scored."""
     rng = random.Random(spec.seed * 7919 + pods)
     pool = _pool(pods, rng)
-    director = Director(pool, build_scheduler(sampled_scheduling() if sampled else None, rng=random.Random(spec.seed)))
+    director = Director(pool, build_scheduler(None if sampled else every_pod_scheduling(), rng=random.Random(spec.seed)))
     prefixes = [words_text(rng, spec.prompt_chars * 3 // 4) for _ in range(32)]
     prompts = [rng.choice(prefixes) + words_text(rng, spec.prompt_chars // 4) for _ in range(256)]
     live = []
@@ -171,7 +176,7 @@ def routing_cost(spec: ScaleSpec) -> list[dict[str, Any]]:
         for workload in workloads:
             rate = rate_for_load(0.8, pods, cost_per_request(workload, fleet, spec.seed))
             trace = generate(workload, requests, rate, spec.seed, fleet)
-            for sampled, scheduling in ((False, DEFAULT_CONFIG), (True, sampled_scheduling())):
+            for sampled, scheduling in ((False, every_pod_scheduling()), (True, DEFAULT_CONFIG)):
                 r = summarize(run_fast(trace, "picker", FastConfig(profile, pods, seed=spec.seed),
                                        scheduling=scheduling))
                 rows.append({"workload": workload, "pods": pods, "sampled": sampled,
@@ -234,8 +239,8 @@ BUSY = 0.7  # the share of a core a replica is sized to use, leaving room for bu
 
 def sizing(section: dict[str, Any], spec: ScaleSpec) -> list[dict[str, Any]]:
     """Replicas and Valkey load for each fleet-wide rate and large pool: a replica's CPU per request is what `make
-    overhead` measured at 8 pods plus what the decision costs at this pool size beyond 64 pods (sampled scheduling:
-    the default profiles' decision grows with the pool); Valkey carries the shared index (each replica reads every
+    overhead` measured at 8 pods plus what the decision costs at this pool size beyond 64 pods (the defaults, which
+    sample a large pool's candidates); Valkey carries the shared index (each replica reads every
     pick: `valkey_cpu_us` per request and reader) and the shared load (20 syncs a second per replica, slower when a
     sync takes long; bytes as measured with the nearest replica count)."""
     sampled = {r["pods"]: r for r in section["decisions"] if r["sampled"]}
@@ -256,13 +261,82 @@ def sizing(section: dict[str, Any], spec: ScaleSpec) -> list[dict[str, Any]]:
     return rows
 
 
+def round_trips(spec: ScaleSpec) -> list[dict[str, Any]]:
+    """Per pool size, the client's round trip of sequential chat requests (2,048 characters over 32 shared prefixes)
+    through Envoy and a `picker serve` process to echo pods ("tiny") that answer /metrics as vLLM does (`picker.tools.echo`,
+    one process, each pod on its own loopback address): what the pool's size adds to a request through ext_proc,
+    scraping included. One size at a time, so one pool's scraping does not slow the other's requests."""
+    rng = random.Random(spec.seed)
+    prefixes = [words_text(rng, spec.prompt_chars * 3 // 4) for _ in range(32)]
+    bodies = [json.dumps({"model": "tiny", "messages": [{"role": "user", "content": rng.choice(prefixes)
+                                                          + words_text(rng, spec.prompt_chars // 4)}]}).encode()
+              for _ in range(256)]
+    rows = []
+    for pods in spec.round_trip_pools:
+        micros = sorted(t * 1e6 for t in _round_trips(pods, bodies, spec.round_trips))
+        rows.append({"pods": pods, "requests": len(micros), "p50_us": micros[len(micros) // 2],
+                     "p99_us": micros[int(len(micros) * 0.99)], "mean_us": statistics.fmean(micros)})
+    return rows
+
+
+def _round_trips(pods: int, bodies: list[bytes], count: int) -> list[float]:
+    from picker.serving.supervisor import (
+        free_port,
+        process_scope,
+        spawn,
+        start_envoy,
+        start_picker,
+        wait_until,
+    )
+
+    with process_scope(f"scale-round-trip-{pods}") as (logdir, started):
+        port = free_port()
+        pool = [f"127.{1 + i // 62500}.{i // 250 % 250}.{1 + i % 250}:{port}" for i in range(pods)]
+        echo = spawn("echo", [sys.executable, "-m", "picker.tools.echo", *pool], logdir)
+        started.append(echo)
+        wait_until(lambda: "ready" in echo.log(), 60, "echo pods", echo.proc)
+        picker = start_picker(logdir, endpoints=pool, extra=["--log-level", "WARNING"])
+        started.append(picker.process)
+        envoy = start_envoy(logdir, picker, pool)
+        started.append(envoy.process)
+        wait_until(lambda: _scraped(picker.metrics_port) >= pods, 60, "every pod scraped", picker.process.proc)
+        return asyncio.run(_sequential(envoy.url, bodies, count))
+
+
+def _scraped(metrics_port: int) -> int:
+    """Pods the picker has scraped successfully at least once (its picker_model_server_scrapes_total series)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(1 for line in text.splitlines()
+               if line.startswith("picker_model_server_scrapes_total{") and 'result="ok"' in line
+               and not line.endswith(" 0.0"))
+
+
+async def _sequential(url: str, bodies: list[bytes], count: int) -> list[float]:
+    """`count` timed requests one after another (after as many untimed), each must answer 200."""
+    import aiohttp
+
+    times = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(2 * count):
+            began = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=bodies[i % len(bodies)],
+                                    headers={"content-type": "application/json"}) as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"round trip {i}: HTTP {response.status}")
+            if i >= count:
+                times.append(time.perf_counter() - began)
+    return times
+
+
 def run_scale(spec: ScaleSpec, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     section = {"spec": {"pools": list(spec.pools), "decisions": spec.decisions, "prompt_chars": spec.prompt_chars},
                "decisions": [decisions(n, spec, sampled) for n in spec.pools for sampled in (False, True)],
                "scrape": scrape_cost(),
                "index": index_memory(spec.index_prefixes), "shared_load": shared_load_cost(spec),
-               "routing": routing_cost(spec)}
+               "routing": routing_cost(spec), "round_trips": round_trips(spec)}
     section["sizing"] = sizing(section, spec)
     (out / "scale.json").write_text(json.dumps(section, indent=1))
     (out / "scale.md").write_text(render(section))
@@ -277,9 +351,18 @@ def render(section: dict[str, Any]) -> str:
              "| pods | scheduling | decision p50 µs | p99 µs | mean µs | decisions/s (1 / mean) |",
              "|---:|---|---:|---:|---:|---:|"]
     for row in section["decisions"]:
-        kind = "defaults + candidate-sample-filter" if row["sampled"] else "defaults"
+        kind = "defaults (sampled)" if row["sampled"] else "every pod scored"
         lines.append(f"| {row['pods']} | {kind} | {row['p50_us']:.0f} | {row['p99_us']:.0f} | {row['mean_us']:.0f} | "
                      f"{row['decisions_per_s']:.0f} |")
+    trips = section.get("round_trips") or []
+    if trips:
+        base = trips[0]
+        lines += ["", f"Through Envoy and a `picker serve` process to echo pods that answer /metrics as vLLM does "
+                  f"({base['requests']} sequential chat requests per pool size, each size on its own):", "",
+                  "| pods | round trip p50 µs | p99 µs | mean µs | p50 / p99 vs " + f"{base['pods']} pods |",
+                  "|---:|---:|---:|---:|---|"]
+        lines += [f"| {r['pods']:,} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['mean_us']:.0f} | "
+                  f"{r['p50_us'] / base['p50_us']:.2f}x / {r['p99_us'] / base['p99_us']:.2f}x |" for r in trips]
     lines += ["", f"Scraping: one vLLM /metrics page ({scrape['page_bytes']:,} bytes) parses in {scrape['parse_us']:.0f} µs; "
               f"one scrape per pod per second costs {scrape['cores_per_1000_pods_at_1s']:.2f} cores per 1,000 pods "
               "in parsing alone (HTTP not counted).", "",
@@ -299,11 +382,11 @@ def render(section: dict[str, Any]) -> str:
               "What sampling costs in routing (fast mode, llama3-8b-h100 pods at 0.8 load, the same trace for both):", "",
               "| workload | pods | scheduling | hit rate | TTFT mean ms | p90 | p99 | ITL p95 |",
               "|---|---:|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['workload']} | {r['pods']:,} | {'sampled 32' if r['sampled'] else 'every pod'} | "
+    lines += [f"| {r['workload']} | {r['pods']:,} | {'defaults (sampled)' if r['sampled'] else 'every pod'} | "
               f"{r['hit_rate']:.3f} | {r['ttft_mean'] * 1e3:.1f} | {r['ttft_p90'] * 1e3:.1f} | "
               f"{r['ttft_p99'] * 1e3:.1f} | {r['itl_p95'] * 1e3:.1f} |" for r in section["routing"]]
     if section.get("sizing"):
-        lines += ["", "Sizing (sampled scheduling; a replica's CPU per request: `make overhead`'s at 8 pods plus this "
+        lines += ["", "Sizing (default scheduling; a replica's CPU per request: `make overhead`'s at 8 pods plus this "
                   "run's decision beyond 64 pods; replicas at 70 % of a core each; Valkey: the shared index at its "
                   "measured CPU per request and reader, the shared load's syncs and bytes read from the table above):",
                   "", "| pods | req/s | CPU µs/request | replicas | Valkey cores, shared index | shared-load syncs/s, all "
