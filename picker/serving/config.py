@@ -77,7 +77,7 @@ class ServeConfig(Section):
     refresh_metrics_interval: Duration | None = Field(None, gt=0)  # fixed scrape cadence; None: adaptive
     metrics_fast_interval: Duration = Field(0.1, gt=0)  # cadence of a pod near saturation or busier than we know
     metrics_slow_interval: Duration = Field(1.0, gt=0)  # cadence of a calm pod
-    max_scrapes_per_second: float = Field(1000.0, ge=0)  # the pool's scrapes a second at most (intervals stretch); 0: any
+    max_scrapes_per_second: float = Field(500.0, ge=0)  # the pool's scrapes a second at most (intervals stretch); 0: any
     unhealthy_after_failures: int = Field(2, ge=1)
     models_refresh_interval: Duration = Field(30.0, ge=0)  # how often a pod's GET /v1/models is read; 0: never
     # Where pods' metrics are read (the reference picker's flags): scheme, one port for every pod (0: its own), path
@@ -218,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--metrics-slow-interval", help="adaptive scraping: cadence of a calm pod (default 1s)")
     a("--max-scrapes-per-second", type=float, help="scrapes of the pool's /metrics a second at most: when the pods' "
       "cadences ask for more (a large pool, many pods busy), every interval stretches by the same factor "
-      "(picker_model_server_scrape_stretch); default 1000, 0: no cap")
+      "(picker_model_server_scrape_stretch); default 500 (a calm pod's 1 s up to 500 pods), 0: no cap")
     a("--model-server-metrics-scheme", choices=("http", "https"), help="how pods' metrics are read (default http)")
     a("--model-server-metrics-port", type=int,
       help="the port every pod serves metrics on (default: each pod's own serving port)")
