@@ -98,8 +98,8 @@ upload-memory: install
 overload: install
 	$(BIN)/picker bench --scenario overload --mode both --out bench/out/overload $(ARGS)
 
-# One picker process as the pool grows: decision time, decisions/s, scrape and index cost at 64-4,000 pods, and what
-# the opt-in candidate sampling costs in routing (~8 min).
+# One picker process as the pool grows: decision time, decisions/s, scrape and index cost at 64-4,000 pods, what the
+# default profiles' sampling of large pools costs in routing, the round trip through Envoy at 8 and 1,000 pods (~6 min).
 scale: install
 	$(BIN)/picker bench --scenario scale --out bench/out/scale $(ARGS)
 
