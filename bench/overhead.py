@@ -27,6 +27,7 @@ from picker.serving.supervisor import (
     Envoy,
     Managed,
     Picker,
+    cpu_seconds,
     free_port,
     port_open,
     process_scope,
@@ -39,11 +40,6 @@ from picker.serving.supervisor import (
 )
 
 OUT = Path(__file__).resolve().parent / "out"
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_direct_envoy(logdir: Path, template: Envoy, started: list[Managed]) -> str:

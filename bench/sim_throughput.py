@@ -25,6 +25,8 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.serving.supervisor import cpu_seconds
+
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "router", "cache", "prefix", "token"]
 
@@ -33,12 +35,6 @@ def prompt(group: int, i: int, chars: int) -> str:
     """A shared system-prompt-like prefix per group plus a unique question."""
     prefix = " ".join(WORDS[(group * 7 + k) % len(WORDS)] + str(group) for k in range(chars // 8))
     return f"{prefix}\nQuestion {i}: what about {WORDS[i % len(WORDS)]} number {i}?"
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def model_e2e(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:

@@ -11,7 +11,8 @@ from picker.bench.scale import ScaleSpec, run_scale, sizing
 
 def test_the_scale_scenario_reports_each_pool_size(tmp_path: Path) -> None:
     section = run_scale(ScaleSpec(pools=(8, 32), decisions=60, index_prefixes=5_000, routing=((8, 40, ("chat",)),),
-                                  replicas=(2, 3), syncs=5, round_trip_pools=(2, 6), round_trips=20), tmp_path)
+                                  replicas=(2, 3), syncs=5, round_trip_pools=(2, 6), round_trips=20, idle_window_s=0.3),
+                        tmp_path)
     rows = section["decisions"]
     assert [(r["pods"], r["sampled"]) for r in rows] == [(8, False), (8, True), (32, False), (32, True)]
     assert all(0 < r["p50_us"] <= r["p99_us"] and r["decisions_per_s"] > 0 for r in rows)
@@ -20,7 +21,7 @@ def test_the_scale_scenario_reports_each_pool_size(tmp_path: Path) -> None:
     assert "| 32 | defaults (sampled) |" in (tmp_path / "scale.md").read_text()
     trips = section["round_trips"]  # through real Envoy and picker serve, to echo pods
     assert [(r["pods"], r["requests"]) for r in trips] == [(2, 20), (6, 20)]
-    assert all(0 < r["p50_us"] <= r["p99_us"] for r in trips)
+    assert all(0 < r["p50_us"] <= r["p99_us"] and 0 <= r["idle_cores"] < 2 for r in trips)
     assert "| 6 | " in (tmp_path / "scale.md").read_text().split("Through Envoy")[1]
     loads = {(r["pods"], r["replicas"]): r for r in section["shared_load"]}
     assert set(loads) == {(8, 2), (8, 3), (32, 2), (32, 3)}

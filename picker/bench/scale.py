@@ -6,10 +6,12 @@ pick, account for it) on a steady workload of 32 shared prefixes (three quarters
 with about four requests in flight per pod; the most decisions per second that leaves (1 / mean); what scraping the
 pool costs (parsing one real vLLM 0.32 /metrics page, times one scrape per pod per second: the calm cadence); and
 the prefix index's memory per 100k cached prefixes; what replicas sharing their load cost Valkey (a local one: each
-replica's report, one sync's round trip and bytes, per pool size and replica count). Wall-clock per call (`time.perf_counter_ns`); this machine's
-speed moves between runs, so compare sizes within a run. Every figure twice: with the default profiles (whose
-`candidate-sample-filter` scores a sample of 256 candidates or more), and with every pod scored; then what the
-sampling costs in routing, in fast mode (the same trace through both, simulated llama3-8b-h100 pods at 0.8 load).
+replica's report, one sync's round trip and bytes, per pool size and replica count). Wall-clock per call
+(`time.perf_counter_ns`); this machine's speed moves between runs, so compare sizes within a run. Every decision
+figure twice: with the default profiles (whose `candidate-sample-filter` scores a sample of 256 candidates or more),
+and with every pod scored; then what the sampling costs in routing, in fast mode (the same trace through both,
+simulated llama3-8b-h100 pods at 0.8 load). Out of process, with real Envoy and `picker serve` on echo pods: the
+round trip of sequential requests at 8 and 1,000 pods, and what the idle picker spends scraping them.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class ScaleSpec:
         (256, 4000, ("shared-prefix", "chat", "zipf-prefix")), (1024, 8000, ("chat", "zipf-prefix")))
     round_trip_pools: tuple[int, ...] = (8, 1000)  # echo pods behind Envoy and `picker serve`, one size at a time
     round_trips: int = 1000  # timed sequential requests per pool size (after as many to warm up)
+    idle_window_s: float = 3.0  # how long the idle picker's CPU is measured before them
 
 
 def words_text(rng: random.Random, chars: int) -> str:
@@ -273,14 +276,19 @@ def round_trips(spec: ScaleSpec) -> list[dict[str, Any]]:
               for _ in range(256)]
     rows = []
     for pods in spec.round_trip_pools:
-        micros = sorted(t * 1e6 for t in _round_trips(pods, bodies, spec.round_trips))
+        times, idle_cores = _round_trips(pods, bodies, spec.round_trips, spec.idle_window_s)
+        micros = sorted(t * 1e6 for t in times)
         rows.append({"pods": pods, "requests": len(micros), "p50_us": micros[len(micros) // 2],
-                     "p99_us": micros[int(len(micros) * 0.99)], "mean_us": statistics.fmean(micros)})
+                     "p99_us": micros[int(len(micros) * 0.99)], "mean_us": statistics.fmean(micros),
+                     "idle_cores": idle_cores})
     return rows
 
 
-def _round_trips(pods: int, bodies: list[bytes], count: int) -> list[float]:
+def _round_trips(pods: int, bodies: list[bytes], count: int, idle_window: float) -> tuple[list[float], float]:
+    """The round trips of `count` requests through a fresh Envoy + picker on `pods` echo pods, and the cores the
+    picker used while idle before them."""
     from picker.serving.supervisor import (
+        cpu_seconds,
         free_port,
         process_scope,
         spawn,
@@ -300,7 +308,11 @@ def _round_trips(pods: int, bodies: list[bytes], count: int) -> list[float]:
         envoy = start_envoy(logdir, picker, pool)
         started.append(envoy.process)
         wait_until(lambda: _scraped(picker.metrics_port) >= pods, 60, "every pod scraped", picker.process.proc)
-        return asyncio.run(_sequential(envoy.url, bodies, count))
+        # the idle picker's CPU over a window: scraping the pool at its calm cadence (and the rest it does unasked)
+        pid, began, cpu = picker.process.proc.pid, time.monotonic(), cpu_seconds(picker.process.proc.pid)
+        time.sleep(idle_window)
+        idle = (cpu_seconds(pid) - cpu) / (time.monotonic() - began)
+        return asyncio.run(_sequential(envoy.url, bodies, count)), idle
 
 
 def _scraped(metrics_port: int) -> int:
@@ -359,10 +371,12 @@ def render(section: dict[str, Any]) -> str:
         base = trips[0]
         lines += ["", f"Through Envoy and a `picker serve` process to echo pods that answer /metrics as vLLM does "
                   f"({base['requests']} sequential chat requests per pool size, each size on its own):", "",
-                  "| pods | round trip p50 µs | p99 µs | mean µs | p50 / p99 vs " + f"{base['pods']} pods |",
-                  "|---:|---:|---:|---:|---|"]
+                  "| pods | round trip p50 µs | p99 µs | mean µs | p50 / p99 vs " + f"{base['pods']} pods | "
+                  "idle picker, cores (scraping) |",
+                  "|---:|---:|---:|---:|---|---:|"]
         lines += [f"| {r['pods']:,} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['mean_us']:.0f} | "
-                  f"{r['p50_us'] / base['p50_us']:.2f}x / {r['p99_us'] / base['p99_us']:.2f}x |" for r in trips]
+                  f"{r['p50_us'] / base['p50_us']:.2f}x / {r['p99_us'] / base['p99_us']:.2f}x | "
+                  f"{r['idle_cores']:.3f} |" for r in trips]
     lines += ["", f"Scraping: one vLLM /metrics page ({scrape['page_bytes']:,} bytes) parses in {scrape['parse_us']:.0f} µs; "
               f"one scrape per pod per second costs {scrape['cores_per_1000_pods_at_1s']:.2f} cores per 1,000 pods "
               "in parsing alone (HTTP not counted).", "",

@@ -55,6 +55,12 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used, from /proc (Linux): what benchmarks charge a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def port_open(port: int, host: str = HOST) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
