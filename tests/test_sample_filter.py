@@ -33,7 +33,7 @@ def test_a_large_pool_keeps_the_holders_the_least_loaded_and_a_random_few() -> N
         e.in_flight = 5 if i % 100 else 1  # ten pods are the least loaded
     ctx = ctx_for(keys=8)
     ctx.matches = {pool[10].address: 8, pool[500].address: 8, pool[700].address: 3}
-    kept = CandidateSampleFilter(least_loaded=10, sample_size=4, rng=random.Random(1)).filter(ctx, pool)
+    kept = CandidateSampleFilter(least_loaded=10, least_recent=0, sample_size=4, rng=random.Random(1)).filter(ctx, pool)
     assert {pool[10], pool[500], pool[700]} <= set(kept)  # every holder, the shorter match too
     assert {pool[i] for i in range(0, 1000, 100)} <= set(kept)
     assert 13 < len(kept) <= 17 and kept == sorted(kept, key=pool.index)  # the pool's order kept
@@ -48,7 +48,7 @@ def test_of_many_holders_the_least_loaded_are_kept() -> None:
     for i, e in enumerate(pool):
         e.in_flight = 3 + i % 7
     pool[50].in_flight = pool[450].in_flight = 0  # the least loaded longest holder, and of any holder
-    kept = CandidateSampleFilter(least_loaded=8, sample_size=0, rng=random.Random(2)).filter(ctx, pool)
+    kept = CandidateSampleFilter(least_loaded=8, least_recent=0, sample_size=0, rng=random.Random(2)).filter(ctx, pool)
     assert pool[50] in kept and pool[450] in kept
     assert len(kept) <= 24
 
@@ -56,9 +56,20 @@ def test_of_many_holders_the_least_loaded_are_kept() -> None:
 def test_equal_loads_come_out_in_random_order() -> None:
     """Idle pods take turns: the least loaded of equals are not always the same ones."""
     pool = pods(1000)
-    sampler = CandidateSampleFilter(least_loaded=16, sample_size=0, rng=random.Random(3))
+    sampler = CandidateSampleFilter(least_loaded=16, least_recent=0, sample_size=0, rng=random.Random(3))
     first, second = (set(sampler.filter(ctx_for(), pool)) for _ in range(2))
     assert first != second and len(first) == len(second) == 16
+
+
+def test_the_pods_picked_longest_ago_are_kept() -> None:
+    """Where loads are level, the cold-prefix spreader deals a cold prompt to the pod picked longest ago (its last
+    prefill most likely done): those pods are in the sample, not a random few of the equals."""
+    pool = pods(1000)
+    for i, e in enumerate(pool):
+        e.last_picked_at = 100.0 + i % 500  # pods 0 and 500 were picked longest ago, 499 and 999 last
+    kept = CandidateSampleFilter(least_loaded=4, least_recent=6, sample_size=0, rng=random.Random(5)).filter(
+        ctx_for(), pool)
+    assert {pool[0], pool[500], pool[1], pool[501], pool[2], pool[502]} <= set(kept) and len(kept) <= 10
 
 
 def test_the_defaults_score_a_sample_and_pick_the_least_loaded_pod() -> None:
@@ -69,7 +80,7 @@ def test_the_defaults_score_a_sample_and_pick_the_least_loaded_pod() -> None:
     pool[123].in_flight = 0
     result = scheduler.schedule(InferenceRequest("r", "m", api=ApiKind.COMPLETIONS, prompt_text="x" * 500), pool, 0.0)
     scored = [c for c in result.candidates if c.filtered_by is None]
-    assert len(scored) == 40  # the 32 least loaded and 8 at random: no pod holds the prompt
+    assert 40 <= len(scored) <= 56  # the 32 least loaded, the 16 picked longest ago, 8 at random (some twice)
     assert result.ranked[0] is pool[123]
 
 

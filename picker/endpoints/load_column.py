@@ -18,14 +18,16 @@ if TYPE_CHECKING:
 
 
 class LoadColumn:
-    """`requests[i]` and `tokens[i]`: what we have in flight on `endpoints[i]` (its `in_flight`, `in_flight_tokens`)."""
+    """`requests[i]` and `tokens[i]`: what we have in flight on `endpoints[i]` (its `in_flight`, `in_flight_tokens`);
+    `picked_at[i]`: when we last sent it a request (its `last_picked_at`, -1: never)."""
 
-    __slots__ = ("endpoints", "requests", "tokens")
+    __slots__ = ("endpoints", "requests", "tokens", "picked_at")
 
     def __init__(self) -> None:
         self.endpoints: list[Endpoint] = []
         self.requests = np.zeros(0, dtype=np.float64)
         self.tokens = np.zeros(0, dtype=np.float64)
+        self.picked_at = np.zeros(0, dtype=np.float64)
 
     def track(self, endpoints: list[Endpoint]) -> None:
         """Follow `endpoints` (the pool's new ready list, kept by identity) instead of the list before it."""
@@ -35,6 +37,7 @@ class LoadColumn:
         self.endpoints = endpoints
         self.requests = np.array([e.in_flight for e in endpoints], dtype=np.float64)
         self.tokens = np.array([e.in_flight_tokens for e in endpoints], dtype=np.float64)
+        self.picked_at = np.array([e.last_picked_at for e in endpoints], dtype=np.float64)
         for i, e in enumerate(endpoints):
             e.column, e.row = self, i
 
@@ -45,3 +48,4 @@ class LoadColumn:
     def update(self, endpoint: Endpoint) -> None:
         self.requests[endpoint.row] = endpoint.in_flight
         self.tokens[endpoint.row] = endpoint.in_flight_tokens
+        self.picked_at[endpoint.row] = endpoint.last_picked_at

@@ -55,23 +55,26 @@ def _saturation(name: str, p: SaturationFilterParams, deps: PluginDeps) -> Plugi
 
 class CandidateSampleFilter(Plugin):
     """In a large pool, score only the pods that can win: those holding the longest match of the prompt's prefix
-    (the `least_loaded` least loaded of them when more do), the `least_loaded` least loaded pods of all by our own
-    in-flight count (ties in random order), and `sample_size` pods drawn at random (they bring what only a scrape
-    shows: other replicas' queues, KV use). Below `min_candidates` it keeps every pod, so small pools are routed
-    exactly as without it. Scoring is per pod in Python; this leaves one vectorised pass over the in-flight counts
-    (~35 µs per 1,000 pods), so a decision at 4,000 pods costs about what one at 256 does (`make scale`). A sample
-    of random pods alone lost the least loaded pod too often (chat TTFT p90 1.26x at 256 pods, 1.69x at 1,024 in
-    the simulator); the least loaded ones are what the load scorers would choose among."""
+    (the `least_loaded` least loaded of them, and of any holder, when more do), the `least_loaded` least loaded pods
+    of all by our own in-flight count (ties in random order), the `least_recent` we picked longest ago (where a
+    cold prompt goes when loads are level: the cold-prefix spreader's choice), and `sample_size` pods drawn at
+    random (they bring what only a scrape shows: other replicas' queues, KV use). Below `min_candidates` it keeps
+    every pod, so small pools are routed exactly as without it. Scoring is per pod in Python; the pool keeps our
+    counts and pick times in numpy columns (picker.endpoints.load_column), so a decision at 4,000 pods costs about
+    twice one at 256 (`make scale`). A sample of random pods alone lost the least loaded pod too often (chat TTFT
+    p90 1.26x at 256 pods, 1.69x at 1,024 in the simulator); without the pods picked longest ago, cold long prompts
+    landed behind recent prefills (shared-prefix TTFT p99 1.17-1.27x over three seeds)."""
 
     type_name = "candidate-sample-filter"
 
     def __init__(self, name: str | None = None, *, min_candidates: int = 256, least_loaded: int = 32,
-                 sample_size: int = 8, rng: random.Random | None = None) -> None:
+                 least_recent: int = 16, sample_size: int = 8, rng: random.Random | None = None) -> None:
         super().__init__(name)
-        if min_candidates < 1 or least_loaded < 1 or sample_size < 0:
-            raise ValueError("minCandidates and leastLoaded must be positive, sampleSize not negative")
+        if min_candidates < 1 or least_loaded < 1 or least_recent < 0 or sample_size < 0:
+            raise ValueError("minCandidates and leastLoaded must be positive, leastRecent and sampleSize not negative")
         self.min_candidates = min_candidates
         self.least_loaded = least_loaded
+        self.least_recent = least_recent
         self.sample_size = sample_size
         self.rng = rng if rng is not None else random.Random()
         self._jitter: np.random.Generator | None = None  # random order among equal loads (seeded on first use:
@@ -84,7 +87,7 @@ class CandidateSampleFilter(Plugin):
         if n < self.min_candidates:
             return candidates
         k = self.least_loaded
-        loads = _own_loads(candidates)
+        loads, picked_at = _own_columns(candidates)
         keep: dict[int, None] = {}
         matches = ctx.matches
         if matches:
@@ -107,6 +110,9 @@ class CandidateSampleFilter(Plugin):
             keep.update(dict.fromkeys(np.argpartition(loads + self._jitter.random(n) * 1e-6, k)[:k].tolist()))
         else:
             keep.update(dict.fromkeys(range(n)))
+        recent = self.least_recent
+        if 0 < recent < n:  # what the cold-prefix spreader deals a cold prompt to: the pods we picked longest ago
+            keep.update(dict.fromkeys(np.argpartition(picked_at, recent)[:recent].tolist()))
         keep.update(dict.fromkeys(self.rng.sample(range(n), min(self.sample_size, n))))
         ctx.sampled_from = n
         return [candidates[i] for i in sorted(keep)]
@@ -115,19 +121,22 @@ class CandidateSampleFilter(Plugin):
 _PER_TOKEN = 1.0 / default_of(InFlightLoadScorer, "tokens_per_request")
 
 
-def _own_loads(candidates: list[Endpoint]) -> np.ndarray:
-    """Our own load on each candidate as the in-flight scorer counts it (without recent prefill): from the pool's
-    column when the candidates are its ready list (no pass over them in Python), else read pod by pod."""
+def _own_columns(candidates: list[Endpoint]) -> tuple[np.ndarray, np.ndarray]:
+    """Our own load on each candidate as the in-flight scorer counts it (without recent prefill), and when we last
+    picked it: from the pool's columns when the candidates are its ready list (no pass over them in Python), else
+    read pod by pod."""
     per = _PER_TOKEN
     column = candidates[0].column
     if column is not None and column.covers(candidates):
-        return column.requests + column.tokens * per
-    return np.array([e.in_flight + e.in_flight_tokens * per for e in candidates], dtype=np.float64)
+        return column.requests + column.tokens * per, column.picked_at
+    return (np.array([e.in_flight + e.in_flight_tokens * per for e in candidates], dtype=np.float64),
+            np.array([e.last_picked_at for e in candidates], dtype=np.float64))
 
 
 class CandidateSampleParams(Section):
     min_candidates: int = Field(default_of(CandidateSampleFilter, "min_candidates"), ge=1)
     least_loaded: int = Field(default_of(CandidateSampleFilter, "least_loaded"), ge=1)
+    least_recent: int = Field(default_of(CandidateSampleFilter, "least_recent"), ge=0)
     sample_size: int = Field(default_of(CandidateSampleFilter, "sample_size"), ge=0)
 
 
