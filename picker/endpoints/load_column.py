@@ -1,9 +1,9 @@
-"""The ready pods' own in-flight counts as numpy columns, kept as requests start and finish.
+"""The ready pods' own in-flight counts and last pick times as numpy columns, kept as requests start and finish.
 
 A decision in a large pool scores only a sample of it (picker.scheduling.filters, candidate-sample-filter), and the
-sample's core is the least loaded pods: reading every pod's counts in Python to find them was most of a decision at
-4,000 pods. The pool keeps one column over its ready list (the list the director's candidates are, unfiltered); each
-of its pods writes its counts into its row when they change, so finding the least loaded is one vectorised pass.
+sample's core is the least loaded pods and those picked longest ago: reading every pod's counts in Python to find them
+was most of a decision at 4,000 pods. The pool keeps one set of columns over its ready list (the list the director's
+candidates are, unfiltered); each of its pods writes its row when it changes, so finding them is one vectorised pass.
 A pod belongs to one pool: the pool that tracked it last is the one its row is in.
 """
 

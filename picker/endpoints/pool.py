@@ -38,7 +38,7 @@ class EndpointPool:
     def __init__(self) -> None:
         self._endpoints: dict[str, Endpoint] = {}
         self._ready: list[Endpoint] = []
-        self._loads = LoadColumn()  # the ready pods' in-flight counts, as numpy columns (large pools' sampling)
+        self._loads = LoadColumn()  # the ready pods' in-flight counts and pick times in numpy (large pools' sampling)
         self._listeners: list[PoolListener] = []
 
     def subscribe(self, listener: PoolListener) -> None:

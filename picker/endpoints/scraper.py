@@ -59,8 +59,8 @@ async def serving_port_open(endpoint: Endpoint, connect_s: float) -> bool:
         await writer.wait_closed()
     return True
 
-ScrapeCallback = Callable[[Endpoint, bool, bool], None]
-FIRST_SCRAPES = 64  # pods that may join in one sweep and be scraped at once; more are spread out  # endpoint, fetched and read, fetched but unreadable
+ScrapeCallback = Callable[[Endpoint, bool, bool], None]  # endpoint, fetched and read, fetched but unreadable
+FIRST_SCRAPES = 64  # pods that may join in one sweep and be scraped at once; more are spread out
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +304,7 @@ class MetricsScraper:
         record = await shared.read(address)
         wall = shared.wall_clock()
         if record is not None and record.replica != shared.replica_id and record.fresh(wall):
+            self._rates.pop(address, None)  # another replica scrapes it: not ours to count against max_rate
             ok = True
             if self._applied.get(address) != record.at:  # each record counts once, for health too
                 self._applied[address] = record.at
