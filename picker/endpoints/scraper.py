@@ -170,7 +170,7 @@ class MetricsScraper:
         self._wake_at = 0.0  # loop time the loop's timer is set for
         self.max_rate = max_rate
         self._rates: dict[str, float] = {}  # address -> 1 / its cadence's interval: scrapes a second it asks for
-        self._demand = 0.0  # their sum
+        self._demand = 0.0  # their sum as of the last sweep (the stretch follows within one fast interval)
         self._urls: dict[str, URL] = {}  # address -> its metrics URL
         self._rng = random.Random()  # spreads each pod's next scrape a little, so a pool's scrapes do not bunch
         self._wakeup: asyncio.Future[None] | None = None  # the loop's sleep; an earlier due scrape ends it
@@ -229,7 +229,8 @@ class MetricsScraper:
 
     def _sweep(self, now: float) -> None:
         """Read the pool: pods not seen before are due now, or, when many join at once (start-up), one every
-        `fast / FIRST_SCRAPES` seconds, so their scrapes stay spread out from then on; a pod that left is forgotten."""
+        `fast / FIRST_SCRAPES` seconds, so their scrapes stay spread out from then on; a pod that left is forgotten; the
+        scrapes a second the pods' cadences ask for are summed (what `stretch` weighs against `max_rate`)."""
         known = {e.address: e for e in self.endpoints_fn()}
         joined = [address for address in known if address not in self._known and address not in self._due]
         spacing = self.cadence.fast / FIRST_SCRAPES if len(joined) > FIRST_SCRAPES else 0.0
@@ -241,7 +242,7 @@ class MetricsScraper:
             self._rates.pop(address, None)
             self._urls.pop(address, None)
         self._known = known
-        self._demand = sum(self._rates.values())  # afresh: no drift from adding and taking away
+        self._demand = sum(self._rates.values())
 
     @property
     def stretch(self) -> float:
@@ -251,9 +252,7 @@ class MetricsScraper:
     def _paced(self, endpoint: Endpoint, ok: bool) -> float:
         """The pod's next interval: its cadence's, stretched while the pool asks for more than `max_rate`."""
         interval = self.cadence.interval(endpoint, ok)
-        rate = 1.0 / interval
-        self._demand += rate - self._rates.get(endpoint.address, 0.0)
-        self._rates[endpoint.address] = rate
+        self._rates[endpoint.address] = 1.0 / interval
         endpoint.scrape_interval = interval * self.stretch
         return endpoint.scrape_interval
 
