@@ -25,7 +25,6 @@ import statistics
 import sys
 import time
 import tracemalloc
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,6 +286,7 @@ def round_trips(spec: ScaleSpec) -> list[dict[str, Any]]:
 def _round_trips(pods: int, bodies: list[bytes], count: int, idle_window: float) -> tuple[list[float], float]:
     """The round trips of `count` requests through a fresh Envoy + picker on `pods` echo pods, and the cores the
     picker used while idle before them."""
+    from picker.bench.real import picker_scrapes
     from picker.serving.supervisor import (
         cpu_seconds,
         free_port,
@@ -307,21 +307,13 @@ def _round_trips(pods: int, bodies: list[bytes], count: int, idle_window: float)
         started.append(picker.process)
         envoy = start_envoy(logdir, picker, pool)
         started.append(envoy.process)
-        wait_until(lambda: _scraped(picker.metrics_port) >= pods, 60, "every pod scraped", picker.process.proc)
+        wait_until(lambda: len(picker_scrapes(picker.metrics_port)) >= pods, 60, "every pod scraped",
+                   picker.process.proc)
         # the idle picker's CPU over a window: scraping the pool at its calm cadence (and the rest it does unasked)
         pid, began, cpu = picker.process.proc.pid, time.monotonic(), cpu_seconds(picker.process.proc.pid)
         time.sleep(idle_window)
         idle = (cpu_seconds(pid) - cpu) / (time.monotonic() - began)
         return asyncio.run(_sequential(envoy.url, bodies, count)), idle
-
-
-def _scraped(metrics_port: int) -> int:
-    """Pods the picker has scraped successfully at least once (its picker_model_server_scrapes_total series)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return sum(1 for line in text.splitlines()
-               if line.startswith("picker_model_server_scrapes_total{") and 'result="ok"' in line
-               and not line.endswith(" 0.0"))
 
 
 async def _sequential(url: str, bodies: list[bytes], count: int) -> list[float]:
