@@ -291,7 +291,7 @@ class _FastRun:
             if r != replica:
                 hook(address, chars, session, now)
                 if self.cfg.load_sync_interval > 0:  # counted until the next sync, as SharedLoad.peer_picked does
-                    self.replica_endpoints[r][self.pod_index[address]].peer_started(int(chars / self.chars_per_token))
+                    self.replica_endpoints[r][self.pod_index[address]].peer_started(chars, self.chars_per_token)
 
     def simulated_time(self) -> float:
         return self.now

@@ -104,7 +104,7 @@ class SharedLoad:
         milliseconds): counted at once, until the next sync replaces it with that replica's report."""
         endpoint = self.find(address) if self.find is not None else None
         if endpoint is not None:
-            endpoint.peer_started(int(prompt_chars / self.chars_per_token))
+            endpoint.peer_started(prompt_chars, self.chars_per_token)
 
     async def close(self) -> None:
         """Delete our report, so the others stop counting our requests at once (after `run` was cancelled)."""
