@@ -132,10 +132,15 @@ def decisions(pods: int, spec: ScaleSpec, sampled: bool = True) -> dict[str, flo
             director.release(live.pop(rng.randrange(len(live))))
         if i >= warm_up:
             samples.append(took)
-    micros = sorted(s / 1000 for s in samples)
-    mean = statistics.fmean(micros)
-    return {"pods": pods, "sampled": sampled, "p50_us": micros[len(micros) // 2],
-            "p99_us": micros[int(len(micros) * 0.99)], "mean_us": mean, "decisions_per_s": 1e6 / mean}
+    spread = _micros([s / 1000 for s in samples])
+    return {"pods": pods, "sampled": sampled, **spread, "decisions_per_s": 1e6 / spread["mean_us"]}
+
+
+def _micros(values: list[float]) -> dict[str, float]:
+    """p50, p99 and mean of some timings in µs."""
+    ordered = sorted(values)
+    return {"p50_us": ordered[len(ordered) // 2], "p99_us": ordered[int(len(ordered) * 0.99)],
+            "mean_us": statistics.fmean(ordered)}
 
 
 def scrape_cost(iterations: int = 500) -> dict[str, float]:
@@ -227,9 +232,9 @@ async def _syncs(url: str, pods: int, replicas: int, spec: ScaleSpec) -> dict[st
     finally:
         for load in loads:
             await load.close()
-    times.sort()
+    spread = _micros(times)
     return {"pods": pods, "replicas": replicas, "report_bytes": report, "received_bytes": received,
-            "sync_p50_us": times[len(times) // 2], "sync_p99_us": times[min(len(times) - 1, int(0.99 * len(times)))]}
+            "sync_p50_us": spread["p50_us"], "sync_p99_us": spread["p99_us"]}
 
 
 def _constant(pods: list[Endpoint]) -> Callable[[], list[Endpoint]]:
@@ -276,9 +281,7 @@ def round_trips(spec: ScaleSpec) -> list[dict[str, Any]]:
     rows = []
     for pods in spec.round_trip_pools:
         times, idle_cores = _round_trips(pods, bodies, spec.round_trips, spec.idle_window_s)
-        micros = sorted(t * 1e6 for t in times)
-        rows.append({"pods": pods, "requests": len(micros), "p50_us": micros[len(micros) // 2],
-                     "p99_us": micros[int(len(micros) * 0.99)], "mean_us": statistics.fmean(micros),
+        rows.append({"pods": pods, "requests": len(times), **_micros([t * 1e6 for t in times]),
                      "idle_cores": idle_cores})
     return rows
 
