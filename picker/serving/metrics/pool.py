@@ -58,7 +58,6 @@ class PoolMetrics:
         self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
-        r.register(_InFlightCollector(self))
 
     def twins(self) -> list[Twin]:
         pod = {"model_server_endpoint": "model_server_pod", "endpoint_name": "pod_name"}
@@ -115,13 +114,15 @@ POD_QUEUE = "llm_d_epp_per_endpoint_queue_size"
 
 class _PodCollector(Collector):
     """Per pod, from the pool as of the last refresh, at scrape time: its waiting queue and our and the fleet's
-    in-flight requests (ready pods), its state (every pod)."""
+    in-flight requests (ready pods), its state (every pod), and the reference's in-flight series: requests and
+    estimated prompt tokens this picker has in flight on each pod (priority and fairness id empty: counts are kept
+    per pod)."""
 
     def __init__(self, metrics: PoolMetrics) -> None:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        name = self.metrics.pool_name
+        name, namespace = self.metrics.pool_name, self.metrics.namespace
         queue = GaugeMetricFamily(POD_QUEUE, "Waiting requests per pod.", labels=["name", "model_server_endpoint"])
         own = GaugeMetricFamily("picker_endpoint_in_flight_requests", "Requests the picker routed that have not "
                                 "finished.", labels=["name", "model_server_pod"])
@@ -131,6 +132,11 @@ class _PodCollector(Collector):
         state = GaugeMetricFamily("picker_endpoint_state", "1 for the pod's state: ready (fresh metrics), degraded "
                                   "(routed on the picker's own view: its metrics cannot be read) or unready "
                                   "(unreachable, not routed).", labels=["name", "model_server_pod", "state"])
+        labels = ["endpoint_name", "namespace", "producer_name", "fairness_id", "priority"]
+        requests = GaugeMetricFamily("llm_d_epp_inflight_requests", "Requests this picker has in flight per pod.",
+                                     labels=labels)
+        tokens = GaugeMetricFamily("llm_d_epp_inflight_tokens",
+                                   "Estimated prompt tokens this picker has in flight per pod.", labels=labels)
         for e in self.metrics.endpoints:
             if e.healthy:
                 queue.add_metric([name, e.name], e.metrics.waiting)
@@ -138,27 +144,9 @@ class _PodCollector(Collector):
                 fleet.add_metric([name, e.name], e.fleet_in_flight)
             for s in EndpointState:
                 state.add_metric([name, e.name, s.value], 1.0 if e.state is s else 0.0)
-        yield from (queue, own, fleet, state)
-
-
-class _InFlightCollector(Collector):
-    """The reference's in-flight load series, read from the pool at scrape time: requests and estimated prompt
-    tokens this picker has in flight on each pod (priority and fairness id empty: counts are kept per pod)."""
-
-    def __init__(self, metrics: PoolMetrics) -> None:
-        self.metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        labels = ["endpoint_name", "namespace", "producer_name", "fairness_id", "priority"]
-        requests = GaugeMetricFamily("llm_d_epp_inflight_requests", "Requests this picker has in flight per pod.",
-                                     labels=labels)
-        tokens = GaugeMetricFamily("llm_d_epp_inflight_tokens",
-                                   "Estimated prompt tokens this picker has in flight per pod.", labels=labels)
-        for e in self.metrics.endpoints:
-            values = [e.name, self.metrics.namespace, "inflight-load-producer", NO_FAIRNESS_ID, ""]  # kept per pod
-            requests.add_metric(values, e.in_flight)
-            tokens.add_metric(values, e.in_flight_tokens)
-        yield requests
-        yield tokens
+            reference = [e.name, namespace, "inflight-load-producer", NO_FAIRNESS_ID, ""]  # kept per pod
+            requests.add_metric(reference, e.in_flight)
+            tokens.add_metric(reference, e.in_flight_tokens)
+        yield from (queue, own, fleet, state, requests, tokens)
 
 
