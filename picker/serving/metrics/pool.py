@@ -148,5 +148,3 @@ class _PodCollector(Collector):
             requests.add_metric(reference, e.in_flight)
             tokens.add_metric(reference, e.in_flight_tokens)
         yield from (queue, own, fleet, state, requests, tokens)
-
-
