@@ -149,7 +149,7 @@ class PrefixCacheScorer(Plugin):
         # shares are of the whole candidate set, also when a sample of it is scored (SchedulingContext.sampled_from)
         n = ctx.sampled_from or len(candidates)
         held_by = sum(1 for m in ctx.matches.values() if m >= depth) if ctx.sampled_from else len(holders)
-        if all_picks <= 0.0 or held_by >= n or len(holders) == len(candidates):
+        if all_picks <= 0.0 or held_by >= n:  # every candidate holds it: nobody to copy it to
             return
         if any(candidates[i].in_flight == 0 for i in holders):
             return  # a holder is free: however much of the traffic wants it, it is not queueing anywhere
