@@ -10,21 +10,20 @@ from typing import Any
 import pytest
 
 from picker.core.requests import MAX_COUNTED_OUTPUT_TOKENS, ApiKind, InferenceRequest, RequestError
+from picker.core.schema import ConfigError
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.routing.director import Director
-from picker.scheduling.config import DEFAULT_CONFIG, STRATEGIES, StrategyDeps, build_scheduler, build_strategy
-from picker.scheduling.scheduler import PrefixAwareScheduler
-from picker.scheduling.strategies import (
-    BoundedLoadScheduler,
-    HashRingScheduler,
-    LeastLoadScheduler,
-    PrefixHashScheduler,
-    PrefixOnlyScheduler,
-    RandomScheduler,
-    RoundRobinScheduler,
+from picker.scheduling.config import (
+    DEFAULT_CONFIG,
+    STRATEGIES,
+    StrategyDeps,
+    build_scheduler,
+    build_strategy,
+    strategy_config,
 )
+from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.types import Scheduler
 
 SYSTEM = "".join(f"You are a careful assistant. Rule {i}: answer precisely and cite sources. " for i in range(150))
@@ -369,22 +368,37 @@ def test_seeded_schedulers_are_reproducible() -> None:
     assert run(11) == run(11)
 
 
+def baseline(name: str, seed: int = 1, **parameters: Any) -> PrefixAwareScheduler:
+    """Strategy `name` as `--strategy` builds it, its one scorer's parameters (config spelling) replaced."""
+    scheduler = build_strategy(name, StrategyDeps(rng=random.Random(seed)))
+    if parameters:
+        cfg = strategy_config(name).model_dump(by_alias=True)
+        cfg["plugins"][0]["parameters"] = parameters
+        scheduler = build_scheduler(cfg, rng=random.Random(seed))
+    return scheduler
+
+
 def test_baseline_strategies() -> None:
     endpoints = pods(3)
-    rr = RoundRobinScheduler()
+    rr = baseline("round-robin")
     assert [route(rr, req("x"), endpoints).address for _ in range(4)] == [e.address for e in endpoints + endpoints[:1]]
-    rnd = RandomScheduler(random.Random(1))
+    assert [e.address for e in rr.schedule(req("x"), endpoints, 0.0).ranked] == [e.address for e in
+                                                                                 endpoints[1:] + endpoints[:1]]
+    rnd = baseline("random")
     assert {route(rnd, req("x"), endpoints).address for _ in range(50)} == {e.address for e in endpoints}
-    ll = LeastLoadScheduler(random.Random(1))
+    ll = baseline("least-load")
     a, b, c = pods(3)
     a.metrics.waiting, b.metrics.kv_usage = 2, 0.5
     assert ll.schedule(req("x"), [a, b, c], 0.0).ranked[0] is c
-    po = PrefixOnlyScheduler(random.Random(1))
+    po = baseline("prefix-only")
     first = route(po, req(SYSTEM + "1"), endpoints)
     assert all(route(po, req(SYSTEM + str(i)), endpoints) is first for i in range(10))  # ignores load
     for name in STRATEGIES:
         s = build_strategy(name, StrategyDeps(rng=random.Random(0)))
-        assert s.schedule(req("x"), endpoints, 0.0).ranked
+        result = s.schedule(req("x"), endpoints, 0.0)
+        assert result.ranked and result.profile == (name if name != "picker" else "bursty-chat")
+        if name != "picker":  # a baseline's details are its scorers' scores: clamped to [0, 1]
+            assert all(0.0 <= x <= 1.0 for c in result.candidates for x in c.details.values())
     assert isinstance(build_strategy("picker"), PrefixAwareScheduler)
     with pytest.raises(ValueError):
         build_strategy("bogus")
@@ -392,11 +406,29 @@ def test_baseline_strategies() -> None:
         rr.schedule(req("x"), [], 0.0)
 
 
+def test_a_baseline_keeps_the_configured_prefix_cache_and_runs_its_own_profile() -> None:
+    config = {"prefixCache": {"charsPerToken": 3}, "schedulingProfiles": [{"name": "mine", "plugins": []}]}
+    cfg = strategy_config("hash-ring", config)
+    assert cfg.prefix_cache.chars_per_token == 3
+    assert [p.name for p in cfg.scheduling_profiles] == ["hash-ring"]
+    assert strategy_config("picker", config).scheduling_profiles[0].name == "mine"
+
+
+@pytest.mark.parametrize(("name", "parameters", "key"), [
+    ("hash-ring", {"virtualNodes": 0}, "virtualNodes"),
+    ("bounded-load", {"loadFactor": 0.9}, "loadFactor"),
+    ("prefix-hash", {"prefixChars": 0}, "prefixChars"),
+])
+def test_baseline_parameters_are_checked(name: str, parameters: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"scheduling\.plugins\[0\]\.parameters\.{key}"):
+        baseline(name, **parameters)
+
+
 def test_hash_ring_is_sticky_even_and_consistent() -> None:
     """Same first 1,000 characters -> same pod whatever the load; 200 points per pod keep the shares within ~10 %
     of even; a pod leaving moves only its own keys, to the next pod clockwise (its former first fallback)."""
     endpoints = pods(4)
-    ring = HashRingScheduler()
+    ring = baseline("hash-ring")
     first = route(ring, req(SYSTEM + "question one"), endpoints)
     first.in_flight = first.metrics.waiting = 50
     assert all(route(ring, req(SYSTEM + f"q{i}"), endpoints) is first for i in range(10))
@@ -410,15 +442,13 @@ def test_hash_ring_is_sticky_even_and_consistent() -> None:
     for p, r in ranked.items():
         after = ring.schedule(req(p), rest, 0.0).ranked[0]
         assert after is (r[1] if r[0] is gone else r[0])
-    with pytest.raises(ValueError):
-        HashRingScheduler(virtual_nodes=0)
 
 
 def test_bounded_load_passes_a_hot_key_on_past_its_bound() -> None:
     """A pod over ceil(1.25 x (in-flight + 1) / pods) passes the key to the next pod on the ring, always the same
     one; under the bound the ring's choice stands."""
     endpoints = pods(4)
-    ring, bounded = HashRingScheduler(), BoundedLoadScheduler(load_factor=1.25)
+    ring, bounded = baseline("hash-ring"), baseline("bounded-load", loadFactor=1.25)
     hot = req(SYSTEM + "hot")
     order = ring.schedule(hot, endpoints, 0.0).ranked
     assert bounded.schedule(hot, endpoints, 0.0).ranked[0] is order[0]
@@ -429,15 +459,13 @@ def test_bounded_load_passes_a_hot_key_on_past_its_bound() -> None:
     for e in endpoints:
         e.in_flight = 3  # everyone at the mean: ceil(1.25 x 13 / 4) = 5, room everywhere -> the ring's choice
     assert bounded.schedule(hot, endpoints, 0.0).ranked[0] is order[0]
-    with pytest.raises(ValueError):
-        BoundedLoadScheduler(load_factor=0.9)
 
 
 def test_prefix_hash_is_sticky_spread_and_consistent() -> None:
     """Same first 1,000 characters -> same pod whatever the load; many prefixes spread; a pod leaving moves only
     the prefixes it held (rendezvous hashing)."""
     endpoints = pods(4)
-    ph = PrefixHashScheduler(prefix_chars=1000)
+    ph = baseline("prefix-hash", prefixChars=1000)
     first = route(ph, req(SYSTEM + "question one"), endpoints)
     first.metrics.waiting = 50
     assert all(route(ph, req(SYSTEM + f"q{i}"), endpoints) is first for i in range(10))

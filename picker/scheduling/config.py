@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -45,6 +45,7 @@ from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import DEFAULT_CAPACITY_BLOCKS, DEFAULT_TTL_SECONDS, InMemoryPrefixIndex
 from picker.prefix.precise import PrecisePrefix
 from picker.scheduling import (
+    baselines,
     disagg,
     filters,
     fuzzy,
@@ -72,16 +73,6 @@ from picker.scheduling.profiles import Classifier, Profile, RequestClassifier, S
 from picker.scheduling.reference import API_VERSIONS, CONFIGURED_ELSEWHERE
 from picker.scheduling.reference_plugins import SingleProfileHandler
 from picker.scheduling.scheduler import PrefixAwareScheduler
-from picker.scheduling.strategies import (
-    BoundedLoadScheduler,
-    HashRingScheduler,
-    LeastLoadScheduler,
-    PrefixHashScheduler,
-    PrefixOnlyScheduler,
-    RandomScheduler,
-    RoundRobinScheduler,
-)
-from picker.scheduling.types import Scheduler
 
 # A large pool's candidates are sampled first (only those that can win are scored; none below 256 candidates),
 # then the saturated ones go
@@ -202,8 +193,8 @@ def predicted_ttft_scheduling(**parameters: Any) -> dict[str, Any]:
 # first, in the order they run.
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
     f.type_name: f for f in (*producers.FACTORIES, *filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
-                             *picker.FACTORIES, *profiles.FACTORIES, *reference_plugins.FACTORIES,
-                             *disagg.FACTORIES)
+                             *baselines.FACTORIES, *picker.FACTORIES, *profiles.FACTORIES,
+                             *reference_plugins.FACTORIES, *disagg.FACTORIES)
 }
 
 
@@ -417,8 +408,8 @@ def _disaggregating(handler: DisaggProfileHandler, plugins: dict[str, Plugin], p
 
 @dataclass(frozen=True, slots=True)
 class StrategyDeps:
-    """What a strategy may be built with: the scheduling config (the full picker's, all of it; prefix-only reads
-    its prefixCache), the run's random source, and what `picker serve` hands the scheduler."""
+    """What a strategy is built with: the scheduling config (a baseline keeps its prefixCache, models and explain
+    and runs its own profile), the run's random source, and what `picker serve` hands the scheduler."""
 
     config: SchedulingInput = None
     rng: random.Random | None = None
@@ -429,37 +420,41 @@ class StrategyDeps:
     timer: PluginTimer | None = None
     precise: PrecisePrefix | None = None  # KV events: correct the picker's prefix matches
 
-    def prefix_index(self) -> PrefixIndex:
-        return self.index if self.index is not None else build_prefix_index(self.config)
 
-    def hasher(self) -> PrefixHasher:
-        return build_hasher(self.config, self.index_key)
+def _plugin(plugin_type: str, name: str | None = None, **parameters: Any) -> dict[str, Any]:
+    return {"type": plugin_type, "name": name or plugin_type, **({"parameters": parameters} if parameters else {})}
 
 
-def _full_picker(d: StrategyDeps) -> Scheduler:
-    return build_scheduler(d.config, rng=d.rng, index=d.index, saturation=d.saturation, observer=d.observer,
-                           index_key=d.index_key, timer=d.timer, precise=d.precise)
+def _baseline(profile: str, *scorers: dict[str, Any], picker: str = "max-score-picker") -> dict[str, Any]:
+    """A baseline as a scheduling config: one profile, named for it, of its scorers at weight 1 and a picker."""
+    plugins = [*scorers, _plugin(picker)]
+    return {"plugins": plugins,
+            "schedulingProfiles": [{"name": profile, "plugins": [{"pluginRef": p["name"]} for p in plugins]}]}
 
 
-# Every strategy `--strategy` may name: the full picker and the baselines the benchmarks compare it with
-# (picker/scheduling/strategies.py). A new baseline is its class and one line here.
-STRATEGY_FACTORIES: dict[str, Callable[[StrategyDeps], Scheduler]] = {
-    "picker": _full_picker,
-    "round-robin": lambda d: RoundRobinScheduler(),
-    "random": lambda d: RandomScheduler(d.rng),
-    "least-load": lambda d: LeastLoadScheduler(d.rng),
-    "prefix-only": lambda d: PrefixOnlyScheduler(d.rng, index=d.prefix_index(), hasher=d.hasher()),
-    "prefix-hash": lambda d: PrefixHashScheduler(),
-    "hash-ring": lambda d: HashRingScheduler(),
-    "bounded-load": lambda d: BoundedLoadScheduler(),
+# Every strategy `--strategy` may name: the full picker (the scheduling section as configured) and the baselines
+# the benchmarks compare it with, each an ordinary one-profile config of the plugin table's plugins (their own in
+# picker/scheduling/baselines.py). A new baseline is its plugin's module, its line in the plugin table and one here.
+STRATEGY_CONFIGS: dict[str, dict[str, Any] | None] = {
+    "picker": None,
+    "round-robin": _baseline("round-robin", _plugin("round-robin-scorer")),
+    "random": _baseline("random", picker="random-picker"),
+    "least-load": _baseline("least-load", _plugin("queue-scorer", "queue"),
+                            _plugin("kv-cache-utilization-scorer", "kv-cache")),  # cache-blind, weights 1:1
+    # matched/total prefix ratio, no load guard (GIE's prefix scorer without load terms)
+    "prefix-only": _baseline("prefix-only", _plugin("prefix-cache-scorer", "prefix", ratioWeight=1.0,
+                                                    loadGuardInFlight=None, loadGuardWaiting=None)),
+    "prefix-hash": _baseline("prefix-hash", _plugin("prefix-hash-scorer")),
+    "hash-ring": _baseline("hash-ring", _plugin("hash-ring-scorer")),
+    "bounded-load": _baseline("bounded-load", _plugin("bounded-load-scorer")),
 }
-STRATEGIES: tuple[str, ...] = tuple(STRATEGY_FACTORIES)
+STRATEGIES: tuple[str, ...] = tuple(STRATEGY_CONFIGS)
 # Strategies that keep a prefix index (and so can share one through Redis/Valkey)
 INDEXED_STRATEGIES = ("picker", "prefix-only")
 
 
 def _known_strategy(name: str) -> str:
-    if name not in STRATEGY_FACTORIES:
+    if name not in STRATEGY_CONFIGS:
         raise ValueError(f"Input should be {', '.join(map(repr, STRATEGIES[:-1]))} or {STRATEGIES[-1]!r}")
     return name
 
@@ -467,9 +462,21 @@ def _known_strategy(name: str) -> str:
 StrategyName = Annotated[str, AfterValidator(_known_strategy)]  # a config's `strategy`: a key of the table
 
 
-def build_strategy(name: str, deps: StrategyDeps | None = None) -> Scheduler:
-    """A scheduler by strategy name (benchmarks compare them), built with `deps`."""
-    factory = STRATEGY_FACTORIES.get(name)
-    if factory is None:
+def strategy_config(name: str, config: SchedulingInput = None) -> SchedulingConfig:
+    """The scheduling config strategy `name` runs: `config` itself for the picker; for a baseline, its profile
+    with `config`'s prefixCache, models and explain."""
+    if name not in STRATEGY_CONFIGS:
         raise ConfigError(f"strategy: unknown strategy {name!r} (known: {', '.join(STRATEGIES)})")
-    return factory(deps if deps is not None else StrategyDeps())
+    cfg = scheduling_config(config)
+    baseline = STRATEGY_CONFIGS[name]
+    if baseline is None:
+        return cfg
+    own = scheduling_config(baseline)
+    return cfg.model_copy(update={"plugins": own.plugins, "scheduling_profiles": own.scheduling_profiles})
+
+
+def build_strategy(name: str, deps: StrategyDeps | None = None) -> PrefixAwareScheduler:
+    """A scheduler by strategy name (benchmarks compare them), built with `deps`."""
+    d = deps if deps is not None else StrategyDeps()
+    return build_scheduler(strategy_config(name, d.config), rng=d.rng, index=d.index, saturation=d.saturation,
+                           observer=d.observer, index_key=d.index_key, timer=d.timer, precise=d.precise)

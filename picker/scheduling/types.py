@@ -64,13 +64,14 @@ class Scheduler(Protocol):
     one request's prefix keys up with another's."""
 
     @property
-    def index(self) -> PrefixIndex | None:
-        """The prefix index the scheduler reads and records into (None for strategies without one)."""
+    def index(self) -> PrefixIndex:
+        """The prefix index the scheduler reads and records into (a baseline without a prefix scorer records
+        nothing in it)."""
         ...
 
     @property
     def learned_chars_per_token(self) -> float | None:
-        """Characters per token of the traffic as learned from the pods (None for strategies without an index)."""
+        """Characters per token of the traffic as learned from the pods (None: nothing learned)."""
         ...
 
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult: ...

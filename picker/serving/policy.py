@@ -169,11 +169,10 @@ class PoolMonitor:
         await self.scraper.poll_once()  # warm start: metrics before the first request where possible
         await self.scraper.start()
         try:
-            index = self.scheduler.index  # strategies without a prefix index have none
+            index = self.scheduler.index
             while True:
                 self.metrics.pool.observe_pool(self.pool.all(), self.scraper.stretch)
-                if index is not None:
-                    self.metrics.scheduling.index_size_value.set(index.size())
+                self.metrics.scheduling.index_size_value.set(index.size())
                 chars_per_token = self.scheduler.learned_chars_per_token
                 if chars_per_token is not None:
                     self.metrics.scheduling.chars_per_token.set(chars_per_token)

@@ -1,0 +1,185 @@
+"""The benchmarks' baseline policies as scorers: round-robin, rendezvous hashing of the prompt's start, a
+consistent-hash ring and the ring with bounded loads.
+
+Each ranks every candidate and scores it by its rank (first 1, then evenly down towards 0), so the max-score
+picker takes the baseline's choice and its next ones as Envoy's fallbacks. The strategy table
+(`picker.scheduling.config.STRATEGIES`) runs each as an ordinary one-profile scheduling config, as it runs the
+cache-blind least-load and the ratio-only prefix baselines, which need no plugin of their own; none reads a
+model server's metrics.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+from pydantic import Field
+
+from picker.core.requests import InferenceRequest
+from picker.core.schema import Section
+from picker.endpoints.state import Endpoint
+from picker.scheduling.context import SchedulingContext, effective_model
+from picker.scheduling.plugins import NoParams, Plugin, PluginFactory, default_of, no_params, with_params
+
+
+def _by_rank(candidates: Sequence[Endpoint], ranking: Sequence[Endpoint]) -> list[float]:
+    """Scores in [0, 1] that order `candidates` as `ranking` does: the first 1.0, the last 1/n."""
+    n = len(ranking)
+    place = {id(e): i for i, e in enumerate(ranking)}
+    return [1.0 - place[id(e)] / n for e in candidates]
+
+
+class RoundRobinScorer(Plugin):
+    """Each pick moves the start of the rotation on by one (Envoy's default policy)."""
+
+    type_name = "round-robin-scorer"
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__(name)
+        self._next = 0
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        n = len(candidates)
+        start = self._next % n
+        return [1.0 - ((i - start) % n) / n for i in range(n)]
+
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        self._next += 1
+
+
+def _prefix_key(request: InferenceRequest, prefix_chars: int) -> bytes:
+    """What the hash baselines hash: the model and the prompt's first `prefix_chars` characters."""
+    return f"{effective_model(request)}\0{request.prompt_text[:prefix_chars]}".encode("utf-8", "surrogatepass")
+
+
+@functools.lru_cache(maxsize=4096)
+def _address_seed(address: str) -> int:
+    """A stable 64-bit seed per endpoint address (rendezvous hashing's per-node salt), hashed once per pod."""
+    return xxhash.xxh64_intdigest(address.encode())
+
+
+_HASH_SPAN = float(2**64)
+
+
+class PrefixHashScorer(Plugin):
+    """Rendezvous hash of the prompt's first `prefix_chars` characters: no index, no load.
+
+    The trivial cache-aware baseline: identical prefixes always land on the same pod (while the pod set is
+    unchanged; a pod leaving moves only its own share), so a router that looks at load must beat this."""
+
+    type_name = "prefix-hash-scorer"
+
+    def __init__(self, name: str | None = None, *, prefix_chars: int = 1000) -> None:
+        super().__init__(name)
+        if prefix_chars <= 0:
+            raise ValueError("prefixChars must be positive")
+        self.prefix_chars = prefix_chars
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        key = _prefix_key(ctx.request, self.prefix_chars)
+        return [xxhash.xxh64_intdigest(key, seed=_address_seed(e.address)) / _HASH_SPAN for e in candidates]
+
+
+class HashRingScorer(Plugin):
+    """Consistent hashing on a ring with `virtual_nodes` points per pod: the simple router a user tries first.
+
+    The prompt's first `prefix_chars` characters pick a point on the ring; the first pod clockwise serves it, the
+    next distinct pods are the fallbacks. Many virtual nodes per pod keep the pods' shares of the key space within
+    a few percent of each other, which a plain hash-mod or a few points per pod do not."""
+
+    type_name = "hash-ring-scorer"
+
+    def __init__(self, name: str | None = None, *, prefix_chars: int = 1000, virtual_nodes: int = 200) -> None:
+        super().__init__(name)
+        if prefix_chars <= 0 or virtual_nodes <= 0:
+            raise ValueError("prefixChars and virtualNodes must be positive")
+        self.prefix_chars = prefix_chars
+        self.virtual_nodes = virtual_nodes
+        self._ring_for: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def _ring(self, endpoints: Sequence[Endpoint]) -> tuple[list[int], list[str]]:
+        """The ring's sorted points and their pods, rebuilt only when the pod set changes."""
+        addresses = tuple(sorted(e.address for e in endpoints))
+        if addresses != self._ring_for:
+            points = sorted((xxhash.xxh64_intdigest(f"{a}#{v}".encode()), a)
+                            for a in addresses for v in range(self.virtual_nodes))
+            self._points = [p for p, _ in points]
+            self._owners = [a for _, a in points]
+            self._ring_for = addresses
+        return self._points, self._owners
+
+    def ring_order(self, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> list[Endpoint]:
+        """Every pod once, in the order met walking clockwise from the prompt's point on the ring."""
+        points, owners = self._ring(endpoints)
+        by_address = {e.address: e for e in endpoints}
+        start = bisect.bisect_left(points, xxhash.xxh64_intdigest(_prefix_key(request, self.prefix_chars)))
+        order: list[Endpoint] = []
+        seen: set[str] = set()
+        n = len(points)
+        for i in range(n):
+            owner = owners[(start + i) % n]
+            if owner not in seen:
+                seen.add(owner)
+                order.append(by_address[owner])
+                if len(order) == len(by_address):
+                    break
+        return order
+
+    def choose(self, order: list[Endpoint]) -> list[Endpoint]:
+        """The ranking from the ring order (the plain ring keeps it as it is)."""
+        return order
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        return _by_rank(candidates, self.choose(self.ring_order(ctx.request, candidates)))
+
+
+class BoundedLoadScorer(HashRingScorer):
+    """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam; KubeAI's prefix-hash balancing).
+
+    A key goes to the first pod clockwise whose in-flight requests, this one included, stay within
+    `ceil(load_factor x (all in-flight + 1) / pods)`; a full pod passes the key to the next. Hot keys overflow to
+    the next pods on the ring, always the same ones, so their prefixes get a small stable set of holders. The load
+    is the router's own in-flight count: no metrics."""
+
+    type_name = "bounded-load-scorer"
+
+    def __init__(self, name: str | None = None, *, prefix_chars: int = 1000, virtual_nodes: int = 200,
+                 load_factor: float = 1.25) -> None:
+        super().__init__(name, prefix_chars=prefix_chars, virtual_nodes=virtual_nodes)
+        if load_factor < 1.0:
+            raise ValueError("loadFactor must be at least 1")
+        self.load_factor = load_factor
+
+    def choose(self, order: list[Endpoint]) -> list[Endpoint]:
+        capacity = math.ceil(self.load_factor * (sum(e.in_flight for e in order) + 1) / len(order))
+        for i, e in enumerate(order):
+            if e.in_flight + 1 <= capacity:
+                return [e, *order[:i], *order[i + 1:]]
+        return order
+
+
+class PrefixHashParams(Section):
+    prefix_chars: int = Field(default_of(PrefixHashScorer, "prefix_chars"), gt=0)
+
+
+class HashRingParams(Section):
+    prefix_chars: int = Field(default_of(HashRingScorer, "prefix_chars"), gt=0)
+    virtual_nodes: int = Field(default_of(HashRingScorer, "virtual_nodes"), gt=0)
+
+
+class BoundedLoadParams(HashRingParams):
+    load_factor: float = Field(default_of(BoundedLoadScorer, "load_factor"), ge=1)
+
+
+FACTORIES: tuple[PluginFactory[Any], ...] = (
+    PluginFactory(RoundRobinScorer.type_name, NoParams, no_params(RoundRobinScorer)),
+    PluginFactory(PrefixHashScorer.type_name, PrefixHashParams, with_params(PrefixHashScorer)),
+    PluginFactory(HashRingScorer.type_name, HashRingParams, with_params(HashRingScorer)),
+    PluginFactory(BoundedLoadScorer.type_name, BoundedLoadParams, with_params(BoundedLoadScorer)),
+)
