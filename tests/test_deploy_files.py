@@ -32,6 +32,7 @@ from picker import cli
 from picker.endpoints.kubernetes import objective_priorities
 from picker.serving.config import ServeConfig, parse_ports, resolve
 from picker.serving.envoyconfig import EnvoySettings, render, validate_with_envoy
+from picker.serving.policy import build_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"
@@ -218,7 +219,9 @@ def serve_config(args: list[str]) -> ServeConfig:
     assert args and args[0] == "serve", args
     argv = [f"--index-hash-key-file={MOUNTED_KEY.name}" if str(a).startswith("--index-hash-key-file=") else str(a)
             for a in args[1:]]
-    return resolve(_parse("serve", argv))
+    config = resolve(_parse("serve", argv))
+    build_policy(config)  # the plugin graph too, as `picker serve` builds it before opening a port
+    return config
 
 
 def sim_args(args: list[str]) -> argparse.Namespace:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from picker.cli import main
 from picker.scheduling.config import StrategyDeps, build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.serving.config import ConfigError, ServeConfig, add_arguments, resolve
@@ -109,13 +111,16 @@ def test_plugins_we_do_not_implement_are_named(name: str, message: str) -> None:
     ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\ndataLayer: {discovery: {pluginRef: x}}\n",
      "dataLayer.discovery: not supported"),
 ])
-def test_bad_reference_configs_name_the_key(tmp_path: Path, text: str, message: str) -> None:
+@pytest.mark.timeout(30)  # a config that wrongly passes would start serving
+def test_bad_reference_configs_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                            message: str) -> None:
+    """Whether found decoding the file or building its plugin graph: exit 2 before any port opens, naming the
+    file and the key."""
     path = tmp_path / "epp.yaml"
     path.write_text(text)
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    add_arguments(parser)
-    with pytest.raises(ConfigError, match=message):
-        resolve(parser.parse_args(["--endpoints", "127.0.0.1:8000", "--config-file", str(path)]))
+    assert main(["serve", "--endpoints", "127.0.0.1:8000", "--config-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.startswith(f"picker serve: {path}: ") and "Traceback" not in err, err
 
 
 def test_the_reference_vocabulary_also_works_inside_our_scheduling_section(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from picker.extproc.limits import StreamLimits
 from picker.prefix.hashing import IndexKey
 from picker.routing.admission import AdmissionConfig
 from picker.scheduling import reference
-from picker.scheduling.config import SchedulingConfig, StrategyDeps, StrategyName, build_strategy
+from picker.scheduling.config import SchedulingConfig, StrategyName
 from picker.serving import reference_flags
 from picker.serving.tls import TLS_VERSIONS, TlsError, TlsOptions
 
@@ -344,8 +344,15 @@ def _importable(module: str) -> bool:
     return True
 
 
+def scheduling_source(args: argparse.Namespace) -> str:
+    """Where the `scheduling` section came from (no flag sets it), for errors the scheduler's build finds."""
+    given = vars(args)
+    return str(given.get("config_file") or ("--config-text" if given.get("config_text") else ""))
+
+
 def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeConfig:
-    """Merge defaults, the config file and explicit flags; ConfigError naming the offending option. Warnings
+    """Merge defaults, the config file and explicit flags; ConfigError naming the offending option (the plugin
+    graph is checked where it is built, `PickerServer`, before any port opens). Warnings
     about settings that change nothing here (from a reference picker's config) are appended to `notes`."""
     given = vars(args)
     config_file, config_text = given.get("config_file"), given.get("config_text")
@@ -372,10 +379,6 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
     source = " + ".join(filter(None, (config_file, "--config-text" if config_text else "",
                                       "command line" if flags else "")))
     config = decode_serve_config(data, source)
-    try:  # the plugin graph (types, parameters, references) is checked now, not when the first request comes
-        build_strategy(config.strategy, StrategyDeps(config.scheduling, saturation=config.admission.thresholds))
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
     if config.discovery == "static" and not (config.endpoints or config.endpoints_file):
         raise ConfigError("no endpoint source: give --endpoints, --endpoints-file, --pool-name (an InferencePool, in "
                          "Kubernetes) or --endpoint-selector")

@@ -130,13 +130,20 @@ class PickerServer:
     health_port: int = 0
     metrics_port: int = 0
 
-    async def start(self) -> None:
+    def __post_init__(self) -> None:
+        """The metrics and the policy (the scheduler, built here and only here) before anything starts: a plugin
+        graph the config cannot build is a ConfigError naming its key before any port opens."""
         c = self.config
         models = c.scheduling.models
         rewrite_targets = (t.model_rewrite for rule in models.rewrites for t in rule.targets)
         self.metrics = PickerMetrics(c.pool_label, models=(*models.base, *models.adapters, *rewrite_targets),
                                      namespace=c.pool_namespace, stream_metrics=c.enable_grpc_stream_metrics,
                                      deprecated_names=c.metrics_deprecated_names)
+        self.policy = build_policy(c, self.metrics)
+
+    async def start(self) -> None:
+        c = self.config
+        models = c.scheduling.models
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view
@@ -144,7 +151,7 @@ class PickerServer:
         self.kv_events: KVEventSubscriber | None = None
         self.kv_relay: EventRelay | None = None
         await self._start_endpoint_sources(c)
-        policy = build_policy(c, self.metrics)
+        policy = self.policy
         self.scheduler = policy.scheduler
         self.shared_index = policy.shared_index
         if self.shared_index is not None:
@@ -362,20 +369,19 @@ class PickerServer:
             await self.kv_relay.stop()
 
 
-async def serve(config: cfg.ServeConfig) -> None:
+async def serve(server: PickerServer) -> None:
     # Handlers go in before any port opens: a supervisor may send SIGTERM as soon as it sees us listening.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = PickerServer(config)
     await server.start()
     stopped = asyncio.create_task(stop.wait())
     failed = asyncio.create_task(server.failed.wait())
     await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     failed.cancel()
-    await server.stop(config.drain_timeout)
+    await server.stop(server.config.drain_timeout)
     if server.failed.is_set():
         raise BackgroundFailure("a background task failed (see the log above)")
 
@@ -396,12 +402,21 @@ def run(args: argparse.Namespace) -> int:
         log.warning("reference picker flag %s", note)
     for note in config_notes:
         log.warning("reference picker config %s", note)
+    try:
+        server = PickerServer(config)
+    except cfg.ConfigError as exc:  # the plugin graph: only the config file or text holds it
+        source = cfg.scheduling_source(args)
+        print(exit_line(f"picker serve: {source + ': ' if source else ''}{exc}", config.log_format), file=sys.stderr)
+        return 2
+    except ValueError as exc:  # e.g. a --redis-url the client cannot parse
+        print(exit_line(f"picker serve: {exc}", config.log_format), file=sys.stderr)
+        return 2
     profile_path = os.environ.get("PICKER_PROFILE")  # bench/overhead.py: where does the picker's time go?
     profiler = cProfile.Profile() if profile_path else None
     try:
         if profiler is not None:
             profiler.enable()
-        asyncio.run(serve(config))
+        asyncio.run(serve(server))
     except (BindError, ValueError) as exc:
         print(exit_line(f"picker serve: {exc}", config.log_format), file=sys.stderr)
         return 2
