@@ -54,7 +54,7 @@ def test_roles_decide_who_prefills_and_who_decodes() -> None:
 
 
 def test_the_prefix_decider_counts_the_tokens_the_decode_pod_lacks() -> None:
-    decider = PrefixBasedPdDecider(non_cached_tokens=100, chars_per_token=4)
+    decider = PrefixBasedPdDecider(non_cached_tokens=100)
     decode = pod(2, "decode")
     ctx = ctx_for(request(800), block_chars=64)  # 200 tokens, none cached
     assert decider.disaggregate(ctx, decode)
@@ -62,7 +62,7 @@ def test_the_prefix_decider_counts_the_tokens_the_decode_pod_lacks() -> None:
     assert not decider.disaggregate(ctx, decode)
     assert not decider.disaggregate(ctx_for(request(360)), decode)  # 90 tokens in all
     assert not PrefixBasedPdDecider(non_cached_tokens=0).disaggregate(ctx_for(request(8000)), decode)  # 0: never
-    gated = PrefixBasedPdDecider(non_cached_tokens=10, prompt_tokens=500, chars_per_token=4)
+    gated = PrefixBasedPdDecider(non_cached_tokens=10, prompt_tokens=500)
     assert not gated.disaggregate(ctx_for(request(800)), decode)  # a prompt under promptTokens stays local
     tokenized = request(40)
     tokenized.token_ids = list(range(300))  # token ids, when known, count rather than characters

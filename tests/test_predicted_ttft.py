@@ -181,11 +181,11 @@ def test_peer_picks_queue_work_and_removal_forgets_the_pod() -> None:
 
     s = scorer()
     a, b = pod(1), pod(2)
-    s.on_peer_picked(PeerPick(a.address, 4000 * 4), 0.0)
+    s.on_peer_picked(PeerPick(a.address, 4000), 0.0)
     assert s.predict(ctx(100, [0, 0]), [a, b])[0].wait_s == pytest.approx(cost(4000))
     s.on_endpoint_removed(a)
     assert s.predict(ctx(100, [0, 0]), [a, b])[0].wait_s == 0.0
-    s.on_peer_picked(PeerPick(b.address, 100 * 4), 0.0)  # a peer's request: not in our in-flight count, still waited on
+    s.on_peer_picked(PeerPick(b.address, 100), 0.0)  # a peer's request: not in our in-flight count, still waited on
     assert s.predict(ctx(100, [0, 0], now=0.001), [a, b])[1].wait_s == pytest.approx(cost(100) - 0.001)
 
 

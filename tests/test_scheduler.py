@@ -521,6 +521,6 @@ def test_a_peer_replicas_pick_steers_the_next_cold_request_elsewhere() -> None:
     for busy in (0, 1):
         s = build_scheduler(None, rng=random.Random(3))
         endpoints = pods(2)
-        s.on_peer_picked(endpoints[busy].address, 4 * 4096, "", 0.0)
+        s.on_peer_picked(endpoints[busy].address, 4096, "", 0.0)
         chosen = s.schedule(req("a cold question nobody asked before " * 4), endpoints, 0.001).ranked[0]
         assert chosen is endpoints[1 - busy]

@@ -247,7 +247,7 @@ def test_peer_picks_teach_the_stateful_scorers_like_own_picks() -> None:
     assert len(sticky) == 1
 
     load = InFlightLoadScorer(prefill_half_life=0.05, prefill_weight=4)
-    load.on_peer_picked(PeerPick(a.address, 4 * 4096), 0.0)
+    load.on_peer_picked(PeerPick(a.address, 4096), 0.0)
     assert load.score(ctx_for(), [a, b])[0] < 0.25  # a peer just handed `a` a long prompt
-    load.on_peer_picked(PeerPick(a.address, 4 * 4096), -0.01)  # a peer's pick may be a moment older: adds up
+    load.on_peer_picked(PeerPick(a.address, 4096), -0.01)  # a peer's pick may be a moment older: adds up
     assert load._recent_prefill(a.address, 0.0) == pytest.approx(2 * 4096)

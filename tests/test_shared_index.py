@@ -19,8 +19,9 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.core.requests import build_request
+from picker.core.requests import InferenceRequest, build_request
 from picker.core.schema import ConfigError
+from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.shared import SharedPrefixIndex, decode_keys, encode_keys, stream_name
@@ -377,7 +378,15 @@ def test_serve_wires_the_shared_index_into_the_scheduler() -> None:
     assert shared is not None and policy.scheduler.index is shared  # built first, handed to the scheduler
     assert shared.local.capacity("10.0.0.1:8000") == 77  # the local half sized by the scheduling config
     assert shared.stream == "picker:{prod/llama}:prefix-index"
-    assert shared.peer_listener == policy.scheduler.on_peer_picked
+    for busy in (0, 1):  # a peer's long prompt (heard in characters) steers our next cold request elsewhere
+        heard = build_policy(config)
+        assert heard.shared_index is not None and heard.shared_index.peer_listener is not None
+        pods = [Endpoint.from_address(f"10.0.0.{i + 1}:8000") for i in range(2)]
+        for pod in pods:
+            pod.metrics = EndpointMetrics(updated_at=0.0)
+        heard.shared_index.peer_listener(pods[busy].address, 4 * 4096, "", 0.0)
+        cold = InferenceRequest("r", "llama", prompt_text="a cold question nobody asked before " * 4)
+        assert heard.scheduler.schedule(cold, pods, 0.001).ranked[0] is pods[1 - busy]
     assert build_policy(ServeConfig()).shared_index is None
     with pytest.raises(ConfigError, match="needs a strategy with a prefix index"):
         build_policy(ServeConfig(index_backend="redis", redis_url="redis://127.0.0.1:1/0", strategy="round-robin"))

@@ -95,7 +95,7 @@ async def test_a_peers_pick_counts_at_once_until_its_report_replaces_it(valkey: 
     b.find = {e.address: e for e in pods_b}.get
     try:
         pods_a[1].start_request(400, 0.0)  # a routes a request; b hears of the pick through the shared index
-        b.peer_picked(PODS[1], 1600)
+        b.peer_picked(PODS[1], 400)  # its prompt in tokens (1,600 characters at 4 a token)
         b.peer_picked("10.9.9.9:8000", 100)  # a pod b does not know: ignored
         assert (pods_b[1].fleet_in_flight, pods_b[1].peer_in_flight_tokens, pods_b[1].in_flight) == (1, 400, 0)
         pods_a[1].finish_request(400)  # it ended before a's next report: the report says so

@@ -237,12 +237,11 @@ class _FastRun:
         self.bypass_rng = random.Random(f"bypass:{cfg.seed}")
         use_admission = cfg.admission and strategy != "round-robin"
         own_config = scheduling_config(scheduling if strategy == "picker" else None)
-        chars_per_token = own_config.prefix_cache.chars_per_token
         admission = cfg.admission_config if cfg.admission_config is not None else AdmissionConfig()
         self.now = 0.0  # the simulated clock the admission gates read
         self.admission = admission
         self.gated = use_admission
-        self.chars_per_token = chars_per_token
+        self.chars_per_token = schedulers[0].chars_per_token  # how the replicas count a prompt's tokens
         # The director `picker serve` runs, one per replica, called synchronously in simulated time.
         self.directors = [self.make_director(endpoints, scheduler, self.simulated_time)
                           for endpoints, scheduler in zip(self.replica_endpoints, schedulers, strict=True)]
@@ -252,7 +251,7 @@ class _FastRun:
         self.hasher: PrefixHasher = build_hasher(own_config)
         self.arrivals = 0  # requests dealt to replicas so far
         use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks
-        self.peers: list[Callable[[str, int, str, float], None]] = (
+        self.peers: list[Callable[[str, float, str, float], None]] = (
             [s.on_peer_picked for s in schedulers] if use_peers else [])
         self.builder = PromptBuilder(self.engines[0].tokenizer)
         self.oracle = InfiniteCacheOracle(profile.block_size)
@@ -285,13 +284,13 @@ class _FastRun:
 
     def tell_peers(self, replica: int, request: InferenceRequest, address: str, now: float) -> None:
         """What the shared index's stream tells the other replicas of a pick (picker/prefix/shared.py)."""
-        chars = len(request.prompt_text)
+        tokens = len(request.prompt_text) / self.chars_per_token  # as picker.serving.policy.peer_listener counts
         session = request.session_id or ""
         for r, hook in enumerate(self.peers):
             if r != replica:
-                hook(address, chars, session, now)
+                hook(address, tokens, session, now)
                 if self.cfg.load_sync_interval > 0:  # counted until the next sync, as SharedLoad.peer_picked does
-                    self.replica_endpoints[r][self.pod_index[address]].peer_started(chars, self.chars_per_token)
+                    self.replica_endpoints[r][self.pod_index[address]].peer_started(tokens)
 
     def simulated_time(self) -> float:
         return self.now
@@ -302,8 +301,7 @@ class _FastRun:
         pool = _pool_of(endpoints)
         admission = self.admission
         gate = build_gate(admission, self.chars_per_token, pool, clock=clock) if self.gated else Ungated()
-        return Director(pool, scheduler, gate=gate, priorities=Priorities(admission),
-                        chars_per_token=self.chars_per_token, clock=clock)
+        return Director(pool, scheduler, gate=gate, priorities=Priorities(admission), clock=clock)
 
     def note(self, replica: int, entry: DirectorInput) -> None:
         if self.inputs is not None and replica == 0:

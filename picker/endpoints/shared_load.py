@@ -33,7 +33,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class SharedLoad:
     applied sync with the number of other replicas counted (admission's `Gate.load_synced`)."""
 
     def __init__(self, redis_url: str, namespace: str, pool: Callable[[], Sequence[Endpoint]], *,
-                 find: Callable[[str], Endpoint | None] | None = None, chars_per_token: float = CHARS_PER_TOKEN,
+                 find: Callable[[str], Endpoint | None] | None = None,
                  interval: float, stale: float | None = None, replica_id: str | None = None,
                  wall_clock: Callable[[], float] = time.time, on_change: Callable[[int], None] | None = None) -> None:
         if interval <= 0:
@@ -87,7 +86,6 @@ class SharedLoad:
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.pool = pool
         self.find = find  # a pod by address (the pool's index), for the peers' picks
-        self.chars_per_token = chars_per_token
         self.interval = interval
         self.stale = stale if stale is not None else max(1.0, 10 * interval)
         self.wall_clock = wall_clock
@@ -99,12 +97,12 @@ class SharedLoad:
         self._peers_applied = False  # some pod carries peers' counts now
         self.period = interval  # the time between syncs now: `interval`, longer when a sync takes long
 
-    def peer_picked(self, address: str, prompt_chars: int) -> None:
+    def peer_picked(self, address: str, prompt_tokens: float) -> None:
         """Another replica routed a request to `address` (its pick, heard through the shared index within
         milliseconds): counted at once, until the next sync replaces it with that replica's report."""
         endpoint = self.find(address) if self.find is not None else None
         if endpoint is not None:
-            endpoint.peer_started(prompt_chars, self.chars_per_token)
+            endpoint.peer_started(prompt_tokens)
 
     async def close(self) -> None:
         """Delete our report, so the others stop counting our requests at once (after `run` was cancelled)."""

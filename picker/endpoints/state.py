@@ -129,11 +129,11 @@ class Endpoint:
         """Requests in flight here from every replica: ours, and the others' as last heard."""
         return self.in_flight + self.peer_in_flight
 
-    def peer_started(self, prompt_chars: int, chars_per_token: float) -> None:
+    def peer_started(self, prompt_tokens: float) -> None:
         """Another replica routed a request here (its pick, heard through the shared index, carries its prompt's
         length): counted until the next load sync replaces the peers' counts with their reports."""
         self.peer_in_flight += 1
-        self.peer_in_flight_tokens += int(prompt_chars / chars_per_token)
+        self.peer_in_flight_tokens += int(prompt_tokens)
 
     def set_peer_load(self, requests: int, tokens: int) -> None:
         """What the other replicas last reported in flight here (0, 0: none, or they cannot be heard)."""

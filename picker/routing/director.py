@@ -23,7 +23,6 @@ from picker.endpoints.model_listing import MODELS_PATH
 from picker.endpoints.model_serving import ModelServing
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.prefix.tokens import PromptTokenizer
 from picker.routing.admission import Gate, Hold, PostScoring, Priorities, SloShedding, Ungated
 from picker.routing.observers import DecisionRecorder, RequestObserver, ResponseTrace
@@ -115,7 +114,6 @@ class Director:
         clock: Callable[[], float] = time.monotonic,
         fallbacks: int = 1,
         tracer: DecisionRecorder | None = None,
-        chars_per_token: int = CHARS_PER_TOKEN,
         models: ModelServing | None = None,
         rewrites: ModelRewrites | None = None,
         tokenizer: PromptTokenizer | None = None,
@@ -130,7 +128,7 @@ class Director:
         self.clock = clock
         self.fallbacks = max(1, fallbacks)
         self.tracer = tracer
-        self.chars_per_token = chars_per_token  # the scheduling config's prefixCache.charsPerToken
+        self.chars_per_token = scheduler.chars_per_token  # counts our requests' tokens as the plugins do
         self.models = models if models is not None else ModelServing()  # which pods serve which model
         self.rewrites = rewrites if rewrites is not None else ModelRewrites()  # requested model -> served one
         self.tokenizer = tokenizer  # precise prefix routing: the prompt's token ids before it is scheduled

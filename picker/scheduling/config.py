@@ -296,12 +296,10 @@ def build_scheduler(
     predictions compare with the pods' measurements; `index_key` keys what the index stores; `timer` hears how
     long plugins take."""
     cfg = scheduling_config(config)
-    pc = cfg.prefix_cache
     if index is None:
         index = build_prefix_index(cfg)
     hasher = build_hasher(cfg, index_key)
     deps = PluginDeps(rng=rng, base_models=tuple(cfg.models.base), adapters=tuple(cfg.models.adapters),
-                      chars_per_token=pc.chars_per_token,
                       saturation=saturation if saturation is not None else SaturationThresholds(),
                       observer=observer, cache_room=index, prefix_index=index, hasher=hasher, precise=precise)
     plugins: dict[str, Plugin] = {}

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from picker.core.requests import InferenceRequest
 from picker.endpoints.state import Endpoint
+from picker.prefix.hashing import CHARS_PER_TOKEN
 
 
 class Detail(Protocol):
@@ -29,6 +30,9 @@ class SchedulingContext:
     keys: list[int] = field(default_factory=list)
     session: str = ""  # the request's x-session-id as remembered and shared (IndexKey.session); "" without one
     block_chars: int = 64
+    # how many characters make a token where the prompt's token ids are not known (prefixCache.charsPerToken):
+    # plugins count a prompt's tokens with it, as the director counts them in flight
+    chars_per_token: int = CHARS_PER_TOKEN
     matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
     matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored
     precise_keys: list[int] = field(default_factory=list)  # the prompt's token-block keys (precise prefix mode)
@@ -51,10 +55,9 @@ class SchedulingContext:
             self.details = {}
         self.details[plugin] = per_candidate
 
-    @classmethod
-    def of(cls, request: InferenceRequest, now: float) -> SchedulingContext:
-        """The bare context of a strategy that neither hashes nor looks anything up."""
-        return cls(request=request, now=now, model=effective_model(request))
+    def tokens(self, chars: float) -> float:
+        """`chars` characters of prompt in tokens."""
+        return chars / self.chars_per_token
 
     def align(self, candidates: Sequence[Endpoint]) -> None:
         """Refresh `matched` for this candidate list (after filtering)."""

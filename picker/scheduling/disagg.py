@@ -73,22 +73,20 @@ class PrefixBasedPdDecider(Plugin):
     type_name = "prefix-based-pd-decider"
     needs_prefix = True
 
-    def __init__(self, name: str | None = None, *, non_cached_tokens: int = 0, prompt_tokens: int = 0,
-                 chars_per_token: float = 4.0) -> None:
+    def __init__(self, name: str | None = None, *, non_cached_tokens: int = 0, prompt_tokens: int = 0) -> None:
         super().__init__(name)
         self.non_cached_tokens = non_cached_tokens
         self.prompt_tokens = prompt_tokens
-        self.chars_per_token = chars_per_token  # prompts without token ids are measured in characters
 
     def disaggregate(self, ctx: SchedulingContext, decode: Endpoint) -> bool:
         if self.non_cached_tokens <= 0:
             return False
         request = ctx.request
         ids = request.token_ids
-        tokens = len(ids) if ids else int(len(request.prompt_text) / self.chars_per_token)
+        tokens = len(ids) if ids else int(ctx.tokens(len(request.prompt_text)))
         if tokens < self.prompt_tokens or tokens < self.non_cached_tokens:
             return False
-        held = int(ctx.matches.get(decode.address, 0) * ctx.block_chars / self.chars_per_token)
+        held = int(ctx.tokens(ctx.matches.get(decode.address, 0) * ctx.block_chars))
         return tokens - held >= self.non_cached_tokens
 
 
@@ -260,8 +258,7 @@ def _pd(name: str, p: PdProfileHandlerParams, deps: PluginDeps) -> Plugin:
 
 
 def _prefix_decider(name: str, p: PrefixBasedPdDeciderParams, deps: PluginDeps) -> Plugin:
-    return PrefixBasedPdDecider(name, non_cached_tokens=p.non_cached_tokens, prompt_tokens=p.prompt_tokens,
-                                chars_per_token=deps.chars_per_token)
+    return PrefixBasedPdDecider(name, non_cached_tokens=p.non_cached_tokens, prompt_tokens=p.prompt_tokens)
 
 
 def _headers(cls: type[DisaggPdHeadersHandler]) -> PluginFactory[HeadersHandlerParams]:

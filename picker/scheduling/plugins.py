@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from picker.core.schema import Section
 from picker.endpoints.saturation import SaturationThresholds
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import CHARS_PER_TOKEN, PrefixHasher
+from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import CacheRoom, PrefixIndex
 from picker.prefix.precise import PrecisePrefix
 from picker.scheduling.context import SchedulingContext
@@ -27,7 +27,7 @@ class PeerPick:
     """What another picker replica routed, as the shared prefix index carries it."""
 
     address: str
-    prompt_chars: int
+    prompt_tokens: float  # the peer's prompt, counted at `chars_per_token` as ours are
     session_id: str = ""
 
 
@@ -121,7 +121,6 @@ class PluginDeps:
     rng: random.Random | None = None  # tie-breaks (a seeded one makes runs reproducible)
     base_models: tuple[str, ...] = ()  # `models.base`: request models that are no LoRA adapter
     adapters: tuple[str, ...] = ()  # `models.adapters`
-    chars_per_token: int = CHARS_PER_TOKEN  # `prefixCache.charsPerToken`
     saturation: SaturationThresholds = field(default_factory=SaturationThresholds)  # the admission section's
     observer: PredictionObserver | None = None  # prediction vs measurement (None: not reported)
     cache_room: CacheRoom | None = None  # the prefix index's view of each pod's cache room (None: not known)

@@ -58,7 +58,6 @@ from pydantic import Field
 
 from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.demand import DEMAND_KEYS, PrefixDemand
 from picker.scheduling.plugins import (
@@ -163,10 +162,10 @@ class PredictedTTFTScorer(Plugin):
                  prefill_fixed_seconds: float = 0.0075, decode_tokens: float = 4.0, queued_request_tokens: float = 1024.0,
                  rate_smoothing: float = 0.2, min_rate_sample_tokens: float = 256.0, per_pod_rate: bool = False,
                  eviction_cost: float = 2.0, demand_window_seconds: float = 1.0, demand_floor: float = 4.0,
-                 demand_keys: int = DEMAND_KEYS, pod_time_scale: float = 1.0, chars_per_token: int = CHARS_PER_TOKEN,
+                 demand_keys: int = DEMAND_KEYS, pod_time_scale: float = 1.0,
                  observer: PredictionObserver | None = None) -> None:
         super().__init__(name)
-        if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0 or chars_per_token <= 0:
+        if prefill_tokens_per_second <= 0 or queued_request_tokens <= 0:
             raise ValueError("prefillTokensPerSecond and queuedRequestTokens must be positive")
         if decode_tokens < 0 or not 0 < rate_smoothing <= 1 or min_rate_sample_tokens < 0 or prefill_fixed_seconds < 0:
             raise ValueError("decodeTokens >= 0, rateSmoothing within (0, 1], minRateSampleTokens >= 0, "
@@ -176,7 +175,6 @@ class PredictedTTFTScorer(Plugin):
         self.eviction_cost = eviction_cost
         self.rate_smoothing = rate_smoothing
         self.min_rate_sample_tokens = min_rate_sample_tokens
-        self.chars_per_token = chars_per_token
         self.mean_uncached = queued_request_tokens  # tokens a queued request will need (learned from our picks)
         # Pods of one pool run the same model on the same hardware: by default they share one learned cost, so
         # one pod's noisy samples do not make it look faster than its twins (and draw their traffic).
@@ -237,13 +235,13 @@ class PredictedTTFTScorer(Plugin):
             pod.seen_tokens, pod.seen_seconds, pod.seen_count = tokens, seconds, count
 
     def _prompt_tokens(self, ctx: SchedulingContext) -> float:
-        return len(ctx.request.prompt_text) / self.chars_per_token
+        return ctx.tokens(len(ctx.request.prompt_text))
 
     def predict(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[Prediction]:
         """Each candidate's predicted TTFT (needs `ctx.matched` aligned with `candidates`)."""
         prompt = self._prompt_tokens(ctx)
         now = ctx.now * self.pod_time_scale
-        block_tokens = ctx.block_chars / self.chars_per_token
+        block_tokens = ctx.tokens(ctx.block_chars)
         matched = ctx.matched or [0] * len(candidates)
         best = max(matched) if matched else 0
         share = 1.0
@@ -288,7 +286,7 @@ class PredictedTTFTScorer(Plugin):
 
     def _uncached(self, ctx: SchedulingContext, endpoint: Endpoint) -> float:
         """This request's prompt tokens the index does not place on `endpoint`."""
-        uncached = self._prompt_tokens(ctx) - ctx.matches.get(endpoint.address, 0) * ctx.block_chars / self.chars_per_token
+        uncached = self._prompt_tokens(ctx) - ctx.tokens(ctx.matches.get(endpoint.address, 0) * ctx.block_chars)
         return uncached if uncached > 0.0 else 0.0
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
@@ -323,7 +321,7 @@ class PredictedTTFTScorer(Plugin):
         """A peer's pick carries no match length: count its whole prompt (an overestimate, as long as it lasts)."""
         pod = self._pod_state(pick.address)
         now *= self.pod_time_scale
-        pod.peer_until = self._queue_behind(pod, pick.prompt_chars / self.chars_per_token, now)
+        pod.peer_until = self._queue_behind(pod, pick.prompt_tokens, now)
 
     def _queue_behind(self, pod: _Pod, tokens: float, now: float) -> float:
         """When a prefill of `tokens` sent now should be done: after the work already routed there."""
@@ -360,7 +358,7 @@ class PredictedTTFTParams(Section):
 
 def _predicted(name: str, p: PredictedTTFTParams, deps: PluginDeps) -> Plugin:
     kwargs: dict[str, Any] = p.model_dump()
-    return PredictedTTFTScorer(name, **kwargs, chars_per_token=deps.chars_per_token, observer=deps.observer)
+    return PredictedTTFTScorer(name, **kwargs, observer=deps.observer)
 
 
 FACTORIES: tuple[PluginFactory[Any], ...] = (

@@ -67,6 +67,10 @@ class PrefixAwareScheduler:
         return self._index
 
     @property
+    def chars_per_token(self) -> int:
+        return self.hasher.chars_per_token
+
+    @property
     def learned_chars_per_token(self) -> float | None:
         for producer in self.producers:
             value = producer.learned_chars_per_token()
@@ -76,7 +80,8 @@ class PrefixAwareScheduler:
 
     def context(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingContext:
         """The request's cycle state: its session key, and what the prefix sources know of its prompt."""
-        ctx = SchedulingContext(request=request, now=now, model=effective_model(request))
+        ctx = SchedulingContext(request=request, now=now, model=effective_model(request),
+                                chars_per_token=self.hasher.chars_per_token)
         if request.session_id:
             ctx.session = self.hasher.key.session(request.session_id)
         if self.uses_prefix and request.prompt_text:
@@ -164,9 +169,9 @@ class PrefixAwareScheduler:
         for plugin in self._stateful:
             plugin.on_picked(ctx, endpoint, now)
 
-    def on_peer_picked(self, address: str, prompt_chars: int, session_id: str, now: float) -> None:
+    def on_peer_picked(self, address: str, prompt_tokens: float, session_id: str, now: float) -> None:
         """Another replica sharing our prefix index routed a request (the shared index reports it)."""
-        pick = PeerPick(address, prompt_chars, session_id)
+        pick = PeerPick(address, prompt_tokens, session_id)
         for plugin in self._stateful:
             plugin.on_peer_picked(pick, now)
 

@@ -13,7 +13,6 @@ from pydantic import Field
 
 from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import CHARS_PER_TOKEN
 from picker.prefix.index import CacheRoom
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.demand import PrefixDemand
@@ -233,12 +232,10 @@ class InFlightLoadScorer(Plugin):
     type_name = "in-flight-load-scorer"
 
     def __init__(self, name: str | None = None, *, tokens_per_request: float = 4096.0, slack: float = 1.0,
-                 prefill_half_life: float = 0.0, prefill_weight: float = 1.0,
-                 chars_per_token: int = CHARS_PER_TOKEN) -> None:
+                 prefill_half_life: float = 0.0, prefill_weight: float = 1.0) -> None:
         super().__init__(name)
         if tokens_per_request <= 0 or slack < 0 or prefill_half_life < 0 or prefill_weight < 0:
             raise ValueError("tokensPerRequest must be positive; slack, prefillHalfLife, prefillWeight >= 0")
-        self.chars_per_token = chars_per_token  # prefixCache.charsPerToken: the director's in-flight estimate too
         self.tokens_per_request = tokens_per_request
         self.slack = slack
         self.prefill_half_life = prefill_half_life
@@ -267,15 +264,14 @@ class InFlightLoadScorer(Plugin):
         return [1.0 - (x - lo) / span for x in loads]
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
-        self._add_prefill(endpoint.address, len(ctx.request.prompt_text), now)
+        self._add_prefill(endpoint.address, ctx.tokens(len(ctx.request.prompt_text)), now)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
-        self._add_prefill(pick.address, pick.prompt_chars, now)
+        self._add_prefill(pick.address, pick.prompt_tokens, now)
 
-    def _add_prefill(self, address: str, prompt_chars: int, now: float) -> None:
+    def _add_prefill(self, address: str, tokens: float, now: float) -> None:
         if self.prefill_half_life > 0:
             now = max(now, self._recent.get(address, (0.0, now))[1])  # a peer's pick may be a moment older
-            tokens = prompt_chars / self.chars_per_token
             self._recent[address] = (self._recent_prefill(address, now) + tokens, now)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
@@ -439,7 +435,7 @@ def _prefix_cache(name: str, p: PrefixCacheParams, deps: PluginDeps) -> Plugin:
 
 
 def _in_flight(name: str, p: InFlightLoadParams, deps: PluginDeps) -> Plugin:
-    return InFlightLoadScorer(name, **p.model_dump(), chars_per_token=deps.chars_per_token)
+    return InFlightLoadScorer(name, **p.model_dump())
 
 
 def _lora(name: str, p: NoParams, deps: PluginDeps) -> Plugin:

@@ -70,6 +70,11 @@ class Scheduler(Protocol):
         ...
 
     @property
+    def chars_per_token(self) -> int:
+        """How many characters of a prompt count as a token where its token ids are not known (configured)."""
+        ...
+
+    @property
     def learned_chars_per_token(self) -> float | None:
         """Characters per token of the traffic as learned from the pods (None: nothing learned)."""
         ...
@@ -80,7 +85,7 @@ class Scheduler(Protocol):
         """Called once the pick is final (e.g. to record the prompt's prefix on that endpoint)."""
         ...
 
-    def on_peer_picked(self, address: str, prompt_chars: int, session_id: str, now: float) -> None:
+    def on_peer_picked(self, address: str, prompt_tokens: float, session_id: str, now: float) -> None:
         """Another replica sharing our prefix index routed a request to `address` (its stream tells us)."""
         ...
 

@@ -58,7 +58,7 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
         config.scheduling, random.Random(config.seed), shared, config.admission.thresholds, observer=observer,
         index_key=key, timer=observer, precise=precise))
     if shared is not None:
-        shared.peer_listener = scheduler.on_peer_picked
+        shared.peer_listener = peer_listener(scheduler)
     return Policy(scheduler, Priorities(config.admission), shared, precise_index)
 
 
@@ -136,16 +136,23 @@ def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any], policy
     if policy.shared_index is None or not config.shared_load_interval:
         return None
     load = SharedLoad(config.redis_url, index_namespace(config), pool.all, find=pool.get,
-                      chars_per_token=config.scheduling.prefix_cache.chars_per_token,
                       interval=config.shared_load_interval, on_change=gate.load_synced)
-    shared, scheduler_heard = policy.shared_index, policy.scheduler.on_peer_picked
+    policy.shared_index.peer_listener = peer_listener(policy.scheduler, load, policy.shared_index.clock)
+    return load
+
+
+def peer_listener(scheduler: Scheduler, load: SharedLoad | None = None,
+                  clock: Callable[[], float] = time.monotonic) -> Callable[[str, int, str, float], None]:
+    """What hears another replica's pick through the shared index, which carries its prompt in characters: the
+    prompt counted in tokens once, as the director counts ours, for the scheduler and the shared in-flight load."""
+    chars_per_token = scheduler.chars_per_token
 
     def peer_picked(address: str, prompt_chars: int, session_id: str, at: float) -> None:
-        scheduler_heard(address, prompt_chars, session_id, at)
-        if shared.clock() - at <= load.period:  # a pick replayed after an outage is in the next report already
-            load.peer_picked(address, prompt_chars)
-    shared.peer_listener = peer_picked
-    return load
+        tokens = prompt_chars / chars_per_token
+        scheduler.on_peer_picked(address, tokens, session_id, at)
+        if load is not None and clock() - at <= load.period:  # a pick replayed after an outage is reported already
+            load.peer_picked(address, tokens)
+    return peer_picked
 
 
 class PoolMonitor:

@@ -160,14 +160,14 @@ class PickerServer:
         metrics = self.metrics
         self.pool.subscribe(lambda event, endpoint: metrics.forget_pod(endpoint) if event is PoolEvent.REMOVED else None)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
-        gate = build_gate(c.admission, c.scheduling.prefix_cache.chars_per_token, self.pool, self.metrics)
+        gate = build_gate(c.admission, self.scheduler.chars_per_token, self.pool, self.metrics)
         self.tokenizer: PromptTokenizer | None = None
         if policy.precise_index is not None and c.prefix_mode != "approximate":
             self.tokenizer = (LocalTokenizer(c.tokenizer) if c.tokenizer else
                               PodTokenizer(timeout=c.tokenize_timeout, scheme=c.model_server_metrics_scheme))
         self.director = Director(self.pool, self.scheduler, gate=gate,
                                  priorities=policy.priorities, metrics=self.metrics.requests, fallbacks=c.fallback_endpoints,
-                                 tracer=self.tracer, chars_per_token=c.scheduling.prefix_cache.chars_per_token,
+                                 tracer=self.tracer,
                                  models=ModelServing(models.adapters),
                                  rewrites=ModelRewrites(configured_rules(models.rewrites), rng=random.Random(c.seed)),
                                  tokenizer=self.tokenizer)
