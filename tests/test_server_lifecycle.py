@@ -53,3 +53,28 @@ async def test_grpc_host_binds_the_ext_proc_port_alone() -> None:
         assert _listens("127.0.0.3", picker.health_port) and not _listens("127.0.0.1", picker.health_port)
     finally:
         await picker.stop()
+
+
+async def test_stop_undoes_the_parts_last_started_first_even_when_one_fails(caplog: pytest.LogCaptureFixture) -> None:
+    """One life cycle: each part registers its stop as it starts; stop() runs them in reverse and a failing one
+    does not keep the rest running."""
+    config = ServeConfig(host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=0,
+                         endpoints="127.0.0.1:1", secure_serving=False)
+    picker = server.PickerServer(config)
+    await picker.start()
+    assert _listens("127.0.0.1", picker.metrics_port)
+    stopped: list[str] = []
+
+    async def first() -> None:
+        stopped.append("first")
+
+    async def broken() -> None:
+        stopped.append("broken")
+        raise OSError("already gone")
+
+    picker.on_stop("first part", first)
+    picker.on_stop("broken part", broken)
+    await picker.stop()
+    assert stopped == ["broken", "first"]
+    assert "stopping the broken part failed" in caplog.text
+    assert not _listens("127.0.0.1", picker.metrics_port)  # the metrics server, registered at start, stopped too

@@ -13,10 +13,9 @@ import random
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as extproc_grpc
@@ -57,9 +56,6 @@ from picker.serving.policy import (
     start_monitor,
 )
 from picker.serving.tls import certificate_hosts, server_credentials
-
-if TYPE_CHECKING:
-    from picker.kvevents.subscriber import KVEventSubscriber
 
 log = logging.getLogger("picker")
 
@@ -145,26 +141,29 @@ class PickerServer:
         c = self.config
         models = c.scheduling.models
         self._tasks: list[asyncio.Task[None]] = []
+        # how to stop what has started, registered as each part starts; run in reverse order by stop()
+        self._stoppers: list[tuple[str, Callable[[], Awaitable[object]]]] = []
         self._stopping = False
         self.failed = asyncio.Event()  # a background task died: serving on would route on a frozen view
-        self._http_server: WSGIServer | None = None
-        self.kv_events: KVEventSubscriber | None = None
-        self.kv_relay: EventRelay | None = None
         await self._start_endpoint_sources(c)
         policy = self.policy
         self.scheduler = policy.scheduler
         self.shared_index = policy.shared_index
         if self.shared_index is not None:
             await self.shared_index.start()
+            self.on_stop("shared prefix index", self.shared_index.stop)
             self.metrics.watch_index_sync(self.shared_index.stats)
         metrics = self.metrics
         self.pool.subscribe(lambda event, endpoint: metrics.forget_pod(endpoint) if event is PoolEvent.REMOVED else None)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
+        if self.tracer is not None:
+            self.on_stop("tracer", _awaitable(self.tracer.shutdown))
         gate = build_gate(c.admission, self.scheduler.chars_per_token, self.pool, self.metrics)
         self.tokenizer: PromptTokenizer | None = None
         if policy.precise_index is not None and c.prefix_mode != "approximate":
             self.tokenizer = (LocalTokenizer(c.tokenizer) if c.tokenizer else
                               PodTokenizer(timeout=c.tokenize_timeout, scheme=c.model_server_metrics_scheme))
+            self.on_stop("tokenizer", self.tokenizer.close)
         self.director = Director(self.pool, self.scheduler, gate=gate,
                                  priorities=policy.priorities, metrics=self.metrics.requests, fallbacks=c.fallback_endpoints,
                                  tracer=self.tracer,
@@ -175,6 +174,7 @@ class PickerServer:
                                      on_metrics=scrape_listener(gate, policy.precise_index)))
         self.shared_load = shared_load(c, self.pool, gate, policy)
         if self.shared_load is not None:
+            self.on_stop("shared load", self.shared_load.close)  # after its task is cancelled: deletes our report
             self.metrics.watch_load_sync(self.shared_load.stats)
             self.supervise(asyncio.create_task(self.shared_load.run(), name="shared-load"))
         if policy.precise_index is not None:
@@ -201,6 +201,11 @@ class PickerServer:
                  security, self.health_port, f"metrics on :{self.metrics_port}" if c.metrics_port >= 0
                  else "metrics off", len(self.pool))
 
+    def on_stop(self, name: str, stop: Callable[[], Awaitable[object]]) -> None:
+        """How to stop a part that has just started: stop() runs these last first, after the background tasks are
+        cancelled and the gRPC servers stopped; one that fails is logged and the others still run."""
+        self._stoppers.append((name, stop))
+
     def supervise(self, task: asyncio.Task[None]) -> None:
         """Keep `task` for stop(); should it end by an exception, `failed` is set (serve exits non-zero)."""
         self._tasks.append(task)
@@ -225,6 +230,7 @@ class PickerServer:
         self.discovery: KubernetesDiscovery | None = None
         if c.discovery != "static":
             self.discovery = discovery_from_config(c, self.pool)
+            self.on_stop("kubernetes client", self.discovery.api.close)
             self.supervise(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
             with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
                 await asyncio.wait_for(self.discovery.synced.wait(), 3.0)
@@ -242,7 +248,8 @@ class PickerServer:
                 hosts.setdefault(e.ip, e.address)
 
         replayer = ZmqReplayer(c.kv_events_replay_port) if c.kv_events_replay_port else None
-        events = self.kv_events = KVEventSubscriber(c.kv_events_endpoint, index, hosts.get, replayer=replayer)
+        events = KVEventSubscriber(c.kv_events_endpoint, index, hosts.get, replayer=replayer)
+        self.on_stop("kv-event subscriber", events.stop)
 
         def pool_changed(event: PoolEvent, endpoint: Endpoint) -> None:
             learn_hosts()
@@ -261,7 +268,8 @@ class PickerServer:
             return
         self.supervise(asyncio.create_task(events.run(), name="kv-events"))
         if c.index_backend == "redis":  # bind mode with replicas: each hears some pods, the relay gives it all
-            relay = self.kv_relay = EventRelay(c.redis_url, index_namespace(c), events.receive_relayed)
+            relay = EventRelay(c.redis_url, index_namespace(c), events.receive_relayed)
+            self.on_stop("kv-event relay", relay.stop)
             events.relay = relay.relay
             self.metrics.watch_kv_relay(relay.stats)
             relay.start()
@@ -300,7 +308,11 @@ class PickerServer:
                 http_server, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
             except OSError as exc:
                 raise BindError("--metrics-port", c.metrics_port, _reason(exc)) from None
-            self._http_server = http_server
+            def close_metrics() -> None:
+                http_server.shutdown()
+                http_server.server_close()  # shutdown() only ends its loop: the port would stay bound
+
+            self.on_stop("metrics server", _awaitable(close_metrics))
             self.metrics_port = http_server.server_port
         await self.server.start()
         await self.health_server.start()
@@ -351,22 +363,12 @@ class PickerServer:
         await cancel_all(self._tasks)
         await self.server.stop(grace)
         await self.health_server.stop(0)
-        if self.shared_index is not None:
-            await self.shared_index.stop()
-        if self.shared_load is not None:
-            await self.shared_load.close()
-        if self.discovery is not None:
-            await self.discovery.api.close()
-        if self._http_server is not None:
-            self._http_server.shutdown()
-        if self.tracer is not None:
-            self.tracer.shutdown()
-        if self.tokenizer is not None:
-            await self.tokenizer.close()
-        if self.kv_events is not None:
-            await self.kv_events.stop()
-        if self.kv_relay is not None:
-            await self.kv_relay.stop()
+        while self._stoppers:
+            name, stop = self._stoppers.pop()
+            try:
+                await stop()
+            except Exception:  # stopping the rest matters more
+                log.exception("stopping the %s failed", name)
 
 
 async def serve(server: PickerServer) -> None:
@@ -439,3 +441,10 @@ def discovery_from_config(config: cfg.ServeConfig, pool: EndpointPool) -> Kubern
                                    ports=tuple(cfg.parse_ports(config.endpoint_target_ports)))
     return KubernetesDiscovery(KubeApi(kube), pool, namespace, pool_name=config.pool_name,
                                pool_group=config.pool_group)
+
+
+def _awaitable(stop: Callable[[], object]) -> Callable[[], Awaitable[None]]:
+    """A synchronous stop as the coroutine `PickerServer.on_stop` takes."""
+    async def run() -> None:
+        stop()
+    return run
