@@ -1,11 +1,12 @@
 """The benchmarks' baseline policies as scorers: round-robin, rendezvous hashing of the prompt's start, a
 consistent-hash ring and the ring with bounded loads.
 
-Each ranks every candidate and scores it by its rank (first 1, then evenly down towards 0), so the max-score
-picker takes the baseline's choice and its next ones as Envoy's fallbacks. The strategy table
-(`picker.scheduling.config.STRATEGIES`) runs each as an ordinary one-profile scheduling config, as it runs the
-cache-blind least-load and the ratio-only prefix baselines, which need no plugin of their own; none reads a
-model server's metrics.
+Each scores the candidates in [0, 1] so that the max-score picker takes the baseline's choice first and its next
+ones as Envoy's fallbacks: round-robin and the rings by place in their order (first 1, then evenly towards 0),
+rendezvous hashing by each pod's hash of the prompt. The strategy table (`STRATEGY_CONFIGS` in
+`picker.scheduling.config`) runs each as an ordinary one-profile scheduling config, as it runs the cache-blind
+least-load and the ratio-only prefix baselines, which need no plugin of their own; none reads a model server's
+metrics.
 """
 
 from __future__ import annotations
