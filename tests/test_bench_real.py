@@ -281,3 +281,15 @@ def test_runs_of_one_workload_combine_and_a_disturbed_repeat_is_left_out_in_view
     assert "## Repeats left out" in text and "a simulator shared the cores" in text and "| picker | 901.0 |" in text
     with pytest.raises(ValueError, match="different workloads"):
         combine([section([1], hot), section([1], RealSpec())])
+
+
+def test_a_scheduling_file_is_refused_with_the_real_engines_not_ignored(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--scheduling` configures the in-process scheduler of the fast and live modes; the real benchmark runs
+    `picker serve`, which would silently run its defaults: say so before anything is installed or started."""
+    from picker.bench.cli import main as bench_main
+
+    config = tmp_path / "scheduling.yaml"
+    config.write_text("plugins: []\n")
+    assert bench_main(["--engine", "vllm", "--workload", "hot", "--scheduling", str(config),
+                       "--out", str(tmp_path / "out")]) == 2
+    assert "--picker-args '--config-file FILE'" in capsys.readouterr().err

@@ -199,6 +199,9 @@ def run_real(args: argparse.Namespace, out: Path) -> int:
     try:
         if len(workloads) != 1:
             raise ValueError(f"--engine vllm runs one workload at a time ({', '.join(REAL_WORKLOADS)})")
+        if args.scheduling:  # fast and live modes build the scheduler in-process; here it is `picker serve`'s
+            raise ValueError("--scheduling is for the fast and live modes; with --engine vllm give picker serve its "
+                             "config: --picker-args '--config-file FILE'")
         spec = RealSpec.for_workload(workloads[0], **({"strategies": args.strategies} if args.strategies else {}),
                                      repeats=args.repeats or 3, seed=args.seed,
                                      **({"rate": args.rate} if args.rate else {}),
