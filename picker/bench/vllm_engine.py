@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from picker.serving.supervisor import HOST, free_port
+from picker.serving.supervisor import HOST, cpu_of, free_port, stat_fields
 from picker.sim.tokenizer import LLAMA3_JINJA_TEMPLATE
 
 VLLM_VERSION = "0.32.0"
@@ -254,17 +254,14 @@ def write_outputs(out: str | Path, stem: str, data: Any, text: str) -> None:
 
 def group_cpu_seconds(pgid: int) -> dict[int, float]:
     """utime + stime of each live process of process group `pgid` (pid -> seconds), from /proc (Linux)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[int, float] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                stat = fh.read()
+            fields = stat_fields(int(entry.name))
         except OSError:
             continue
-        fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid:  # field 5 of stat: pgrp
-            out[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick  # fields 14, 15: utime, stime
+        if int(fields[2]) == pgid:
+            out[int(entry.name)] = cpu_of(fields)
     return out

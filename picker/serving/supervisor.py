@@ -55,10 +55,21 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def stat_fields(pid: int) -> list[bytes]:
+    """A process's /proc/PID/stat fields after "pid (comm)" (Linux): [0] is field 3 (state), [2] its process
+    group, [11] and [12] its user and system CPU ticks. OSError when it is gone."""
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return stat[stat.rindex(b")") + 2:].split()
+
+
+def cpu_of(fields: list[bytes]) -> float:
+    """User + system CPU seconds from `stat_fields`."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used, from /proc (Linux): what benchmarks charge a process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_of(stat_fields(pid))
 
 
 def port_open(port: int, host: str = HOST) -> bool:
