@@ -29,6 +29,7 @@ from picker.core.model_rewrite import swap_models
 from picker.core.quietlog import QuietLog
 from picker.core.requests import InferenceRequest, RequestError, route_kind
 from picker.extproc import protocol as p
+from picker.extproc.deadline import MovingDeadline
 from picker.extproc.limits import BodyBudget, StreamLimits
 from picker.extproc.usage import UsageReader
 from picker.routing.director import Decision, Director
@@ -324,9 +325,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             observer.stream_opened()
         code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: Envoy (or its client) went away
         try:
-            # One timer per stream, moved on as messages come: idle_timeout until the decision, then at most
+            # One deadline per stream, moved on as messages come: idle_timeout until the decision, then at most
             # request_timeout from it (a held stream stops counting in flight).
-            async with asyncio.timeout_at(loop.time() + idle) as deadline:
+            with MovingDeadline(loop, loop.time() + idle) as deadline:
                 while True:
                     message = await context.read()
                     if message is grpc.aio.EOF:
@@ -340,10 +341,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         code = grpc.StatusCode.OK
                         return
                     if stream.phase is not Phase.ROUTED:
-                        deadline.reschedule(loop.time() + idle)
+                        deadline.move(loop.time() + idle)
                     elif not routed_at:
                         routed_at = loop.time()
-                        deadline.reschedule(routed_at + self.limits.request_timeout)
+                        deadline.move(routed_at + self.limits.request_timeout)
         except TimeoutError:
             what = "routed request outlived --request-timeout" if routed_at else "stream idle past --stream-idle-timeout"
             self._failed("timeout", "ext_proc %s", what)
