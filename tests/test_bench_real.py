@@ -293,3 +293,19 @@ def test_a_scheduling_file_is_refused_with_the_real_engines_not_ignored(tmp_path
     assert bench_main(["--engine", "vllm", "--workload", "hot", "--scheduling", str(config),
                        "--out", str(tmp_path / "out")]) == 2
     assert "--picker-args '--config-file FILE'" in capsys.readouterr().err
+
+
+def test_the_model_shape_is_checked_and_only_taken_with_the_real_engines(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """An unknown shape is refused before anything is installed; in the other modes the flag would be silently
+    ignored, so it is refused there too."""
+    from picker.bench.cli import main as bench_main
+    from picker.bench.vllm_engine import MODEL_SHAPES
+
+    assert bench_main(["--engine", "vllm", "--workload", "hot", "--model-shape", "huge",
+                       "--out", str(tmp_path / "out")]) == 2
+    assert "unknown model shape 'huge' (known: small, medium)" in capsys.readouterr().err
+    assert bench_main(["--mode", "fast", "--model-shape", "medium", "--out", str(tmp_path / "fast")]) == 2
+    assert "--model-shape: only with --engine vllm" in capsys.readouterr().err
+    assert RealSpec.for_workload("hot", model="medium").model == "medium"
+    assert RealSpec.recorded({"model": "medium", "workload": "hot"}).model == "medium"
+    assert {"small", "medium"} <= set(MODEL_SHAPES)

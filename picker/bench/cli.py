@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers (default 3); "
       "--scenario mixed-models: runs per router (default 2); --scenario overload: fast-mode seeds (default 10)")
     a("--picker-args", default=None, help="--engine vllm: extra `picker serve` flags for the picker strategies")
+    a("--model-shape", default=None, help="--engine vllm: the served random-weight Llama, small (default) or "
+      "medium (~12x the compute per token: loads a fast machine's engines at the workloads' rates)")
     a("--mode", choices=("fast", "live", "both"), default=None,
       help="fast: in-process discrete-event simulation (default); live: real sim fleet + Envoy + routers")
     a("--smoke", action="store_true", help="a ~1-minute reduced fast run plus a short live run")
@@ -152,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.engine == "vllm":
         return run_real(args, out)
+    vllm_only = [flag for flag, value in (("--model-shape", args.model_shape), ("--picker-args", args.picker_args))
+                 if value is not None]
+    if vllm_only:
+        print(f"picker bench: {', '.join(vllm_only)}: only with --engine vllm (the real-engine benchmark)", file=sys.stderr)
+        return 2
     if args.scenario == "mixed-models":
         return run_mixed_models(args, out)
     if args.scenario == "overload":
@@ -205,8 +212,8 @@ def run_real(args: argparse.Namespace, out: Path) -> int:
         spec = RealSpec.for_workload(workloads[0], **({"strategies": args.strategies} if args.strategies else {}),
                                      repeats=args.repeats or 3, seed=args.seed,
                                      **({"rate": args.rate} if args.rate else {}),
-                                     picker_args=tuple(shlex.split(args.picker_args or "")))
-        print(f"picker bench: real vLLM, workload {spec.workload}, {spec.servers} servers, "
+                                     picker_args=tuple(shlex.split(args.picker_args or "")), model=args.model_shape or "small")
+        print(f"picker bench: real vLLM, workload {spec.workload}, {spec.servers} servers ({spec.model} model), "
               f"{', '.join(spec.strategies)}, {spec.repeats} repeats -> {out}", file=sys.stderr)
         section = run_real(spec, out)
     except ValueError as exc:

@@ -4,7 +4,9 @@ Each (strategy, repeat) gets fresh servers: N real vLLM servers (bench/.venvs/vl
 built locally, prefix caching, `block_size` x `num_blocks` of KV cache each, engine i bound to core i), the router
 in front, a short warm-up sent to every server directly, then the same open-loop trace through Envoy. The model
 (vllm_engine.SMALL) is sized so that a cold prefill costs ~4x a cached request's TTFT, as on a GPU-served 8B
-model; with the tiny validate-sim model a cache hit saves ~10 ms of ~28 and no router could show much.
+model; with the tiny validate-sim model a cache hit saves ~10 ms of ~28 and no router could show much. On a machine
+fast enough that SMALL's engines idle at a workload's rate, `model="medium"` (`--model-shape medium`, ~12x the
+compute per token) brings the engines back to the loaded regime the rates were chosen for.
 
 - workloads (`--workload`, one per run; REAL_WORKLOADS): inference-perf's `shared_prefix` shape, `groups` system
   prompts of `system_tokens` tokens, `prompts_per_group` questions of `question_tokens` each, `output_tokens` out,
@@ -130,6 +132,7 @@ class RealSpec:
     num_blocks: int = 160
     seed: int = 1
     picker_args: tuple[str, ...] = ()  # extra `picker serve` flags for the picker strategies
+    model: str = "small"  # the served model's shape: vllm_engine.MODEL_SHAPES
     leave_at: float = 0.0  # > 0: the last server leaves at this share of the trace's span ...
     rejoin_at: float = 0.0  # ... and a fresh server joins at this one
 
@@ -339,7 +342,7 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
     spare = 1 if spec.leave_at else 0
     servers = [engine.start_server(logdir, block_size=spec.block_size, num_blocks=spec.num_blocks,
                                    name=f"vllm-{strategy}-{repeat}-{i}", cpu=min(i, spec.servers - 1) % _cpus(),
-                                   model_dir=engine.SMALL.directory)
+                                   model_dir=engine.MODEL_SHAPES[spec.model].directory)
                for i in range(spec.servers + spare)]
     router: Router | None = None
     change: PoolChange | None = None
@@ -639,8 +642,10 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
         if "round-robin" in spec.strategies:
             raise ValueError(f"workload {spec.workload}: round-robin's Envoy routes over a static cluster and cannot "
                              "follow a pod leaving (pick the routers that read an endpoints file)")
+    if spec.model not in engine.MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {spec.model!r} (known: {', '.join(engine.MODEL_SHAPES)})")
     engine.install()
-    engine.build_model(engine.SMALL)
+    engine.build_model(engine.MODEL_SHAPES[spec.model])
     calibration: dict[str, float] = {}
 
     def trace_fn(url: str) -> tuple[list[Request], float]:
