@@ -4,9 +4,8 @@
 its deadline on each message, three or more times per request. `MovingDeadline` arms one timer and lets the
 deadline move later freely: when the timer fires before the deadline it is armed again for the deadline as it
 stands then, so a stream pays one timer per idle period, not one per message (a deadline moved earlier than the
-armed timer re-arms it at once). On expiry it cancels the task and turns
-that cancellation into `TimeoutError` at the end of the `with` block, as `asyncio.timeout` does, leaving a
-cancellation from anyone else alone.
+armed timer re-arms it at once). On expiry it cancels the task and turns that cancellation into `TimeoutError` at
+the end of the `with` block, as `asyncio.timeout` does, leaving a cancellation from anyone else alone.
 """
 
 from __future__ import annotations
