@@ -212,7 +212,8 @@ def run_real(args: argparse.Namespace, out: Path) -> int:
         spec = RealSpec.for_workload(workloads[0], **({"strategies": args.strategies} if args.strategies else {}),
                                      repeats=args.repeats or 3, seed=args.seed,
                                      **({"rate": args.rate} if args.rate else {}),
-                                     picker_args=tuple(shlex.split(args.picker_args or "")), model=args.model_shape or "small")
+                                     picker_args=tuple(shlex.split(args.picker_args or "")),
+                                     **({"model": args.model_shape} if args.model_shape else {}))
         print(f"picker bench: real vLLM, workload {spec.workload}, {spec.servers} servers ({spec.model} model), "
               f"{', '.join(spec.strategies)}, {spec.repeats} repeats -> {out}", file=sys.stderr)
         section = run_real(spec, out)

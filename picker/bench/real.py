@@ -797,10 +797,11 @@ def report(section: dict[str, Any]) -> str:
     spec = section["spec"]
     m = section["medians"]
     tpw = section["calibration"].get("tokens_per_word", math.nan)
+    model = spec.get("model", RealSpec.model)  # runs recorded before the shape was a choice ran the small one
     lines = [
         f"# Routers on real vLLM servers: workload `{spec.get('workload', 'uniform')}`",
         "",
-        f"{spec['servers']} vLLM {engine.VLLM_VERSION} CPU servers ({spec.get('model', 'small')} random-weight Llama, local tokenizer, "
+        f"{spec['servers']} vLLM {engine.VLLM_VERSION} CPU servers ({model} random-weight Llama, local tokenizer, "
         f"prefix caching, block {spec['block_size']}, {spec['num_blocks']} KV blocks each, one core per engine), "
         f"Envoy in front. Workload: {workload_text(spec)} ({spec['requests']} requests, "
         f"{tpw:.2f} tokens per word). Fresh servers for every run; medians of {spec['repeats']} repeats "
@@ -839,11 +840,13 @@ def report(section: dict[str, Any]) -> str:
     sim = section.get("sim") or {}
     if sim:
         slowdown = section.get("sim_slowdown", 1.0)
+        also_model = ("" if model == RealSpec.model
+                      else f"; with the {model} model it scales for the model as well as the machine")
         seeds = section.get("sim_seeds", 3)
         lines += ["", f"## The simulator on the same workload (fast mode, mean of {seeds} seeded traces)", "",
                   f"The small model's measured rates times {slowdown:.2f} (this run's cold requests took that many "
                   f"times the {SMALL_COLD_TTFT_MS:.0f} ms they took where the rates were measured"
-                  f"{'; with the medium model it scales for the model as well as the machine' if spec.get('model', 'small') != 'small' else ''}). "
+                  f"{also_model}). "
                   f"Scrapes cost the pod's API server {SCRAPE_COST_S * 1000:.0f} ms each; the simulator's tokenizer "
                   "and prompts differ from the real ones (same token counts). Orderings count as the same when both "
                   "sides differ in the same direction or both are level (hit rates within 0.01, TTFT within 5 %).",
