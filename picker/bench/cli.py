@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "--scenario mixed-models: runs per router (default 2); --scenario overload: fast-mode seeds (default 10)")
     a("--picker-args", default=None, help="--engine vllm: extra `picker serve` flags for the picker strategies")
     a("--model-shape", default=None, help="--engine vllm: the served random-weight Llama, small (default) or "
-      "medium (~12x the compute per token: loads a fast machine's engines at the workloads' rates)")
+      "medium (~12x the compute per token by its shape: loads a fast machine's engines at the workloads' rates)")
     a("--mode", choices=("fast", "live", "both"), default=None,
       help="fast: in-process discrete-event simulation (default); live: real sim fleet + Envoy + routers")
     a("--smoke", action="store_true", help="a ~1-minute reduced fast run plus a short live run")

@@ -56,8 +56,9 @@ TINY = ModelShape("tiny-llama", hidden=128, intermediate=256, layers=2, heads=2,
 # The real-engine benchmark's model: a cold 800-token prefill takes ~4x a cached request's TTFT on one core, about
 # the ratio of an 8B model on a GPU, where the tiny model's prefill is nearly free and routing could not matter.
 SMALL = ModelShape("small-llama", hidden=512, intermediate=1536, layers=4, heads=8, kv_heads=2)
-# ~12x SMALL's compute per token: on a machine fast enough that SMALL's engines idle at the workloads' rates, this
-# brings back the regime they were sized for (a low rate loads the engines, a cold prefill costs seconds).
+# ~12x SMALL's compute per token by its shape (4x the hidden size squared, 3x the layers): on a machine fast enough
+# that SMALL's engines idle at the workloads' rates, this brings back the regime they were sized for (a low rate
+# loads the engines; a cold prefill costs several cached requests' TTFT).
 MEDIUM = ModelShape("medium-llama", hidden=1024, intermediate=3072, layers=12, heads=16, kv_heads=4)
 MODEL_SHAPES = {"small": SMALL, "medium": MEDIUM}
 MODEL_DIR = TINY.directory
