@@ -309,3 +309,18 @@ def test_the_model_shape_is_checked_and_only_taken_with_the_real_engines(tmp_pat
     assert RealSpec.for_workload("hot", model="medium").model == "medium"
     assert RealSpec.recorded({"model": "medium", "workload": "hot"}).model == "medium"
     assert {"small", "medium"} <= set(MODEL_SHAPES)
+
+
+def test_requests_scale_a_real_workload_by_prompts_per_prefix_and_are_refused_for_conversations(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A fast machine needs a higher rate to be loaded, and more requests to keep the same span (a leave and a join
+    tens of seconds apart): --requests scales the prompts per prefix; conversations have no such knob."""
+    from picker.bench.cli import main as bench_main
+
+    spec = RealSpec.for_workload("leave-rejoin").with_requests(700)
+    assert (spec.groups, spec.prompts_per_group, spec.requests) == (12, 58, 696)
+    assert spec.leave_at == 0.3 and spec.strategies == ("hash-ring", "bounded-load", "picker")
+    with pytest.raises(ValueError, match="at least one per group"):
+        RealSpec.for_workload("uniform").with_requests(5)
+    assert bench_main(["--engine", "vllm", "--workload", "multi-turn", "--requests", "400",
+                       "--out", str(tmp_path / "out")]) == 2
+    assert "30 conversations of 6 turns; scale it with --rate" in capsys.readouterr().err

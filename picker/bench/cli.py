@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--num-gpu-blocks", type=int, default=None, help="override the profile's KV-cache blocks per pod")
     a("--load", type=float, default=None, help="offered load as a fraction of cache-blind capacity (default 0.8)")
     a("--rate", type=float, default=None, help="offered requests/s (overrides --load)")
-    a("--requests", type=int, default=None, help="requests per workload and strategy (default 4000)")
+    a("--requests", type=int, default=None, help="requests per workload and strategy (default 4000; --engine vllm: "
+      "the workload's preset, scaled by more prompts per prefix)")
     a("--seed", type=int, default=1, help="seed of every trace and tie-break")
     a("--arrival", choices=("poisson", "ramp"), default="poisson", help="open-loop arrival process")
     a("--out", default=None, help="output directory (default bench/out/<timestamp> under the working directory)")
@@ -214,6 +215,8 @@ def run_real(args: argparse.Namespace, out: Path) -> int:
                                      **({"rate": args.rate} if args.rate else {}),
                                      picker_args=tuple(shlex.split(args.picker_args or "")),
                                      **({"model": args.model_shape} if args.model_shape else {}))
+        if args.requests:
+            spec = spec.with_requests(args.requests)
         print(f"picker bench: real vLLM, workload {spec.workload}, {spec.servers} servers ({spec.model} model), "
               f"{', '.join(spec.strategies)}, {spec.repeats} repeats -> {out}", file=sys.stderr)
         section = run_real(spec, out)

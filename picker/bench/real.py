@@ -147,6 +147,16 @@ class RealSpec:
             raise ValueError(f"unknown workload {workload!r} for --engine vllm (known: {', '.join(REAL_WORKLOADS)})")
         return cls(workload=workload, **{**REAL_WORKLOADS[workload], **given})
 
+    def with_requests(self, requests: int) -> RealSpec:
+        """The same workload with about `requests` requests: more prompts per shared prefix at the same popularity,
+        so a faster machine can be loaded at a higher rate for as long as a slower one at the preset's."""
+        if self.turns:
+            raise ValueError(f"--requests: the {self.workload} workload is {self.groups} conversations of "
+                             f"{self.turns} turns; scale it with --rate")
+        if requests < self.groups:
+            raise ValueError(f"--requests: at least one per group ({self.groups})")
+        return replace(self, prompts_per_group=round(requests / self.groups))
+
     @classmethod
     def recorded(cls, spec: dict[str, Any]) -> RealSpec:
         """The spec as a run's real.json holds it (lists back to tuples, derived keys such as `requests` dropped)."""
