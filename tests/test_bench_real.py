@@ -20,6 +20,8 @@ from picker.bench.real import (
     cold_kinds,
     combine,
     direction_check,
+    first_placement_lines,
+    first_placements,
     machine_slowdown,
     mean_without_avoidable_colds,
     medians,
@@ -209,6 +211,22 @@ def test_ttft_breakdown_separates_warm_requests_queued_behind_a_cold_prefill() -
     assert "| picker | 3/2, 3/2 | 5 / 1 / 2 | 1, 400, 50% | 1, 300, 38% | 2, 50, 12% | 40.0 | 200.0 |" in text
     assert "round-robin" not in text  # no per-request rows recorded for it
     assert where_ttft_goes([run("picker", 0, 0.8, 40, 100, 0.5, 1.0)], ["picker"]) == []
+
+
+def test_first_placements_measure_the_prefill_work_ahead_of_each_groups_first_request() -> None:
+    rows = [  # sent_s, group, pod, prompt_tokens, cached_tokens, ttft_ms
+        [0.0, 1, 0, 600, 0, 500.0],    # group 1's first: nothing ahead anywhere; prefills on pod 0 until 0.5 s
+        [0.1, 2, 0, 600, 0, 900.0],    # group 2's first: 600 ahead on pod 0, 0 on pod 1 (the heavier pod chosen)
+        [0.2, 1, 0, 600, 576, 700.0],  # group 1 again (24 uncached): reaches pod 0 while both firsts prefill there
+        [0.3, 3, 1, 600, 0, 400.0],    # group 3's first: pod 1 is the lighter (0 against 600 + 600 + 24)
+    ]
+    assert first_placements(rows) == [(0.0, 0.0, 2.0, 500.0), (600.0, 0.0, 1.0, 900.0), (0.0, 1224.0, 0.0, 400.0)]
+    runs = [run("picker", i, 0.8, 40, 100, 0.5, 1.0) | {"requests_detail": rows} for i in range(2)]
+    moved = run("hash-ring", 0, 0.8, 40, 100, 0.5, 0.2) | {"requests_detail": rows, "pool_changes": [["left", 1.0]]}
+    text = "\n".join(first_placement_lines([*runs, moved], ["picker", "hash-ring"]))
+    assert "| picker | 6 | 200 / 408 | 2 / 2 | 1.00 | 600 | 4, 450 |" in text
+    assert "hash-ring" not in text  # its pool changed: a pod out of the pool would count as the lightest
+    assert first_placement_lines([run("picker", 0, 0.8, 40, 100, 0.5, 1.0)], ["picker"]) == []
 
 
 def test_mean_without_avoidable_colds_keeps_first_visits_and_prices_the_rest_as_warm() -> None:

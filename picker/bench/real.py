@@ -519,6 +519,59 @@ def ttft_breakdown(rows: list[list[float]]) -> dict[str, dict[str, float]]:
             for name, v in classes.items()}
 
 
+def first_placements(rows: list[list[float]]) -> list[tuple[float, float, float, float]]:
+    """For each group's first request (cold under any router), from a run's DETAIL_COLUMNS rows: the uncached prompt
+    tokens still prefilling (sent before it, first token after its send) on the pod it went to and on the lightest
+    other pod that served the run, the requests that reached its pod while it prefilled, and its TTFT. Did the
+    router send the one request no router can serve warm where the least work stood ahead of it?"""
+    pods = sorted({row[2] for row in rows})
+    spans = [(sent, sent + ttft / 1000, pod, prompt - cached) for sent, _g, pod, prompt, cached, ttft in rows]
+    seen: set[float] = set()
+    out = []
+    for sent, group, pod, _prompt, _cached, ttft in rows:
+        if group in seen:
+            continue
+        seen.add(group)
+        ahead = {p: 0.0 for p in pods}
+        for start, end, other, uncached in spans:
+            if start < sent < end:
+                ahead[other] += uncached
+        others = [ahead[p] for p in pods if p != pod]
+        joined = sum(1 for start, _end, other, _u in spans if other == pod and sent < start < sent + ttft / 1000)
+        out.append((ahead[pod], min(others) if others else math.nan, float(joined), ttft))
+    return out
+
+
+def first_placement_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
+    """The report's section on where each router sent the groups' first requests (pooled over repeats); empty for
+    runs recorded without per-request rows and for runs whose pool changed (a pod that has left or not yet joined
+    would count as the lightest)."""
+    lines = ["", "## Where the first requests went (pooled over repeats)", "",
+             "A group's first request is cold under every router; what a router decides is the pod it waits on. "
+             "Prefilling ahead: uncached prompt tokens of requests sent before it that had not yet had their first "
+             "token, on the pod it went to and on the lightest other pod. Joined: requests that reached its pod "
+             "while it prefilled.", "",
+             "| router | first requests | prefilling ahead: chosen / lightest other (mean tokens) | "
+             "chose a pod with more / less ahead | joined while prefilling (mean) | TTFT mean ms | "
+             "nothing ahead: n, TTFT mean ms |",
+             "|---|---:|---|---|---:|---:|---|"]
+    rows = 0
+    for name in strategies:
+        mine = [r for r in runs if r["strategy"] == name and r.get("requests_detail") and not r.get("pool_changes")]
+        got = [p for r in mine for p in first_placements(r["requests_detail"])]
+        if not got:
+            continue
+        rows += 1
+        clear = [ttft for ahead, _o, _j, ttft in got if ahead == 0]
+        lines.append(
+            f"| {name} | {len(got)} | {statistics.fmean(p[0] for p in got):.0f} / "
+            f"{statistics.fmean(p[1] for p in got):.0f} | {sum(p[0] > p[1] for p in got)} / "
+            f"{sum(p[0] < p[1] for p in got)} | {statistics.fmean(p[2] for p in got):.2f} | "
+            f"{statistics.fmean(p[3] for p in got):.0f} | "
+            f"{len(clear)}, {statistics.fmean(clear) if clear else math.nan:.0f} |")
+    return lines if rows else []
+
+
 def mean_without_avoidable_colds(rows: list[list[float]]) -> float:
     """The run's TTFT mean had every cold request other than its group's first (copies, evictions) taken the run's
     mean warm TTFT instead: what better placement alone could have bought, the pods' queues left as they were."""
@@ -844,6 +897,7 @@ def report(section: dict[str, Any]) -> str:
                   f"from cache, {c:.1f} ms mostly cold. A router that is cold only on each group's first request "
                   f"({first:.1%} of them) and adds no delay would average about {first * c + (1 - first) * w:.1f} ms."]
     lines += where_ttft_goes(section["runs"], list(m))
+    lines += first_placement_lines(section["runs"], list(m))
     lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
     for t in section["targets"]:
         lines.append(f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['measured']} |")
