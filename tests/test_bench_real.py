@@ -220,7 +220,9 @@ def test_first_placements_measure_the_prefill_work_ahead_of_each_groups_first_re
         [0.2, 1, 0, 600, 576, 700.0],  # group 1 again (24 uncached): reaches pod 0 while both firsts prefill there
         [0.3, 3, 1, 600, 0, 400.0],    # group 3's first: pod 1 is the lighter (0 against 600 + 600 + 24)
     ]
-    assert first_placements(rows) == [(0.0, 0.0, 2.0, 500.0), (600.0, 0.0, 1.0, 900.0), (0.0, 1224.0, 0.0, 400.0)]
+    assert first_placements(rows, 2) == [(0.0, 0.0, 2.0, 500.0), (600.0, 0.0, 1.0, 900.0), (0.0, 1224.0, 0.0, 400.0)]
+    # a server that answered nothing is still a place the router could have chosen
+    assert first_placements(rows[:3], 3)[1] == (600.0, 0.0, 1.0, 900.0)
     runs = [run("picker", i, 0.8, 40, 100, 0.5, 1.0) | {"requests_detail": rows} for i in range(2)]
     moved = run("hash-ring", 0, 0.8, 40, 100, 0.5, 0.2) | {"requests_detail": rows, "pool_changes": [["left", 1.0]]}
     text = "\n".join(first_placement_lines([*runs, moved], ["picker", "hash-ring"]))

@@ -519,12 +519,11 @@ def ttft_breakdown(rows: list[list[float]]) -> dict[str, dict[str, float]]:
             for name, v in classes.items()}
 
 
-def first_placements(rows: list[list[float]]) -> list[tuple[float, float, float, float]]:
-    """For each group's first request (cold under any router), from a run's DETAIL_COLUMNS rows: the uncached prompt
-    tokens still prefilling (sent before it, first token after its send) on the pod it went to and on the lightest
-    other pod that served the run, the requests that reached its pod while it prefilled, and its TTFT. Did the
-    router send the one request no router can serve warm where the least work stood ahead of it?"""
-    pods = sorted({row[2] for row in rows})
+def first_placements(rows: list[list[float]], pods: int) -> list[tuple[float, float, float, float]]:
+    """For each group's first request (cold under any router), from the DETAIL_COLUMNS rows of a run on `pods`
+    servers: the uncached prompt tokens still prefilling (sent before it, first token after its send) on the pod it
+    went to and on the lightest other pod, the requests that reached its pod while it prefilled, and its TTFT. Did
+    the router send the one request no router can serve warm where the least work stood ahead of it?"""
     spans = [(sent, sent + ttft / 1000, pod, prompt - cached) for sent, _g, pod, prompt, cached, ttft in rows]
     seen: set[float] = set()
     out = []
@@ -532,14 +531,58 @@ def first_placements(rows: list[list[float]]) -> list[tuple[float, float, float,
         if group in seen:
             continue
         seen.add(group)
-        ahead = {p: 0.0 for p in pods}
+        if pod < 0:  # the answering pod is unknown
+            continue
+        ahead = [0.0] * pods
         for start, end, other, uncached in spans:
-            if start < sent < end:
-                ahead[other] += uncached
-        others = [ahead[p] for p in pods if p != pod]
+            if start < sent < end and other >= 0:
+                ahead[int(other)] += uncached
+        others = [work for p, work in enumerate(ahead) if p != pod]
         joined = sum(1 for start, _end, other, _u in spans if other == pod and sent < start < sent + ttft / 1000)
-        out.append((ahead[pod], min(others) if others else math.nan, float(joined), ttft))
+        out.append((ahead[int(pod)], min(others) if others else math.nan, float(joined), ttft))
     return out
+
+
+def cross_pod_warm(rows: list[list[float]]) -> dict[str, list[float]]:
+    """The TTFTs of a run's warm requests that no cold prefill on their own pod delayed, split by whether another
+    pod was prefilling a cold request meanwhile (`other_cold`) or not (`clear`). On a machine whose servers share
+    cores and memory bandwidth a cold prefill on one slows the other's requests; on a fleet with an accelerator per
+    pod it cannot, so this says how much of a comparison here is the machine's."""
+    colds = [(sent, sent + ttft / 1000, pod) for sent, _g, pod, prompt, cached, ttft in rows if is_cold(prompt, cached)]
+    out: dict[str, list[float]] = {"clear": [], "other_cold": []}
+    for sent, _g, pod, prompt, cached, ttft in rows:
+        if is_cold(prompt, cached) or any(start <= sent < end and p == pod for start, end, p in colds):
+            continue
+        done = sent + ttft / 1000
+        other = any(p != pod and start < done and sent < end for start, end, p in colds)
+        out["other_cold" if other else "clear"].append(ttft)
+    return out
+
+
+def cross_pod_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
+    """The report's section on how much a cold prefill on one server slows the other's warm requests (pooled over
+    repeats); empty for runs recorded without per-request rows."""
+    lines = ["", "## Do the servers slow each other? (pooled over repeats)", "",
+             "Warm requests that no cold prefill on their own pod delayed, by whether another pod was prefilling a "
+             "cold request while they waited for their first token. The servers here share the machine's cores and "
+             "memory bandwidth; pods with an accelerator each would not slow each other. A correlation, not a "
+             "controlled measurement: a burst of arrivals also loads both pods at once.", "",
+             "| router | other pods clear: n, TTFT mean ms | another pod prefilling cold: n, TTFT mean ms | ratio |",
+             "|---|---|---|---:|"]
+    rows = 0
+    for name in strategies:
+        got: dict[str, list[float]] = {"clear": [], "other_cold": []}
+        for r in runs:
+            if r["strategy"] == name and r.get("requests_detail"):
+                for k, v in cross_pod_warm(r["requests_detail"]).items():
+                    got[k] += v
+        if not got["clear"] or not got["other_cold"]:
+            continue
+        rows += 1
+        clear, other = statistics.fmean(got["clear"]), statistics.fmean(got["other_cold"])
+        lines.append(f"| {name} | {len(got['clear'])}, {clear:.0f} | {len(got['other_cold'])}, {other:.0f} | "
+                     f"{other / clear:.2f}x |")
+    return lines if rows else []
 
 
 def first_placement_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
@@ -558,7 +601,7 @@ def first_placement_lines(runs: list[dict[str, Any]], strategies: list[str]) -> 
     rows = 0
     for name in strategies:
         mine = [r for r in runs if r["strategy"] == name and r.get("requests_detail") and not r.get("pool_changes")]
-        got = [p for r in mine for p in first_placements(r["requests_detail"])]
+        got = [p for r in mine for p in first_placements(r["requests_detail"], len(r["share"]))]
         if not got:
             continue
         rows += 1
@@ -898,6 +941,7 @@ def report(section: dict[str, Any]) -> str:
                   f"({first:.1%} of them) and adds no delay would average about {first * c + (1 - first) * w:.1f} ms."]
     lines += where_ttft_goes(section["runs"], list(m))
     lines += first_placement_lines(section["runs"], list(m))
+    lines += cross_pod_lines(section["runs"], list(m))
     lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
     for t in section["targets"]:
         lines.append(f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['measured']} |")
