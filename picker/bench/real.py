@@ -501,16 +501,26 @@ def cold_causes(rows: list[list[float]]) -> dict[str, int]:
     return {cause: kinds.count(cause) for cause in ("first", "copy", "evicted")}
 
 
+def cold_spans(rows: list[list[float]]) -> list[tuple[float, float, float]]:
+    """(sent, first token, pod) of each cold request in DETAIL_COLUMNS rows: while it prefills its pod is busy."""
+    return [(sent, sent + ttft / 1000, pod) for sent, _g, pod, prompt, cached, ttft in rows if is_cold(prompt, cached)]
+
+
+def behind_cold(sent: float, pod: float, colds: list[tuple[float, float, float]]) -> bool:
+    """Whether a request sent at `sent` to `pod` found a cold request still prefilling there (`cold_spans`)."""
+    return any(start <= sent < end and cold_pod == pod for start, end, cold_pod in colds)
+
+
 def ttft_breakdown(rows: list[list[float]]) -> dict[str, dict[str, float]]:
     """Where a run's TTFT went, from its DETAIL_COLUMNS rows: cold requests (under half the prompt cached), warm
     ones sent while a cold request on the same pod still awaited its first token (they queue behind a long
     prefill step), and the other warm ones. Per class: how many, their mean TTFT, their share of all TTFT."""
-    colds = [(sent, sent + ttft / 1000, pod) for sent, _g, pod, prompt, cached, ttft in rows if is_cold(prompt, cached)]
+    colds = cold_spans(rows)
     classes: dict[str, list[float]] = {"cold": [], "warm_behind_cold": [], "warm_clear": []}
     for sent, _g, pod, prompt, cached, ttft in rows:
         if is_cold(prompt, cached):
             classes["cold"].append(ttft)
-        elif any(start <= sent < end and cold_pod == pod for start, end, cold_pod in colds):
+        elif behind_cold(sent, pod, colds):
             classes["warm_behind_cold"].append(ttft)
         else:
             classes["warm_clear"].append(ttft)
@@ -548,10 +558,10 @@ def cross_pod_warm(rows: list[list[float]]) -> dict[str, list[float]]:
     pod was prefilling a cold request meanwhile (`other_cold`) or not (`clear`). On a machine whose servers share
     cores and memory bandwidth a cold prefill on one slows the other's requests; on a fleet with an accelerator per
     pod it cannot, so this says how much of a comparison here is the machine's."""
-    colds = [(sent, sent + ttft / 1000, pod) for sent, _g, pod, prompt, cached, ttft in rows if is_cold(prompt, cached)]
+    colds = cold_spans(rows)
     out: dict[str, list[float]] = {"clear": [], "other_cold": []}
     for sent, _g, pod, prompt, cached, ttft in rows:
-        if is_cold(prompt, cached) or any(start <= sent < end and p == pod for start, end, p in colds):
+        if is_cold(prompt, cached) or behind_cold(sent, pod, colds):
             continue
         done = sent + ttft / 1000
         other = any(p != pod and start < done and sent < end for start, end, p in colds)
