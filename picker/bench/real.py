@@ -530,18 +530,14 @@ def ttft_breakdown(rows: list[list[float]]) -> dict[str, dict[str, float]]:
 
 
 def first_placements(rows: list[list[float]], pods: int) -> list[tuple[float, float, float, float]]:
-    """For each group's first request (cold under any router), from the DETAIL_COLUMNS rows of a run on `pods`
+    """For each group's first request (cold under any router: `cold_kinds`' "first"), from the DETAIL_COLUMNS rows of a run on `pods`
     servers: the uncached prompt tokens still prefilling (sent before it, first token after its send) on the pod it
     went to and on the lightest other pod, the requests that reached its pod while it prefilled, and its TTFT. Did
     the router send the one request no router can serve warm where the least work stood ahead of it?"""
     spans = [(sent, sent + ttft / 1000, pod, prompt - cached) for sent, _g, pod, prompt, cached, ttft in rows]
-    seen: set[float] = set()
     out = []
-    for sent, group, pod, _prompt, _cached, ttft in rows:
-        if group in seen:
-            continue
-        seen.add(group)
-        if pod < 0:  # the answering pod is unknown
+    for (sent, _group, pod, _prompt, _cached, ttft), kind in zip(rows, cold_kinds(rows), strict=True):
+        if kind != "first" or pod < 0:  # not its group's first, or the answering pod is unknown
             continue
         ahead = [0.0] * pods
         for start, end, other, uncached in spans:
@@ -582,10 +578,9 @@ def cross_pod_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[s
     rows = 0
     for name in strategies:
         got: dict[str, list[float]] = {"clear": [], "other_cold": []}
-        for r in runs:
-            if r["strategy"] == name and r.get("requests_detail"):
-                for k, v in cross_pod_warm(r["requests_detail"]).items():
-                    got[k] += v
+        for r in detailed_runs(runs, name):
+            for k, v in cross_pod_warm(r["requests_detail"]).items():
+                got[k] += v
         if not got["clear"] or not got["other_cold"]:
             continue
         rows += 1
@@ -610,8 +605,8 @@ def first_placement_lines(runs: list[dict[str, Any]], strategies: list[str]) -> 
              "|---|---:|---|---|---:|---:|---|"]
     rows = 0
     for name in strategies:
-        mine = [r for r in runs if r["strategy"] == name and r.get("requests_detail") and not r.get("pool_changes")]
-        got = [p for r in mine for p in first_placements(r["requests_detail"], len(r["share"]))]
+        got = [p for r in detailed_runs(runs, name) if not r.get("pool_changes")
+               for p in first_placements(r["requests_detail"], len(r["share"]))]
         if not got:
             continue
         rows += 1
@@ -1028,6 +1023,11 @@ def workload_text(spec: dict[str, Any]) -> str:
             f"tokens, Poisson {spec['rate']:g} req/s{leave}")
 
 
+def detailed_runs(runs: list[dict[str, Any]], strategy: str) -> list[dict[str, Any]]:
+    """`strategy`'s runs that recorded per-request rows (runs made before they were kept have none)."""
+    return [r for r in runs if r["strategy"] == strategy and r.get("requests_detail")]
+
+
 def where_ttft_goes(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
     """The report's section on cold causes and TTFT by class (medians over each router's repeats); empty for runs
     recorded without per-request rows."""
@@ -1041,7 +1041,7 @@ def where_ttft_goes(runs: list[dict[str, Any]], strategies: list[str]) -> list[s
              "|---|---|---|---|---|---|---:|---:|"]
     rows = 0
     for name in strategies:
-        mine = [r for r in runs if r["strategy"] == name and r.get("requests_detail")]
+        mine = detailed_runs(runs, name)
         if not mine:
             continue
         rows += 1
