@@ -1,12 +1,13 @@
 """Re-render a `make bench-real` run's report (real.md and real-ttft.png) from its real.json with today's report
 code: new sections (cold causes, where the TTFT goes) for a run already made, without another hour of vLLM.
 `--sim` also re-runs the simulator's mirror of the run (fast mode, seconds) at the run's measured machine speed
-and writes it back into real.json. `--merge DIR...` first writes the directory's real.json from the runs of
+and writes it back into real.json; `--sim-rates R,...` prints (does not store) that mirror replayed at other offered
+rates, judged by the run's targets. `--merge DIR...` first writes the directory's real.json from the runs of
 several runs of one workload (repeats numbered on in order), `--drop N` leaving out a repeat the machine was
 disturbed in (`--why` says how; the report lists its figures apart).
 
     make real-report OUT=bench/out/real-hot ARGS="--sim"
-    python bench/real_report.py [--sim [--seeds N]] [--merge DIR... [--drop N] [--why TEXT]] [bench/out/real-uniform]
+    python bench/real_report.py [--sim [--seeds N]] [--sim-rates R,...] [--merge DIR... [--drop N] [--why TEXT]] [bench/out/real-uniform]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from picker.bench.real import RealSpec, combine, mirror, plot, report, report_json
+from picker.bench.real import RealSpec, combine, mirror, mirror_at_rates, plot, report, report_json
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +26,8 @@ def main(argv: list[str]) -> int:
                         help="the run's directory (holds real.json)")
     parser.add_argument("--sim", action="store_true", help="re-run the simulator's mirror at the run's speed")
     parser.add_argument("--seeds", type=int, default=3, help="with --sim: traces the mirror averages over")
+    parser.add_argument("--sim-rates", type=lambda v: [float(x) for x in v.split(",")], default=[], metavar="R,...",
+                        help="print the simulator's mirror at these offered rates (req/s), judged by the run's targets")
     parser.add_argument("--merge", nargs="+", metavar="DIR", help="runs to combine into OUT/real.json")
     parser.add_argument("--drop", type=int, action="append", default=[], metavar="N",
                         help="with --merge: leave out repeat N (1-based, after numbering; repeatable)")
@@ -49,16 +52,18 @@ def main(argv: list[str]) -> int:
         print(f"real_report: no {source} (run `make bench-real` first)", file=sys.stderr)
         return 2
     section = json.loads(source.read_text())
+    if args.seeds < 1:
+        print("real_report: --seeds must be at least 1", file=sys.stderr)
+        return 2
     if args.sim:
-        if args.seeds < 1:
-            print("real_report: --seeds must be at least 1", file=sys.stderr)
-            return 2
         mirror(section, RealSpec.recorded(section["spec"]), seeds=args.seeds)
         source.write_text(report_json(section))
     text = report(section)
     (out / "real.md").write_text(text)
     plot(section, out / "real-ttft.png")
     print(text)
+    if args.sim_rates:
+        print("\n".join(["", *mirror_at_rates(section, args.sim_rates, args.seeds)]))
     return 0
 
 

@@ -25,6 +25,7 @@ from picker.bench.real import (
     machine_slowdown,
     mean_without_avoidable_colds,
     medians,
+    mirror_at_rates,
     mirror_overshoots,
     replay,
     report,
@@ -229,6 +230,18 @@ def test_first_placements_measure_the_prefill_work_ahead_of_each_groups_first_re
     assert "| picker | 6 | 200 / 408 | 2 / 2 | 1.00 | 600 | 4, 450 |" in text
     assert "hash-ring" not in text  # its pool changed: a pod out of the pool would count as the lightest
     assert first_placement_lines([run("picker", 0, 0.8, 40, 100, 0.5, 1.0)], ["picker"]) == []
+
+
+def test_the_mirror_at_other_rates_judges_each_rate_by_the_runs_targets() -> None:
+    """One seeded trace per rate of a small conversation workload: each rate gets the run's own target row, and the
+    simulated figures move with the offered load (a table that ignored the rate would repeat itself)."""
+    spec = replace(RealSpec.for_workload("multi-turn", strategies=("hash-ring", "picker")), groups=8)
+    section = {"spec": {**asdict(spec), "requests": spec.requests}, "sim_slowdown": 2.0, "medians": {}}
+    lines = mirror_at_rates(section, [1.0, 8.0], seeds=1)
+    assert lines[0] == "## The simulator's mirror at other rates (machine speed x2.00, means over 1 traces)"
+    rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 8 |")]
+    assert len(rows) == 2 and all("picker TTFT p90 <= 0.85x the better hash baseline's" in row for row in rows)
+    assert rows[0].split("|")[3] != rows[1].split("|")[3]
 
 
 def test_mean_without_avoidable_colds_keeps_first_visits_and_prices_the_rest_as_warm() -> None:

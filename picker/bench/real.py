@@ -827,6 +827,20 @@ def mirror(section: dict[str, Any], spec: RealSpec, seeds: int = 3) -> None:
     section["sim_direction"] = direction_check(section["medians"], section["sim"])
 
 
+def mirror_at_rates(section: dict[str, Any], rates: list[float], seeds: int = 3) -> list[str]:
+    """The simulator's mirror of a run replayed at other offered rates, at the run's machine speed, judged by the
+    run's own targets: does the simulator expect the routers' order to move with the load (a question to put to the
+    real servers next, not an answer)? Printed, not stored with the run."""
+    spec = RealSpec.recorded(section["spec"])
+    slowdown = section.get("sim_slowdown") or machine_slowdown(section["medians"])
+    lines = [f"## The simulator's mirror at other rates (machine speed x{slowdown:.2f}, means over {seeds} traces)", "",
+             "| rate (req/s) | target | simulated | met |", "|---:|---|---|---|"]
+    for rate in rates:
+        for t in targets(sim_mirror(replace(spec, rate=rate), seeds=seeds, slowdown=slowdown), spec.workload):
+            lines.append(f"| {rate:g} | {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
+    return lines
+
+
 _FIGURES = ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "failed", "warm_share",
             "ttft_warm_p50_ms", "ttft_cold_p50_ms")
 
