@@ -66,6 +66,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "chat: queue 0 kv 0": _with_weights("bursty-chat", {"queue-scorer": 0, "kv-cache-utilization-scorer": 0}),
     "always context-heavy": _with_params("request-classifier", {"longPromptChars": 0}),
     "chat: in-flight 8": _with_weights("bursty-chat", {"in-flight-load-scorer": 8}),
+    # the in-flight guard the defaults had until 2026-12-04 (docs/decisions.md, 18)
+    "prefix guard: in-flight 8 too": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 8}),
     "prefix guard 16/8": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 16, "loadGuardWaiting": 8}),
     "prefix guard 4/2": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 4, "loadGuardWaiting": 2}),
     # What 4 replicas hinted (bench/README.md, "Several picker replicas"): in-flight load weighed less.

@@ -123,19 +123,29 @@ def test_shared_long_prefix_lands_on_one_pod() -> None:
     assert result.prefix_matched_blocks == len(SYSTEM) // 64 and result.prefix_blocks > result.prefix_matched_blocks
 
 
-def without_hot_credit() -> dict[str, Any]:
-    """The default config with the prefix scorer's hot-prefix credit off (one holder per prefix)."""
+def without_hot_credit(**params: Any) -> dict[str, Any]:
+    """The default config with the prefix scorer's hot-prefix credit off (one holder per prefix), and `params`."""
     config = copy.deepcopy(DEFAULT_CONFIG)
     for plugin in config["plugins"]:
         if plugin["type"] == "prefix-cache-scorer":
-            plugin.setdefault("parameters", {})["hotShare"] = None
+            plugin.setdefault("parameters", {}).update(hotShare=None, **params)
     return config
 
 
-def test_popular_prefix_spreads_past_the_load_guard() -> None:
-    """With one holder per prefix, a prefix all the traffic wants moves only when its holder is 8 requests ahead."""
+def test_by_default_in_flight_counts_alone_never_move_a_prefix() -> None:
+    """A batching engine's in-flight count is not a queue: with nothing waiting, the holder keeps its prefix however
+    far ahead it is (docs/decisions.md, 18)."""
     endpoints = pods(4)
     s = build_scheduler(without_hot_credit(), rng=random.Random(2))
+    order = [route(s, req(SYSTEM + f"Q{i}"), endpoints, 0.0) for i in range(16)]  # none finish
+    assert order == [order[0]] * 16 and order[0].in_flight == 16
+
+
+def test_popular_prefix_spreads_past_the_in_flight_guard() -> None:
+    """With one holder per prefix and `loadGuardInFlight` 8, a prefix all the traffic wants moves only when its
+    holder is 8 requests ahead."""
+    endpoints = pods(4)
+    s = build_scheduler(without_hot_credit(loadGuardInFlight=8), rng=random.Random(2))
     order = [route(s, req(SYSTEM + f"Q{i}"), endpoints, 0.0) for i in range(12)]  # none finish
     first = order[0]
     assert order[:8] == [first] * 8  # prefix affinity holds until `first` is 8 requests ahead

@@ -40,7 +40,11 @@ class PrefixCacheScorer(Plugin):
     `load_guard_*` thresholds) and a ratio (`guard_ratio` times the least-loaded one's): when every pod queues, a
     spill only moves the request to another queue and adds a cold prefill to a fleet that has no time for it, and
     under cache pressure evicts another prefix that comes back cold in turn (a real run at the edge of saturation
-    copied 23 of 24 prefixes to both pods that way).
+    copied 23 of 24 prefixes to both pods that way). By default the guard reads the pods' waiting queues only: a
+    batching engine runs many requests at once, so a holder with more in flight is not a holder with a queue, and a
+    guard on in-flight counts (`load_guard_in_flight`, off unless set) copied prefixes on the ordinary ups and downs
+    of those counts, each copy a cold prefill that, under cache pressure, evicts another prefix (docs/decisions.md,
+    18). A prefix with more traffic than its holders can take is the hot rule's to spread.
 
     A hot prefix gets holders in proportion to its traffic: when its share of recent picks (PrefixDemand, fading
     over `demand_window_seconds`) times the candidates exceeds `hot_share` times its holders, it wants more of
@@ -73,7 +77,7 @@ class PrefixCacheScorer(Plugin):
         *,
         ratio_weight: float = 0.5,
         full_credit_chars: int = 4096,
-        load_guard_in_flight: float | None = 8,
+        load_guard_in_flight: float | None = None,
         load_guard_waiting: float | None = 4,
         guard_penalty: float = 0.0,
         guard_ratio: float = 2.0,
