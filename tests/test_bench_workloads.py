@@ -166,3 +166,31 @@ def test_zipf_prefix_popularity_falls_with_rank_and_prefixes_fill_the_cache() ->
     first = {g: next(r for r in trace.requests if r.group == g).messages[0] for g in set(r.group for r in
                                                                                          trace.requests)}
     assert all(r.messages[0] == first[r.group] for r in trace.requests)  # one prefix per group
+
+
+def test_workload_params_reach_the_trace_and_bad_ones_are_named(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`picker bench --workload-param zipf-prefix.kv_fill=0.5` sizes the trace (half as many prefixes as at 1.0);
+    an unknown workload, an unknown key or a value the generator refuses stops the run with exit 2, naming it."""
+    import argparse
+
+    from picker.bench.cli import add_arguments, fast_spec
+    from picker.bench.cli import main as bench_main
+    from picker.bench.suite import _trace
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = fast_spec(parser.parse_args(["--workload", "zipf-prefix", "--pods", "4", "--num-gpu-blocks", "2500",
+                                        "--workload-param", "zipf-prefix.kv_fill=0.5",
+                                        "--workload-param", "zipf-prefix.zipf_s=1.2"]))
+    assert spec.params("zipf-prefix") == {"kv_fill": 0.5, "zipf_s": 1.2} and spec.params("chat") == {}
+    half, full = _trace(spec, "zipf-prefix", 20, 10.0), generate("zipf-prefix", 20, 10.0, 1, FleetSpec(
+        spec.get_profile(), 4), kv_fill=1.0)
+    assert half.params["kv_fill"] == 0.5 and half.params["zipf_s"] == 1.2
+    assert abs(2 * half.params["groups"] - full.params["groups"]) <= 1
+    for flag, says in (("nope.kv_fill=1", "unknown workload 'nope'"),
+                       ("zipf-prefix.kvfill=1", "zipf-prefix has no parameter 'kvfill'"),
+                       ("zipf-prefix.arrival=ramp", "has no parameter 'arrival'"),
+                       ("zipf-prefix", "expected WORKLOAD.KEY=VALUE"),
+                       ("zipf-prefix.kv_fill=abc", "kv_fill='abc' refused")):
+        assert bench_main(["--workload", "zipf-prefix", "--workload-param", flag, "--out", str(tmp_path)]) == 2
+        assert says in capsys.readouterr().err, flag

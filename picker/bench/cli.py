@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shlex
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from picker.bench.workloads import WORKLOADS
+from picker.bench.workloads import WORKLOADS, FleetSpec, generate
 from picker.scheduling.config import STRATEGIES
 from picker.serving.config import parse_duration
 
@@ -83,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--scrape-cost", type=parse_duration, default=0.0,
       help="fast mode: time one scrape holds a pod's API server, e.g. 6ms as measured on vLLM (default 0: free)")
     a("--scheduling", default=None, help="YAML/JSON scheduler config for the full picker (as picker serve reads it)")
+    a("--workload-param", dest="workload_params", action="append", default=[], metavar="WORKLOAD.KEY=VALUE",
+      help="fast mode: one of a workload's generator parameters, e.g. zipf-prefix.kv_fill=0.5 (repeatable)")
     a("--live-workload", default="shared-prefix", help="live-mode workload")
     a("--live-pods", type=int, default=None, help="live-mode fleet size (default 4)")
     a("--live-requests", type=int, default=None, help="live-mode requests per strategy (default 400)")
@@ -99,6 +102,31 @@ def _scheduling(path: str | None) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: scheduler config must be a mapping")
     return data.get("scheduling", data)
+
+
+def workload_params(items: list[str]) -> dict[str, dict[str, Any]]:
+    """`WORKLOAD.KEY=VALUE` flags as {workload: {key: value}}: the workload must exist and its generator take KEY;
+    VALUE is read as JSON (a number, a list, true/false), else kept as text."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, eq, raw = item.partition("=")
+        workload, dot, key = name.partition(".")
+        if not eq or not dot or not key:
+            raise ValueError(f"--workload-param {item!r}: expected WORKLOAD.KEY=VALUE")
+        generator = WORKLOADS.get(workload)
+        if generator is None:
+            raise ValueError(f"--workload-param {item!r}: unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
+        known = [p for p in inspect.signature(generator).parameters.values()
+                 if p.kind is p.KEYWORD_ONLY and p.name != "arrival"]  # --arrival sets that one
+        if key not in {p.name for p in known}:
+            raise ValueError(f"--workload-param {item!r}: {workload} has no parameter {key!r} "
+                             f"(it takes {', '.join(p.name for p in known)})")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.setdefault(workload, {})[key] = value
+    return out
 
 
 def fast_spec(args: argparse.Namespace) -> Any:
@@ -121,7 +149,7 @@ def fast_spec(args: argparse.Namespace) -> Any:
     cap = args.capacity_workload if args.capacity_workload is not None else "shared-prefix"
     sweep_w = args.sweep_workloads if args.sweep_workloads is not None else (
         ("shared-prefix",) if smoke else ("shared-prefix", "multi-turn"))
-    return FastSpec(
+    spec = FastSpec(
         profile=args.profile,
         profile_overrides=tuple(overrides.items()),
         pods=args.pods or (4 if smoke else 8),
@@ -142,7 +170,16 @@ def fast_spec(args: argparse.Namespace) -> Any:
         jobs=args.jobs,
         adaptive_scrape=args.adaptive_scrape,
         scrape_cost=args.scrape_cost,
+        workload_params=json.dumps(params) if (params := workload_params(args.workload_params)) else "",
     )
+    fleet = FleetSpec(spec.get_profile(), spec.pods)
+    for workload, given in params.items():
+        try:  # a value of the wrong kind fails here, not in a worker process minutes later
+            generate(workload, 2, 1.0, spec.seed, fleet, **given)
+        except (TypeError, ValueError) as exc:
+            shown = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise ValueError(f"--workload-param {workload}: {shown} refused: {exc}") from exc
+    return spec
 
 
 def run(args: argparse.Namespace) -> int:
