@@ -137,12 +137,10 @@ def test_a_restarted_pods_empty_cache_is_seen_through_its_events(trace: Trace) -
     approximate index: a stale index sends a restarted pod its old prefixes back, which keeps each prefix's home,
     where the true view sends them to the least loaded pods (docs/scheduling.md, "Where the approximate index is
     wrong")."""
-    def restarting(**kw: bool) -> FastConfig:
-        return FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1, restart_every=2.0, **kw)
-
-    approximate = summarize(run_fast(trace, "picker", restarting()))
-    precise = summarize(run_fast(trace, "picker", restarting(precise=True)))
-    exact = summarize(run_fast(trace, "picker", restarting(exact_index=True)))
+    restarting = FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1, restart_every=2.0)
+    approximate = summarize(run_fast(trace, "picker", restarting))
+    precise = summarize(run_fast(trace, "picker", replace(restarting, precise=True)))
+    exact = summarize(run_fast(trace, "picker", replace(restarting, exact_index=True)))
     calm = summarize(run_fast(trace, "picker", _cfg()))
     assert approximate["hit_rate"] < calm["hit_rate"]  # restarts cost hits
     assert abs(precise["hit_rate"] - exact["hit_rate"]) <= 0.01 and precise["completed"] == N
