@@ -252,6 +252,31 @@ def test_cold_prefixes_spread_evenly_over_idle_pods() -> None:
     assert sorted(counts.values()) == [10, 10, 10, 10]
 
 
+def test_a_prefix_every_pod_evicted_comes_back_to_its_home() -> None:
+    """Once the index has forgotten a prefix on every pod (their caches evicted it), its next request goes back to
+    the pod it last went to, not to the next pod in the cold dealing order: elsewhere it would join another pod's
+    working set and evict one of its prefixes (docs/decisions.md, 19). A prompt with another opening is dealt."""
+    endpoints = pods(4)
+    index = InMemoryPrefixIndex(10_000)
+    s = build_scheduler(index=index, rng=random.Random(3))
+
+    def served(prompt: str, now: float) -> Endpoint:
+        e = route(s, req(prompt), endpoints, now)
+        e.finish_request(len(prompt) // 4)
+        return e
+
+    home = served(SYSTEM + "first question", 0.0)
+    dealt = [served(f"{i:04d} another opening, nothing shared " * 40, 1.0 + i) for i in range(4)]
+    assert dealt[-1] is home and home not in dealt[:3]  # dealt round to it last: the next cold prompt goes elsewhere
+    for e in endpoints:
+        index.remove_endpoint(e.address)  # every pod's cache evicted everything
+    result = s.schedule(req(SYSTEM + "a later question"), endpoints, 10.0)
+    assert result.context is not None and not result.context.matches and result.context.home == home.address
+    assert result.ranked[0] is home
+    other = s.schedule(req("9999 a new opening, never seen " * 40), endpoints, 10.0)
+    assert other.context is not None and other.context.home is None and other.ranked[0] is not home
+
+
 def test_random_tie_break_alone_is_uneven() -> None:
     """The spreader matters: without it the same cold traffic lands unevenly (guards the test above)."""
     config = {"schedulingProfiles": [{"name": "p", "plugins": [

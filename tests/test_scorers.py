@@ -160,6 +160,13 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     pods[2].in_flight = 5  # the never-chosen pod is busy with others' work: load counts too
     scores = spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
     assert scores[0] > scores[2]
+    coming_back = ctx_for(keys=5, matched=[0, 0, 0])
+    coming_back.home = pods[2].address  # a prefix every pod evicted goes home, busy or not (load scorers weigh)
+    assert spreader.score(coming_back, pods) == [0.0, 0.0, 1.0]
+    coming_back.matched = [1, 0, 0]
+    assert spreader.score(coming_back, pods) == [0.0, 0.0, 0.0]  # somebody holds part of it: neutral
+    coming_back.matched = [0, 0]
+    assert spreader.score(coming_back, pods[:2]) == spreader.score(ctx_for(keys=5, matched=[0, 0]), pods[:2])
 
 
 def test_saturation_filter_keeps_all_when_all_saturated() -> None:

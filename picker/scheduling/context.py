@@ -35,6 +35,9 @@ class SchedulingContext:
     chars_per_token: int = CHARS_PER_TOKEN
     matches: dict[str, int] = field(default_factory=dict)  # address -> matched blocks (index view)
     matched: list[int] = field(default_factory=list)  # aligned with the candidates being scored
+    # the pod the prompt's opening (HOME_BLOCKS blocks) last went to: where a prefix that no pod holds any more
+    # comes back to (None: never seen, or too short to tell)
+    home: str | None = None
     precise_keys: list[int] = field(default_factory=list)  # the prompt's token-block keys (precise prefix mode)
     precise_pods: frozenset[str] = frozenset()  # the pods whose match came from their KV events
     # With a TTFT objective (request.slo_ttft_s): whether some candidate is predicted to meet it (None: not

@@ -22,6 +22,7 @@ from picker.prefix.hashing import PrefixHasher, prefix_keys
 from picker.prefix.index import PrefixIndex
 from picker.prefix.precise import PrecisePrefix
 from picker.scheduling.context import SchedulingContext, effective_model
+from picker.scheduling.memory import PodMemory
 from picker.scheduling.plugins import NoParams, Plugin, PluginDeps, PluginFactory
 
 
@@ -49,10 +50,20 @@ class PrefixProducer(Protocol):
         ...
 
 
+HOME_BLOCKS = 4  # a prompt's opening, in index blocks: what names "the same prefix" once no pod holds any of it
+HOMES = 50_000  # openings whose last pod is remembered (least recently sent forgotten first)
+
+
 class ApproximatePrefix(Plugin):
     """The prompt's chained character-block keys matched in the prefix index (which pods probably hold how much
     of it, learned from our own picks), and each pod's share of the index sized from its cache at the traffic's
-    learned characters per token."""
+    learned characters per token.
+
+    Also the prompt's home: the pod its first HOME_BLOCKS blocks last went to. The index forgets a prefix when the
+    pod's cache must have evicted it; sent anywhere when it comes back, it would add to another pod's working set
+    and evict a prefix there, which comes back cold in turn (a real run under cache pressure moved 14-17 of 24
+    prefixes a run this way and lost to a hash ring, which always sends a prefix home). Kept from this replica's
+    own picks."""
 
     type_name = "approx-prefix-cache-producer"
 
@@ -60,6 +71,7 @@ class ApproximatePrefix(Plugin):
         super().__init__(name)
         self.index = index
         self.hasher = hasher
+        self._homes: PodMemory[int] = PodMemory(HOMES)
         # what the traffic's prompts really are in tokens: sizes each pod's share of the index from its cache
         self.chars_per_token = CharsPerToken(hasher.chars_per_token)
         self._next_sweep = -float("inf")
@@ -78,8 +90,10 @@ class ApproximatePrefix(Plugin):
 
     def produce(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint], now: float) -> None:
         ctx.block_chars = self.block_chars(endpoints)
-        ctx.keys = self.keys(ctx.request, ctx.block_chars)
-        ctx.matches = self.index.match(ctx.keys, None, now)
+        ctx.keys = keys = self.keys(ctx.request, ctx.block_chars)
+        ctx.matches = self.index.match(keys, None, now)
+        if len(keys) >= HOME_BLOCKS:
+            ctx.home = self._homes.get(keys[HOME_BLOCKS - 1])
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         if not ctx.keys:
@@ -91,12 +105,15 @@ class ApproximatePrefix(Plugin):
             self.index.set_capacity(endpoint.address, capacity)
         self.index.record(ctx.keys, endpoint.address, now, prompt_chars=len(request.prompt_text),
                           session_id=ctx.session)
+        if len(ctx.keys) >= HOME_BLOCKS:
+            self._homes.remember(ctx.keys[HOME_BLOCKS - 1], endpoint.address)
         if now >= self._next_sweep:
             self._sweep(now)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self.index.remove_endpoint(endpoint.address)
         self.chars_per_token.forget(endpoint.address)
+        self._homes.forget_pod(endpoint.address)
 
     def learned_chars_per_token(self) -> float | None:
         return self.chars_per_token.value

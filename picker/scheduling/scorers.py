@@ -358,11 +358,14 @@ class SessionAffinityScorer(Plugin):
 
 
 class ColdPrefixSpreader(Plugin):
-    """A prompt nobody has cached goes to the least recently chosen, least loaded pod.
+    """A prompt nobody has cached goes to the least recently chosen, least loaded pod; one whose opening has a
+    home (it was sent before and every pod has since evicted it) goes home.
 
     Without it, cold requests that arrive between two metric scrapes see identical scores and pile up on
     whatever the tie-break favours; with it they deal out like cards. Neutral (all 0) when any candidate
-    holds part of the prefix, so it never fights prefix affinity.
+    holds part of the prefix, so it never fights prefix affinity. A prefix coming back is not dealt: on another
+    pod it would join that pod's working set and evict one of its prefixes (docs/decisions.md, 19); the load
+    scorers still weigh against a busy home.
     """
 
     type_name = "cold-prefix-spreader"
@@ -379,6 +382,9 @@ class ColdPrefixSpreader(Plugin):
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         if any(ctx.matched):
             return [0.0] * len(candidates)
+        home = ctx.home
+        if home is not None and any(e.address == home for e in candidates):
+            return [1.0 if e.address == home else 0.0 for e in candidates]
         get = self._last_pick.get
         recency = min_max_inverse([get(e.address, -1) for e in candidates])
         flights = [e.in_flight for e in candidates]
