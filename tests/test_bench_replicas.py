@@ -134,9 +134,9 @@ def test_a_pod_leaves_the_pool_and_rejoins_empty(trace: Trace) -> None:
 
 def test_a_restarted_pods_empty_cache_is_seen_through_its_events(trace: Trace) -> None:
     """KV events bring the precise view to the pods' real caches (the exact bound) through restarts. Not above the
-    approximate index: a stale index sends a restarted pod its old prefixes back, which keeps each prefix's home,
-    where the true view sends them to the least loaded pods (docs/scheduling.md, "Where the approximate index is
-    wrong")."""
+    approximate index: the stale index sends a restarted pod its old prefixes back because it believes the pod
+    still holds them, the precise view because the pod is their home (decision 19), so the two are level
+    (docs/scheduling.md, "Where the approximate index is wrong")."""
     restarting = FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1, restart_every=2.0)
     approximate = summarize(run_fast(trace, "picker", restarting))
     precise = summarize(run_fast(trace, "picker", replace(restarting, precise=True)))
