@@ -14,7 +14,7 @@ from picker.core.schema import ConfigError
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.memory import InMemoryPrefixIndex
-from picker.routing.director import Director
+from picker.routing.director import Decision, Director, describe_decision
 from picker.scheduling.config import (
     DEFAULT_CONFIG,
     STRATEGIES,
@@ -273,8 +273,12 @@ def test_a_prefix_every_pod_evicted_comes_back_to_its_home() -> None:
     result = s.schedule(req(SYSTEM + "a later question"), endpoints, 10.0)
     assert result.context is not None and not result.context.matches and result.context.home == home.address
     assert result.ranked[0] is home
+    back = Decision(result.context.request, result.ranked, home.address, result, 0, 10.0)
+    assert f"prefix=0/{result.prefix_blocks} blocks home={home.address};" in describe_decision(back, 0.001)
     other = s.schedule(req("9999 a new opening, never seen " * 40), endpoints, 10.0)
     assert other.context is not None and other.context.home is None and other.ranked[0] is not home
+    dealt_line = describe_decision(Decision(other.context.request, other.ranked, "x", other, 0, 10.0), 0.001)
+    assert "home=" not in dealt_line
 
 
 def test_random_tie_break_alone_is_uneven() -> None:

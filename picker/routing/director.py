@@ -344,12 +344,16 @@ class Director:
 def describe_decision(decision: Decision, took_s: float) -> str:
     """One debug line per decision: the request, where it went, what the index matched, the best candidates'
     totals, the chosen one's scores (and predictions) and the runner-up's (why not the other pod: a prefix credit
-    zeroed by the load guard shows there), and how long the decision took, waits included."""
+    zeroed by the load guard shows there), and how long the decision took, waits included. A prompt no pod holds
+    any of but whose opening has a home (decision 19) names it: `home=ADDRESS`."""
     request, result = decision.request, decision.result
     parts = [f"routed {request.request_id} model={request.model or '-'} priority={request.priority} "
              f"-> {decision.destination}"]
     if result is not None:
-        parts.append(f"profile={result.profile} prefix={result.prefix_matched_blocks}/{result.prefix_blocks} blocks")
+        ctx = result.context
+        home = f" home={ctx.home}" if ctx is not None and ctx.home is not None and not ctx.matches else ""
+        parts.append(f"profile={result.profile} prefix={result.prefix_matched_blocks}/{result.prefix_blocks} blocks"
+                     f"{home}")
         scored = sorted(result.candidates, key=lambda c: c.total, reverse=True)[:3]
         if scored:
             parts.append("top " + " ".join(f"{c.endpoint.address}={c.total:.2f}(in-flight {c.endpoint.in_flight} "
