@@ -19,6 +19,8 @@ from picker.bench.real import (
     cold_causes,
     cold_kinds,
     combine,
+    cross_pod_lines,
+    cross_pod_warm,
     direction_check,
     first_placement_lines,
     first_placements,
@@ -230,6 +232,23 @@ def test_first_placements_measure_the_prefill_work_ahead_of_each_groups_first_re
     assert "| picker | 6 | 200 / 408 | 2 / 2 | 1.00 | 600 | 4, 450 |" in text
     assert "hash-ring" not in text  # its pool changed: a pod out of the pool would count as the lightest
     assert first_placement_lines([run("picker", 0, 0.8, 40, 100, 0.5, 1.0)], ["picker"]) == []
+
+
+def test_warm_requests_are_split_by_whether_the_other_pod_was_prefilling_cold() -> None:
+    rows = [  # sent_s, group, pod, prompt_tokens, cached_tokens, ttft_ms
+        [0.0, 1, 0, 600, 0, 1000.0],   # cold on pod 0: prefills from 0 to 1 s
+        [0.2, 1, 0, 600, 576, 900.0],  # warm, but behind that cold prefill on its own pod: in neither class
+        [0.5, 2, 1, 600, 576, 300.0],  # warm on pod 1 while pod 0 prefills cold: other_cold
+        [0.9, 2, 1, 600, 576, 50.0],   # waits 0.9-0.95 s, pod 0 still cold until 1 s: other_cold
+        [2.0, 2, 1, 600, 576, 100.0],  # nothing cold anywhere: clear
+        [2.5, 1, 0, 600, 576, 120.0],  # clear on pod 0 too
+    ]
+    assert cross_pod_warm(rows) == {"clear": [100.0, 120.0], "other_cold": [300.0, 50.0]}
+    runs = [run("picker", i, 0.8, 40, 100, 0.5, 1.0) | {"requests_detail": rows} for i in range(2)]
+    text = "\n".join(cross_pod_lines(runs, ["picker", "hash-ring"]))
+    assert "## Do the servers slow each other?" in text and "| picker | 4, 110 | 4, 175 | 1.59x |" in text
+    assert "| hash-ring |" not in text  # no per-request rows: no line
+    assert cross_pod_lines([run("picker", 0, 0.8, 40, 100, 0.5, 1.0)], ["picker"]) == []
 
 
 def test_the_mirror_at_other_rates_judges_each_rate_by_the_runs_targets() -> None:

@@ -568,14 +568,7 @@ def cross_pod_warm(rows: list[list[float]]) -> dict[str, list[float]]:
 def cross_pod_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
     """The report's section on how much a cold prefill on one server slows the other's warm requests (pooled over
     repeats); empty for runs recorded without per-request rows."""
-    lines = ["", "## Do the servers slow each other? (pooled over repeats)", "",
-             "Warm requests that no cold prefill on their own pod delayed, by whether another pod was prefilling a "
-             "cold request while they waited for their first token. The servers here share the machine's cores and "
-             "memory bandwidth; pods with an accelerator each would not slow each other. A correlation, not a "
-             "controlled measurement: a burst of arrivals also loads both pods at once.", "",
-             "| router | other pods clear: n, TTFT mean ms | another pod prefilling cold: n, TTFT mean ms | ratio |",
-             "|---|---|---|---:|"]
-    rows = 0
+    rows = []
     for name in strategies:
         got: dict[str, list[float]] = {"clear": [], "other_cold": []}
         for r in detailed_runs(runs, name):
@@ -583,41 +576,46 @@ def cross_pod_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[s
                 got[k] += v
         if not got["clear"] or not got["other_cold"]:
             continue
-        rows += 1
         clear, other = statistics.fmean(got["clear"]), statistics.fmean(got["other_cold"])
-        lines.append(f"| {name} | {len(got['clear'])}, {clear:.0f} | {len(got['other_cold'])}, {other:.0f} | "
-                     f"{other / clear:.2f}x |")
-    return lines if rows else []
+        rows.append(f"| {name} | {len(got['clear'])}, {clear:.0f} | {len(got['other_cold'])}, {other:.0f} | "
+                    f"{other / clear:.2f}x |")
+    return _table_section(
+        "Do the servers slow each other? (pooled over repeats)",
+        "Warm requests that no cold prefill on their own pod delayed, by whether another pod was prefilling a cold "
+        "request while they waited for their first token. The servers here share the machine's cores and memory "
+        "bandwidth; pods with an accelerator each would not slow each other. A correlation, not a controlled "
+        "measurement: a burst of arrivals also loads both pods at once.",
+        ["| router | other pods clear: n, TTFT mean ms | another pod prefilling cold: n, TTFT mean ms | ratio |",
+         "|---|---|---|---:|"], rows)
 
 
 def first_placement_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
     """The report's section on where each router sent the groups' first requests (pooled over repeats); empty for
     runs recorded without per-request rows and for runs whose pool changed (a pod that has left or not yet joined
     would count as the lightest)."""
-    lines = ["", "## Where the first requests went (pooled over repeats)", "",
-             "A group's first request is cold under every router; what a router decides is the pod it waits on. "
-             "Prefilling ahead: uncached prompt tokens of requests sent before it that had not yet had their first "
-             "token, on the pod it went to and on the lightest other pod. Joined: requests that reached its pod "
-             "while it prefilled.", "",
-             "| router | first requests | prefilling ahead: chosen / lightest other (mean tokens) | "
-             "chose a pod with more / less ahead | joined while prefilling (mean) | TTFT mean ms | "
-             "nothing ahead: n, TTFT mean ms |",
-             "|---|---:|---|---|---:|---:|---|"]
-    rows = 0
+    rows = []
     for name in strategies:
         got = [p for r in detailed_runs(runs, name) if not r.get("pool_changes")
                for p in first_placements(r["requests_detail"], len(r["share"]))]
         if not got:
             continue
-        rows += 1
         clear = [ttft for ahead, _o, _j, ttft in got if ahead == 0]
-        lines.append(
+        rows.append(
             f"| {name} | {len(got)} | {statistics.fmean(p[0] for p in got):.0f} / "
             f"{statistics.fmean(p[1] for p in got):.0f} | {sum(p[0] > p[1] for p in got)} / "
             f"{sum(p[0] < p[1] for p in got)} | {statistics.fmean(p[2] for p in got):.2f} | "
             f"{statistics.fmean(p[3] for p in got):.0f} | "
             f"{len(clear)}, {statistics.fmean(clear) if clear else math.nan:.0f} |")
-    return lines if rows else []
+    return _table_section(
+        "Where the first requests went (pooled over repeats)",
+        "A group's first request is cold under every router; what a router decides is the pod it waits on. "
+        "Prefilling ahead: uncached prompt tokens of requests sent before it that had not yet had their first "
+        "token, on the pod it went to and on the lightest other pod. Joined: requests that reached its pod while it "
+        "prefilled.",
+        ["| router | first requests | prefilling ahead: chosen / lightest other (mean tokens) | "
+         "chose a pod with more / less ahead | joined while prefilling (mean) | TTFT mean ms | "
+         "nothing ahead: n, TTFT mean ms |",
+         "|---|---:|---|---|---:|---:|---|"], rows)
 
 
 def mean_without_avoidable_colds(rows: list[list[float]]) -> float:
@@ -1045,20 +1043,11 @@ def detailed_runs(runs: list[dict[str, Any]], strategy: str) -> list[dict[str, A
 def where_ttft_goes(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
     """The report's section on cold causes and TTFT by class (medians over each router's repeats); empty for runs
     recorded without per-request rows."""
-    lines = ["", "## Where the time to first token goes (medians over repeats)", "",
-             "Cold: under half the prompt from cache, by cause (first of its group / group moved to another pod / "
-             "dropped by the pod's cache). Warm behind cold: sent while a cold request on the same pod still "
-             "awaited its first token. Without avoidable colds: the mean had every cold request but its group's "
-             "first taken the run's mean warm TTFT (what placement alone could still buy).", "",
-             "| router | groups per pod | cold: first / copy / evicted | cold: n, mean ms, share of TTFT | "
-             "warm behind cold | other warm | TTFT mean | without avoidable colds |",
-             "|---|---|---|---|---|---|---:|---:|"]
-    rows = 0
+    rows = []
     for name in strategies:
         mine = detailed_runs(runs, name)
         if not mine:
             continue
-        rows += 1
         parts = [ttft_breakdown(r["requests_detail"]) for r in mine]
         cells = []
         for cls in ("cold", "warm_behind_cold", "warm_clear"):
@@ -1069,8 +1058,22 @@ def where_ttft_goes(runs: list[dict[str, Any]], strategies: list[str]) -> list[s
         groups = ", ".join("/".join(map(str, r["groups_per_pod"])) for r in mine)
         mean = statistics.median(r["ttft_mean_ms"] for r in mine)
         bound = statistics.median(mean_without_avoidable_colds(r["requests_detail"]) for r in mine)
-        lines.append(f"| {name} | {groups} | {causes} | {' | '.join(cells)} | {mean:.1f} | {bound:.1f} |")
-    return lines if rows else []
+        rows.append(f"| {name} | {groups} | {causes} | {' | '.join(cells)} | {mean:.1f} | {bound:.1f} |")
+    return _table_section(
+        "Where the time to first token goes (medians over repeats)",
+        "Cold: under half the prompt from cache, by cause (first of its group / group moved to another pod / "
+        "dropped by the pod's cache). Warm behind cold: sent while a cold request on the same pod still awaited its "
+        "first token. Without avoidable colds: the mean had every cold request but its group's first taken the "
+        "run's mean warm TTFT (what placement alone could still buy).",
+        ["| router | groups per pod | cold: first / copy / evicted | cold: n, mean ms, share of TTFT | "
+         "warm behind cold | other warm | TTFT mean | without avoidable colds |",
+         "|---|---|---|---|---|---|---:|---:|"], rows)
+
+
+def _table_section(title: str, intro: str, header: list[str], rows: list[str]) -> list[str]:
+    """A report section of per-request analysis: its title, what it counts, the table; left out (empty) when no
+    router has a row (runs recorded without per-request rows)."""
+    return ["", f"## {title}", "", intro, "", *header, *rows] if rows else []
 
 
 def plot(section: dict[str, Any], path: Path) -> None:
