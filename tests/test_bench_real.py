@@ -376,3 +376,69 @@ def test_requests_scale_a_real_workload_by_prompts_per_prefix_and_are_refused_fo
     assert bench_main(["--engine", "vllm", "--workload", "multi-turn", "--requests", "400",
                        "--out", str(tmp_path / "out")]) == 2
     assert "30 conversations of 6 turns; scale it with --rate" in capsys.readouterr().err
+
+
+def test_reused_servers_are_refused_where_a_pod_leaves_and_only_taken_with_the_real_engines(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A pod leaving stops its server, so that workload needs fresh servers; in the simulator's modes the flag
+    would be ignored, so it is refused there too. The report says which kind of servers the runs had."""
+    from picker.bench.cli import main as bench_main
+
+    assert bench_main(["--engine", "vllm", "--workload", "leave-rejoin", "--reuse-servers",
+                       "--out", str(tmp_path / "out")]) == 2
+    assert "need fresh servers (drop --reuse-servers)" in capsys.readouterr().err
+    assert bench_main(["--mode", "fast", "--reuse-servers", "--out", str(tmp_path / "fast")]) == 2
+    assert "--reuse-servers: only with --engine vllm" in capsys.readouterr().err
+    spec = RealSpec.for_workload("hot", reuse_servers=True)
+    assert RealSpec.recorded(asdict(spec)).reuse_servers
+    runs = [run("hash-ring", 0, 0.8, 100.0, 200.0, 0.5, 0.2), run("picker", 0, 0.8, 90.0, 180.0, 0.5, 1.0)]
+    runs[1]["router_cpu_share"] = 0.042
+    section: dict[str, Any] = {"spec": asdict(spec) | {"requests": spec.requests},
+                               "calibration": {"tokens_per_word": 2.4}, "runs": runs,
+                               "medians": medians(runs, ("hash-ring", "picker")), "targets": []}
+    text = report(section)
+    assert "The same servers for every run, their prefix caches emptied between runs" in text
+    ring, picker = (next(line for line in text.splitlines() if line.startswith(f"| {name} | "))
+                    for name in ("hash-ring", "picker"))  # the first table's rows: the medians
+    assert ring.endswith("| - | 0 |")  # a run from before the router's CPU was measured
+    assert picker.endswith("| 0.042 | 0 |")
+    section["spec"]["reuse_servers"] = False
+    assert "Fresh servers for every run" in report(section)
+
+
+def test_a_reset_prefix_cache_is_retried_until_vllm_accepts_it() -> None:
+    """vLLM refuses a reset while blocks are held (`{"success": false}`): the call retries, and gives up loudly."""
+    import http.server
+    import threading
+    from pathlib import Path
+    from typing import cast
+
+    from picker.bench.vllm_engine import VllmServer
+
+    answers = [False, False, True]
+    calls: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the library's name)
+            calls.append(self.path)
+            body = json.dumps({"success": answers.pop(0) if answers else False}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        server = VllmServer(httpd.server_address[1], cast(Any, None), Path("unused.log"))
+        server.reset_prefix_cache()
+        assert calls == ["/reset_prefix_cache"] * 3
+        with pytest.raises(TimeoutError, match="refused to reset its prefix cache"):
+            server.reset_prefix_cache(limit_s=0.0)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -61,7 +61,15 @@ from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, group_sizes, multi_turn, shared_prefix
 from picker.endpoints.scraper import Cadence
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG
-from picker.serving.supervisor import HOST, Managed, process_scope, start_picker_fleet, start_valkey
+from picker.serving.supervisor import (
+    HOST,
+    Managed,
+    cpu_of,
+    process_scope,
+    start_picker_fleet,
+    start_valkey,
+    stat_fields,
+)
 from picker.sim.profiles import TINY_CPU
 
 STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "prefix-hash", "picker", "picker-predicted-ttft",
@@ -135,6 +143,9 @@ class RealSpec:
     model: str = "small"  # the served model's shape: vllm_engine.MODEL_SHAPES
     leave_at: float = 0.0  # > 0: the last server leaves at this share of the trace's span ...
     rejoin_at: float = 0.0  # ... and a fresh server joins at this one
+    # True: one set of servers for every run, their prefix caches emptied between runs (vLLM's reset endpoint)
+    # instead of fresh servers: ~3x the runs in the same time, every router on the same processes
+    reuse_servers: bool = False
 
     @property
     def requests(self) -> int:
@@ -235,6 +246,10 @@ class Router:
     url: str
     processes: list[Managed]
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)  # (host, port) of each picker replica
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the router's processes so far."""
+        return sum(cpu_of(stat_fields(p.proc.pid)) for p in self.processes if p.alive())
 
 
 def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
@@ -346,25 +361,44 @@ def warm_up(servers: list[engine.VllmServer], spec: RealSpec, tokens_per_word: f
                 resp.read()
 
 
-def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: Path) -> dict[str, Any]:
-    """Fresh servers, one router, the trace; the figures of this run. With `leave_at` one more server is started
-    (on the leaving one's core), to join the pool when that one has left (PoolChange)."""
+def start_servers(spec: RealSpec, logdir: Path, tag: str) -> list[engine.VllmServer]:
+    """The run's servers, each engine on its own core, healthy. With `leave_at` one more is started (on the
+    leaving one's core), to join the pool when that one has left (PoolChange)."""
     spare = 1 if spec.leave_at else 0
-    servers = [engine.start_server(logdir, block_size=spec.block_size, num_blocks=spec.num_blocks,
-                                   name=f"vllm-{strategy}-{repeat}-{i}", cpu=min(i, spec.servers - 1) % _cpus(),
-                                   model_dir=engine.MODEL_SHAPES[spec.model].directory)
-               for i in range(spec.servers + spare)]
+    servers: list[engine.VllmServer] = []
+    try:
+        for i in range(spec.servers + spare):
+            servers.append(engine.start_server(logdir, block_size=spec.block_size, num_blocks=spec.num_blocks,
+                                               name=f"vllm-{tag}-{i}", cpu=min(i, spec.servers - 1) % _cpus(),
+                                               model_dir=engine.MODEL_SHAPES[spec.model].directory,
+                                               resettable=spec.reuse_servers))
+        for s in servers:
+            s.wait_healthy()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: Path,
+             shared: list[engine.VllmServer] | None = None) -> dict[str, Any]:
+    """One router, the trace, on fresh servers or on `shared` ones with their prefix caches emptied (warmed up
+    once when started); the figures of this run."""
+    servers = shared if shared is not None else start_servers(spec, logdir, f"{strategy}-{repeat}")
     router: Router | None = None
     change: PoolChange | None = None
     cancel = threading.Event()
     mover: threading.Thread | None = None
     try:
-        for s in servers:
-            s.wait_healthy()
         trace, tokens_per_word = trace_fn(servers[0].url)
-        warm_up(servers, spec, tokens_per_word)
+        if shared is None:
+            warm_up(servers, spec, tokens_per_word)
+        else:
+            for s in servers:
+                s.reset_prefix_cache()
         pool = [s.address for s in servers[: spec.servers]]
-        if spare:
+        if spec.leave_at:
             span = trace[-1].at
             gone = servers[spec.servers - 1]
             change = PoolChange(logdir / f"endpoints-{strategy}-{repeat}.yaml", list(servers[: spec.servers - 1]),
@@ -375,6 +409,7 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         before = [read_counters(s.url) for s in servers]
         cpu_before = [engine.group_cpu_seconds(s.proc.pid) for s in servers]
         scrapes_before = [picker_scrapes(p, h) for h, p in router.metrics_ports]
+        router_cpu = router.cpu_seconds()
         wall = time.monotonic()
         if change is not None:
             mover = threading.Thread(target=change.run, args=(wall, cancel), name="pool-change", daemon=True)
@@ -392,13 +427,15 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
             after.append(counters)
             cpu_after.append(cpu)
         scrapes_after = [picker_scrapes(p, h) for h, p in router.metrics_ports]
+        router_cpu = router.cpu_seconds() - router_cpu
     finally:
         cancel.set()
         if router is not None:
             for proc in reversed(router.processes):
                 proc.stop()
-        for s in servers:
-            s.stop()
+        if shared is None:
+            for s in servers:
+                s.stop()
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
     api_cpu = [ca.get(s.proc.pid, 0.0) - cb.get(s.proc.pid, 0.0) for s, ca, cb in zip(servers, cpu_after, cpu_before,
                                                                                        strict=True)]
@@ -434,6 +471,8 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "api_server_cpu_share": [c / wall for c in api_cpu],
         "server_cpu_share": [c / wall for c in all_cpu],
         "metrics_requests_per_pod_per_s": list(scrapes_per_pod.values()),
+        # the router's processes (Envoy, picker replicas, Valkey) share the machine's cores with the engines here
+        "router_cpu_share": router_cpu / wall,
         "cold_causes": cold_causes(rows),
         "groups_per_pod": [len({row[1] for row in rows if row[2] == i}) for i in range(len(servers))],
         "wall_s": wall,
@@ -751,6 +790,9 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
         if "round-robin" in spec.strategies:
             raise ValueError(f"workload {spec.workload}: round-robin's Envoy routes over a static cluster and cannot "
                              "follow a pod leaving (pick the routers that read an endpoints file)")
+    if spec.reuse_servers and spec.leave_at:
+        raise ValueError(f"workload {spec.workload}: a pod leaving stops its server, so its runs need fresh servers "
+                         "(drop --reuse-servers)")
     if spec.model not in engine.MODEL_SHAPES:
         raise ValueError(f"unknown model shape {spec.model!r} (known: {', '.join(engine.MODEL_SHAPES)})")
     engine.install()
@@ -767,12 +809,18 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.ExitStack() as restore, process_scope("bench-real") as (logdir, _started):
         restore.callback(signal.signal, signal.SIGTERM, previous)
+        shared: list[engine.VllmServer] | None = None
+        if spec.reuse_servers:
+            shared = start_servers(spec, logdir, "shared")
+            for server in shared:
+                restore.callback(server.stop)
+            warm_up(shared, spec, trace_fn(shared[0].url)[1])
         for repeat in range(spec.repeats):
             order = list(spec.strategies) if repeat % 2 == 0 else list(reversed(spec.strategies))
             for strategy in order:
                 engine.log(f"repeat {repeat + 1}/{spec.repeats}: {strategy}")
                 try:
-                    result = run_once(strategy, spec, trace_fn, repeat, logdir)
+                    result = run_once(strategy, spec, trace_fn, repeat, logdir, shared)
                 except (RuntimeError, TimeoutError, OSError) as exc:
                     result = {"strategy": strategy, "repeat": repeat, "error": str(exc)[:400]}
                 engine.log(f"  {json.dumps(result, default=str)}")
@@ -860,6 +908,8 @@ def medians(runs: list[dict[str, Any]], strategies: tuple[str, ...]) -> dict[str
             sum(r["api_server_cpu_share"]) / len(r["api_server_cpu_share"]) for r in mine)
         row["metrics_requests_per_pod_per_s"] = statistics.median(
             max(r["metrics_requests_per_pod_per_s"] or [0.0]) for r in mine)
+        measured = [r["router_cpu_share"] for r in mine if "router_cpu_share" in r]  # runs since 2026-12-05
+        row["router_cpu_share"] = statistics.median(measured) if measured else math.nan
         out[s] = row
     return out
 
@@ -916,6 +966,10 @@ def targets(m: dict[str, dict[str, Any]], workload: str = "uniform") -> list[dic
     return out
 
 
+SERVERS_TEXT = {False: "Fresh servers for every run",
+                True: "The same servers for every run, their prefix caches emptied between runs"}
+
+
 def report(section: dict[str, Any]) -> str:
     spec = section["spec"]
     m = section["medians"]
@@ -927,12 +981,12 @@ def report(section: dict[str, Any]) -> str:
         f"{spec['servers']} vLLM {engine.VLLM_VERSION} CPU servers ({model} random-weight Llama, local tokenizer, "
         f"prefix caching, block {spec['block_size']}, {spec['num_blocks']} KV blocks each, one core per engine), "
         f"Envoy in front. Workload: {workload_text(spec)} ({spec['requests']} requests, "
-        f"{tpw:.2f} tokens per word). Fresh servers for every run; medians of {spec['repeats']} repeats "
+        f"{tpw:.2f} tokens per word). {SERVERS_TEXT[bool(spec.get('reuse_servers'))]}; medians of {spec['repeats']} repeats "
         "(strategies interleaved, order reversed on odd repeats).",
         "",
         "| router | hit rate (vLLM) | TTFT mean ms (range) | median | p90 (range) | p99 | busiest pod's share | "
-        "server CPU (cores/pod) | API server CPU | /metrics req per pod per s | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "server CPU (cores/pod) | API server CPU | /metrics req per pod per s | router CPU (cores) | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s, r in m.items():
         lo, hi = r["ttft_mean_ms_range"]
@@ -940,7 +994,9 @@ def report(section: dict[str, Any]) -> str:
         lines.append(
             f"| {s} | {r['hit_rate']:.2f} | {r['ttft_mean_ms']:.1f} ({lo:.0f}-{hi:.0f}) | {r['ttft_p50_ms']:.1f} | "
             f"{r['ttft_p90_ms']:.1f} ({p90_lo:.0f}-{p90_hi:.0f}) | {r['ttft_p99_ms']:.1f} | {r['max_share']:.2f} | {r['server_cpu_share']:.2f} | "
-            f"{r['api_server_cpu_share']:.3f} | {r['metrics_requests_per_pod_per_s']:.2f} | {r['failed']:g} |")
+            f"{r['api_server_cpu_share']:.3f} | {r['metrics_requests_per_pod_per_s']:.2f} | "
+            f"{'-' if math.isnan(r.get('router_cpu_share', math.nan)) else format(r['router_cpu_share'], '.3f')} | "
+            f"{r['failed']:g} |")
     moves = [dict(r["pool_changes"]) for r in section["runs"] if r.get("pool_changes")]
     if moves:
         when = {what: statistics.median(mv[what] for mv in moves if what in mv)

@@ -194,6 +194,19 @@ class VllmServer:
             time.sleep(0.5)
         raise TimeoutError(f"vLLM on {self.address} not healthy after {limit_s:.0f}s; see {self.log_path}")
 
+    def reset_prefix_cache(self, limit_s: float = 30.0) -> None:
+        """Empty the server's prefix cache (started `resettable`): a run on it starts as on a fresh server. vLLM
+        refuses while blocks are held (a request still finishing), so this retries until it succeeds."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            req = urllib.request.Request(self.url + "/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                if json.loads(resp.read()).get("success"):
+                    return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"vLLM on {self.address} refused to reset its prefix cache for {limit_s:.0f}s")
+            time.sleep(0.2)
+
     def stop(self) -> None:
         """SIGTERM to the whole group (the engine core goes too), SIGKILL after 30 s."""
         if self.proc.poll() is not None:
@@ -208,13 +221,15 @@ class VllmServer:
 
 def start_server(logdir: Path, *, block_size: int, num_blocks: int, name: str = "vllm",
                  model_dir: Path = MODEL_DIR, port: int | None = None, cpu: int | None = None,
-                 extra: list[str] | None = None) -> VllmServer:
+                 extra: list[str] | None = None, resettable: bool = False) -> VllmServer:
     """A vLLM API server on loopback with prefix caching, `num_blocks` KV blocks of `block_size` tokens and
-    usage details (cached_tokens) in every response; its engine bound to core `cpu` when given. Call
-    `wait_healthy()` before use."""
+    usage details (cached_tokens) in every response; its engine bound to core `cpu` when given; with
+    `resettable`, vLLM's development endpoints on, for `reset_prefix_cache()`. Call `wait_healthy()` before use."""
     port = port or free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if resettable:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     if cpu is not None:  # one core per engine, as one GPU per pod; by default every engine binds core 0
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
     cmd = [
