@@ -8,6 +8,7 @@ dependencies. Used by `bench/validate_sim.py` and `picker bench --engine vllm`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -230,8 +231,13 @@ def start_server(logdir: Path, *, block_size: int, num_blocks: int, name: str = 
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     if resettable:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    pin = None
     if cpu is not None:  # one core per engine, as one GPU per pod; by default every engine binds core 0
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+        # The whole server on that core, not only the worker's compute threads: vLLM's engine-core process spins
+        # (sched_yield, up to 1 s after each step) on the shared-memory queue while its worker computes, and left
+        # free to float it took CPU from the other server's worker.
+        pin = functools.partial(os.sched_setaffinity, 0, {cpu})
     cmd = [
         str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", MODEL_NAME, "--host", HOST, "--port", str(port), "--enable-prefix-caching",
@@ -240,7 +246,8 @@ def start_server(logdir: Path, *, block_size: int, num_blocks: int, name: str = 
     ]  # fmt: skip
     log_path = logdir / f"{name}.log"
     with open(log_path, "wb") as handle:
-        proc = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=pin)
     return VllmServer(port, proc, log_path)
 
 
