@@ -381,6 +381,24 @@ def start_servers(spec: RealSpec, logdir: Path, tag: str) -> list[engine.VllmSer
     return servers
 
 
+SETTLE_PASSES = 4  # at most this many unmeasured passes of the trace before the first measured run
+SETTLE_CHANGE = 0.1  # ... stopping once a pass's mean TTFT is within this share of the previous pass's
+
+
+def settle(spec: RealSpec, trace_fn: Any, logdir: Path, servers: list[engine.VllmServer]) -> list[float]:
+    """Replay the trace through round-robin, not measured, until its mean TTFT stops falling: servers' first
+    minutes under load were 1.2-2x slower for every router (bench/README.md, "Servers pinned to their cores"), and
+    with --reuse-servers only the first runs would pay it. Returns each pass's mean TTFT."""
+    means: list[float] = []
+    for n in range(SETTLE_PASSES):
+        result = run_once("round-robin", spec, trace_fn, -1 - n, logdir, servers)
+        means.append(result.get("ttft_mean_ms", math.nan))
+        engine.log(f"settling pass {n + 1} (round-robin, not measured): TTFT mean {means[-1]:.1f} ms")
+        if len(means) > 1 and abs(means[-1] - means[-2]) <= SETTLE_CHANGE * means[-2]:
+            break
+    return means
+
+
 def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: Path,
              shared: list[engine.VllmServer] | None = None) -> dict[str, Any]:
     """One router, the trace, on fresh servers or on `shared` ones with their prefix caches emptied (warmed up
@@ -810,11 +828,13 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     with contextlib.ExitStack() as restore, process_scope("bench-real") as (logdir, _started):
         restore.callback(signal.signal, signal.SIGTERM, previous)
         shared: list[engine.VllmServer] | None = None
+        settling: list[float] = []
         if spec.reuse_servers:
             shared = start_servers(spec, logdir, "shared")
             for server in shared:
                 restore.callback(server.stop)
             warm_up(shared, spec, trace_fn(shared[0].url)[1])
+            settling = settle(spec, trace_fn, logdir, shared)
         for repeat in range(spec.repeats):
             order = list(spec.strategies) if repeat % 2 == 0 else list(reversed(spec.strategies))
             for strategy in order:
@@ -829,7 +849,7 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     summary = medians(runs, spec.strategies)
     section: dict[str, Any] = {"spec": asdict(spec) | {"requests": spec.requests}, "calibration": calibration,
                                "runs": runs, "medians": summary, "targets": targets(summary, spec.workload),
-                               "logdir": logs}
+                               "logdir": logs, **({"settling_ttft_ms": settling} if settling else {})}
     mirror(section, spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "real.json").write_text(report_json(section))
@@ -966,8 +986,16 @@ def targets(m: dict[str, dict[str, Any]], workload: str = "uniform") -> list[dic
     return out
 
 
-SERVERS_TEXT = {False: "Fresh servers for every run",
-                True: "The same servers for every run, their prefix caches emptied between runs"}
+def servers_text(section: dict[str, Any]) -> str:
+    """How the runs got their servers: fresh each time, or shared, settled and emptied between runs."""
+    if not section["spec"].get("reuse_servers"):
+        return "Fresh servers for every run"
+    text = "The same servers for every run, their prefix caches emptied between runs"
+    settling = section.get("settling_ttft_ms")
+    if settling:
+        text += (f", after {len(settling)} unmeasured passes of the trace through round-robin (TTFT mean "
+                 f"{', '.join(f'{m:.0f}' for m in settling)} ms)")
+    return text
 
 
 def report(section: dict[str, Any]) -> str:
@@ -981,7 +1009,7 @@ def report(section: dict[str, Any]) -> str:
         f"{spec['servers']} vLLM {engine.VLLM_VERSION} CPU servers ({model} random-weight Llama, local tokenizer, "
         f"prefix caching, block {spec['block_size']}, {spec['num_blocks']} KV blocks each, one core per engine), "
         f"Envoy in front. Workload: {workload_text(spec)} ({spec['requests']} requests, "
-        f"{tpw:.2f} tokens per word). {SERVERS_TEXT[bool(spec.get('reuse_servers'))]}; medians of {spec['repeats']} repeats "
+        f"{tpw:.2f} tokens per word). {servers_text(section)}; medians of {spec['repeats']} repeats "
         "(strategies interleaved, order reversed on odd repeats).",
         "",
         "| router | hit rate (vLLM) | TTFT mean ms (range) | median | p90 (range) | p99 | busiest pod's share | "
