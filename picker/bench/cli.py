@@ -50,11 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "their in-flight counts (live: through a local Valkey)")
     a("--engine", choices=("sim", "vllm"), default="sim",
       help="sim: the simulator (default); vllm: real vLLM CPU servers (make bench-real; ~40 minutes)")
-    a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers (default 3); "
+    a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers unless "
+      "--reuse-servers (default 3); "
       "--scenario mixed-models: runs per router (default 2); --scenario overload: fast-mode seeds (default 10)")
-    a("--reuse-servers", action="store_true", help="--engine vllm: start the servers once and empty their prefix "
-      "caches between runs (vLLM's reset endpoint) instead of fresh servers per run: ~3x the repeats in the same "
-      "time, every router on the same processes (not with a pod leaving)")
+    a("--reuse-servers", action="store_true", help="--engine vllm: start the servers once, settle them with "
+      "unmeasured round-robin passes of the trace, and empty their prefix caches between runs (vLLM's reset "
+      "endpoint) instead of fresh servers per run: ~3x the repeats in the same time, every router on the same "
+      "processes (not with a pod leaving)")
     a("--picker-args", default=None, help="--engine vllm: extra `picker serve` flags for the picker strategies")
     a("--model-shape", default=None, help="--engine vllm: the served random-weight Llama, small (default) or "
       "medium (~12x the compute per token by its shape: loads a fast machine's engines at the workloads' rates)")

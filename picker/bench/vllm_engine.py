@@ -196,7 +196,7 @@ class VllmServer:
         raise TimeoutError(f"vLLM on {self.address} not healthy after {limit_s:.0f}s; see {self.log_path}")
 
     def reset_prefix_cache(self, limit_s: float = 30.0) -> None:
-        """Empty the server's prefix cache (started `resettable`): a run on it starts as on a fresh server. vLLM
+        """Empty the server's prefix cache (started `resettable`): the next run finds it as cold as a fresh server's. vLLM
         refuses while blocks are held (a request still finishing), so this retries until it succeeds."""
         deadline = time.monotonic() + limit_s
         while True:
@@ -224,7 +224,7 @@ def start_server(logdir: Path, *, block_size: int, num_blocks: int, name: str = 
                  model_dir: Path = MODEL_DIR, port: int | None = None, cpu: int | None = None,
                  extra: list[str] | None = None, resettable: bool = False) -> VllmServer:
     """A vLLM API server on loopback with prefix caching, `num_blocks` KV blocks of `block_size` tokens and
-    usage details (cached_tokens) in every response; its engine bound to core `cpu` when given; with
+    usage details (cached_tokens) in every response; its processes bound to core `cpu` when given; with
     `resettable`, vLLM's development endpoints on, for `reset_prefix_cache()`. Call `wait_healthy()` before use."""
     port = port or free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
