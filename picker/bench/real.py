@@ -64,11 +64,10 @@ from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 from picker.serving.supervisor import (
     HOST,
     Managed,
-    cpu_of,
+    cpu_seconds,
     process_scope,
     start_picker_fleet,
     start_valkey,
-    stat_fields,
 )
 from picker.sim.profiles import TINY_CPU
 
@@ -249,7 +248,7 @@ class Router:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the router's processes so far."""
-        return sum(cpu_of(stat_fields(p.proc.pid)) for p in self.processes if p.alive())
+        return sum(cpu_seconds(p.proc.pid) for p in self.processes if p.alive())
 
 
 def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,

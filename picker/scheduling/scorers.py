@@ -383,8 +383,10 @@ class ColdPrefixSpreader(Plugin):
         if any(ctx.matched):
             return [0.0] * len(candidates)
         home = ctx.home
-        if home is not None and any(e.address == home for e in candidates):
-            return [1.0 if e.address == home else 0.0 for e in candidates]
+        if home is not None:
+            at_home = [1.0 if e.address == home else 0.0 for e in candidates]
+            if 1.0 in at_home:  # a home that is not among the candidates (gone, filtered out): deal as usual
+                return at_home
         get = self._last_pick.get
         recency = min_max_inverse([get(e.address, -1) for e in candidates])
         flights = [e.in_flight for e in candidates]
