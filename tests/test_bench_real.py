@@ -69,6 +69,19 @@ def test_trace_is_inference_perf_shared_prefix_shaped() -> None:
     assert len({next(iter(v)) for v in by_group.values()}) == 5
     assert len(next(iter(by_group[0])).split()) == 50  # 100 tokens at 2 tokens per word
     assert [r.prompt for r in build_trace(spec, 2.0)] == [r.prompt for r in trace]  # seeded
+    assert [r.prompt for r in build_trace(spec, 2.0, repeat=2)] == [r.prompt for r in trace]  # one trace for all
+
+
+def test_reused_servers_replay_a_new_trace_each_repeat() -> None:
+    """Reused servers keep their ports, so a hash router would place one trace's prefixes the same way in every
+    repeat: with seed_per_repeat repeat r replays seed + r's trace, and settling passes (r < 0) repeat 0's."""
+    spec = RealSpec(groups=5, prompts_per_group=4, system_tokens=100, question_tokens=10, seed=3,
+                    seed_per_repeat=True)
+    assert [spec.trace_seed(r) for r in (-2, 0, 1, 4)] == [3, 3, 4, 7]
+    first, second = (build_trace(spec, 2.0, repeat=r) for r in (0, 1))
+    assert [r.prompt for r in first] == [r.prompt for r in build_trace(replace(spec, seed_per_repeat=False), 2.0)]
+    assert not {r.prompt.split("\n\n")[0] for r in first} & {r.prompt.split("\n\n")[0] for r in second}
+    assert [r.prompt for r in build_trace(spec, 2.0, repeat=-1)] == [r.prompt for r in first]
 
 
 def test_medians_targets_and_report() -> None:
@@ -390,6 +403,8 @@ def test_reused_servers_are_refused_where_a_pod_leaves_and_only_taken_with_the_r
     assert "--reuse-servers: only with --engine vllm" in capsys.readouterr().err
     spec = RealSpec.for_workload("hot", reuse_servers=True)
     assert RealSpec.recorded(asdict(spec)).reuse_servers
+    recorded_before = {k: v for k, v in asdict(spec).items() if k != "seed_per_repeat"}
+    assert not RealSpec.recorded(recorded_before).seed_per_repeat  # runs recorded before it: one trace
     runs = [run("hash-ring", 0, 0.8, 100.0, 200.0, 0.5, 0.2), run("picker", 0, 0.8, 90.0, 180.0, 0.5, 1.0)]
     runs[1]["router_cpu_share"] = 0.042
     section: dict[str, Any] = {"spec": asdict(spec) | {"requests": spec.requests},
@@ -404,7 +419,9 @@ def test_reused_servers_are_refused_where_a_pod_leaves_and_only_taken_with_the_r
     assert ring.endswith("| - | 0 |")  # a run from before the router's CPU was measured
     assert picker.endswith("| 0.042 | 0 |")
     section["spec"]["reuse_servers"] = False
-    assert "Fresh servers for every run" in report(section)
+    assert "Fresh servers for every run; every repeat the same trace" in report(section)
+    section["spec"].update(reuse_servers=True, seed_per_repeat=True, seed=5, repeats=3)
+    assert "each repeat its own trace (seeds 5-7)" in report(section)
 
 
 def test_a_reset_prefix_cache_is_retried_until_vllm_accepts_it() -> None:

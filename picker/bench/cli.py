@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--reuse-servers", action="store_true", help="--engine vllm: start the servers once, settle them with "
       "unmeasured round-robin passes of the trace, and empty their prefix caches between runs (vLLM's reset "
       "endpoint) instead of fresh servers per run: ~3x the repeats in the same time, every router on the same "
-      "processes (not with a pod leaving)")
+      "processes (not with a pod leaving); repeat r replays the trace of --seed + r, as fresh servers' new ports "
+      "would re-place the hash routers' prefixes")
     a("--picker-args", default=None, help="--engine vllm: extra `picker serve` flags for the picker strategies")
     a("--model-shape", default=None, help="--engine vllm: the served random-weight Llama, small (default) or "
       "medium (~12x the compute per token by its shape: loads a fast machine's engines at the workloads' rates)")
@@ -256,7 +257,7 @@ def run_real(args: argparse.Namespace, out: Path) -> int:
                                      repeats=args.repeats or 3, seed=args.seed,
                                      **({"rate": args.rate} if args.rate else {}),
                                      picker_args=tuple(shlex.split(args.picker_args or "")),
-                                     reuse_servers=args.reuse_servers,
+                                     reuse_servers=args.reuse_servers, seed_per_repeat=args.reuse_servers,
                                      **({"model": args.model_shape} if args.model_shape else {}))
         if args.requests:
             spec = spec.with_requests(args.requests)

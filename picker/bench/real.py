@@ -145,6 +145,14 @@ class RealSpec:
     # True: one set of servers for every run, their prefix caches emptied between runs (vLLM's reset endpoint)
     # instead of fresh servers: ~3x the runs in the same time, every router on the same processes
     reuse_servers: bool = False
+    # True: repeat r replays the trace of seed + r. Fresh servers listen on new ports, so the hash routers throw
+    # their placement dice anew each repeat; reused ones keep their ports, and one trace would measure a hash on
+    # one placement of its prefixes however many repeats ran (set with reuse_servers by `picker bench`)
+    seed_per_repeat: bool = False
+
+    def trace_seed(self, repeat: int) -> int:
+        """The seed of repeat `repeat`'s trace (0-based; settling passes, numbered below 0, replay repeat 0's)."""
+        return self.seed + max(repeat, 0) if self.seed_per_repeat else self.seed
 
     @property
     def requests(self) -> int:
@@ -188,9 +196,10 @@ class Request:
     turn: int = 0
 
 
-def build_trace(spec: RealSpec, tokens_per_word: float) -> list[Request]:
-    """Shared-prefix prompts in a seeded random order with Poisson arrivals, or conversations (`turns` > 0)."""
-    rng = random.Random(spec.seed)
+def build_trace(spec: RealSpec, tokens_per_word: float, repeat: int = 0) -> list[Request]:
+    """Shared-prefix prompts in a seeded random order with Poisson arrivals, or conversations (`turns` > 0); the
+    seed is repeat `repeat`'s (RealSpec.trace_seed)."""
+    rng = random.Random(spec.trace_seed(repeat))
     words = engine.vocabulary()
 
     def text(tokens: int) -> str:
@@ -408,7 +417,7 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
     cancel = threading.Event()
     mover: threading.Thread | None = None
     try:
-        trace, tokens_per_word = trace_fn(servers[0].url)
+        trace, tokens_per_word = trace_fn(servers[0].url, repeat)
         if shared is None:
             warm_up(servers, spec, tokens_per_word)
         else:
@@ -816,10 +825,10 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     engine.build_model(engine.MODEL_SHAPES[spec.model])
     calibration: dict[str, float] = {}
 
-    def trace_fn(url: str) -> tuple[list[Request], float]:
+    def trace_fn(url: str, repeat: int) -> tuple[list[Request], float]:
         if "tokens_per_word" not in calibration:
             calibration["tokens_per_word"] = tokens_per_word(url)
-        return build_trace(spec, calibration["tokens_per_word"]), calibration["tokens_per_word"]
+        return build_trace(spec, calibration["tokens_per_word"], repeat), calibration["tokens_per_word"]
 
     runs: list[dict[str, Any]] = []
     # SIGTERM unwinds like Ctrl-C, so every server and router started so far is stopped on the way out.
@@ -832,7 +841,7 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
             shared = start_servers(spec, logdir, "shared")
             for server in shared:
                 restore.callback(server.stop)
-            warm_up(shared, spec, trace_fn(shared[0].url)[1])
+            warm_up(shared, spec, trace_fn(shared[0].url, 0)[1])
             settling = settle(spec, trace_fn, logdir, shared)
         for repeat in range(spec.repeats):
             order = list(spec.strategies) if repeat % 2 == 0 else list(reversed(spec.strategies))
@@ -986,15 +995,21 @@ def targets(m: dict[str, dict[str, Any]], workload: str = "uniform") -> list[dic
 
 
 def servers_text(section: dict[str, Any]) -> str:
-    """How the runs got their servers: fresh each time, or shared, settled and emptied between runs."""
-    if not section["spec"].get("reuse_servers"):
-        return "Fresh servers for every run"
-    text = "The same servers for every run, their prefix caches emptied between runs"
-    settling = section.get("settling_ttft_ms")
-    if settling:
-        text += (f", after {len(settling)} unmeasured passes of the trace through round-robin (TTFT mean "
-                 f"{', '.join(f'{m:.0f}' for m in settling)} ms)")
-    return text
+    """How the runs got their servers (fresh each time, or shared, settled and emptied between runs) and traces."""
+    spec = section["spec"]
+    if not spec.get("reuse_servers"):
+        text = "Fresh servers for every run"
+    else:
+        text = "The same servers for every run, their prefix caches emptied between runs"
+        settling = section.get("settling_ttft_ms")
+        if settling:
+            text += (f", after {len(settling)} unmeasured passes of the trace through round-robin (TTFT mean "
+                     f"{', '.join(f'{m:.0f}' for m in settling)} ms)")
+    if spec.get("seed_per_repeat"):
+        first = spec.get("seed", RealSpec.seed)
+        return text + (f"; each repeat its own trace (seeds {first}-{first + spec['repeats'] - 1}), so the hash "
+                       "routers' placement is thrown anew as with fresh servers")
+    return text + "; every repeat the same trace"
 
 
 def report(section: dict[str, Any]) -> str:
