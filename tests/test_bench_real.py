@@ -84,6 +84,20 @@ def test_reused_servers_replay_a_new_trace_each_repeat() -> None:
     assert [r.prompt for r in build_trace(spec, 2.0, repeat=-1)] == [r.prompt for r in first]
 
 
+def test_reused_servers_from_the_command_line_replay_a_trace_per_repeat() -> None:
+    import argparse
+
+    from picker.bench.cli import add_arguments, real_spec
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    reused = real_spec(parser.parse_args(["--engine", "vllm", "--workload", "hot", "--reuse-servers", "--seed", "4"]))
+    assert reused.reuse_servers and reused.seed_per_repeat and reused.trace_seed(2) == 6
+    fresh = real_spec(parser.parse_args(["--engine", "vllm", "--workload", "hot", "--requests", "300"]))
+    assert not fresh.reuse_servers and not fresh.seed_per_repeat and fresh.trace_seed(2) == 1
+    assert fresh.requests == 300
+
+
 def test_medians_targets_and_report() -> None:
     runs = [run("round-robin", i, 0.44, 90 + i, 160, 0.5, 0.0) for i in range(3)]
     runs += [run("hash-ring", i, 0.80, 46 + i, 114, 0.6, 0.2) for i in range(3)]

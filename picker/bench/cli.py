@@ -9,13 +9,16 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from picker.bench.workloads import WORKLOADS, FleetSpec, generate
 from picker.scheduling.config import STRATEGIES
 from picker.serving.config import parse_duration
+
+if TYPE_CHECKING:
+    from picker.bench.real import RealSpec
 
 FAST_STRATEGIES = ("round-robin", "random", "least-load", "prefix-only", "picker")
 PEERS = ("sglang-router", "vllm-router")
@@ -242,25 +245,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_real(args: argparse.Namespace, out: Path) -> int:
-    """`--engine vllm`: the real-engine benchmark (picker.bench.real)."""
-    from picker.bench.real import REAL_WORKLOADS, RealSpec, run_real
+def real_spec(args: argparse.Namespace) -> RealSpec:
+    """The real-engine run the flags ask for; ValueError names a flag that does not fit."""
+    from picker.bench.real import REAL_WORKLOADS, RealSpec
 
     workloads = args.workloads or ("uniform",)
+    if len(workloads) != 1:
+        raise ValueError(f"--engine vllm runs one workload at a time ({', '.join(REAL_WORKLOADS)})")
+    if args.scheduling:  # fast and live modes build the scheduler in-process; here it is `picker serve`'s
+        raise ValueError("--scheduling is for the fast and live modes; with --engine vllm give picker serve its "
+                         "config: --picker-args '--config-file FILE'")
+    spec = RealSpec.for_workload(workloads[0], **({"strategies": args.strategies} if args.strategies else {}),
+                                 repeats=args.repeats or 3, seed=args.seed,
+                                 **({"rate": args.rate} if args.rate else {}),
+                                 picker_args=tuple(shlex.split(args.picker_args or "")),
+                                 reuse_servers=args.reuse_servers, seed_per_repeat=args.reuse_servers,
+                                 **({"model": args.model_shape} if args.model_shape else {}))
+    return spec.with_requests(args.requests) if args.requests else spec
+
+
+def run_real(args: argparse.Namespace, out: Path) -> int:
+    """`--engine vllm`: the real-engine benchmark (picker.bench.real)."""
+    from picker.bench.real import run_real
+
     try:
-        if len(workloads) != 1:
-            raise ValueError(f"--engine vllm runs one workload at a time ({', '.join(REAL_WORKLOADS)})")
-        if args.scheduling:  # fast and live modes build the scheduler in-process; here it is `picker serve`'s
-            raise ValueError("--scheduling is for the fast and live modes; with --engine vllm give picker serve its "
-                             "config: --picker-args '--config-file FILE'")
-        spec = RealSpec.for_workload(workloads[0], **({"strategies": args.strategies} if args.strategies else {}),
-                                     repeats=args.repeats or 3, seed=args.seed,
-                                     **({"rate": args.rate} if args.rate else {}),
-                                     picker_args=tuple(shlex.split(args.picker_args or "")),
-                                     reuse_servers=args.reuse_servers, seed_per_repeat=args.reuse_servers,
-                                     **({"model": args.model_shape} if args.model_shape else {}))
-        if args.requests:
-            spec = spec.with_requests(args.requests)
+        spec = real_spec(args)
         print(f"picker bench: real vLLM, workload {spec.workload}, {spec.servers} servers ({spec.model} model), "
               f"{', '.join(spec.strategies)}, {spec.repeats} repeats -> {out}", file=sys.stderr)
         section = run_real(spec, out)
