@@ -98,6 +98,17 @@ def test_reused_servers_from_the_command_line_replay_a_trace_per_repeat() -> Non
     assert fresh.requests == 300
 
 
+def test_busier_picks_count_requests_sent_to_the_pod_with_more_prefills_in_progress() -> None:
+    from picker.bench.real import busier_picks
+
+    rows = [[0.0, 0, 0, 100, 0, 500.0],  # pod 0 prefilling until 0.5 s
+            [0.1, 0, 0, 100, 90, 100.0],  # onto pod 0 while it prefills and pod 1 is idle: busier
+            [0.3, 1, 1, 100, 0, 100.0],  # pod 1: one waiting on pod 0, none on pod 1
+            [0.6, 1, 0, 100, 90, 50.0],  # both clear: not busier
+            [0.61, 1, -1, 100, 90, 50.0]]  # unknown pod: not counted
+    assert busier_picks(rows) == (4, 1)
+
+
 def test_medians_targets_and_report() -> None:
     runs = [run("round-robin", i, 0.44, 90 + i, 160, 0.5, 0.0) for i in range(3)]
     runs += [run("hash-ring", i, 0.80, 46 + i, 114, 0.6, 0.2) for i in range(3)]

@@ -630,6 +630,36 @@ def cross_pod_warm(rows: list[list[float]]) -> dict[str, list[float]]:
     return out
 
 
+def busier_picks(rows: list[list[float]]) -> tuple[int, int]:
+    """(picks, picks onto a pod with more requests awaiting their first token than some other pod had when it was
+    sent) over a run's DETAIL_COLUMNS rows on known pods: how well a router spreads arrivals over the prefills in
+    progress, which is what delays a warm request's first token."""
+    spans = [(sent, sent + ttft / 1000, int(pod)) for sent, _g, pod, _p, _c, ttft in rows if pod >= 0]
+    pods = 1 + max((pod for _s, _e, pod in spans), default=0)
+    busier = 0
+    for sent, _end, pod in spans:
+        waiting = [0] * pods
+        for start, end, other in spans:
+            if start < sent < end:
+                waiting[other] += 1
+        busier += waiting[pod] > min(waiting)
+    return len(spans), busier
+
+
+def busier_pick_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
+    """The report's section on `busier_picks`, per repeat; empty for runs recorded without per-request rows."""
+    rows = []
+    for name in strategies:
+        counts = [busier_picks(r["requests_detail"]) for r in detailed_runs(runs, name)]
+        if counts:
+            rows.append(f"| {name} | {', '.join(f'{b} of {n}' for n, b in counts)} |")
+    return _table_section(
+        "Picks onto a pod still busier with prefills",
+        "Per repeat: requests sent to a pod with more requests awaiting their first token than another pod had at "
+        "that moment (a request sent during another's prefill waits for it).",
+        ["| router | picks onto the busier pod, per repeat |", "|---|---|"], rows)
+
+
 def cross_pod_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
     """The report's section on how much a cold prefill on one server slows the other's warm requests (pooled over
     repeats); empty for runs recorded without per-request rows."""
@@ -1057,6 +1087,7 @@ def report(section: dict[str, Any]) -> str:
     lines += where_ttft_goes(section["runs"], list(m))
     lines += first_placement_lines(section["runs"], list(m))
     lines += cross_pod_lines(section["runs"], list(m))
+    lines += busier_pick_lines(section["runs"], list(m))
     lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
     for t in section["targets"]:
         lines.append(f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['measured']} |")
