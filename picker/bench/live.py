@@ -41,7 +41,7 @@ from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
 from picker.endpoints.metrics import parse_metrics
 from picker.scheduling.config import predicted_ttft_scheduling
-from picker.serving.envoyconfig import EnvoySettings, add_served_by, envoy_binary, http_managers, render
+from picker.serving.envoyconfig import EnvoySettings, envoy_binary, http_managers, instrumented, render
 from picker.serving.supervisor import (
     HOST,
     Managed,
@@ -192,19 +192,18 @@ async def equal_scrape(session: aiohttp.ClientSession, urls: list[str], stop: as
 
 
 # --- routers -------------------------------------------------------------------------------------------------------
-def start_direct_envoy(logdir: Path, pool: list[str], *, served_by: str = "") -> tuple[Managed, str]:
+def start_direct_envoy(logdir: Path, pool: list[str], *, served_by: str = "",
+                       timing_log: Path | None = None) -> tuple[Managed, str]:
     """Envoy rendered from our own template with the ext_proc filter taken out: plain round-robin over the pool
-    (the fail-open route), i.e. Envoy with no picker. `served_by`: as `start_envoy`'s."""
+    (the fail-open route), i.e. Envoy with no picker. `served_by`, `timing_log`: as `start_envoy`'s."""
     settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=free_port(),
                              picker_health_port=free_port(), pool=tuple(pool))
     config = yaml.safe_load(render(settings))
     for hcm in http_managers(config):
         if "http_filters" in hcm:
             hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-    if served_by:
-        add_served_by(config, served_by)
     path = logdir / "envoy-direct.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(instrumented(yaml.safe_dump(config), served_by, timing_log))
     proc = spawn("envoy-direct", [envoy_binary(), "-c", str(path), "--base-id", str(settings.admin_port),
                                   "-l", "warning", "--concurrency", "1"], logdir)
     wait_until(lambda: port_open(settings.listen_port), 30, "direct envoy", proc.proc)

@@ -261,10 +261,11 @@ class Router:
 
 
 def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
-                 endpoints_file: Path | None = None) -> Router:
-    """The router in front of `pool`; the picker strategies follow `endpoints_file` when given."""
+                 endpoints_file: Path | None = None, timing_log: Path | None = None) -> Router:
+    """The router in front of `pool`; the picker strategies follow `endpoints_file` when given. Its Envoy writes
+    what it added to each request to `timing_log` (envoyconfig.add_timing_log) when given."""
     if strategy == "round-robin":
-        direct, url = start_direct_envoy(logdir, pool, served_by=SERVED_BY_HEADER)
+        direct, url = start_direct_envoy(logdir, pool, served_by=SERVED_BY_HEADER, timing_log=timing_log)
         return Router(url, [direct])
     if strategy in HASH_BASELINES:
         flags = ["--strategy", strategy, "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
@@ -283,7 +284,8 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
         flags += ["--index-backend", "redis", "--redis-url", valkey.url]
     try:
         fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{strategy}",
-                                   served_by=SERVED_BY_HEADER, endpoints_file=endpoints_file)
+                                   served_by=SERVED_BY_HEADER, endpoints_file=endpoints_file,
+                                   timing_log=timing_log)
     except BaseException:
         for proc in procs:
             proc.stop()
@@ -431,7 +433,8 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
                                 gone, servers[-1], spec.leave_at * span, spec.rejoin_at * span,
                                 lambda: (read_counters(gone.url), engine.group_cpu_seconds(gone.proc.pid)))
             change.start()
-        router = start_router(strategy, spec, pool, logdir, change.path if change else None)
+        timing = logdir / f"timing-{strategy}-{repeat}.log"
+        router = start_router(strategy, spec, pool, logdir, change.path if change else None, timing)
         before = [read_counters(s.url) for s in servers]
         cpu_before = [engine.group_cpu_seconds(s.proc.pid) for s in servers]
         scrapes_before = [picker_scrapes(p, h) for h, p in router.metrics_ports]
@@ -454,6 +457,7 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
             cpu_after.append(cpu)
         scrapes_after = [picker_scrapes(p, h) for h, p in router.metrics_ports]
         router_cpu = router.cpu_seconds() - router_cpu
+        held = routing_delays(timing, len(records))
     finally:
         cancel.set()
         if router is not None:
@@ -499,6 +503,10 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "metrics_requests_per_pod_per_s": list(scrapes_per_pod.values()),
         # the router's processes (Envoy, picker replicas, Valkey) share the machine's cores with the engines here
         "router_cpu_share": router_cpu / wall,
+        # what the router held each request for, in Envoy's own clock (p50, p90 ms): before the pod got it, and
+        # between the pod's response and the client's
+        "request_held_ms": [_pct(held[0], 50), _pct(held[0], 90)],
+        "response_held_ms": [_pct(held[1], 50), _pct(held[1], 90)],
         "cold_causes": cold_causes(rows),
         "groups_per_pod": [len({row[1] for row in rows if row[2] == i}) for i in range(len(servers))],
         "wall_s": wall,
@@ -506,6 +514,29 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         # one row per answered request, in send order: what a reader needs to see where the cold prefills were
         "requests_detail": rows,
     }
+
+
+def routing_delays(path: Path, expected: int, timeout: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
+    """Milliseconds Envoy held each request before the pod and each response before the client, from its timing
+    log (envoyconfig.TIMING_FORMAT). Envoy writes the log on a timer: it is read once it holds `expected` lines,
+    or as it is after `timeout` seconds. A field Envoy could not time ("-": the request never reached a pod) is
+    left out."""
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # Envoy's flush timer, not a process to wait on
+    request, response = [], []
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 2:
+            if fields[0].isdigit():
+                request.append(int(fields[0]) / 1000)
+            if fields[1].isdigit():
+                response.append(int(fields[1]) / 1000)
+    return np.array(request, dtype=float), np.array(response, dtype=float)
 
 
 DETAIL_COLUMNS = ("sent_s", "group", "pod", "prompt_tokens", "cached_tokens", "ttft_ms")
@@ -644,6 +675,30 @@ def busier_picks(rows: list[list[float]]) -> tuple[int, int]:
                 waiting[other] += 1
         busier += waiting[pod] > min(waiting)
     return len(spans), busier
+
+
+def routing_cost_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
+    """The report's section on what each router cost on the way (Envoy's timing log, `routing_delays`) and in
+    CPU taken from the cores the engines run on: medians over the repeats; empty for runs recorded without it."""
+    rows = []
+    for name in strategies:
+        mine = [r for r in runs if r["strategy"] == name and "request_held_ms" in r]
+        if not mine:
+            continue
+        held = [statistics.median(r[key][i] for r in mine) for key in ("request_held_ms", "response_held_ms")
+                for i in (0, 1)]
+        engines = statistics.median(sum(r["server_cpu_share"]) / len(r["server_cpu_share"]) for r in mine)
+        router = statistics.median(r["router_cpu_share"] for r in mine)
+        rows.append(f"| {name} | {held[0]:.2f} / {held[1]:.2f} | {held[2]:.2f} / {held[3]:.2f} | {router:.3f} | "
+                    f"{engines:.3f} |")
+    return _table_section(
+        "What routing costs each request",
+        "Envoy's own timing of each request, medians over the repeats: from its first byte reaching Envoy to its "
+        "first byte sent to the pod (with the picker: its answers to the request's headers and body), and from the "
+        "pod's first response byte to the client's (the picker's answer to the response headers); with the CPU the "
+        "router's processes took and the engines got, in cores (they share the machine's cores).",
+        ["| router | request held p50 / p90 ms | response held p50 / p90 ms | router CPU | engine CPU per pod |",
+         "|---|---:|---:|---:|---:|"], rows)
 
 
 def busier_pick_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
@@ -1088,6 +1143,7 @@ def report(section: dict[str, Any]) -> str:
     lines += first_placement_lines(section["runs"], list(m))
     lines += cross_pod_lines(section["runs"], list(m))
     lines += busier_pick_lines(section["runs"], list(m))
+    lines += routing_cost_lines(section["runs"], list(m))
     lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
     for t in section["targets"]:
         lines.append(f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['measured']} |")

@@ -252,10 +252,33 @@ def add_served_by(config: dict[str, Any], header: str) -> None:
                 {"header": {"key": header, "value": "%UPSTREAM_HOST%"}})
 
 
-def with_served_by(config_text: str, header: str) -> str:
-    """`add_served_by` on a rendered config's text."""
+# One line per request: microseconds from its first byte reaching Envoy to its first byte sent to the pod (what
+# routing added before the pod could start: with ext_proc, the picker's answers to the request's headers and body),
+# then from the pod's first response byte to the client's (the answer to the response headers).
+TIMING_FORMAT = "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% %COMMON_DURATION(US_RX_BEG:DS_TX_BEG:us)%\n"
+
+
+def add_timing_log(config: dict[str, Any], path: Path) -> None:
+    """Make a loaded config append TIMING_FORMAT lines to `path` for every request: how long routing held each
+    request on its way to the pod and back, for benchmarks comparing routers on the same engines."""
+    log = {"name": "envoy.access_loggers.file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog", "path": str(path),
+        "log_format": {"text_format_source": {"inline_string": TIMING_FORMAT}}}}
+    for manager in http_managers(config):
+        if "route_config" in manager:
+            manager.setdefault("access_log", []).append(log)
+
+
+def instrumented(config_text: str, served_by: str = "", timing_log: Path | None = None) -> str:
+    """A rendered config's text with `add_served_by` (when `served_by` names a header) and `add_timing_log` (when
+    `timing_log` is a path)."""
+    if not served_by and timing_log is None:
+        return config_text
     config = yaml.safe_load(config_text)
-    add_served_by(config, header)
+    if served_by:
+        add_served_by(config, served_by)
+    if timing_log is not None:
+        add_timing_log(config, timing_log)
     return str(yaml.safe_dump(config))
 
 

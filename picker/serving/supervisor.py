@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from picker.serving.envoyconfig import EnvoySettings, envoy_binary, render, with_served_by
+from picker.serving.envoyconfig import EnvoySettings, envoy_binary, instrumented, render
 from picker.serving.tls import client_credentials, make_pki, read_pair
 
 HOST = "127.0.0.1"
@@ -299,13 +299,15 @@ _base_id = iter(range(1000 + os.getpid() % 1000 * 100, 10**7))
 
 def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str], *, mode: str = "buffered",
                 fail_open: bool = True, name: str = "envoy", wait_for_picker: bool = True,
-                client_cert: bool = True, response_body: str = "none", served_by: str = "") -> Envoy:
+                client_cert: bool = True, response_body: str = "none", served_by: str = "",
+                timing_log: Path | None = None) -> Envoy:
     """Envoy in front of one picker, or of several replicas (same ports, different hosts) it balances over.
 
     It speaks what the picker serves; to an mTLS picker it presents the client certificate of the picker's CA
     (`client_cert=False`: none, which the picker must refuse). `response_body="streamed"` shows the buffered
     template's response bodies to the picker (token usage); `served_by` names a response header carrying the
-    address of the pod that answered."""
+    address of the pod that answered; `timing_log` is a file of what routing added to each request
+    (envoyconfig.add_timing_log)."""
     pickers = [picker] if isinstance(picker, Picker) else list(picker)
     first = pickers[0]
     if any((p.grpc_port, p.health_port) != (first.grpc_port, first.health_port) for p in pickers):
@@ -321,7 +323,7 @@ def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str]
                                  response_body=response_body)
         config_path = logdir / f"{name}.yaml"
         text = render(settings)
-        config_path.write_text(with_served_by(text, served_by) if served_by else text)
+        config_path.write_text(instrumented(text, served_by, timing_log))
         process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),
                                "-l", "warning", "--concurrency", "1"], logdir)
         try:
@@ -350,11 +352,11 @@ class PickerFleet:
 
 def start_picker_fleet(logdir: Path, pool: list[str], *, flags: list[str] | None = None, replicas: int = 1,
                        name: str = "picker", first_host: int = 10, served_by: str = "",
-                       endpoints_file: Path | None = None) -> PickerFleet:
+                       endpoints_file: Path | None = None, timing_log: Path | None = None) -> PickerFleet:
     """`replicas` `picker serve` processes and one Envoy balancing ext_proc streams over them. One replica binds
     HOST; several bind 127.0.0.<first_host + i> and share their ports, as pods behind a Service do. With
     `endpoints_file` the pickers follow that file (`pool` is then only Envoy's fail-open route). Whatever
-    started is stopped again if a later step fails."""
+    started is stopped again if a later step fails. `served_by`, `timing_log`: as `start_envoy`'s."""
     grpc_port, health_port = free_port(), free_port()
     pickers: list[Picker] = []
     try:
@@ -363,7 +365,7 @@ def start_picker_fleet(logdir: Path, pool: list[str], *, flags: list[str] | None
             pickers.append(start_picker(logdir, endpoints=None if endpoints_file else pool,
                                         endpoints_file=endpoints_file, extra=flags, name=f"{name}-{i}" if replicas > 1
                                         else name, host=host, grpc_port=grpc_port, health_port=health_port))
-        envoy = start_envoy(logdir, pickers, pool, name=f"envoy-{name}", served_by=served_by)
+        envoy = start_envoy(logdir, pickers, pool, name=f"envoy-{name}", served_by=served_by, timing_log=timing_log)
     except BaseException:
         for picker in reversed(pickers):
             picker.process.stop()
