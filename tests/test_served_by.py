@@ -10,7 +10,7 @@ import yaml
 
 from picker.bench.client import SERVED_BY_HEADER
 from picker.bench.live import start_direct_envoy
-from picker.bench.real import routing_delays
+from picker.bench.real import RealSpec, routing_delays, start_router
 from picker.serving.envoyconfig import EnvoySettings, http_managers, instrumented, render
 from picker.serving.supervisor import process_scope, start_backends, start_picker_fleet
 
@@ -71,3 +71,18 @@ def test_routing_delays_leaves_out_what_envoy_could_not_time(tmp_path: Path) -> 
     log.write_text("1500 250\n- -\n2500 -\n")  # the second request never reached a pod, the third no answer
     request, response = routing_delays(log, 3)
     assert request.tolist() == [1.5, 2.5] and response.tolist() == [0.25]
+
+
+def test_picker_round_robin_routes_through_the_picker_in_turn() -> None:
+    """The benchmark's `picker-round-robin`: the picker's path (its Envoy, ext_proc, scrapes) with round-robin's
+    decisions, timed by Envoy like every router."""
+    with process_scope("picker-rr") as (logdir, started):
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        router = start_router("picker-round-robin", RealSpec(), backends.addresses, logdir,
+                              timing_log=logdir / "timing-rr.log")
+        started.extend(router.processes)
+        served = [post(router.url)[1] for _ in range(4)]
+        assert sorted(served) == sorted(backends.addresses * 2) and served[0] != served[1]
+        request, _ = routing_delays(logdir / "timing-rr.log", 4)
+        assert len(request) == 4

@@ -19,8 +19,10 @@ compute per token) brings the engines back to the loaded regime the rates were c
   the first 1,000 prompt characters on a consistent-hash ring, 200 points per pod; `bounded-load`: that ring with
   bounded loads, c = 1.25; `prefix-hash`: a rendezvous hash of the same characters), `picker` (`picker serve`
   defaults), `picker-predicted-ttft` (PREDICTED_TTFT_CONFIG: the pod with the least predicted time to first
-  token) and `picker-4-replicas` (four replicas behind one Envoy sharing a Valkey index: does the pods' scrape
-  load grow?).
+  token), `picker-4-replicas` (four replicas behind one Envoy sharing a Valkey index: does the pods' scrape
+  load grow?) and `picker-round-robin` (`picker serve --strategy round-robin`: the picker's path, its ext_proc
+  round trips, scrapes and CPU, with round-robin's decisions: what routing through the picker costs, apart from
+  where it sends requests).
 
 Measured: hit rate from vLLM's own counters (prefix_cache_hits / prefix_cache_queries), TTFT from the client,
 request share from vllm:request_success_total, the servers' CPU (API server and engine processes, /proc) and the
@@ -72,7 +74,7 @@ from picker.serving.supervisor import (
 from picker.sim.profiles import TINY_CPU
 
 STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "prefix-hash", "picker", "picker-predicted-ttft",
-              "picker-4-replicas")
+              "picker-4-replicas", "picker-round-robin")
 # What `make bench-real` compares: round-robin, the two strong hash baselines and the defaults.
 DEFAULT_STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "picker")
 # The hash baselines: `picker serve --strategy NAME`, reading no metrics.
@@ -273,6 +275,8 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
         flags = list(spec.picker_args)
     elif strategy == "picker-predicted-ttft":
         flags = [*spec.picker_args, "--config-file", str(predicted_ttft_config(logdir, 1.0))]
+    elif strategy == "picker-round-robin":
+        flags = ["--strategy", "round-robin"]  # scraping at the picker's default cadence, as `picker` does
     else:
         raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     flags = ["--log-level", "WARNING", *flags]  # first, so `--picker-args "--log-level DEBUG"` overrides it
@@ -819,6 +823,7 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[st
             **{name: (name, fleet_cfg(cadence=health_only, scrape_cost=SCRAPE_COST_S)) for name in HASH_BASELINES},
             "picker": ("picker", fleet_cfg(cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
             "picker-predicted-ttft": ("picker", fleet_cfg(cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
+            "picker-round-robin": ("round-robin", fleet_cfg(cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
             "picker-4-replicas": ("picker", fleet_cfg(replicas=4, shared_index=True,
                                                       cadence=Cadence(compare_in_flight=False),
                                                       scrape_cost=SCRAPE_COST_S)),
