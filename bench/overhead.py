@@ -1,7 +1,8 @@
 """What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes and with
 the Redis-shared prefix index (a local Valkey), and Envoy + the floor (a minimal grpc.aio ext_proc server that only
 sets the destination header, `picker/bench/floor.py`), same echo backends, same run. Reports req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies,
-then profiles the picker to show where its time goes.
+then the CPU per request of direct Envoy, the picker and the floor (with their Envoys) open-loop at `--rate`, and
+profiles the picker to show where its time goes.
 
     .venv/bin/python bench/overhead.py [--requests 2000] [--concurrency 8]
 """
@@ -13,11 +14,13 @@ import asyncio
 import json
 import os
 import pstats
+import random
 import signal
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -42,7 +45,7 @@ from picker.serving.supervisor import (
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def start_direct_envoy(logdir: Path, template: Envoy, started: list[Managed]) -> str:
+def start_direct_envoy(logdir: Path, template: Envoy, started: list[Managed]) -> tuple[str, Managed]:
     """The same Envoy config with the ext_proc filter removed: every request round-robins over the pool."""
     config = yaml.safe_load(template.config_path.read_text())
     listener = config["static_resources"]["listeners"][0]
@@ -57,7 +60,7 @@ def start_direct_envoy(logdir: Path, template: Envoy, started: list[Managed]) ->
                                      "-l", "warning", "--concurrency", "1"], logdir)
     started.append(process)
     wait_until(lambda: port_open(port), 30, "direct envoy", process.proc)
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", process
 
 
 async def drive(url: str, body: bytes, requests: int, concurrency: int) -> tuple[float, list[float], int]:
@@ -84,6 +87,29 @@ async def drive(url: str, body: bytes, requests: int, concurrency: int) -> tuple
     return requests / elapsed, latencies, errors
 
 
+async def open_loop(url: str, body: bytes, requests: int, rate: float, seed: int) -> list[float]:
+    """Latencies of `requests` sent at Poisson arrivals of `rate` per second, whatever the answers' pace: the
+    regime real engines put a picker in (a few to tens of requests a second), where its fixed costs per message
+    are not shared with other requests as they are at full concurrency."""
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    async with aiohttp.ClientSession() as session:
+
+        async def one() -> None:
+            start = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=body,
+                                    headers={"content-type": "application/json"}) as response:
+                await response.read()
+            latencies.append(time.perf_counter() - start)
+
+        tasks = []
+        for _ in range(requests):
+            tasks.append(asyncio.create_task(one()))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return latencies
+
+
 def start_floor(logdir: Path, pool: list[str], started: list[Managed]) -> Picker:
     """The floor ext_proc server, shaped as the Picker its Envoy config needs (ports, plaintext)."""
     grpc_port, health_port = free_port(), free_port()
@@ -107,11 +133,35 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def open_loop_rows(paced: dict[str, tuple[str, int | None, int]], body: bytes, rate: float, requests: int,
+                   rounds: int) -> list[dict[str, Any]]:
+    """Each setup driven open-loop at `rate`, rounds interleaved: p50 latency and the CPU its ext_proc server and
+    its Envoy spent per request."""
+    runs: dict[str, list[tuple[list[float], float, float]]] = {name: [] for name in paced}
+    for round_ in range(rounds):
+        for name, (url, server, envoy) in paced.items():
+            server0 = cpu_seconds(server) if server else 0.0
+            envoy0 = cpu_seconds(envoy)
+            latencies = asyncio.run(open_loop(url, body, requests, rate, seed=round_))
+            runs[name].append((latencies, (cpu_seconds(server) - server0) if server else 0.0,
+                               cpu_seconds(envoy) - envoy0))
+    rows: list[dict[str, Any]] = []
+    for name, done in runs.items():
+        total = requests * len(done)
+        rows.append({"setup": name, "p50_ms": round(pct([x for d in done for x in d[0]], 0.5) * 1e3, 2),
+                     "server_cpu_us_per_request": round(sum(d[1] for d in done) / total * 1e6),
+                     "envoy_cpu_us_per_request": round(sum(d[2] for d in done) / total * 1e6)})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setup (noise check)")
+    parser.add_argument("--rate", type=float, default=9.0,
+                        help="open-loop phase: requests per second (0: skip it)")
+    parser.add_argument("--rate-requests", type=int, default=300, help="open-loop phase: requests per setup and round")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     profile_path = OUT / "picker.prof"
@@ -135,7 +185,8 @@ def main() -> int:
         envoy_floor = start_envoy(logdir, floor, backends.addresses, name="envoy-floor")
         started.append(envoy_floor.process)
         # setup -> (URL, the picker process whose CPU it costs)
-        urls = {"envoy direct": (start_direct_envoy(logdir, envoys["buffered"], started), None),
+        direct_url, direct = start_direct_envoy(logdir, envoys["buffered"], started)
+        urls = {"envoy direct": (direct_url, None),
                 "envoy+picker buffered": (envoys["buffered"].url, picker.process.proc.pid),
                 "envoy+picker buffered, redis index": (envoy_shared.url, shared.process.proc.pid),
                 "envoy+picker full-duplex": (envoys["full-duplex"].url, picker.process.proc.pid),
@@ -167,6 +218,15 @@ def main() -> int:
                              "picker_cpu_us_per_request": round(sum(r[3] for r in runs) / per_request * 1e6),
                              "valkey_cpu_us_per_request": round(sum(r[4] for r in runs) / per_request * 1e6),
                              "errors": sum(r[2] for r in runs)})
+        rate_rows: list[dict[str, Any]] = []
+        if args.rate > 0:
+            # setup -> (URL, the ext_proc server's pid or None, its Envoy's pid)
+            paced = {"envoy direct": (direct_url, None, direct.proc.pid),
+                     "envoy+picker buffered": (envoys["buffered"].url, picker.process.proc.pid,
+                                               envoys["buffered"].process.proc.pid),
+                     "envoy+floor buffered": (envoy_floor.url, floor.process.proc.pid,
+                                              envoy_floor.process.proc.pid)}
+            rate_rows = open_loop_rows(paced, body_of(1024), args.rate, args.rate_requests, args.rounds)
         # A second picker under cProfile (slower, so not used for the figures above) shows where time goes.
         os.environ["PICKER_PROFILE"] = str(profile_path)
         profiled = start_picker(logdir, endpoints=backends.addresses, extra=["--log-level", "WARNING"],
@@ -186,10 +246,19 @@ def main() -> int:
         floor_cost = cost["envoy+floor buffered (minimal grpc.aio ext_proc)"]
         table.append(f"\n{size}: picker buffered CPU per request {cost['envoy+picker buffered']} µs = "
                      f"{cost['envoy+picker buffered'] / floor_cost:.2f}x the floor's {floor_cost} µs")
+    if rate_rows:
+        table += ["", f"Open loop, {args.rate:g} requests/s (Poisson), 1 KB, {args.rate_requests} requests x "
+                  f"{args.rounds} rounds per setup: CPU per request at the rate real engines serve (the processes' "
+                  "background work included)", "",
+                  "| setup | p50 ms | ext_proc server CPU µs/request | its Envoy's | together |", "|---|---|---|---|---|"]
+        table += [f"| {r['setup']} | {r['p50_ms']} | {r['server_cpu_us_per_request']} | "
+                  f"{r['envoy_cpu_us_per_request']} | {r['server_cpu_us_per_request'] + r['envoy_cpu_us_per_request']} |"
+                  for r in rate_rows]
     text = "\n".join(table)
     print(text)
     (OUT / "overhead.md").write_text(text + "\n")
-    (OUT / "overhead.json").write_text(json.dumps({"rows": rows, "requests": args.requests,
+    (OUT / "overhead.json").write_text(json.dumps({"rows": rows, "open_loop": rate_rows,
+                                                   "rate": args.rate, "requests": args.requests,
                                                    "concurrency": args.concurrency, "cpus": os.cpu_count()},
                                                   indent=2))
     if profile_path.exists():
