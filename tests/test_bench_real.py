@@ -112,16 +112,31 @@ def test_busier_picks_count_requests_sent_to_the_pod_with_more_prefills_in_progr
 def test_routing_cost_section_gives_each_routers_median_hold_and_cpu() -> None:
     from picker.bench.real import routing_cost_lines
 
-    runs = [{"strategy": "round-robin", "repeat": i, "request_held_ms": [0.3 + i / 10, 0.6], "response_held_ms":
-             [0.1, 0.2], "router_cpu_share": 0.02, "server_cpu_share": [0.96, 0.98]} for i in range(3)]
-    runs += [{"strategy": "picker", "repeat": i, "request_held_ms": [2.5, 4.0 + i], "response_held_ms": [0.6, 0.8],
-              "router_cpu_share": 0.06 + i / 100, "server_cpu_share": [0.92, 0.94]} for i in range(3)]
-    runs.append({"strategy": "hash-ring", "repeat": 0})  # recorded before Envoy timed requests: no row
-    lines = routing_cost_lines(runs, ["round-robin", "hash-ring", "picker"])
+    runs = [{**run("round-robin", i, 0.8, 100, 200, 0.5, 0.0), "request_held_ms": [0.3 + i / 10, 0.6],
+             "response_held_ms": [0.1, 0.2], "router_cpu_share": 0.02, "server_cpu_share": [0.96, 0.98]}
+            for i in range(3)]
+    runs += [{**run("picker", i, 0.8, 100, 200, 0.5, 1.0), "request_held_ms": [2.5, 4.0 + i],
+              "response_held_ms": [0.6, 0.8], "router_cpu_share": 0.06 + i / 100, "server_cpu_share": [0.92, 0.94]}
+             for i in range(3)]
+    runs.append(run("hash-ring", 0, 0.8, 100, 200, 0.5, 0.0))  # recorded before Envoy timed requests: no row
+    lines = routing_cost_lines(runs, medians(runs, ("round-robin", "hash-ring", "picker")))
     assert "| round-robin | 0.40 / 0.60 | 0.10 / 0.20 | 0.020 | 0.970 |" in lines
     assert "| picker | 2.50 / 5.00 | 0.60 / 0.80 | 0.070 | 0.930 |" in lines
     assert not any(line.startswith("| hash-ring") for line in lines)
-    assert routing_cost_lines(runs[-1:], ["hash-ring"]) == []
+    assert routing_cost_lines(runs[-1:], medians(runs[-1:], ("hash-ring",))) == []
+
+
+def test_paired_ratios_compare_each_repeat_with_round_robins_own() -> None:
+    from picker.bench.real import paired_ratio_lines
+
+    runs = [run("round-robin", i, 0.8, mean, 2 * mean, 0.5, 0.0) for i, mean in enumerate((100, 300, 200))]
+    runs += [run("picker", i, 0.8, mean, 2 * mean, 0.5, 1.0) for i, mean in enumerate((110, 240, 200))]
+    runs.append({"strategy": "picker", "repeat": 3, "error": "vLLM exited with 1"})  # failed: not paired
+    lines = paired_ratio_lines(runs, ["round-robin", "picker"])
+    # 1.10, 0.80, 1.00 repeat by repeat, where the ratio of the medians (200 / 200) would say 1.00
+    assert "| picker | 3 | 1.00x (0.80-1.10) | 1.00x (0.80-1.10) |" in lines
+    assert not any(line.startswith("| round-robin") for line in lines)
+    assert paired_ratio_lines(runs[3:], ["picker"]) == []  # no round-robin to pair with
 
 
 def test_medians_targets_and_report() -> None:

@@ -70,6 +70,7 @@ from picker.serving.supervisor import (
     process_scope,
     start_picker_fleet,
     start_valkey,
+    wait_until,
 )
 from picker.sim.profiles import TINY_CPU
 
@@ -525,15 +526,10 @@ def routing_delays(path: Path, expected: int, timeout: float = 10.0) -> tuple[np
     log (envoyconfig.TIMING_FORMAT). Envoy writes the log on a timer: it is read once it holds `expected` lines,
     or as it is after `timeout` seconds. A field Envoy could not time ("-": the request never reached a pod) is
     left out."""
-    deadline = time.monotonic() + timeout
-    lines: list[str] = []
-    while True:
-        lines = path.read_text().splitlines() if path.exists() else []
-        if len(lines) >= expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)  # Envoy's flush timer, not a process to wait on
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: len(path.read_text().splitlines()) >= expected, timeout, "Envoy's timing log")
     request, response = [], []
-    for line in lines:
+    for line in (path.read_text().splitlines() if path.exists() else []):
         fields = line.split()
         if len(fields) == 2:
             if fields[0].isdigit():
@@ -681,20 +677,17 @@ def busier_picks(rows: list[list[float]]) -> tuple[int, int]:
     return len(spans), busier
 
 
-def routing_cost_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
-    """The report's section on what each router cost on the way (Envoy's timing log, `routing_delays`) and in
-    CPU taken from the cores the engines run on: medians over the repeats; empty for runs recorded without it."""
+def routing_cost_lines(runs: list[dict[str, Any]], m: dict[str, dict[str, Any]]) -> list[str]:
+    """The report's section on what each router cost on the way (Envoy's timing log, `routing_delays`; medians
+    over `runs`, so a report re-rendered from an older real.json has it too) and in CPU taken from the cores the
+    engines run on (`m`, the `medians`); empty for runs recorded without the log."""
     rows = []
-    for name in strategies:
-        mine = [r for r in runs if r["strategy"] == name and "request_held_ms" in r]
-        if not mine:
-            continue
-        held = [statistics.median(r[key][i] for r in mine) for key in ("request_held_ms", "response_held_ms")
-                for i in (0, 1)]
-        engines = statistics.median(sum(r["server_cpu_share"]) / len(r["server_cpu_share"]) for r in mine)
-        router = statistics.median(r["router_cpu_share"] for r in mine)
-        rows.append(f"| {name} | {held[0]:.2f} / {held[1]:.2f} | {held[2]:.2f} / {held[3]:.2f} | {router:.3f} | "
-                    f"{engines:.3f} |")
+    for name, r in m.items():
+        held = held_medians([run for run in runs if run["strategy"] == name and "error" not in run])
+        if held:
+            (req50, req90), (resp50, resp90) = held["request_held_ms"], held["response_held_ms"]
+            rows.append(f"| {name} | {req50:.2f} / {req90:.2f} | {resp50:.2f} / {resp90:.2f} | "
+                        f"{r['router_cpu_share']:.3f} | {r['server_cpu_share']:.3f} |")
     return _table_section(
         "What routing costs each request",
         "Envoy's own timing of each request, medians over the repeats: from its first byte reaching Envoy to its "
@@ -703,6 +696,28 @@ def routing_cost_lines(runs: list[dict[str, Any]], strategies: list[str]) -> lis
         "router's processes took and the engines got, in cores (they share the machine's cores).",
         ["| router | request held p50 / p90 ms | response held p50 / p90 ms | router CPU | engine CPU per pod |",
          "|---|---:|---:|---:|---:|"], rows)
+
+
+def paired_ratio_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
+    """The report's section comparing each router with round-robin repeat by repeat (the same trace, minutes
+    apart): a machine whose speed moves between repeats moves both alike, so these ratios are steadier than the
+    ratio of medians. Empty without round-robin."""
+    base = {r["repeat"]: r for r in runs if r["strategy"] == "round-robin" and "error" not in r}
+    rows = []
+    for name in strategies:
+        pairs = [(r, base[r["repeat"]]) for r in runs
+                 if r["strategy"] == name != "round-robin" and "error" not in r and r["repeat"] in base]
+        if not pairs:
+            continue
+        cells = []
+        for figure in ("ttft_mean_ms", "ttft_p90_ms"):
+            ratios = [mine[figure] / rr[figure] for mine, rr in pairs]
+            cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        rows.append(f"| {name} | {len(pairs)} | {cells[0]} | {cells[1]} |")
+    return _table_section(
+        "Against round-robin, repeat by repeat",
+        "Each repeat's figure over round-robin's in the same repeat: median (range) over the repeats.",
+        ["| router | repeats | TTFT mean / round-robin's | p90 / round-robin's |", "|---|---:|---:|---:|"], rows)
 
 
 def busier_pick_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
@@ -1009,6 +1024,14 @@ _FIGURES = ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_
             "ttft_warm_p50_ms", "ttft_cold_p50_ms")
 
 
+def held_medians(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Medians over `runs` of what Envoy held their requests and responses (p50, p90 ms); empty for runs recorded
+    before Envoy timed each request."""
+    timed = [r for r in runs if "request_held_ms" in r]
+    return {key: [statistics.median(r[key][i] for r in timed) for i in (0, 1)]
+            for key in ("request_held_ms", "response_held_ms")} if timed else {}
+
+
 def medians(runs: list[dict[str, Any]], strategies: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for s in strategies:
@@ -1028,6 +1051,7 @@ def medians(runs: list[dict[str, Any]], strategies: tuple[str, ...]) -> dict[str
             max(r["metrics_requests_per_pod_per_s"] or [0.0]) for r in mine)
         measured = [r["router_cpu_share"] for r in mine if "router_cpu_share" in r]  # runs since 2026-12-05
         row["router_cpu_share"] = statistics.median(measured) if measured else math.nan
+        row.update(held_medians(mine))
         out[s] = row
     return out
 
@@ -1148,7 +1172,8 @@ def report(section: dict[str, Any]) -> str:
     lines += first_placement_lines(section["runs"], list(m))
     lines += cross_pod_lines(section["runs"], list(m))
     lines += busier_pick_lines(section["runs"], list(m))
-    lines += routing_cost_lines(section["runs"], list(m))
+    lines += paired_ratio_lines(section["runs"], list(m))
+    lines += routing_cost_lines(section["runs"], m)
     lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
     for t in section["targets"]:
         lines.append(f"| {t['target']} | {'yes' if t['met'] else '**no**'} | {t['measured']} |")
