@@ -104,6 +104,10 @@ def test_no_prefill_pod_means_decode_only_and_no_decode_pod_is_an_error() -> Non
 
 
 def test_a_pool_without_a_pd_handler_decides_nothing() -> None:
+    assert build_scheduler(PD).may_disaggregate and not build_scheduler().may_disaggregate
+    decode_only = copy.deepcopy(PD)
+    decode_only["plugins"][5] = {"type": "disagg-profile-handler"}  # no prefill decider: never a second pod
+    assert not build_scheduler(decode_only).may_disaggregate
     result = build_scheduler().schedule(request(2000), [pod(1, "prefill"), pod(2, "decode")], 0.0)
     assert result.disaggregation is None and result.prefill is None
 

@@ -129,6 +129,19 @@ async def in_flight(stack: Stack) -> dict[str, int]:
     return {e.address: e.in_flight for e in listing.endpoints}
 
 
+async def test_a_buffered_request_costs_two_ext_proc_messages(envoy: Envoy, stack: Stack) -> None:
+    # The picker turns the response headers off (no P/D, no response bodies shown); full duplex cannot.
+    sent = envoy.ext_proc_messages_sent()
+    for i in range(4):
+        status, body = await post(envoy, CHAT, chat_body(f"two messages {i} {envoy.port}"))
+        assert status == 200, body
+    per_request = (envoy.ext_proc_messages_sent() - sent) / 4
+    if envoy.settings.mode == "buffered":
+        assert per_request == 2
+    else:  # the response headers, body and trailers too
+        assert per_request > 3
+
+
 async def test_in_flight_counts_follow_the_stream_lifecycle(envoy: Envoy, stack: Stack) -> None:
     # A streamed response keeps its pod busy until the last event; then the count returns to zero.
     payload = chat_body(f"in flight {envoy.port}", stream=True, test_events=3, test_event_delay=0.3)

@@ -22,7 +22,8 @@ BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi
 
 
 def headers_msg(path: str = "/v1/chat/completions", eos: bool = False, mode: int = pm.ProcessingMode.BUFFERED,
-                subset: Sequence[str] | None = None, extra: dict[str, str] | None = None) -> pb.ProcessingRequest:
+                subset: Sequence[str] | None = None, extra: dict[str, str] | None = None,
+                response_mode: int | None = None) -> pb.ProcessingRequest:
     values = {":path": path, ":method": "POST", "content-type": "application/json", **(extra or {})}
     msg = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
@@ -30,7 +31,8 @@ def headers_msg(path: str = "/v1/chat/completions", eos: bool = False, mode: int
                                                 for k, v in values.items()]),
             end_of_stream=eos),
         protocol_config=pb.ProtocolConfiguration(request_body_mode=mode,  # type: ignore[arg-type]
-                                                 response_body_mode=mode))  # type: ignore[arg-type]
+                                                 response_body_mode=mode if response_mode is None  # type: ignore[arg-type]
+                                                 else response_mode))
     if subset is not None:
         hint = struct_pb2.Struct()
         hint.fields["x-gateway-destination-endpoint-subset"].list_value.extend(list(subset))
@@ -74,6 +76,24 @@ async def test_buffered_conversation(stack: Stack) -> None:
     assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
     assert destination(responses[1], "request_body") in stack.backends.addresses
     assert set_header_names(responses[1], "request_body") == {"x-gateway-destination-endpoint"}
+
+
+async def test_buffered_headers_turn_the_response_headers_off_when_nothing_reads_them(stack: Stack) -> None:
+    none = pm.ProcessingMode.NONE
+    responses = await exchange(stack.picker.grpc_port, [headers_msg(response_mode=none), body_msg(BODY)])
+    override = responses[0].mode_override
+    assert responses[0].HasField("mode_override")
+    assert override.response_header_mode == pm.ProcessingMode.SKIP
+    # Envoy takes the body modes from an override whatever they are: they restate the configured ones
+    assert (override.request_body_mode, override.response_body_mode) == (pm.ProcessingMode.BUFFERED, none)
+    assert override.request_trailer_mode == override.response_trailer_mode == pm.ProcessingMode.DEFAULT
+    assert destination(responses[1], "request_body") in stack.backends.addresses
+    # response bodies shown to the picker (token usage) need their headers; unknown modes are not overridden
+    shown = await exchange(stack.picker.grpc_port, [headers_msg(response_mode=pm.ProcessingMode.STREAMED)])
+    untold = headers_msg(response_mode=none)
+    untold.ClearField("protocol_config")
+    for responses in (shown, await exchange(stack.picker.grpc_port, [untold])):
+        assert not responses[0].HasField("mode_override")
 
 
 async def test_full_duplex_holds_headers_and_echoes_body_in_chunks(stack: Stack) -> None:

@@ -33,6 +33,7 @@ def test_the_floor_server_routes_round_robin_through_envoy() -> None:
                             fail_open=False)
         started.append(envoy.process)
         served: Counter[str] = Counter()
+        sent = envoy.ext_proc_messages_sent()
         for i in range(6):
             body = json.dumps({"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}]}).encode()
             request = urllib.request.Request(envoy.url + "/v1/chat/completions", data=body,
@@ -42,3 +43,4 @@ def test_the_floor_server_routes_round_robin_through_envoy() -> None:
             assert answer["destination_header"] == answer["served_by"]  # routed by the header, not fail-open
             served[answer["served_by"]] += 1
         assert served == {backends.addresses[0]: 3, backends.addresses[1]: 3}
+        assert envoy.ext_proc_messages_sent() - sent == 12  # headers and body: the response headers turned off

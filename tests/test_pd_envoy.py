@@ -114,7 +114,10 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_a_dead_one_costs_a_lo
         assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="prefill-decode") == 2
         loaded = sum(counter(a, "vllm:external_prefix_cache_hits_total") for a in decoders.addresses)
 
+        sent = envoy.ext_proc_messages_sent()
         send(envoy.url, prompt(10))  # short: prefilled where it is decoded
+        # with P/D the picker hears every response begin (a prefill pod's count ends there): headers, body, response
+        assert envoy.ext_proc_messages_sent() - sent == 3
         assert counter(prefill_pod, "vllm:request_success_total") == 2
         assert sum(counter(a, "vllm:external_prefix_cache_hits_total") for a in decoders.addresses) == loaded
         assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="decode-only") == 1

@@ -1,8 +1,8 @@
 """The floor of an ext_proc picker's cost: a grpc.aio ExternalProcessor that only routes.
 
-It answers every message Envoy sends as the picker does in BUFFERED mode, and puts the next pod of the pool
-(round-robin) in the destination header of the body response, with the same response builders; it parses no body,
-schedules nothing and counts nothing. It also serves the gRPC health Envoy checks. `make overhead` measures the
+It answers every message Envoy sends as the picker does in BUFFERED mode (turning the response headers off, as
+the picker does without P/D), and puts the next pod of the pool (round-robin) in the destination header of the body
+response, with the same response builders; it parses no body, schedules nothing and counts nothing. It also serves the gRPC health Envoy checks. `make overhead` measures the
 picker and this server behind the same Envoy config in one run: the difference is the picker's own work.
 
     python -m picker.bench.floor --grpc-port 9002 --health-port 9003 --pool 10.0.0.5:8000,10.0.0.6:8000
@@ -44,7 +44,7 @@ class FloorProcessor(pb_grpc.ExternalProcessorServicer):
             kind = message.WhichOneof("request")
             if kind == "request_headers":
                 headers_only = message.request_headers.end_of_stream
-                yield p.route_by_headers(next(self._next)) if headers_only else p.EMPTY_REQUEST_HEADERS
+                yield p.route_by_headers(next(self._next)) if headers_only else p.REQUEST_HEADERS_RESPONSE_UNSEEN
             elif kind == "request_body":
                 yield p.route_by_body(next(self._next))
             elif kind in _ANSWERS:

@@ -1,6 +1,8 @@
 """The ext_proc state machine: one gRPC stream per HTTP request, in either supported body mode.
 
-BUFFERED (recommended): headers are answered at once, the routing mutation rides on the body response.
+BUFFERED (recommended): headers are answered at once, the routing mutation rides on the body response. Where
+nothing needs to hear the response begin (no P/D, no response bodies shown), that answer also turns the response
+headers off for the stream: one message fewer per request; the stream still ends with the response.
 FULL_DUPLEX_STREAMED (GIE's mode): headers are held until the body ends (its last chunk, or the request
 trailers), then one HeadersResponse with the mutation is sent and the body is echoed back in chunks. Every
 message Envoy may send is answered: request headers, body and trailers, response headers, body and trailers.
@@ -78,7 +80,8 @@ def _subset_hint(request: pb.ProcessingRequest) -> tuple[str, ...] | None:
 class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
-    __slots__ = ("director", "max_body", "budget", "trim", "request_mode", "response_mode", "headers", "subset", "body",
+    __slots__ = ("director", "max_body", "budget", "trim", "told_modes", "request_mode", "response_mode", "headers",
+                 "subset", "body",
                  "body_len", "held", "decision", "phase", "request_id", "generated_id", "usage",
                  "response")
 
@@ -88,6 +91,7 @@ class _Stream:
         self.budget = budget
         self.trim = trim
         self.held = 0  # bytes of body taken from the shared budget
+        self.told_modes = False  # Envoy named its body modes (protocol_config): only then may they be overridden
         self.request_mode = p.BUFFERED
         self.response_mode = p.NONE
         self.headers: dict[str, str] | None = None
@@ -105,6 +109,7 @@ class _Stream:
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if message.HasField("protocol_config"):
+            self.told_modes = True
             self.request_mode = message.protocol_config.request_body_mode
             self.response_mode = message.protocol_config.response_body_mode
         subset = _subset_hint(message)
@@ -178,7 +183,16 @@ class _Stream:
         self.phase = Phase.BODY
         if self.request_mode == p.FULL_DUPLEX_STREAMED:
             return []  # hold the headers until the body is complete
+        if self._response_unheard():
+            return [p.REQUEST_HEADERS_RESPONSE_UNSEEN]
         return [p.EMPTY_REQUEST_HEADERS]
+
+    def _response_unheard(self) -> bool:
+        """Whether the response's headers may be turned off: Envoy buffers the request body and shows no response
+        body, and the director needs no word of the response beginning (only its end, which the stream's end
+        tells)."""
+        return (self.told_modes and self.request_mode == p.BUFFERED and self.response_mode == p.NONE
+                and not self.director.hears_response_start)
 
     async def _on_request_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.phase is not Phase.BODY:

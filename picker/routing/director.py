@@ -318,6 +318,12 @@ class Director:
         itl = self.metrics.itl_observer(decision.request) if self.metrics is not None else None
         return ResponseTrace(decision.started_at, itl)
 
+    @property
+    def hears_response_start(self) -> bool:
+        """Whether a routed request's accounting changes when its response begins (a prefill pod's count, with
+        P/D), not only when it ends: the servicer then keeps Envoy sending the response headers."""
+        return self.scheduler.may_disaggregate
+
     def prefilled(self, decision: Decision) -> None:
         """The response has begun (its headers came), so its prefill is done: a prefill pod's count is undone."""
         prefill = decision.prefill

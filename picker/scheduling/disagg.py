@@ -129,6 +129,10 @@ class DisaggProfileHandler(Plugin):
         self.needs_prefix = found.needs_prefix  # the scheduler hashes the prompt only if someone reads the match
         return None
 
+    @property
+    def disaggregates(self) -> bool:
+        return self.decider_name is not None  # none: decode-only
+
     def profiles(self) -> tuple[str, ...]:
         return (self.decode_profile, self.prefill_profile_name) if self.decider_name else (self.decode_profile,)
 

@@ -52,6 +52,11 @@ class Classifier(Protocol):
 
     needs_prefix: bool  # reads the prefix match to classify
 
+    @property
+    def disaggregates(self) -> bool:
+        """Whether it may have another pod prefill a request (whose count ends when the response begins)."""
+        ...
+
     def classify(self, ctx: SchedulingContext) -> str:
         """Name of the profile that picks the destination."""
         ...
@@ -67,6 +72,10 @@ class Classifier(Protocol):
 
 class OneStage:
     """What a handler without disaggregation answers: every request is prefilled where it is decoded."""
+
+    @property
+    def disaggregates(self) -> bool:
+        return False
 
     def prefill_profile(self, ctx: SchedulingContext, decode: Endpoint) -> str | None:
         return None

@@ -78,6 +78,10 @@ class PrefixAwareScheduler:
                 return value
         return None
 
+    @property
+    def may_disaggregate(self) -> bool:
+        return self.classifier.disaggregates
+
     def context(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingContext:
         """The request's cycle state: its session key, and what the prefix sources know of its prompt."""
         ctx = SchedulingContext(request=request, now=now, model=effective_model(request),

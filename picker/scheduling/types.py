@@ -79,6 +79,12 @@ class Scheduler(Protocol):
         """Characters per token of the traffic as learned from the pods (None: nothing learned)."""
         ...
 
+    @property
+    def may_disaggregate(self) -> bool:
+        """Whether a request may be prefilled on another pod than its own (P/D): its prefill pod's count ends when
+        the response begins, so the ext_proc stream must hear the response headers."""
+        ...
+
     def schedule(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingResult: ...
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:

@@ -293,6 +293,13 @@ class Envoy:
                    if line.startswith("picker::") and "health_flags::healthy" in line}
         return len(healthy) >= len(self.settings.picker_host_list())
 
+    def ext_proc_messages_sent(self) -> int:
+        """Messages this Envoy has sent its ext_proc servers (the filter's `stream_msgs_sent` counter)."""
+        url = f"http://{HOST}:{self.admin_port}/stats?filter=ext_proc.stream_msgs_sent$"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            lines = response.read().decode().split()
+        return int(lines[-1]) if lines else 0
+
 
 _base_id = iter(range(1000 + os.getpid() % 1000 * 100, 10**7))
 
