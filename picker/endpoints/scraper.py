@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import heapq
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -32,6 +33,7 @@ from yarl import URL
 
 from picker.core.lifecycle import cancel_all
 from picker.endpoints.metrics import parse_metrics
+from picker.endpoints.pool import PoolEvent, PoolListener
 from picker.endpoints.shared_scrape import SharedScrapes, grace
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
 
@@ -135,13 +137,16 @@ class MetricsScraper:
         on_metrics: Callable[[Endpoint], None] | None = None,
         reachable: Reachable | None = None,
         max_rate: float = 0.0,
+        subscribe: Callable[[PoolListener], None] | None = None,
     ) -> None:
         """`refresh_interval` (a fixed cadence) and `cadence` exclude each other; neither: `Cadence()`.
         With `shared`, replicas take turns scraping each pod and the others read the result. `on_metrics` hears
         of every pod whose metrics were refreshed (our scrape or a shared record): room may have freed.
         `reachable` tells a degraded pod from an unready one (default: a TCP connection to its serving port).
         `max_rate` (> 0) caps the pool's scrapes a second: when the pods' cadences ask for more, every interval
-        stretches by the same factor (a large pool of busy pods would otherwise cost the picker a core)."""
+        stretches by the same factor (a large pool of busy pods would otherwise cost the picker a core).
+        `subscribe` (the pool's): pods joining or leaving wake the loop to read the pool; without it the pool is read
+        every `fast` seconds, ten wake-ups a second that cost an idle picker a third of its CPU."""
         if refresh_interval is not None and cadence is not None:
             raise ValueError("give refresh_interval or cadence, not both")
         if (refresh_interval is not None and refresh_interval <= 0) or timeout <= 0 or failure_threshold <= 0:
@@ -170,13 +175,16 @@ class MetricsScraper:
         self._wake_at = 0.0  # loop time the loop's timer is set for
         self.max_rate = max_rate
         self._rates: dict[str, float] = {}  # address -> 1 / its cadence's interval: scrapes a second it asks for
-        self._demand = 0.0  # their sum as of the last sweep (the stretch follows within one fast interval)
+        self._demand = 0.0  # their sum, kept as each changes
         self._urls: dict[str, URL] = {}  # address -> its metrics URL
         self._rng = random.Random()  # spreads each pod's next scrape a little, so a pool's scrapes do not bunch
         self._wakeup: asyncio.Future[None] | None = None  # the loop's sleep; an earlier due scrape ends it
         self._loop_task: asyncio.Task[None] | None = None
         self.polls = 0  # scrape attempts, for tests and our own metrics
         self.failures = 0
+        self._sweep_every = math.inf if subscribe is not None else self.cadence.fast
+        if subscribe is not None:
+            subscribe(self._membership_changed)
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -210,27 +218,34 @@ class MetricsScraper:
             now = loop.time()
             if now >= self._next_sweep:
                 self._sweep(now)
-                self._next_sweep = now + self.cadence.fast
+                self._next_sweep = now + self._sweep_every
             self._launch_due(now)
             wake = min(self._queue[0][0], self._next_sweep) if self._queue else self._next_sweep
-            # A plain future woken by a timer or by a sooner scrape. Not wait_for(event.wait()): on Python 3.11
-            # that can swallow a cancellation that lands as the event fires, and stop() would wait forever.
+            # A plain future woken by a timer, a sooner scrape or a pod joining or leaving. Not
+            # wait_for(event.wait()): on Python 3.11 that can swallow a cancellation that lands as the event fires,
+            # and stop() would wait forever.
             self._wakeup = loop.create_future()
             self._wake_at = wake
-            timer = loop.call_later(max(0.0, wake - now), self._wake)
+            timer = loop.call_later(max(0.0, wake - now), self._wake) if wake < math.inf else None
             try:
                 await self._wakeup
             finally:
-                timer.cancel()
+                if timer is not None:
+                    timer.cancel()
 
     def _wake(self) -> None:
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
 
+    def _membership_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
+        if event is PoolEvent.ADDED or event is PoolEvent.REMOVED:
+            self._next_sweep = 0.0
+            self._wake()
+
     def _sweep(self, now: float) -> None:
         """Read the pool: pods not seen before are due now, or, when many join at once (start-up), one every
         `fast / FIRST_SCRAPES` seconds, so their scrapes stay spread out from then on; a pod that left is forgotten; the
-        scrapes a second the pods' cadences ask for are summed (what `stretch` weighs against `max_rate`)."""
+        scrapes a second the pods' cadences ask for are summed again (what `stretch` weighs against `max_rate`)."""
         known = {e.address: e for e in self.endpoints_fn()}
         joined = [address for address in known if address not in self._known and address not in self._due]
         spacing = self.cadence.fast / FIRST_SCRAPES if len(joined) > FIRST_SCRAPES else 0.0
@@ -239,7 +254,7 @@ class MetricsScraper:
         for address in self._known.keys() - known.keys():
             self._due.pop(address, None)
             self._applied.pop(address, None)
-            self._rates.pop(address, None)
+            self._set_rate(address, None)
             self._urls.pop(address, None)
         self._known = known
         self._demand = sum(self._rates.values())
@@ -252,9 +267,16 @@ class MetricsScraper:
     def _paced(self, endpoint: Endpoint, ok: bool) -> float:
         """The pod's next interval: its cadence's, stretched while the pool asks for more than `max_rate`."""
         interval = self.cadence.interval(endpoint, ok)
-        self._rates[endpoint.address] = 1.0 / interval
+        self._set_rate(endpoint.address, 1.0 / interval)
         endpoint.scrape_interval = interval * self.stretch
         return endpoint.scrape_interval
+
+    def _set_rate(self, address: str, rate: float | None) -> None:
+        """The scrapes a second `address` asks of us (None: none, it left or another replica scrapes it)."""
+        old = self._rates.pop(address, 0.0) if rate is None else self._rates.get(address, 0.0)
+        if rate is not None:
+            self._rates[address] = rate
+        self._demand += (rate or 0.0) - old
 
     def _schedule(self, address: str, due: float) -> None:
         self._due[address] = due
@@ -306,7 +328,7 @@ class MetricsScraper:
         record = await shared.read(address)
         wall = shared.wall_clock()
         if record is not None and record.replica != shared.replica_id and record.fresh(wall):
-            self._rates.pop(address, None)  # another replica scrapes it: not ours to count against max_rate
+            self._set_rate(address, None)  # another replica scrapes it: not ours to count against max_rate
             ok = True
             if self._applied.get(address) != record.at:  # each record counts once, for health too
                 self._applied[address] = record.at

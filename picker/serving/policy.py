@@ -170,7 +170,7 @@ class PoolMonitor:
                                       timeout=max(0.2, min(2.0, cadence.fast * 10)), health=pool,
                                       on_scrape=metrics.pool.observe_scrape, shared=self.shared,
                                       target=config.metrics_target, on_metrics=on_metrics,
-                                      max_rate=config.max_scrapes_per_second)
+                                      max_rate=config.max_scrapes_per_second, subscribe=pool.subscribe)
 
     async def run(self) -> None:
         await self.scraper.poll_once()  # warm start: metrics before the first request where possible
