@@ -1,8 +1,10 @@
-"""What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes and with
-the Redis-shared prefix index (a local Valkey), and Envoy + the floor (a minimal grpc.aio ext_proc server that only
-sets the destination header, `picker/bench/floor.py`), same echo backends, same run. Reports req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies,
-then the CPU per request of direct Envoy, the picker and the floor (with their Envoys) open-loop at `--rate`, and
-profiles the picker to show where its time goes.
+"""What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes, with the
+Redis-shared prefix index (a local Valkey) and behind an Envoy that does not let it turn the response headers off
+(the third message per request it saves), and Envoy + the floor (a minimal grpc.aio ext_proc server that only sets
+the destination header, `picker/bench/floor.py`), same echo backends, same run. Reports req/s, p50/p99 latency and
+picker CPU µs per request for 1 KB and 32 KB bodies, then the CPU per request of direct Envoy, the picker and the
+floor (with their Envoys) open-loop at `--rate`, the idle picker's and floor's CPU, and profiles the picker to show
+where its time goes.
 
     .venv/bin/python bench/overhead.py [--requests 2000] [--concurrency 8]
 """
@@ -19,6 +21,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +46,44 @@ from picker.serving.supervisor import (
 )
 
 OUT = Path(__file__).resolve().parent / "out"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+KEPT = "envoy+picker buffered, response headers sent"
+
+
+def start_variant_envoy(logdir: Path, template: Envoy, started: list[Managed], name: str,
+                        change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> Envoy:
+    """`template`'s Envoy config on ports of its own, its HTTP filters as `change` returns them."""
+    config = yaml.safe_load(template.config_path.read_text())
+    listener = config["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = change(hcm["http_filters"])
+    port, admin_port = free_port(), free_port()
+    listener["address"]["socket_address"]["port_value"] = port
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    path = logdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    process = spawn(name, [envoy_binary(), "-c", str(path), "--base-id", str(os.getpid() % 50000 + 7 + len(started)),
+                           "-l", "warning", "--concurrency", "1"], logdir)
+    started.append(process)
+    wait_until(lambda: port_open(port), 30, name, process.proc)
+    return Envoy(port, admin_port, process, path, template.settings)
 
 
 def start_direct_envoy(logdir: Path, template: Envoy, started: list[Managed]) -> tuple[str, Managed]:
     """The same Envoy config with the ext_proc filter removed: every request round-robins over the pool."""
-    config = yaml.safe_load(template.config_path.read_text())
-    listener = config["static_resources"]["listeners"][0]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-    port = free_port()
-    listener["address"]["socket_address"]["port_value"] = port
-    config["admin"]["address"]["socket_address"]["port_value"] = free_port()
-    path = logdir / "envoy-direct.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process = spawn("envoy-direct", [envoy_binary(), "-c", str(path), "--base-id", str(os.getpid() % 50000 + 7),
-                                     "-l", "warning", "--concurrency", "1"], logdir)
-    started.append(process)
-    wait_until(lambda: port_open(port), 30, "direct envoy", process.proc)
-    return f"http://127.0.0.1:{port}", process
+    envoy = start_variant_envoy(logdir, template, started, "envoy-direct",
+                                lambda filters: [f for f in filters if f["name"] != EXT_PROC_FILTER])
+    return envoy.url, envoy.process
+
+
+def headers_kept(filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ext_proc filter without `allow_mode_override`: Envoy sends the picker every response's headers, as
+    before the picker turned them off (three messages per request instead of two)."""
+    for f in filters:
+        if f["name"] == EXT_PROC_FILTER:
+            f["typed_config"].pop("allow_mode_override", None)
+            f["typed_config"].pop("allowed_override_modes", None)
+    return filters
 
 
 async def drive(url: str, body: bytes, requests: int, concurrency: int) -> tuple[float, list[float], int]:
@@ -120,6 +143,13 @@ def start_floor(logdir: Path, pool: list[str], started: list[Managed]) -> Picker
     return Picker(grpc_port, health_port, 0, process)
 
 
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Milliseconds of CPU a second each process spends with no request coming (its Envoys' health checks only)."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    return {name: round((cpu_seconds(pid) - before[name]) / seconds * 1e3, 2) for name, pid in pids.items()}
+
+
 def body_of(size: int) -> bytes:
     message = {"role": "user", "content": ""}
     base = {"model": "tiny", "messages": [message]}
@@ -162,6 +192,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=9.0,
                         help="open-loop phase: requests per second (0: skip it)")
     parser.add_argument("--rate-requests", type=int, default=300, help="open-loop phase: requests per setup and round")
+    parser.add_argument("--idle-seconds", type=float, default=30.0,
+                        help="how long the idle picker's and floor's CPU is measured (the clock ticks at 10 ms)")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     profile_path = OUT / "picker.prof"
@@ -186,8 +218,11 @@ def main() -> int:
         started.append(envoy_floor.process)
         # setup -> (URL, the picker process whose CPU it costs)
         direct_url, direct = start_direct_envoy(logdir, envoys["buffered"], started)
+        kept = start_variant_envoy(logdir, envoys["buffered"], started, "envoy-headers-kept", headers_kept)
+        wait_until(kept.picker_healthy, 30, "envoy (response headers kept) sees the picker healthy", kept.process.proc)
         urls = {"envoy direct": (direct_url, None),
                 "envoy+picker buffered": (envoys["buffered"].url, picker.process.proc.pid),
+                KEPT: (kept.url, picker.process.proc.pid),
                 "envoy+picker buffered, redis index": (envoy_shared.url, shared.process.proc.pid),
                 "envoy+picker full-duplex": (envoys["full-duplex"].url, picker.process.proc.pid),
                 "envoy+floor buffered (minimal grpc.aio ext_proc)": (envoy_floor.url, floor.process.proc.pid)}
@@ -224,9 +259,11 @@ def main() -> int:
             paced = {"envoy direct": (direct_url, None, direct.proc.pid),
                      "envoy+picker buffered": (envoys["buffered"].url, picker.process.proc.pid,
                                                envoys["buffered"].process.proc.pid),
+                     KEPT: (kept.url, picker.process.proc.pid, kept.process.proc.pid),
                      "envoy+floor buffered": (envoy_floor.url, floor.process.proc.pid,
                                               envoy_floor.process.proc.pid)}
             rate_rows = open_loop_rows(paced, body_of(1024), args.rate, args.rate_requests, args.rounds)
+        idle = idle_cpu({"picker": picker.process.proc.pid, "floor": floor.process.proc.pid}, args.idle_seconds)
         # A second picker under cProfile (slower, so not used for the figures above) shows where time goes.
         os.environ["PICKER_PROFILE"] = str(profile_path)
         profiled = start_picker(logdir, endpoints=backends.addresses, extra=["--log-level", "WARNING"],
@@ -245,7 +282,8 @@ def main() -> int:
         cost = {row["setup"]: row["picker_cpu_us_per_request"] for row in rows if row["body"] == size}
         floor_cost = cost["envoy+floor buffered (minimal grpc.aio ext_proc)"]
         table.append(f"\n{size}: picker buffered CPU per request {cost['envoy+picker buffered']} µs = "
-                     f"{cost['envoy+picker buffered'] / floor_cost:.2f}x the floor's {floor_cost} µs")
+                     f"{cost['envoy+picker buffered'] / floor_cost:.2f}x the floor's {floor_cost} µs "
+                     f"({cost[KEPT]} µs = {cost[KEPT] / floor_cost:.2f}x with the response headers sent)")
     if rate_rows:
         table += ["", f"Open loop, {args.rate:g} requests/s (Poisson), 1 KB, {args.rate_requests} requests x "
                   f"{args.rounds} rounds per setup: CPU per request at the rate real engines serve (the processes' "
@@ -254,10 +292,12 @@ def main() -> int:
         table += [f"| {r['setup']} | {r['p50_ms']} | {r['server_cpu_us_per_request']} | "
                   f"{r['envoy_cpu_us_per_request']} | {r['server_cpu_us_per_request'] + r['envoy_cpu_us_per_request']} |"
                   for r in rate_rows]
+    table += ["", f"Idle ({args.idle_seconds:g} s, no requests): picker {idle['picker']} ms of CPU a second, health-checked "
+              f"by three Envoys (buffered, full-duplex, response headers sent); floor {idle['floor']}, by one"]
     text = "\n".join(table)
     print(text)
     (OUT / "overhead.md").write_text(text + "\n")
-    (OUT / "overhead.json").write_text(json.dumps({"rows": rows, "open_loop": rate_rows,
+    (OUT / "overhead.json").write_text(json.dumps({"rows": rows, "open_loop": rate_rows, "idle_ms_per_s": idle,
                                                    "rate": args.rate, "requests": args.requests,
                                                    "concurrency": args.concurrency, "cpus": os.cpu_count()},
                                                   indent=2))
