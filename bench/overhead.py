@@ -1,10 +1,10 @@
 """What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes, with the
 Redis-shared prefix index (a local Valkey) and behind an Envoy that does not let it turn the response headers off
 (the third message per request it saves), and Envoy + the floor (a minimal grpc.aio ext_proc server that only sets
-the destination header, `picker/bench/floor.py`), same echo backends, same run. Reports req/s, p50/p99 latency and
-picker CPU µs per request for 1 KB and 32 KB bodies, then the CPU per request of direct Envoy, the picker and the
-floor (with their Envoys) open-loop at `--rate`, the idle picker's and floor's CPU, and profiles the picker to show
-where its time goes.
+the destination header, `picker/bench/floor.py`; and the same on grpclib), same echo backends, same run. Reports
+req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies, then the CPU per request of direct
+Envoy, the picker and the floors (with their Envoys) open-loop at `--rate`, the idle picker's and floors' CPU, and
+profiles the picker to show where its time goes.
 
     .venv/bin/python bench/overhead.py [--requests 2000] [--concurrency 8]
 """
@@ -48,6 +48,8 @@ from picker.serving.supervisor import (
 OUT = Path(__file__).resolve().parent / "out"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 KEPT = "envoy+picker buffered, response headers sent"
+FLOOR = "envoy+floor buffered (minimal grpc.aio ext_proc)"
+FLOOR_GRPCLIB = "envoy+floor buffered, grpclib (the same on grpclib)"
 
 
 def start_variant_envoy(logdir: Path, template: Envoy, started: list[Managed], name: str,
@@ -133,11 +135,13 @@ async def open_loop(url: str, body: bytes, requests: int, rate: float, seed: int
     return latencies
 
 
-def start_floor(logdir: Path, pool: list[str], started: list[Managed]) -> Picker:
-    """The floor ext_proc server, shaped as the Picker its Envoy config needs (ports, plaintext)."""
+def start_floor(logdir: Path, pool: list[str], started: list[Managed], server: str = "grpcio") -> Picker:
+    """The floor ext_proc server on `server`'s library, shaped as the Picker its Envoy config needs (ports,
+    plaintext)."""
     grpc_port, health_port = free_port(), free_port()
-    process = spawn("floor", [sys.executable, "-m", "picker.bench.floor", "--grpc-port", str(grpc_port),
-                              "--health-port", str(health_port), "--pool", ",".join(pool)], logdir)
+    process = spawn(f"floor-{server}", [sys.executable, "-m", "picker.bench.floor", "--grpc-port", str(grpc_port),
+                                        "--health-port", str(health_port), "--pool", ",".join(pool),
+                                        "--server", server], logdir)
     started.append(process)
     wait_until(lambda: port_open(grpc_port) and port_open(health_port), 30, "floor ext_proc server", process.proc)
     return Picker(grpc_port, health_port, 0, process)
@@ -216,6 +220,9 @@ def main() -> int:
         floor = start_floor(logdir, backends.addresses, started)
         envoy_floor = start_envoy(logdir, floor, backends.addresses, name="envoy-floor")
         started.append(envoy_floor.process)
+        floor_lib = start_floor(logdir, backends.addresses, started, server="grpclib")
+        envoy_floor_lib = start_envoy(logdir, floor_lib, backends.addresses, name="envoy-floor-grpclib")
+        started.append(envoy_floor_lib.process)
         # setup -> (URL, the picker process whose CPU it costs)
         direct_url, direct = start_direct_envoy(logdir, envoys["buffered"], started)
         kept = start_variant_envoy(logdir, envoys["buffered"], started, "envoy-headers-kept", headers_kept)
@@ -225,7 +232,8 @@ def main() -> int:
                 KEPT: (kept.url, picker.process.proc.pid),
                 "envoy+picker buffered, redis index": (envoy_shared.url, shared.process.proc.pid),
                 "envoy+picker full-duplex": (envoys["full-duplex"].url, picker.process.proc.pid),
-                "envoy+floor buffered (minimal grpc.aio ext_proc)": (envoy_floor.url, floor.process.proc.pid)}
+                FLOOR: (envoy_floor.url, floor.process.proc.pid),
+                FLOOR_GRPCLIB: (envoy_floor_lib.url, floor_lib.process.proc.pid)}
         for size in (1024, 32 * 1024):
             body = body_of(size)
             results: dict[str, list[tuple[float, list[float], int, float, float]]] = {name: [] for name in urls}
@@ -261,9 +269,12 @@ def main() -> int:
                                                envoys["buffered"].process.proc.pid),
                      KEPT: (kept.url, picker.process.proc.pid, kept.process.proc.pid),
                      "envoy+floor buffered": (envoy_floor.url, floor.process.proc.pid,
-                                              envoy_floor.process.proc.pid)}
+                                              envoy_floor.process.proc.pid),
+                     "envoy+floor buffered, grpclib": (envoy_floor_lib.url, floor_lib.process.proc.pid,
+                                                       envoy_floor_lib.process.proc.pid)}
             rate_rows = open_loop_rows(paced, body_of(1024), args.rate, args.rate_requests, args.rounds)
-        idle = idle_cpu({"picker": picker.process.proc.pid, "floor": floor.process.proc.pid}, args.idle_seconds)
+        idle = idle_cpu({"picker": picker.process.proc.pid, "floor": floor.process.proc.pid,
+                         "floor on grpclib": floor_lib.process.proc.pid}, args.idle_seconds)
         # A second picker under cProfile (slower, so not used for the figures above) shows where time goes.
         os.environ["PICKER_PROFILE"] = str(profile_path)
         profiled = start_picker(logdir, endpoints=backends.addresses, extra=["--log-level", "WARNING"],
@@ -280,10 +291,11 @@ def main() -> int:
     table += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
     for size in sorted({row["body"] for row in rows}):
         cost = {row["setup"]: row["picker_cpu_us_per_request"] for row in rows if row["body"] == size}
-        floor_cost = cost["envoy+floor buffered (minimal grpc.aio ext_proc)"]
+        floor_cost = cost[FLOOR]
         table.append(f"\n{size}: picker buffered CPU per request {cost['envoy+picker buffered']} µs = "
                      f"{cost['envoy+picker buffered'] / floor_cost:.2f}x the floor's {floor_cost} µs "
-                     f"({cost[KEPT]} µs = {cost[KEPT] / floor_cost:.2f}x with the response headers sent)")
+                     f"({cost[KEPT]} µs = {cost[KEPT] / floor_cost:.2f}x with the response headers sent); the floor "
+                     f"on grpclib {cost[FLOOR_GRPCLIB]} µs")
     if rate_rows:
         table += ["", f"Open loop, {args.rate:g} requests/s (Poisson), 1 KB, {args.rate_requests} requests x "
                   f"{args.rounds} rounds per setup: CPU per request at the rate real engines serve (the processes' "
@@ -293,7 +305,8 @@ def main() -> int:
                   f"{r['envoy_cpu_us_per_request']} | {r['server_cpu_us_per_request'] + r['envoy_cpu_us_per_request']} |"
                   for r in rate_rows]
     table += ["", f"Idle ({args.idle_seconds:g} s, no requests): picker {idle['picker']} ms of CPU a second, health-checked "
-              f"by three Envoys (buffered, full-duplex, response headers sent); floor {idle['floor']}, by one"]
+              f"by three Envoys (buffered, full-duplex, response headers sent); floor {idle['floor']}, by one; "
+              f"floor on grpclib {idle['floor on grpclib']}, by one"]
     text = "\n".join(table)
     print(text)
     (OUT / "overhead.md").write_text(text + "\n")

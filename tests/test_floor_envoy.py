@@ -1,5 +1,6 @@
-"""The overhead benchmark's floor (picker/bench/floor.py), a minimal ext_proc server, routes through real Envoy as
-the picker does: every request answered by a pod, round-robin, with Envoy's health checks passing."""
+"""The overhead benchmark's floor (picker/bench/floor.py), a minimal ext_proc server on grpc.aio or grpclib, routes
+through real Envoy as the picker does: every request answered by a pod, round-robin, with Envoy's health checks
+passing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import sys
 import urllib.request
 from collections import Counter
+
+import pytest
 
 from picker.serving.supervisor import (
     Picker,
@@ -20,13 +23,15 @@ from picker.serving.supervisor import (
 )
 
 
-def test_the_floor_server_routes_round_robin_through_envoy() -> None:
+@pytest.mark.parametrize("server", ["grpcio", "grpclib"])
+def test_the_floor_server_routes_round_robin_through_envoy(server: str) -> None:
     with process_scope("floor") as (logdir, started):
         backends = start_backends(2, logdir)
         started.append(backends.process)
         grpc_port, health_port = free_port(), free_port()
         process = spawn("floor", [sys.executable, "-m", "picker.bench.floor", "--grpc-port", str(grpc_port),
-                                  "--health-port", str(health_port), "--pool", ",".join(backends.addresses)], logdir)
+                                  "--health-port", str(health_port), "--pool", ",".join(backends.addresses),
+                                  "--server", server], logdir)
         started.append(process)
         wait_until(lambda: port_open(grpc_port) and port_open(health_port), 30, "floor", process.proc)
         envoy = start_envoy(logdir, Picker(grpc_port, health_port, 0, process), backends.addresses,

@@ -42,6 +42,7 @@ EMPTY_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersRespon
 EMPTY_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
 EMPTY_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 EMPTY_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+EMPTY_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 # BUFFERED request headers answered with the response's headers turned off for this stream (Envoy honours it with
 # `allow_mode_override`): one message fewer per request when nothing needs to hear the response begin. An override
 # restates both body modes (Envoy copies them whatever they are; DEFAULT header and trailer modes are left as
@@ -51,7 +52,6 @@ REQUEST_HEADERS_RESPONSE_UNSEEN = pb.ProcessingResponse(
     mode_override=processing_mode_pb2.ProcessingMode(
         request_body_mode=BUFFERED, response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
         response_body_mode=NONE))
-EMPTY_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:

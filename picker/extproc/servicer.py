@@ -81,8 +81,7 @@ class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
     __slots__ = ("director", "max_body", "budget", "trim", "told_modes", "request_mode", "response_mode", "headers",
-                 "subset", "body",
-                 "body_len", "held", "decision", "phase", "request_id", "generated_id", "usage",
+                 "subset", "body", "body_len", "held", "decision", "phase", "request_id", "generated_id", "usage",
                  "response")
 
     def __init__(self, director: Director, max_body: int, budget: BodyBudget, trim: AllocatorTrim) -> None:
