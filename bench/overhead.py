@@ -223,17 +223,17 @@ def main() -> int:
         floor_lib = start_floor(logdir, backends.addresses, started, server="grpclib")
         envoy_floor_lib = start_envoy(logdir, floor_lib, backends.addresses, name="envoy-floor-grpclib")
         started.append(envoy_floor_lib.process)
-        # setup -> (URL, the picker process whose CPU it costs)
         direct_url, direct = start_direct_envoy(logdir, envoys["buffered"], started)
         kept = start_variant_envoy(logdir, envoys["buffered"], started, "envoy-headers-kept", headers_kept)
         wait_until(kept.picker_healthy, 30, "envoy (response headers kept) sees the picker healthy", kept.process.proc)
-        urls = {"envoy direct": (direct_url, None),
-                "envoy+picker buffered": (envoys["buffered"].url, picker.process.proc.pid),
-                KEPT: (kept.url, picker.process.proc.pid),
-                "envoy+picker buffered, redis index": (envoy_shared.url, shared.process.proc.pid),
-                "envoy+picker full-duplex": (envoys["full-duplex"].url, picker.process.proc.pid),
-                FLOOR: (envoy_floor.url, floor.process.proc.pid),
-                FLOOR_GRPCLIB: (envoy_floor_lib.url, floor_lib.process.proc.pid)}
+        # setup -> (URL, the ext_proc server process whose CPU it costs or None, its Envoy's pid)
+        setups = {"envoy direct": (direct_url, None, direct.proc.pid),
+                  **{name: (envoy.url, server.process.proc.pid, envoy.process.proc.pid) for name, envoy, server in (
+                      ("envoy+picker buffered", envoys["buffered"], picker), (KEPT, kept, picker),
+                      ("envoy+picker buffered, redis index", envoy_shared, shared),
+                      ("envoy+picker full-duplex", envoys["full-duplex"], picker),
+                      (FLOOR, envoy_floor, floor), (FLOOR_GRPCLIB, envoy_floor_lib, floor_lib))}}
+        urls = {name: (url, pid) for name, (url, pid, _) in setups.items()}
         for size in (1024, 32 * 1024):
             body = body_of(size)
             results: dict[str, list[tuple[float, list[float], int, float, float]]] = {name: [] for name in urls}
@@ -263,16 +263,10 @@ def main() -> int:
                              "errors": sum(r[2] for r in runs)})
         rate_rows: list[dict[str, Any]] = []
         if args.rate > 0:
-            # setup -> (URL, the ext_proc server's pid or None, its Envoy's pid)
-            paced = {"envoy direct": (direct_url, None, direct.proc.pid),
-                     "envoy+picker buffered": (envoys["buffered"].url, picker.process.proc.pid,
-                                               envoys["buffered"].process.proc.pid),
-                     KEPT: (kept.url, picker.process.proc.pid, kept.process.proc.pid),
-                     "envoy+floor buffered": (envoy_floor.url, floor.process.proc.pid,
-                                              envoy_floor.process.proc.pid),
-                     "envoy+floor buffered, grpclib": (envoy_floor_lib.url, floor_lib.process.proc.pid,
-                                                       envoy_floor_lib.process.proc.pid)}
+            paced = {name: setups[name] for name in ("envoy direct", "envoy+picker buffered", KEPT, FLOOR,
+                                                     FLOOR_GRPCLIB)}
             rate_rows = open_loop_rows(paced, body_of(1024), args.rate, args.rate_requests, args.rounds)
+        idle_checkers = len(envoys) + 1  # the buffered and full-duplex Envoys, and the one keeping response headers
         idle = idle_cpu({"picker": picker.process.proc.pid, "floor": floor.process.proc.pid,
                          "floor on grpclib": floor_lib.process.proc.pid}, args.idle_seconds)
         # A second picker under cProfile (slower, so not used for the figures above) shows where time goes.
@@ -305,8 +299,8 @@ def main() -> int:
                   f"{r['envoy_cpu_us_per_request']} | {r['server_cpu_us_per_request'] + r['envoy_cpu_us_per_request']} |"
                   for r in rate_rows]
     table += ["", f"Idle ({args.idle_seconds:g} s, no requests): picker {idle['picker']} ms of CPU a second, health-checked "
-              f"by three Envoys (buffered, full-duplex, response headers sent); floor {idle['floor']}, by one; "
-              f"floor on grpclib {idle['floor on grpclib']}, by one"]
+              f"by {idle_checkers} Envoys (buffered, full-duplex, response headers sent); floor {idle['floor']}, by "
+              f"one; floor on grpclib {idle['floor on grpclib']}, by one"]
     text = "\n".join(table)
     print(text)
     (OUT / "overhead.md").write_text(text + "\n")

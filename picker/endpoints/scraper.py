@@ -244,8 +244,8 @@ class MetricsScraper:
 
     def _sweep(self, now: float) -> None:
         """Read the pool: pods not seen before are due now, or, when many join at once (start-up), one every
-        `fast / FIRST_SCRAPES` seconds, so their scrapes stay spread out from then on; a pod that left is forgotten; the
-        scrapes a second the pods' cadences ask for are summed again (what `stretch` weighs against `max_rate`)."""
+        `fast / FIRST_SCRAPES` seconds, so their scrapes stay spread out from then on; a pod that left is forgotten
+        (its scrapes a second leave the demand `stretch` weighs against `max_rate`)."""
         known = {e.address: e for e in self.endpoints_fn()}
         joined = [address for address in known if address not in self._known and address not in self._due]
         spacing = self.cadence.fast / FIRST_SCRAPES if len(joined) > FIRST_SCRAPES else 0.0
@@ -257,7 +257,6 @@ class MetricsScraper:
             self._set_rate(address, None)
             self._urls.pop(address, None)
         self._known = known
-        self._demand = sum(self._rates.values())
 
     @property
     def stretch(self) -> float:
