@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 from picker.bench.real import (
     DETAIL_COLUMNS,
     RealSpec,
+    RouterPath,
     build_trace,
     chains,
     cold_causes,
@@ -32,8 +33,10 @@ from picker.bench.real import (
     replay,
     report,
     request_rows,
+    router_paths,
     run_real,
     scrapes_per_pod,
+    sim_mirror,
     targets,
     ttft_breakdown,
     where_ttft_goes,
@@ -516,3 +519,21 @@ def test_a_reset_prefix_cache_is_retried_until_vllm_accepts_it() -> None:
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_each_routers_measured_path_delays_its_requests_and_slows_its_engines_in_the_mirror() -> None:
+    """The real run's hold and router CPU become the simulated router's path: requests reach their pod that much
+    later, engines run slower by the CPU taken beyond the lightest router's; runs without them get none."""
+    summary: dict[str, dict[str, Any]] = {"round-robin": {"request_held_ms": [0.3, 0.4], "router_cpu_share": 0.02},
+               "picker": {"request_held_ms": [2.5, 5.0], "router_cpu_share": 0.06},
+               "hash-ring": {"router_cpu_share": 0.05}}  # recorded before Envoy timed requests: no path
+    paths = router_paths(summary, servers=2)
+    assert paths["round-robin"] == RouterPath(0.0003, 1.0)
+    assert paths["picker"].delay == 0.0025 and paths["picker"].engine_slowdown == pytest.approx(1 / 0.98)
+    assert "hash-ring" not in paths and router_paths({"picker": {"router_cpu_share": math.nan}}, 2) == {}
+    spec = replace(RealSpec.for_workload("hot", strategies=("round-robin", "picker-round-robin")), prompts_per_group=15)
+    free = sim_mirror(spec, seeds=1)
+    costly = sim_mirror(spec, seeds=1, paths={"picker-round-robin": RouterPath(0.05, 1.5)})
+    assert free["picker-round-robin"]["ttft_mean_ms"] == pytest.approx(free["round-robin"]["ttft_mean_ms"], rel=0.02)
+    assert costly["picker-round-robin"]["ttft_mean_ms"] > 1.5 * costly["round-robin"]["ttft_mean_ms"]
+    assert costly["round-robin"] == free["round-robin"]  # a router without a measured path is simulated as before

@@ -91,6 +91,10 @@ class FastConfig:
     scrape_interval: float = 0.05  # picker's --refresh-metrics-interval, when `cadence` is None
     cadence: Cadence | None = None  # per-pod adaptive scraping (picker serve's default); None: fixed interval
     scrape_cost: float = 0.0  # seconds one scrape holds a pod's API server (0: scrapes are free)
+    # Seconds from a request's arrival to its pod taking it in: the router's own path (an ext_proc router's round
+    # trips through Envoy; the real benchmark's "request held"). The decision is made on arrival, as the picker
+    # makes it from what it knows then. Not applied to a P/D request's prefill leg.
+    path_delay: float = 0.0
     scraping: bool = True  # the router reads the pods' metrics at all (Envoy alone does not)
     sample_interval: float = 1.0  # per-pod load time series
     prefix_caching: bool = True
@@ -492,7 +496,9 @@ class _FastRun:
         k = self.pod_of[chosen.address]
         prefill_pod = self.prefill_leg(i, decision, ids, now) if decision.prefill is not None else None
         sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
-        delayed = self.api_busy_until[k] > now  # scrapes hold the pod's API server: the engine gets it later
+        # the router's path, and scrapes holding the pod's API server, hand the request to the engine later
+        reach = max(self.api_busy_until[k], now + self.cfg.path_delay)
+        delayed = reach > now
         if prefill_pod is None and not delayed and not self.hand_over(k, sim_request, now):
             self.ended(i, replica, decision, now)
             return
@@ -503,7 +509,7 @@ class _FastRun:
             self.prefilling[i] = k
             self.wake(prefill_pod, now)
         elif delayed:
-            self.push(self.api_busy_until[k], _INTAKE, (k, sim_request))
+            self.push(reach, _INTAKE, (k, sim_request))
         else:
             self.wake(k, now)
 

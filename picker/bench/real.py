@@ -815,12 +815,37 @@ def machine_slowdown(summary: dict[str, dict[str, Any]]) -> float:
     return statistics.median(cold) / SMALL_COLD_TTFT_MS if cold else 1.0
 
 
-def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class RouterPath:
+    """What a router's own path cost each request in a real run: Envoy held it `delay` seconds before the pod got it,
+    and the router's processes took `engine_slowdown` of the engines' time from cores they share (1.0: none)."""
+
+    delay: float
+    engine_slowdown: float = 1.0
+
+
+def router_paths(summary: dict[str, dict[str, Any]], servers: int) -> dict[str, RouterPath]:
+    """Each router's path cost as its run measured it: the median time Envoy held a request, and the CPU its
+    processes took beyond the lightest router's (Envoy alone), spread over the servers' cores. Empty for runs
+    recorded before Envoy timed requests and the routers' CPU was read."""
+    timed = {s: r for s, r in summary.items()
+             if r.get("request_held_ms") and not math.isnan(r.get("router_cpu_share", math.nan))}
+    if not timed:
+        return {}
+    lightest = min(r["router_cpu_share"] for r in timed.values())
+    return {s: RouterPath(r["request_held_ms"][0] / 1000,
+                          1.0 / (1.0 - min(0.5, (r["router_cpu_share"] - lightest) / servers)))
+            for s, r in timed.items()}
+
+
+def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0,
+               paths: dict[str, RouterPath] | None = None) -> dict[str, dict[str, Any]]:
     """The same workload shape and routers in fast mode (picker sim's engine model with the small model's rates
-    times `slowdown`, scrapes costing the pod's API server SCRAPE_COST_S each): does the simulator rank the
-    routers as the real servers do? Means over `seeds` traces, as the real repeats sample several placements
-    (prefix-hash's depends on the pods' addresses). Also the picker with the old fixed 50 ms scrape, which only
-    the simulator can add."""
+    times `slowdown`, scrapes costing the pod's API server SCRAPE_COST_S each, and with `paths` each router's
+    measured path: its requests reach the pod that much later, its engines run that much slower): does the
+    simulator rank the routers as the real servers do? Means over `seeds` traces, as the real repeats sample
+    several placements (prefix-hash's depends on the pods' addresses). Also the picker with the old fixed 50 ms
+    scrape, which only the simulator can add (on the picker's path)."""
     profile = TINY_CPU.with_overrides(block_size=spec.block_size, num_gpu_blocks=spec.num_blocks,
                                       prefill_token_s=SMALL_PREFILL_TOKEN_S * slowdown,
                                       step_overhead_s=SMALL_STEP_S * slowdown)
@@ -830,19 +855,24 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0) -> dict[st
     def setups(seed: int, span: float) -> dict[str, tuple[str, FastConfig]]:
         moves = (spec.leave_at * span, spec.rejoin_at * span) if spec.leave_at else None
 
-        def fleet_cfg(**kw: Any) -> FastConfig:
-            return FastConfig(profile, spec.servers, seed=seed, leave_rejoin=moves, **kw)
+        def fleet_cfg(router: str, **kw: Any) -> FastConfig:
+            path = (paths or {}).get(router)
+            return FastConfig(profile.slower(path.engine_slowdown) if path else profile, spec.servers, seed=seed,
+                              leave_rejoin=moves, path_delay=path.delay if path else 0.0, **kw)
 
         return {
-            "round-robin": ("round-robin", fleet_cfg(admission=False, scraping=False)),
-            **{name: (name, fleet_cfg(cadence=health_only, scrape_cost=SCRAPE_COST_S)) for name in HASH_BASELINES},
-            "picker": ("picker", fleet_cfg(cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
-            "picker-predicted-ttft": ("picker", fleet_cfg(cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
-            "picker-round-robin": ("round-robin", fleet_cfg(cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
-            "picker-4-replicas": ("picker", fleet_cfg(replicas=4, shared_index=True,
+            "round-robin": ("round-robin", fleet_cfg("round-robin", admission=False, scraping=False)),
+            **{name: (name, fleet_cfg(name, cadence=health_only, scrape_cost=SCRAPE_COST_S))
+               for name in HASH_BASELINES},
+            "picker": ("picker", fleet_cfg("picker", cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
+            "picker-predicted-ttft": ("picker", fleet_cfg("picker-predicted-ttft", cadence=Cadence(),
+                                                          scrape_cost=SCRAPE_COST_S)),
+            "picker-round-robin": ("round-robin", fleet_cfg("picker-round-robin", cadence=Cadence(),
+                                                            scrape_cost=SCRAPE_COST_S)),
+            "picker-4-replicas": ("picker", fleet_cfg("picker-4-replicas", replicas=4, shared_index=True,
                                                       cadence=Cadence(compare_in_flight=False),
                                                       scrape_cost=SCRAPE_COST_S)),
-            "picker (fixed 50 ms scrape)": ("picker", fleet_cfg(cadence=Cadence.fixed(0.05),
+            "picker (fixed 50 ms scrape)": ("picker", fleet_cfg("picker", cadence=Cadence.fixed(0.05),
                                                                 scrape_cost=SCRAPE_COST_S)),
         }
 
@@ -1000,9 +1030,12 @@ def mirror(section: dict[str, Any], spec: RealSpec, seeds: int = 3) -> None:
     """Add the simulator's mirror of a run (at the run's measured machine speed, means over `seeds` traces) and its
     direction check."""
     slowdown = machine_slowdown(section["medians"])
+    paths = router_paths(section["medians"], spec.servers)
     section["sim_slowdown"] = slowdown
     section["sim_seeds"] = seeds
-    section["sim"] = sim_mirror(spec, seeds=seeds, slowdown=slowdown)
+    section["sim_paths"] = {s: {"delay_ms": p.delay * 1000, "engine_slowdown": p.engine_slowdown}
+                            for s, p in paths.items()}
+    section["sim"] = sim_mirror(spec, seeds=seeds, slowdown=slowdown, paths=paths)
     section["sim_direction"] = direction_check(section["medians"], section["sim"])
 
 
@@ -1012,10 +1045,12 @@ def mirror_at_rates(section: dict[str, Any], rates: list[float], seeds: int = 3)
     real servers next, not an answer)? Printed, not stored with the run."""
     spec = RealSpec.recorded(section["spec"])
     slowdown = section.get("sim_slowdown") or machine_slowdown(section["medians"])
+    paths = router_paths(section["medians"], spec.servers)
     lines = [f"## The simulator's mirror at other rates (machine speed x{slowdown:.2f}, means over {seeds} traces)", "",
              "| rate (req/s) | target | simulated | met |", "|---:|---|---|---|"]
     for rate in rates:
-        for t in targets(sim_mirror(replace(spec, rate=rate), seeds=seeds, slowdown=slowdown), spec.workload):
+        for t in targets(sim_mirror(replace(spec, rate=rate), seeds=seeds, slowdown=slowdown, paths=paths),
+                         spec.workload):
             lines.append(f"| {rate:g} | {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |")
     return lines
 
@@ -1183,11 +1218,17 @@ def report(section: dict[str, Any]) -> str:
         also_model = ("" if model == RealSpec.model
                       else f"; with the {model} model it scales for the model as well as the machine")
         seeds = section.get("sim_seeds", 3)
+        paths = section.get("sim_paths") or {}
+        path_note = ("; each router's path as this run measured it (its requests reach the pod after Envoy's median "
+                     "hold, its engines run slower by the CPU its processes took beyond Envoy alone's: "
+                     + ", ".join(f"{s} {p['delay_ms']:.2f} ms, x{p['engine_slowdown']:.3f}" for s, p in paths.items())
+                     + ")") if paths else ""
         lines += ["", f"## The simulator on the same workload (fast mode, mean of {seeds} seeded traces)", "",
                   f"The small model's measured rates times {slowdown:.2f} (this run's cold requests took that many "
                   f"times the {SMALL_COLD_TTFT_MS:.0f} ms they took where the rates were measured"
                   f"{also_model}). "
-                  f"Scrapes cost the pod's API server {SCRAPE_COST_S * 1000:.0f} ms each; the simulator's tokenizer "
+                  f"Scrapes cost the pod's API server {SCRAPE_COST_S * 1000:.0f} ms each{path_note}; the simulator's "
+                  "tokenizer "
                   "and prompts differ from the real ones (same token counts). Orderings count as the same when both "
                   "sides differ in the same direction or both are level (hit rates within 0.01, TTFT within 5 %).",
                   "",

@@ -60,6 +60,13 @@ class Profile:
         clean = {k: v for k, v in overrides.items() if v is not None}
         return replace(self, **clean)  # type: ignore[arg-type]
 
+    def slower(self, factor: float) -> Profile:
+        """A copy whose forward passes take `factor` times as long (every term of the step time model): an engine
+        that gets 1/`factor` of its core, the rest taken by processes sharing it."""
+        return replace(self, step_overhead_s=self.step_overhead_s * factor, prefill_seq_s=self.prefill_seq_s * factor,
+                       prefill_token_s=self.prefill_token_s * factor, prefill_attn_s=self.prefill_attn_s * factor,
+                       decode_seq_s=self.decode_seq_s * factor, decode_ctx_token_s=self.decode_ctx_token_s * factor)
+
 
 # Llama-3-8B / 3.1-8B (bf16, same architecture) on one H100-80GB, vLLM V1 defaults. Served as Llama 3.1, the
 # name the demo, the manifests and every README example use.
