@@ -16,6 +16,7 @@ from picker.bench.real import (
     RealSpec,
     RouterPath,
     build_trace,
+    busier_pick_lines,
     chains,
     cold_causes,
     cold_kinds,
@@ -34,6 +35,7 @@ from picker.bench.real import (
     report,
     request_rows,
     router_paths,
+    routing_cost_lines,
     run_real,
     scrapes_per_pod,
     sim_mirror,
@@ -181,8 +183,10 @@ def test_workloads_are_named_specs() -> None:
 
 def test_a_pod_leaving_is_refused_where_a_router_cannot_follow_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Checked before anything is installed or started."""
-    with pytest.raises(ValueError, match="round-robin's Envoy routes over a static cluster"):
+    with pytest.raises(ValueError, match=r"round-robin route\(s\) over a static list of servers"):
         run_real(RealSpec.for_workload("leave-rejoin", strategies=("round-robin", "picker")), tmp_path)
+    with pytest.raises(ValueError, match=r"sglang-router, vllm-router route\(s\) over a static list"):
+        run_real(RealSpec.for_workload("leave-rejoin", strategies=("picker", "sglang-router", "vllm-router")), tmp_path)
     with pytest.raises(ValueError, match="0 < leave_at < rejoin_at < 1"):
         run_real(RealSpec.for_workload("leave-rejoin", rejoin_at=0.2), tmp_path)
 
@@ -537,3 +541,20 @@ def test_each_routers_measured_path_delays_its_requests_and_slows_its_engines_in
     assert free["picker-round-robin"]["ttft_mean_ms"] == pytest.approx(free["round-robin"]["ttft_mean_ms"], rel=0.02)
     assert costly["picker-round-robin"]["ttft_mean_ms"] > 1.5 * costly["round-robin"]["ttft_mean_ms"]
     assert costly["round-robin"] == free["round-robin"]  # a router without a measured path is simulated as before
+
+
+def test_a_peer_router_is_measured_without_the_per_pod_sections_it_cannot_have() -> None:
+    """A peer router (no Envoy of ours: no timing, no pod per request) keeps its TTFT rows and its CPU in the report
+    and is left out of what needs the pod."""
+    rows = [[0.0, 1, 0, 600, 0, 500.0], [0.1, 1, 0, 600, 576, 300.0], [0.2, 2, 1, 600, 0, 400.0]]
+    ours = run("picker", 0, 0.8, 40, 100, 0.5, 1.0) | {"requests_detail": rows, "router_cpu_share": 0.05,
+                                                      "request_held_ms": [2.0, 4.0], "response_held_ms": [0.1, 0.2]}
+    peer = run("sglang-router", 0, 0.8, 40, 100, 0.5, 0.0) | {
+        "requests_detail": [[sent, group, -1, prompt, cached, ttft] for sent, group, _, prompt, cached, ttft in rows],
+        "pods_known": False, "router_cpu_share": 0.03}
+    runs = [ours, peer]
+    assert "sglang-router" in busier_pick_lines([ours | {"strategy": "sglang-router"}], ["sglang-router"])[-1]
+    text = "\n".join(busier_pick_lines(runs, ["picker", "sglang-router"]))
+    assert "| picker |" in text and "sglang-router" not in text
+    costs = "\n".join(routing_cost_lines(runs, medians(runs, ("picker", "sglang-router"))))
+    assert "| picker | 2.00 / 4.00 |" in costs and "| sglang-router | (no Envoy) | (no Envoy) | 0.030 |" in costs

@@ -22,7 +22,9 @@ compute per token) brings the engines back to the loaded regime the rates were c
   token), `picker-4-replicas` (four replicas behind one Envoy sharing a Valkey index: does the pods' scrape
   load grow?) and `picker-round-robin` (`picker serve --strategy round-robin`: the picker's path, its ext_proc
   round trips, scrapes and CPU, with round-robin's decisions: what routing through the picker costs, apart from
-  where it sends requests).
+  where it sends requests); the peers `sglang-router` and `vllm-router` (`cache_aware`, each in its own venv,
+  picker/bench/peers.py) run as the proxies they are, the client sending to them and they to the same servers
+  (no Envoy: their requests are not attributed to a pod, so the per-pod sections of the report leave them out).
 
 Measured: hit rate from vLLM's own counters (prefix_cache_hits / prefix_cache_queries), TTFT from the client,
 request share from vllm:request_success_total, the servers' CPU (API server and engine processes, /proc) and the
@@ -59,6 +61,8 @@ from picker.bench.client import SERVED_BY_HEADER, stream_request
 from picker.bench.fast import FastConfig, run_fast
 from picker.bench.live import predicted_ttft_config, read_counters, start_direct_envoy
 from picker.bench.membership import PoolChange
+from picker.bench.peers import PEERS
+from picker.bench.peers import start as start_peer
 from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, group_sizes, multi_turn, shared_prefix
 from picker.endpoints.scraper import Cadence
@@ -75,7 +79,7 @@ from picker.serving.supervisor import (
 from picker.sim.profiles import TINY_CPU
 
 STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "prefix-hash", "picker", "picker-predicted-ttft",
-              "picker-4-replicas", "picker-round-robin")
+              "picker-4-replicas", "picker-round-robin", *PEERS)
 # What `make bench-real` compares: round-robin, the two strong hash baselines and the defaults.
 DEFAULT_STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "picker")
 # The hash baselines: `picker serve --strategy NAME`, reading no metrics.
@@ -257,6 +261,8 @@ class Router:
     url: str
     processes: list[Managed]
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)  # (host, port) of each picker replica
+    # Behind our Envoy: it times each request and names the pod that served it (a peer router is neither)
+    through_envoy: bool = True
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the router's processes so far."""
@@ -270,6 +276,9 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
     if strategy == "round-robin":
         direct, url = start_direct_envoy(logdir, pool, served_by=SERVED_BY_HEADER, timing_log=timing_log)
         return Router(url, [direct])
+    if strategy in PEERS:
+        peer, url = start_peer(PEERS[strategy], [f"http://{address}" for address in pool], logdir)
+        return Router(url, [peer], through_envoy=False)
     if strategy in HASH_BASELINES:
         flags = ["--strategy", strategy, "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
     elif strategy in ("picker", "picker-4-replicas"):
@@ -462,7 +471,7 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
             cpu_after.append(cpu)
         scrapes_after = [picker_scrapes(p, h) for h, p in router.metrics_ports]
         router_cpu = router.cpu_seconds() - router_cpu
-        held = routing_delays(timing, len(records))
+        held = routing_delays(timing, len(records)) if router.through_envoy else None
     finally:
         cancel.set()
         if router is not None:
@@ -510,14 +519,17 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "router_cpu_share": router_cpu / wall,
         # what the router held each request for, in Envoy's own clock (p50, p90 ms): before the pod got it, and
         # between the pod's response and the client's
-        "request_held_ms": [_pct(held[0], 50), _pct(held[0], 90)],
-        "response_held_ms": [_pct(held[1], 50), _pct(held[1], 90)],
-        "cold_causes": cold_causes(rows),
-        "groups_per_pod": [len({row[1] for row in rows if row[2] == i}) for i in range(len(servers))],
+        **({"request_held_ms": [_pct(held[0], 50), _pct(held[0], 90)],
+            "response_held_ms": [_pct(held[1], 50), _pct(held[1], 90)]} if held is not None else {}),
         "wall_s": wall,
         **({"pool_changes": change.events} if change is not None else {}),
         # one row per answered request, in send order: what a reader needs to see where the cold prefills were
         "requests_detail": rows,
+        # which pod served each: only a router behind our Envoy says (the per-pod sections need it)
+        "pods_known": router.through_envoy,
+        **({"cold_causes": cold_causes(rows),
+            "groups_per_pod": [len({row[1] for row in rows if row[2] == i}) for i in range(len(servers))]}
+           if router.through_envoy else {}),
     }
 
 
@@ -688,6 +700,9 @@ def routing_cost_lines(runs: list[dict[str, Any]], m: dict[str, dict[str, Any]])
             (req50, req90), (resp50, resp90) = held["request_held_ms"], held["response_held_ms"]
             rows.append(f"| {name} | {req50:.2f} / {req90:.2f} | {resp50:.2f} / {resp90:.2f} | "
                         f"{r['router_cpu_share']:.3f} | {r['server_cpu_share']:.3f} |")
+        elif name in PEERS and not math.isnan(r["router_cpu_share"]):  # no Envoy to time it: its CPU all the same
+            rows.append(f"| {name} | (no Envoy) | (no Envoy) | {r['router_cpu_share']:.3f} | "
+                        f"{r['server_cpu_share']:.3f} |")
     return _table_section(
         "What routing costs each request",
         "Envoy's own timing of each request, medians over the repeats: from its first byte reaching Envoy to its "
@@ -948,9 +963,10 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     if spec.leave_at:
         if not 0 < spec.leave_at < spec.rejoin_at < 1 or spec.servers < 2:
             raise ValueError("a pod leaving needs 0 < leave_at < rejoin_at < 1 and at least two servers")
-        if "round-robin" in spec.strategies:
-            raise ValueError(f"workload {spec.workload}: round-robin's Envoy routes over a static cluster and cannot "
-                             "follow a pod leaving (pick the routers that read an endpoints file)")
+        static = [s for s in spec.strategies if s == "round-robin" or s in PEERS]
+        if static:
+            raise ValueError(f"workload {spec.workload}: {', '.join(static)} route(s) over a static list of servers and "
+                             "cannot follow a pod leaving (pick the routers that read an endpoints file)")
     if spec.reuse_servers and spec.leave_at:
         raise ValueError(f"workload {spec.workload}: a pod leaving stops its server, so its runs need fresh servers "
                          "(drop --reuse-servers)")
@@ -1292,8 +1308,9 @@ def workload_text(spec: dict[str, Any]) -> str:
 
 
 def detailed_runs(runs: list[dict[str, Any]], strategy: str) -> list[dict[str, Any]]:
-    """`strategy`'s runs that recorded per-request rows (runs made before they were kept have none)."""
-    return [r for r in runs if r["strategy"] == strategy and r.get("requests_detail")]
+    """`strategy`'s runs that recorded per-request rows with the pod that served each (runs made before they were
+    kept have none; a peer router's rows name no pod)."""
+    return [r for r in runs if r["strategy"] == strategy and r.get("requests_detail") and r.get("pods_known", True)]
 
 
 def where_ttft_goes(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
