@@ -103,13 +103,18 @@ def check_worker(base_url: str, timeout: float = 5.0) -> dict[str, str]:
 
 
 def _ready(port: int) -> bool:
+    """Up, and forwarding: its /health answers before it has registered its workers (sglang-router then turns
+    requests away with 503), so a request it must pass on to a worker (GET /v1/models) has to succeed too."""
     if not port_open(port):
         return False
     try:
-        with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1) as resp:
-            return int(resp.status) == 200
+        for path in ("/health", "/v1/models"):
+            with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=1) as resp:
+                if int(resp.status) != 200:
+                    return False
     except OSError:
         return False
+    return True
 
 
 def start(peer: PeerSpec, worker_urls: list[str], logdir: Path) -> tuple[Managed, str]:
