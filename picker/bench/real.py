@@ -841,8 +841,9 @@ class RouterPath:
 
 def router_paths(summary: dict[str, dict[str, Any]], servers: int) -> dict[str, RouterPath]:
     """Each router's path cost as its run measured it: the median time Envoy held a request, and the CPU its
-    processes took beyond the lightest router's (Envoy alone), spread over the servers' cores. Empty for runs
-    recorded before Envoy timed requests and the routers' CPU was read."""
+    processes took beyond the lightest timed router's (Envoy alone, when round-robin ran), spread over the servers'
+    cores. Routers Envoy did not time (the peers) get none; empty for runs recorded before Envoy timed requests and
+    the routers' CPU was read."""
     timed = {s: r for s, r in summary.items()
              if r.get("request_held_ms") and not math.isnan(r.get("router_cpu_share", math.nan))}
     if not timed:
@@ -1236,7 +1237,7 @@ def report(section: dict[str, Any]) -> str:
         seeds = section.get("sim_seeds", 3)
         paths = section.get("sim_paths") or {}
         path_note = ("; each router's path as this run measured it (its requests reach the pod after Envoy's median "
-                     "hold, its engines run slower by the CPU its processes took beyond Envoy alone's: "
+                     "hold, its engines run slower by the CPU its processes took beyond the lightest of them: "
                      + ", ".join(f"{s} {p['delay_ms']:.2f} ms, x{p['engine_slowdown']:.3f}" for s, p in paths.items())
                      + ")") if paths else ""
         lines += ["", f"## The simulator on the same workload (fast mode, mean of {seeds} seeded traces)", "",
@@ -1244,8 +1245,7 @@ def report(section: dict[str, Any]) -> str:
                   f"times the {SMALL_COLD_TTFT_MS:.0f} ms they took where the rates were measured"
                   f"{also_model}). "
                   f"Scrapes cost the pod's API server {SCRAPE_COST_S * 1000:.0f} ms each{path_note}; the simulator's "
-                  "tokenizer "
-                  "and prompts differ from the real ones (same token counts). Orderings count as the same when both "
+                  "tokenizer and prompts differ from the real ones (same token counts). Orderings count as the same when both "
                   "sides differ in the same direction or both are level (hit rates within 0.01, TTFT within 5 %).",
                   "",
                   "| router | hit rate | TTFT mean ms | median | p90 | busiest pod's share | /metrics per pod per s |",
