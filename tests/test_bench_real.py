@@ -31,6 +31,7 @@ from picker.bench.real import (
     medians,
     mirror_at_rates,
     mirror_overshoots,
+    paired_ratio_lines,
     replay,
     report,
     request_rows,
@@ -558,3 +559,11 @@ def test_a_peer_router_is_measured_without_the_per_pod_sections_it_cannot_have()
     assert "| picker |" in text and "sglang-router" not in text
     costs = "\n".join(routing_cost_lines(runs, medians(runs, ("picker", "sglang-router"))))
     assert "| picker | 2.00 / 4.00 |" in costs and "| sglang-router | (no Envoy) | (no Envoy) | 0.030 |" in costs
+
+
+def test_paired_ratios_fall_back_to_the_hash_ring_when_round_robin_did_not_run() -> None:
+    runs = [run("hash-ring", i, 0.8, mean, 2 * mean, 0.5, 0.2) for i, mean in enumerate((200, 100))]
+    runs += [run("sglang-router", i, 0.8, mean, 2 * mean, 0.5, 0.0) for i, mean in enumerate((150, 120))]
+    lines = paired_ratio_lines(runs, ["hash-ring", "sglang-router"])
+    assert "## Against hash-ring, repeat by repeat" in lines
+    assert "| sglang-router | 2 | 0.97x (0.75-1.20) | 0.97x (0.75-1.20) |" in lines

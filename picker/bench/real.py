@@ -714,25 +714,30 @@ def routing_cost_lines(runs: list[dict[str, Any]], m: dict[str, dict[str, Any]])
 
 
 def paired_ratio_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
-    """The report's section comparing each router with round-robin repeat by repeat (the same trace, minutes
-    apart): a machine whose speed moves between repeats moves both alike, so these ratios are steadier than the
-    ratio of medians. Empty without round-robin."""
-    base = {r["repeat"]: r for r in runs if r["strategy"] == "round-robin" and "error" not in r}
+    """The report's section comparing each router with a baseline repeat by repeat (the same trace, minutes apart):
+    a machine whose speed moves between repeats moves both alike, so these ratios are steadier than the ratio of
+    medians. The baseline is round-robin, else the hash ring, else bounded-load (the first the run has); empty
+    without any of them."""
+    ran = {r["strategy"] for r in runs if "error" not in r}
+    baseline = next((b for b in ("round-robin", *HASH_BASELINES) if b in ran), None)
+    if baseline is None:
+        return []
+    base = {r["repeat"]: r for r in runs if r["strategy"] == baseline and "error" not in r}
     rows = []
     for name in strategies:
         pairs = [(r, base[r["repeat"]]) for r in runs
-                 if r["strategy"] == name != "round-robin" and "error" not in r and r["repeat"] in base]
+                 if r["strategy"] == name != baseline and "error" not in r and r["repeat"] in base]
         if not pairs:
             continue
         cells = []
         for figure in ("ttft_mean_ms", "ttft_p90_ms"):
-            ratios = [mine[figure] / rr[figure] for mine, rr in pairs]
+            ratios = [mine[figure] / theirs[figure] for mine, theirs in pairs]
             cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
         rows.append(f"| {name} | {len(pairs)} | {cells[0]} | {cells[1]} |")
     return _table_section(
-        "Against round-robin, repeat by repeat",
-        "Each repeat's figure over round-robin's in the same repeat: median (range) over the repeats.",
-        ["| router | repeats | TTFT mean / round-robin's | p90 / round-robin's |", "|---|---:|---:|---:|"], rows)
+        f"Against {baseline}, repeat by repeat",
+        f"Each repeat's figure over {baseline}'s in the same repeat: median (range) over the repeats.",
+        [f"| router | repeats | TTFT mean / {baseline}'s | p90 / {baseline}'s |", "|---|---:|---:|---:|"], rows)
 
 
 def busier_pick_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
