@@ -19,7 +19,6 @@ import pstats
 import random
 import signal
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +27,11 @@ from typing import Any
 import aiohttp
 import yaml
 
+from picker.bench import floor as floor_server
 from picker.serving.envoyconfig import envoy_binary
 from picker.serving.supervisor import (
     Envoy,
     Managed,
-    Picker,
     cpu_seconds,
     free_port,
     port_open,
@@ -135,18 +134,6 @@ async def open_loop(url: str, body: bytes, requests: int, rate: float, seed: int
     return latencies
 
 
-def start_floor(logdir: Path, pool: list[str], started: list[Managed], server: str = "grpcio") -> Picker:
-    """The floor ext_proc server on `server`'s library, shaped as the Picker its Envoy config needs (ports,
-    plaintext)."""
-    grpc_port, health_port = free_port(), free_port()
-    process = spawn(f"floor-{server}", [sys.executable, "-m", "picker.bench.floor", "--grpc-port", str(grpc_port),
-                                        "--health-port", str(health_port), "--pool", ",".join(pool),
-                                        "--server", server], logdir)
-    started.append(process)
-    wait_until(lambda: port_open(grpc_port) and port_open(health_port), 30, "floor ext_proc server", process.proc)
-    return Picker(grpc_port, health_port, 0, process)
-
-
 def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """Milliseconds of CPU a second each process spends with no request coming (its Envoys' health checks only)."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -217,10 +204,10 @@ def main() -> int:
         started.append(shared.process)
         envoy_shared = start_envoy(logdir, shared, backends.addresses, name="envoy-shared")
         started.append(envoy_shared.process)
-        floor = start_floor(logdir, backends.addresses, started)
+        floor = floor_server.start(logdir, backends.addresses, started)
         envoy_floor = start_envoy(logdir, floor, backends.addresses, name="envoy-floor")
         started.append(envoy_floor.process)
-        floor_lib = start_floor(logdir, backends.addresses, started, server="grpclib")
+        floor_lib = floor_server.start(logdir, backends.addresses, started, server="grpclib")
         envoy_floor_lib = start_envoy(logdir, floor_lib, backends.addresses, name="envoy-floor-grpclib")
         started.append(envoy_floor_lib.process)
         direct_url, direct = start_direct_envoy(logdir, envoys["buffered"], started)

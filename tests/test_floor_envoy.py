@@ -5,21 +5,16 @@ passing."""
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
 from collections import Counter
 
 import pytest
 
+from picker.bench.floor import start as start_floor
 from picker.serving.supervisor import (
-    Picker,
-    free_port,
-    port_open,
     process_scope,
-    spawn,
     start_backends,
     start_envoy,
-    wait_until,
 )
 
 
@@ -28,14 +23,8 @@ def test_the_floor_server_routes_round_robin_through_envoy(server: str) -> None:
     with process_scope("floor") as (logdir, started):
         backends = start_backends(2, logdir)
         started.append(backends.process)
-        grpc_port, health_port = free_port(), free_port()
-        process = spawn("floor", [sys.executable, "-m", "picker.bench.floor", "--grpc-port", str(grpc_port),
-                                  "--health-port", str(health_port), "--pool", ",".join(backends.addresses),
-                                  "--server", server], logdir)
-        started.append(process)
-        wait_until(lambda: port_open(grpc_port) and port_open(health_port), 30, "floor", process.proc)
-        envoy = start_envoy(logdir, Picker(grpc_port, health_port, 0, process), backends.addresses,
-                            fail_open=False)
+        floor = start_floor(logdir, backends.addresses, started, server)
+        envoy = start_envoy(logdir, floor, backends.addresses, fail_open=False)
         started.append(envoy.process)
         served: Counter[str] = Counter()
         sent = envoy.ext_proc_messages_sent()

@@ -17,7 +17,9 @@ import argparse
 import asyncio
 import itertools
 import signal
+import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 
 import grpc
 import grpclib.const
@@ -26,6 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.extproc import protocol as p
+from picker.serving.supervisor import Managed, Picker, free_port, port_open, spawn, wait_until
 
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 SERVERS = ("grpcio", "grpclib")
@@ -123,6 +126,18 @@ async def serve_grpclib(host: str, grpc_port: int, health_port: int, pool: Seque
     for each in (server, health_server):
         each.close()
         await each.wait_closed()
+
+
+def start(logdir: Path, pool: Sequence[str], started: list[Managed], server: str = "grpcio") -> Picker:
+    """This floor in its own process on `server`'s library (appended to `started`), shaped as the Picker an Envoy
+    config needs (its ports, plaintext)."""
+    grpc_port, health_port = free_port(), free_port()
+    process = spawn(f"floor-{server}", [sys.executable, "-m", "picker.bench.floor", "--grpc-port", str(grpc_port),
+                                        "--health-port", str(health_port), "--pool", ",".join(pool),
+                                        "--server", server], logdir)
+    started.append(process)
+    wait_until(lambda: port_open(grpc_port) and port_open(health_port), 30, "floor ext_proc server", process.proc)
+    return Picker(grpc_port, health_port, 0, process)
 
 
 def main() -> int:
