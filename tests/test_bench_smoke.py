@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from picker.bench import cli
 from picker.bench.report import check_complete
 from picker.bench.summary import FIGURES
@@ -61,3 +63,18 @@ async def test_the_sim_serves_every_endpoint_the_peer_routers_call() -> None:
     assert result == {"/health": "ok", "/get_server_info": "ok", "/get_model_info": "ok",
                       "/v1/completions/render": "ok", "/tokenize": "ok"}
     assert "failed" in check_worker("http://127.0.0.1:9", timeout=0.5)["/health"]
+
+
+async def test_a_peer_refuses_to_start_when_a_worker_lacks_what_it_routes_with(tmp_path: Path) -> None:
+    """vLLM answers vllm-router's render endpoint with 403 unless told otherwise: a run must say so, not measure
+    a peer that forwards without routing by prefix."""
+    import asyncio
+
+    from picker.bench.peers import PEERS, missing_endpoints, start
+    from picker.sim.fleet import SimFleet
+
+    async with SimFleet(1, profile="tiny-cpu") as fleet:
+        assert await asyncio.to_thread(missing_endpoints, PEERS["vllm-router"], fleet.urls) == []
+    with pytest.raises(RuntimeError, match="vllm-router cannot route by prefix.*/v1/completions/render"):
+        start(PEERS["vllm-router"], ["http://127.0.0.1:9"], tmp_path)
+    assert missing_endpoints(PEERS["sglang-router"], ["http://127.0.0.1:9"]) == []

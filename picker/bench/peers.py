@@ -24,11 +24,15 @@ class PeerSpec:
     name: str
     requirement: str
     executable: str
+    # Worker endpoints its cache-aware policy cannot do without: without them it still forwards every request,
+    # but no longer routes by prefix, so a run would measure a crippled peer (start() refuses instead).
+    needs: tuple[str, ...] = ()
 
 
 PEERS: dict[str, PeerSpec] = {
     "sglang-router": PeerSpec("sglang-router", "sglang-router==0.3.2", "sglang-router"),
-    "vllm-router": PeerSpec("vllm-router", "vllm-router==0.1.17", "vllm-router"),
+    # It tokenizes each prompt with the worker's render endpoint (vLLM serves it only with --enable-scale-out).
+    "vllm-router": PeerSpec("vllm-router", "vllm-router==0.1.17", "vllm-router", needs=("/v1/completions/render",)),
 }
 
 
@@ -117,8 +121,22 @@ def _ready(port: int) -> bool:
     return True
 
 
+def missing_endpoints(peer: PeerSpec, worker_urls: list[str]) -> list[str]:
+    """"<worker><path>: <failure>" for every endpoint the peer needs that a worker does not serve."""
+    missing = []
+    for url in worker_urls if peer.needs else []:
+        served = check_worker(url)
+        missing += [f"{url}{path}: {served[path]}" for path in peer.needs if served[path] != "ok"]
+    return missing
+
+
 def start(peer: PeerSpec, worker_urls: list[str], logdir: Path) -> tuple[Managed, str]:
-    """Start the peer router; returns the process and its base URL. RuntimeError when it cannot start."""
+    """Start the peer router; returns the process and its base URL. RuntimeError when it cannot start, or when a
+    worker lacks an endpoint its routing needs."""
+    missing = missing_endpoints(peer, worker_urls)
+    if missing:
+        raise RuntimeError(f"{peer.name} cannot route by prefix: its workers do not serve what it needs "
+                           f"({'; '.join(missing)})")
     exe = ensure_installed(peer, logdir / f"{peer.name}-install.log")
     port = free_port()
     managed = spawn(peer.name, command(peer, exe, port, free_port(), worker_urls), logdir,

@@ -86,6 +86,9 @@ DEFAULT_STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "picker")
 HASH_BASELINES = ("hash-ring", "bounded-load", "prefix-hash")
 # What the hash baselines read: nothing but liveness, so its scrapes are kept to a health check.
 HEALTH_ONLY_INTERVAL = "5s"
+# vLLM 0.32 answers its render endpoints (prompt -> token ids, what vllm-router's cache_aware policy routes on) with
+# 403 unless started with this; it adds routes, nothing on the request path of the other routers.
+SERVER_FLAGS = ["--enable-scale-out"]
 # API-server CPU one /metrics scrape costs vLLM 0.32 on the CPU (bench/scrape_cost.py: 6.7-6.8 ms idle, 4.2-7.7 ms
 # under traffic), for the simulator's mirror of this benchmark.
 SCRAPE_COST_S = 0.006
@@ -395,7 +398,7 @@ def start_servers(spec: RealSpec, logdir: Path, tag: str) -> list[engine.VllmSer
             servers.append(engine.start_server(logdir, block_size=spec.block_size, num_blocks=spec.num_blocks,
                                                name=f"vllm-{tag}-{i}", cpu=min(i, spec.servers - 1) % _cpus(),
                                                model_dir=engine.MODEL_SHAPES[spec.model].directory,
-                                               resettable=spec.reuse_servers))
+                                               resettable=spec.reuse_servers, extra=SERVER_FLAGS))
         for s in servers:
             s.wait_healthy()
     except BaseException:
