@@ -3,6 +3,7 @@ gets no more requests and is stopped once idle; the pod that joins gets its shar
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -68,11 +69,12 @@ def test_a_pod_leaves_drained_and_a_fresh_one_joins_through_envoy() -> None:
         backends = start_backends(3, logdir)
         started.append(backends.process)
         a, b, c = (EchoPod(address) for address in backends.addresses)
-        change = PoolChange(logdir / "endpoints.yaml", [a], b, c, leave_s=0.0, rejoin_s=0.0,
+        endpoints = logdir / "endpoints.yaml"
+        write_pool(endpoints, [a.address, b.address])
+        change = PoolChange(functools.partial(write_pool, endpoints), [a], b, c, leave_s=0.0, rejoin_s=0.0,
                             last_words=lambda: requests_served(b), drain_s=5.0)
-        change.start()
         fleet = start_picker_fleet(logdir, [a.address, b.address], name="picker-pool-change", served_by=SERVED_BY_HEADER,
-                                   endpoints_file=change.path)
+                                   endpoints_file=endpoints)
         started += fleet.processes
         metrics_port = fleet.pickers[0].metrics_port
         wait_until(lambda: pool_of(metrics_port) == {a.address, b.address}, 15, "the picker reads both pods")

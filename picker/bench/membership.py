@@ -1,10 +1,12 @@
 """A pod leaving the pool and a fresh one joining during a real-engine run, as a rolling restart does it.
 
-The routers under test follow an endpoints file (`picker serve --endpoints-file`, polled every second), the way a
-picker follows an InferencePool's EndpointSlices. At `leave_s` the leaving server is taken out of the file, so no
-new request goes to it; it keeps the requests it has until they finish (at most `drain_s`, Kubernetes' default
+The change is published to the router under test the way it learns its pool: the pickers and hash baselines follow
+an endpoints file (`picker serve --endpoints-file`, polled every second; `write_pool`), the way a picker follows an
+InferencePool's EndpointSlices; the peer routers get their own add/remove-worker API calls (peers.PeerPool), as
+their service discovery makes them. At `leave_s` the leaving server is taken out of the pool, so no new request
+goes to it; it keeps the requests it has until they finish (at most `drain_s`, Kubernetes' default
 termination grace period) and is then stopped. At `rejoin_s` a server started before the run (so its start-up does
-not share the cores with the measurement) enters the file: a new address with an empty cache, which is what a
+not share the cores with the measurement) enters the pool: a new address with an empty cache, which is what a
 restarted pod is.
 """
 
@@ -23,7 +25,8 @@ from picker.bench.live import read_counters
 # Kubernetes' default terminationGracePeriodSeconds: how long a leaving pod may finish what it holds.
 DRAIN_S = 30.0
 # The picker reloads its endpoints file every second: a request it routed just before the change may still be on
-# its way to the leaving server for that long, so the drain check starts after two reloads.
+# its way to the leaving server for that long, so the drain check starts after two reloads (a peer's own API acts
+# at once; the same wait for it).
 RELOAD_S = 2.0
 
 
@@ -53,10 +56,11 @@ def _busy(url: str) -> bool:
 
 @dataclass
 class PoolChange:
-    """One leave and one join during a run; `run` is the body of a thread started with the trace. `last_words`
-    reads what the run's totals need of the leaving server just before it stops (kept in `last`)."""
+    """One leave and one join during a run; `run` is the body of a thread started with the trace. `publish` tells
+    the router the pool's addresses (the router starts with `staying` and `leaving`). `last_words` reads what the
+    run's totals need of the leaving server just before it stops (kept in `last`)."""
 
-    path: Path
+    publish: Callable[[list[str]], None]
     staying: list[Member]
     leaving: Member
     joining: Member
@@ -66,9 +70,6 @@ class PoolChange:
     drain_s: float = DRAIN_S
     events: list[tuple[str, float]] = field(default_factory=list)  # (what, seconds into the run)
     last: Any = None
-
-    def start(self) -> None:
-        write_pool(self.path, [s.address for s in [*self.staying, self.leaving]])
 
     def run(self, began: float, cancel: threading.Event) -> None:
         """Leave at `leave_s`, join at `rejoin_s` (seconds after `began`), unless cancelled first."""
@@ -80,8 +81,8 @@ class PoolChange:
         self.join(began)
 
     def leave(self, began: float, cancel: threading.Event) -> None:
-        """Out of the endpoints file; then the server finishes what it holds and stops."""
-        write_pool(self.path, [s.address for s in self.staying])
+        """Out of the pool; then the server finishes what it holds and stops."""
+        self.publish([s.address for s in self.staying])
         self.events.append(("left", time.monotonic() - began))
         deadline = time.monotonic() + self.drain_s
         cancel.wait(RELOAD_S)
@@ -92,6 +93,6 @@ class PoolChange:
         self.events.append(("stopped", time.monotonic() - began))
 
     def join(self, began: float) -> None:
-        """The fresh server into the endpoints file."""
-        write_pool(self.path, [s.address for s in [*self.staying, self.joining]])
+        """The fresh server into the pool."""
+        self.publish([s.address for s in [*self.staying, self.joining]])
         self.events.append(("joined", time.monotonic() - began))

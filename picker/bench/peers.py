@@ -7,9 +7,12 @@ wheel, crash at start) becomes a clear "skipped" reason instead of an error.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,20 +22,56 @@ from picker.serving.supervisor import HOST, Managed, free_port, port_open, spawn
 VENVS = Path("bench") / ".venvs"
 
 
+def _call(method: str, url: str, body: dict[str, object] | None = None) -> bytes:
+    """One call to a peer's admin API; RuntimeError naming it when it fails."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return bytes(response.read())
+    except OSError as exc:
+        raise RuntimeError(f"{method} {url} failed: {exc}") from None
+
+
+def _sglang_add(base_url: str, worker_url: str) -> None:
+    _call("POST", f"{base_url}/workers", {"url": worker_url})  # 202: it adds the worker once healthy
+
+
+def _sglang_remove(base_url: str, worker_url: str) -> None:
+    """By the id it gave the worker (DELETE /workers/{id}), looked up in its list."""
+    listed = json.loads(_call("GET", f"{base_url}/workers"))["workers"]
+    ids = [w["id"] for w in listed if w["url"] == worker_url]
+    if not ids:
+        raise RuntimeError(f"sglang-router does not list {worker_url}")
+    _call("DELETE", f"{base_url}/workers/{ids[0]}")
+
+
+def _vllm_router_add(base_url: str, worker_url: str) -> None:
+    _call("POST", f"{base_url}/add_worker?url={urllib.parse.quote(worker_url, safe=':/')}")
+
+
+def _vllm_router_remove(base_url: str, worker_url: str) -> None:
+    _call("POST", f"{base_url}/remove_worker?url={urllib.parse.quote(worker_url, safe=':/')}")
+
+
 @dataclass(frozen=True)
 class PeerSpec:
     name: str
     requirement: str
     executable: str
+    # Its own API for adding and removing a worker (base URL, worker URL): what its service discovery calls.
+    add_worker: Callable[[str, str], None]
+    remove_worker: Callable[[str, str], None]
     # Worker endpoints its cache-aware policy cannot do without: without them it still forwards every request,
     # but no longer routes by prefix, so a run would measure a crippled peer (start() refuses instead).
     needs: tuple[str, ...] = ()
 
 
 PEERS: dict[str, PeerSpec] = {
-    "sglang-router": PeerSpec("sglang-router", "sglang-router==0.3.2", "sglang-router"),
+    "sglang-router": PeerSpec("sglang-router", "sglang-router==0.3.2", "sglang-router", _sglang_add, _sglang_remove),
     # It tokenizes each prompt with the worker's render endpoint (vLLM serves it only with --enable-scale-out).
-    "vllm-router": PeerSpec("vllm-router", "vllm-router==0.1.17", "vllm-router", needs=("/v1/completions/render",)),
+    "vllm-router": PeerSpec("vllm-router", "vllm-router==0.1.17", "vllm-router", _vllm_router_add,
+                            _vllm_router_remove, needs=("/v1/completions/render",)),
 }
 
 
@@ -81,8 +120,6 @@ PEER_ENDPOINTS: tuple[tuple[str, str, dict[str, object] | None], ...] = (
 def check_worker(base_url: str, timeout: float = 5.0) -> dict[str, str]:
     """Which peer-facing endpoints a worker serves: path -> "ok" or the failure. vllm-router needs the render
     endpoint to return a JSON list of {"token_ids": [...]}."""
-    import json
-
     out: dict[str, str] = {}
     for method, path, body in PEER_ENDPOINTS:
         data = json.dumps(body).encode() if body is not None else None
@@ -148,3 +185,22 @@ def start(peer: PeerSpec, worker_urls: list[str], logdir: Path) -> tuple[Managed
         managed.stop()
         raise RuntimeError(f"{peer.name} did not start: {exc}; log tail: {tail!r}") from None
     return managed, f"http://{HOST}:{port}"
+
+
+@dataclass
+class PeerPool:
+    """A running peer's workers moved through its own API, as a rolling restart's service discovery would: what a
+    pool change publishes to a peer instead of writing an endpoints file. `addresses` are host:port."""
+
+    peer: PeerSpec
+    base_url: str
+    addresses: list[str]
+
+    def __call__(self, addresses: list[str]) -> None:
+        for address in addresses:
+            if address not in self.addresses:
+                self.peer.add_worker(self.base_url, f"http://{address}")
+        for address in self.addresses:
+            if address not in addresses:
+                self.peer.remove_worker(self.base_url, f"http://{address}")
+        self.addresses = list(addresses)

@@ -24,7 +24,8 @@ compute per token) brings the engines back to the loaded regime the rates were c
   round trips, scrapes and CPU, with round-robin's decisions: what routing through the picker costs, apart from
   where it sends requests); the peers `sglang-router` and `vllm-router` (`cache_aware`, each in its own venv,
   picker/bench/peers.py) run as the proxies they are, the client sending to them and they to the same servers
-  (no Envoy: their requests are not attributed to a pod, so the per-pod sections of the report leave them out).
+  (no Envoy: their requests are not attributed to a pod, so the per-pod sections of the report leave them out;
+  in `leave-rejoin` the pool change reaches them through their own add/remove-worker API).
 
 Measured: hit rate from vLLM's own counters (prefix_cache_hits / prefix_cache_queries), TTFT from the client,
 request share from vllm:request_success_total, the servers' CPU (API server and engine processes, /proc) and the
@@ -37,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import math
 import os
@@ -60,8 +62,8 @@ from picker.bench import vllm_engine as engine
 from picker.bench.client import SERVED_BY_HEADER, stream_request
 from picker.bench.fast import FastConfig, run_fast
 from picker.bench.live import predicted_ttft_config, read_counters, start_direct_envoy
-from picker.bench.membership import PoolChange
-from picker.bench.peers import PEERS
+from picker.bench.membership import PoolChange, write_pool
+from picker.bench.peers import PEERS, PeerPool
 from picker.bench.peers import start as start_peer
 from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, group_sizes, multi_turn, shared_prefix
@@ -124,7 +126,7 @@ REAL_WORKLOADS: dict[str, dict[str, Any]] = {
     # 12 prefixes (144 blocks: one server holds them all) at a rate one server carries alone (the hot workload's
     # limit is ~1.2 req/s); the second server leaves at 30 % of the run and a fresh one (empty cache, a new address)
     # joins at 60 %: a rolling restart (picker/bench/membership.py). Round-robin's Envoy has a static cluster that
-    # cannot follow the change, so the routers are the ones that read the endpoints file.
+    # cannot follow the change; the pickers read an endpoints file, the peers get their add/remove-worker calls.
     "leave-rejoin": {"groups": 12, "prompts_per_group": 17, "rate": 1.0, "leave_at": 0.3, "rejoin_at": 0.6,
                      "strategies": ("hash-ring", "bounded-load", "picker")},
 }
@@ -443,15 +445,19 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
             for s in servers:
                 s.reset_prefix_cache()
         pool = [s.address for s in servers[: spec.servers]]
-        if spec.leave_at:
+        endpoints = logdir / f"endpoints-{strategy}-{repeat}.yaml" if spec.leave_at else None
+        if endpoints is not None:
+            write_pool(endpoints, pool)
+        timing = logdir / f"timing-{strategy}-{repeat}.log"
+        router = start_router(strategy, spec, pool, logdir, endpoints, timing)
+        if endpoints is not None:
             span = trace[-1].at
             gone = servers[spec.servers - 1]
-            change = PoolChange(logdir / f"endpoints-{strategy}-{repeat}.yaml", list(servers[: spec.servers - 1]),
-                                gone, servers[-1], spec.leave_at * span, spec.rejoin_at * span,
+            publish = (PeerPool(PEERS[strategy], router.url, pool) if strategy in PEERS
+                       else functools.partial(write_pool, endpoints))
+            change = PoolChange(publish, list(servers[: spec.servers - 1]), gone, servers[-1],
+                                spec.leave_at * span, spec.rejoin_at * span,
                                 lambda: (read_counters(gone.url), engine.group_cpu_seconds(gone.proc.pid)))
-            change.start()
-        timing = logdir / f"timing-{strategy}-{repeat}.log"
-        router = start_router(strategy, spec, pool, logdir, change.path if change else None, timing)
         before = [read_counters(s.url) for s in servers]
         cpu_before = [engine.group_cpu_seconds(s.proc.pid) for s in servers]
         scrapes_before = [picker_scrapes(p, h) for h, p in router.metrics_ports]
@@ -972,10 +978,9 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     if spec.leave_at:
         if not 0 < spec.leave_at < spec.rejoin_at < 1 or spec.servers < 2:
             raise ValueError("a pod leaving needs 0 < leave_at < rejoin_at < 1 and at least two servers")
-        static = [s for s in spec.strategies if s == "round-robin" or s in PEERS]
-        if static:
-            raise ValueError(f"workload {spec.workload}: {', '.join(static)} route(s) over a static list of servers and "
-                             "cannot follow a pod leaving (pick the routers that read an endpoints file)")
+        if "round-robin" in spec.strategies:
+            raise ValueError(f"workload {spec.workload}: round-robin's Envoy routes over a static list of servers and "
+                             "cannot follow a pod leaving (pick the routers that follow the pool)")
     if spec.reuse_servers and spec.leave_at:
         raise ValueError(f"workload {spec.workload}: a pod leaving stops its server, so its runs need fresh servers "
                          "(drop --reuse-servers)")
