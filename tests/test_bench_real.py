@@ -141,8 +141,21 @@ def test_paired_ratios_compare_each_repeat_with_round_robins_own() -> None:
     lines = paired_ratio_lines(runs, ["round-robin", "picker"])
     # 1.10, 0.80, 1.00 repeat by repeat, where the ratio of the medians (200 / 200) would say 1.00
     assert "| picker | 3 | 1.00x (0.80-1.10) | 1.00x (0.80-1.10) |" in lines
-    assert not any(line.startswith("| round-robin") for line in lines)
-    assert paired_ratio_lines(runs[3:], ["picker"]) == []  # no round-robin to pair with
+    against_baseline = lines[: lines.index("## The picker against each router, repeat by repeat")]
+    assert not any(line.startswith("| round-robin") for line in against_baseline)
+    assert paired_ratio_lines(runs[3:], ["picker"]) == []  # nothing to pair with
+
+
+def test_the_picker_is_paired_with_every_other_router_repeat_by_repeat() -> None:
+    runs = [run("hash-ring", i, 0.8, mean, 2 * mean, 0.5, 0.2) for i, mean in enumerate((200, 100, 300))]
+    runs += [run("sglang-router", i, 0.8, mean, 2 * mean, 0.5, 0.0) for i, mean in enumerate((150, 120, 250))]
+    runs += [run("picker", i, 0.8, mean, 2 * mean, 0.5, 1.0) for i, mean in enumerate((120, 132, 200))]
+    lines = paired_ratio_lines(runs, ["hash-ring", "sglang-router", "picker"])
+    section = lines[lines.index("## The picker against each router, repeat by repeat"):]
+    # against sglang-router: 0.80, 1.10, 0.80 -> median 0.80, lower in 2 of 3
+    assert "| sglang-router | 3 | 0.80x (0.80-1.10) | 0.80x (0.80-1.10) | 2 / 2 |" in section
+    assert "| hash-ring | 3 | 0.67x (0.60-1.32) | 0.67x (0.60-1.32) | 2 / 2 |" in section
+    assert not any(line.startswith("| picker") for line in section)
 
 
 def test_medians_targets_and_report() -> None:

@@ -722,31 +722,54 @@ def routing_cost_lines(runs: list[dict[str, Any]], m: dict[str, dict[str, Any]])
          "|---|---:|---:|---:|---:|"], rows)
 
 
+def _paired_cells(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """Median (range) of mine / theirs over paired repeats, for the TTFT mean and p90."""
+    cells = []
+    for figure in ("ttft_mean_ms", "ttft_p90_ms"):
+        ratios = [mine[figure] / theirs[figure] for mine, theirs in pairs]
+        cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+    return cells
+
+
+def _pairs(runs: list[dict[str, Any]], mine: str, theirs: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(mine's run, theirs') for every repeat both completed."""
+    other = {r["repeat"]: r for r in runs if r["strategy"] == theirs and "error" not in r}
+    return [(r, other[r["repeat"]]) for r in runs
+            if r["strategy"] == mine and "error" not in r and r["repeat"] in other]
+
+
 def paired_ratio_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
-    """The report's section comparing each router with a baseline repeat by repeat (the same trace, minutes apart):
-    a machine whose speed moves between repeats moves both alike, so these ratios are steadier than the ratio of
-    medians. The baseline is round-robin, else the hash ring, else bounded-load (the first the run has); empty
-    without any of them."""
+    """The report's sections comparing routers repeat by repeat (the same trace, minutes apart): a machine whose
+    speed moves between repeats moves both alike, so these ratios are steadier than the ratio of medians. First each
+    router against a baseline (round-robin, else the hash ring, else bounded-load: the first the run has), then the
+    picker against every other router (how many repeats it was the faster in)."""
     ran = {r["strategy"] for r in runs if "error" not in r}
+    lines: list[str] = []
     baseline = next((b for b in ("round-robin", *HASH_BASELINES) if b in ran), None)
-    if baseline is None:
-        return []
-    base = {r["repeat"]: r for r in runs if r["strategy"] == baseline and "error" not in r}
+    if baseline is not None:
+        rows = []
+        for name in strategies:
+            pairs = _pairs(runs, name, baseline) if name != baseline else []
+            if pairs:
+                cells = _paired_cells(pairs)
+                rows.append(f"| {name} | {len(pairs)} | {cells[0]} | {cells[1]} |")
+        lines += _table_section(
+            f"Against {baseline}, repeat by repeat",
+            f"Each repeat's figure over {baseline}'s in the same repeat: median (range) over the repeats.",
+            [f"| router | repeats | TTFT mean / {baseline}'s | p90 / {baseline}'s |", "|---|---:|---:|---:|"], rows)
     rows = []
     for name in strategies:
-        pairs = [(r, base[r["repeat"]]) for r in runs
-                 if r["strategy"] == name != baseline and "error" not in r and r["repeat"] in base]
-        if not pairs:
-            continue
-        cells = []
-        for figure in ("ttft_mean_ms", "ttft_p90_ms"):
-            ratios = [mine[figure] / theirs[figure] for mine, theirs in pairs]
-            cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
-        rows.append(f"| {name} | {len(pairs)} | {cells[0]} | {cells[1]} |")
-    return _table_section(
-        f"Against {baseline}, repeat by repeat",
-        f"Each repeat's figure over {baseline}'s in the same repeat: median (range) over the repeats.",
-        [f"| router | repeats | TTFT mean / {baseline}'s | p90 / {baseline}'s |", "|---|---:|---:|---:|"], rows)
+        pairs = _pairs(runs, "picker", name) if name != "picker" else []
+        if pairs:
+            cells = _paired_cells(pairs)
+            lower = [sum(mine[f] < theirs[f] for mine, theirs in pairs) for f in ("ttft_mean_ms", "ttft_p90_ms")]
+            rows.append(f"| {name} | {len(pairs)} | {cells[0]} | {cells[1]} | {lower[0]} / {lower[1]} |")
+    return lines + _table_section(
+        "The picker against each router, repeat by repeat",
+        "The picker's figure over the other router's in the same repeat: median (range) over the repeats, and in how "
+        "many repeats the picker's was the lower.",
+        ["| router | repeats | picker's TTFT mean / its | picker's p90 / its | picker lower: mean / p90 |",
+         "|---|---:|---:|---:|---:|"], rows)
 
 
 def busier_pick_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
