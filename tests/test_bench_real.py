@@ -578,3 +578,16 @@ def test_paired_ratios_fall_back_to_the_hash_ring_when_round_robin_did_not_run()
     lines = paired_ratio_lines(runs, ["hash-ring", "sglang-router"])
     assert "## Against hash-ring, repeat by repeat" in lines
     assert "| sglang-router | 2 | 0.97x (0.75-1.20) | 0.97x (0.75-1.20) |" in lines
+
+
+def test_a_pool_change_is_reported_phase_by_phase_for_every_router() -> None:
+    from picker.bench.real import phase_figures, phase_lines
+
+    detail = [[5.0, 0, -1, 800, 0, 100.0], [15.0, 0, -1, 800, 700, 200.0], [25.0, 1, -1, 800, 0, 300.0],
+              [30.0, 1, -1, 800, 700, 500.0]]
+    peer = run("sglang-router", 0, 0.8, 275, 500, 0.5, 0.0) | {
+        "pool_changes": [["left", 10.0], ["stopped", 12.0], ["joined", 20.0]], "requests_detail": detail,
+        "share": [0.5, 0.25, 0.25], "completed": 4, "pods_known": False}
+    assert phase_figures(peer) == (100.0, 200.0, 400.0, 0.5)  # the joined server served 1 of the 2 sent after
+    assert phase_figures(run("picker", 0, 0.8, 275, 500, 0.5, 1.0)) is None  # no pool change
+    assert "| sglang-router | 1 | 100.0 | 200.0 | 400.0 | 0.50 |" in phase_lines([peer], ["sglang-router", "picker"])

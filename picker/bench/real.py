@@ -772,6 +772,40 @@ def paired_ratio_lines(runs: list[dict[str, Any]], strategies: list[str]) -> lis
          "|---|---:|---:|---:|---:|"], rows)
 
 
+def phase_figures(run: dict[str, Any]) -> tuple[float, float, float, float] | None:
+    """A pool-change run's TTFT mean over the requests sent before the leave, while one server served alone and
+    after the join, and the joined server's share of the requests sent after it joined; None for other runs."""
+    events = dict(run.get("pool_changes") or [])
+    rows = run.get("requests_detail") or []
+    if "left" not in events or "joined" not in events or not rows:
+        return None
+    phases: list[list[float]] = [[], [], []]
+    for row in rows:
+        phases[0 if row[0] < events["left"] else 1 if row[0] < events["joined"] else 2].append(row[5])
+    means = [statistics.fmean(p) if p else math.nan for p in phases]
+    joined = run["share"][-1] * run["completed"] / len(phases[2]) if phases[2] else math.nan
+    return means[0], means[1], means[2], joined
+
+
+def phase_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
+    """The report's section on a pool change, phase by phase (medians over the repeats): for every router, the peers
+    included (it needs no pod per request: the joined server's share is its own request counter)."""
+    rows = []
+    for name in strategies:
+        figures = [f for r in runs if r["strategy"] == name and "error" not in r
+                   for f in [phase_figures(r)] if f is not None]
+        if figures:
+            cells = [statistics.median(f[i] for f in figures) for i in range(4)]
+            rows.append(f"| {name} | {len(figures)} | {cells[0]:.1f} | {cells[1]:.1f} | {cells[2]:.1f} | {cells[3]:.2f} |")
+    return _table_section(
+        "Phase by phase of the pool change",
+        "TTFT mean of the requests sent before the leave, while one server served alone (from the leave to the join) "
+        "and after the join, and the share of the requests sent after the join that the joined server served: "
+        "medians over the repeats.",
+        ["| router | runs | before the leave ms | one server ms | after the join ms | joined server's share after |",
+         "|---|---:|---:|---:|---:|---:|"], rows)
+
+
 def busier_pick_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
     """The report's section on `busier_picks`, per repeat; empty for runs recorded without per-request rows."""
     rows = []
@@ -1260,6 +1294,7 @@ def report(section: dict[str, Any]) -> str:
     lines += first_placement_lines(section["runs"], list(m))
     lines += cross_pod_lines(section["runs"], list(m))
     lines += busier_pick_lines(section["runs"], list(m))
+    lines += phase_lines(section["runs"], list(m))
     lines += paired_ratio_lines(section["runs"], list(m))
     lines += routing_cost_lines(section["runs"], m)
     lines += ["", "## Targets", "", "| target | met | measured |", "|---|---|---|"]
