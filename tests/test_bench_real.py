@@ -555,6 +555,13 @@ def test_each_routers_measured_path_delays_its_requests_and_slows_its_engines_in
     assert costly["round-robin"] == free["round-robin"]  # a router without a measured path is simulated as before
 
 
+def test_the_mirror_runs_the_peer_routers_as_their_text_tree_policy() -> None:
+    spec = replace(RealSpec.for_workload("uniform", strategies=("round-robin", "sglang-router")), prompts_per_group=4)
+    sim = sim_mirror(spec, seeds=1)
+    assert set(sim) == {"round-robin", "sglang-router", "picker (fixed 50 ms scrape)"}
+    assert sim["sglang-router"]["hit_rate"] > sim["round-robin"]["hit_rate"] + 0.1  # each prefix on one pod
+
+
 def test_a_peer_router_is_measured_without_the_per_pod_sections_it_cannot_have() -> None:
     """A peer router (no Envoy of ours: no timing, no pod per request) keeps its TTFT rows and its CPU in the report
     and is left out of what needs the pod."""

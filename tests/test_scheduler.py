@@ -457,6 +457,8 @@ def test_a_baseline_keeps_the_configured_prefix_cache_and_runs_its_own_profile()
     ("hash-ring", {"virtualNodes": 0}, "virtualNodes"),
     ("bounded-load", {"loadFactor": 0.9}, "loadFactor"),
     ("prefix-hash", {"prefixChars": 0}, "prefixChars"),
+    ("text-tree", {"cacheThreshold": 1.5}, "cacheThreshold"),
+    ("text-tree", {"balanceRelThreshold": 0.5}, "balanceRelThreshold"),
 ])
 def test_baseline_parameters_are_checked(name: str, parameters: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=rf"scheduling\.plugins\[0\]\.parameters\.{key}"):
@@ -498,6 +500,29 @@ def test_bounded_load_passes_a_hot_key_on_past_its_bound() -> None:
     for e in endpoints:
         e.in_flight = 3  # everyone at the mean: ceil(1.25 x 13 / 4) = 5, room everywhere -> the ring's choice
     assert bounded.schedule(hot, endpoints, 0.0).ranked[0] is order[0]
+
+
+def test_text_tree_follows_the_longest_sent_prefix_else_the_pod_sent_least() -> None:
+    """SGLang router's cache_aware policy: a prompt sharing over 30 % with text sent to a pod goes there whatever
+    its load (until the in-flight counts are out of balance by 64 and 1.5x); a new prefix goes to the pod sent the
+    least text, so a pod that joins takes every new prefix and none of the known ones."""
+    a, b = pods(2)
+    tree = baseline("text-tree")
+    first = route(tree, req(SYSTEM + "question one"), [a, b])
+    other = b if first is a else a
+    assert route(tree, req("another system prompt. " * 40 + "q"), [a, b]) is other  # new: the pod sent less
+    assert route(tree, req(SYSTEM[:100] + "x" * 900), [a, b]) is other  # 6 % shared: below the 30 % threshold
+    first.in_flight, other.in_flight = 60, 0  # busier, not out of balance (60 - 0 is not over 64)
+    assert all(route(tree, req(SYSTEM + f"q{i}"), [a, b]) is first for i in range(3))
+    first.in_flight, other.in_flight = 66, 1  # 66 - 1 > 64 and 66 > 1.5 x 1: the idlest takes it
+    assert route(tree, req(SYSTEM + "q"), [a, b]) is other
+    first.in_flight = other.in_flight = 0
+    joined = Endpoint.from_address("10.0.0.9:8000")
+    joined.metrics = EndpointMetrics(updated_at=0.0)
+    assert route(tree, req(SYSTEM + "q again"), [a, b, joined]) in (a, b)  # known prefix: not the new pod
+    assert route(tree, req("a third system prompt. " * 40), [a, b, joined]) is joined  # new prefix: the new pod
+    result = tree.schedule(req(SYSTEM + "q"), [a, b, joined], 0.0)
+    assert all(0.0 <= s <= 1.0 for c in result.candidates for s in c.details.values())
 
 
 def test_prefix_hash_is_sticky_spread_and_consistent() -> None:

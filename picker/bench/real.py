@@ -931,8 +931,9 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0,
     times `slowdown`, scrapes costing the pod's API server SCRAPE_COST_S each, and with `paths` each router's
     measured path: its requests reach the pod that much later, its engines run that much slower): does the
     simulator rank the routers as the real servers do? Means over `seeds` traces, as the real repeats sample
-    several placements (prefix-hash's depends on the pods' addresses). Also the picker with the old fixed 50 ms
-    scrape, which only the simulator can add (on the picker's path)."""
+    several placements (prefix-hash's depends on the pods' addresses). The peer routers run as `text-tree` (their
+    policy; no path of theirs is timed). Also the picker with the old fixed 50 ms scrape, which only the simulator
+    can add (on the picker's path)."""
     profile = TINY_CPU.with_overrides(block_size=spec.block_size, num_gpu_blocks=spec.num_blocks,
                                       prefill_token_s=SMALL_PREFILL_TOKEN_S * slowdown,
                                       step_overhead_s=SMALL_STEP_S * slowdown)
@@ -951,6 +952,8 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0,
             "round-robin": ("round-robin", fleet_cfg("round-robin", admission=False, scraping=False)),
             **{name: (name, fleet_cfg(name, cadence=health_only, scrape_cost=SCRAPE_COST_S))
                for name in HASH_BASELINES},
+            # the peers' cache_aware policy, which reads no metrics (text-tree-scorer)
+            **{name: ("text-tree", fleet_cfg(name, admission=False, scraping=False)) for name in PEERS},
             "picker": ("picker", fleet_cfg("picker", cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
             "picker-predicted-ttft": ("picker", fleet_cfg("picker-predicted-ttft", cadence=Cadence(),
                                                           scrape_cost=SCRAPE_COST_S)),

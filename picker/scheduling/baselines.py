@@ -1,5 +1,6 @@
 """The benchmarks' baseline policies as scorers: round-robin, rendezvous hashing of the prompt's start, a
-consistent-hash ring and the ring with bounded loads.
+consistent-hash ring, the ring with bounded loads, and the text tree of SGLang's router (its `cache_aware` policy,
+which vllm-router shares), so the simulator can set the peer routers' policy beside the picker.
 
 Each scores the candidates in [0, 1] so that the max-score picker takes the baseline's choice first and its next
 ones as Envoy's fallbacks: round-robin and the rings by place in their order (first 1, then evenly towards 0),
@@ -15,7 +16,7 @@ import bisect
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 from pydantic import Field
@@ -23,6 +24,7 @@ from pydantic import Field
 from picker.core.requests import InferenceRequest
 from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
+from picker.prefix.hashing import prefix_keys
 from picker.scheduling.context import SchedulingContext, effective_model
 from picker.scheduling.plugins import NoParams, Plugin, PluginFactory, default_of, no_params, with_params
 
@@ -165,6 +167,88 @@ class BoundedLoadScorer(HashRingScorer):
         return order
 
 
+class TextTreeScorer(Plugin):
+    """SGLang router's `cache_aware` policy: a tree of the text the router has sent each pod, and its own in-flight
+    counts; no metrics.
+
+    While the in-flight counts are in balance, a request goes to the pod whose sent text shares the longest prefix
+    with the prompt when that prefix is over `cache_threshold` of it, else to the pod that has been sent the least
+    distinct text (a new pod takes every new prefix). Out of balance (the busiest pod more than
+    `balance_abs_threshold` requests and `balance_rel_threshold` times over the idlest), the idlest takes it.
+    Defaults are the router's. The tree is kept in `block_chars` blocks (the router's is per character) and is never
+    trimmed (the router trims each pod's tree to 64M characters: beyond any run here); the pods' sets are bitmasks,
+    one bit per address, so a long simulation keeps one small int per distinct block."""
+
+    type_name = "text-tree-scorer"
+
+    def __init__(self, name: str | None = None, *, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, block_chars: int = 64) -> None:
+        super().__init__(name)
+        if not 0 <= cache_threshold <= 1 or balance_abs_threshold < 0 or balance_rel_threshold < 1 or block_chars <= 0:
+            raise ValueError("cacheThreshold must be in [0, 1], balanceAbsThreshold >= 0, balanceRelThreshold >= 1 "
+                             "and blockChars > 0")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.block_chars = block_chars
+        self._sent: dict[int, int] = {}  # block key -> bitmask of the pods whose sent text holds that prefix
+        self._bits: dict[str, int] = {}  # address -> its bit
+        self._tree_chars: dict[str, int] = {}  # address -> distinct characters sent to it (its tree's size)
+
+    def _bit(self, address: str) -> int:
+        bit = self._bits.get(address)
+        if bit is None:
+            bit = self._bits[address] = 1 << len(self._bits)
+        return bit
+
+    def choose(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> Endpoint:
+        loads = [e.in_flight for e in candidates]
+        busiest, idlest = max(loads), min(loads)
+        if busiest - idlest > self.balance_abs_threshold and busiest > idlest * self.balance_rel_threshold:
+            return candidates[loads.index(idlest)]
+        text = ctx.request.prompt_text
+        keys = self._keys(ctx.request)
+        if ctx.state is None:
+            ctx.state = {}
+        ctx.state[self.name] = keys
+        alive = 0
+        for e in candidates:
+            alive |= self._bit(e.address)
+        holders, matched = 0, 0
+        for key in keys:
+            live = self._sent.get(key, 0) & alive
+            if not live:
+                break
+            holders, matched = live, matched + 1
+        if text and min(matched * self.block_chars, len(text)) / len(text) > self.cache_threshold:
+            return min((e for e in candidates if self._bits[e.address] & holders), key=lambda e: e.in_flight)
+        return min(candidates, key=lambda e: self._tree_chars.get(e.address, 0))
+
+    def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        """The router's choice first; the others (Envoy's fallbacks) by their in-flight counts."""
+        chosen = self.choose(ctx, candidates)
+        rest = sorted((e for e in candidates if e is not chosen), key=lambda e: e.in_flight)
+        return _by_rank(candidates, [chosen, *rest])
+
+    def _keys(self, request: InferenceRequest) -> list[int]:
+        """The whole prompt's chained block keys (the router inserts and matches all of it)."""
+        return prefix_keys(request.prompt_text, _address_seed(effective_model(request)), self.block_chars,
+                           len(request.prompt_text) // self.block_chars + 1)
+
+    def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
+        """The prompt joins the tree of the pod it went to (as the router inserts it at every pick)."""
+        kept = ctx.state.get(self.name) if ctx.state else None
+        keys = cast(list[int], kept) if kept is not None else self._keys(ctx.request)  # None: sent by balance
+        bit, added = self._bit(endpoint.address), 0
+        length = len(ctx.request.prompt_text)
+        for i, key in enumerate(keys):
+            held = self._sent.get(key, 0)
+            if not held & bit:
+                self._sent[key] = held | bit
+                added += min(self.block_chars, length - i * self.block_chars)
+        self._tree_chars[endpoint.address] = self._tree_chars.get(endpoint.address, 0) + added
+
+
 class PrefixHashParams(Section):
     prefix_chars: int = Field(default_of(PrefixHashScorer, "prefix_chars"), gt=0)
 
@@ -178,9 +262,17 @@ class BoundedLoadParams(HashRingParams):
     load_factor: float = Field(default_of(BoundedLoadScorer, "load_factor"), ge=1)
 
 
+class TextTreeParams(Section):
+    cache_threshold: float = Field(default_of(TextTreeScorer, "cache_threshold"), ge=0, le=1)
+    balance_abs_threshold: int = Field(default_of(TextTreeScorer, "balance_abs_threshold"), ge=0)
+    balance_rel_threshold: float = Field(default_of(TextTreeScorer, "balance_rel_threshold"), ge=1)
+    block_chars: int = Field(default_of(TextTreeScorer, "block_chars"), gt=0)
+
+
 FACTORIES: tuple[PluginFactory[Any], ...] = (
     PluginFactory(RoundRobinScorer.type_name, NoParams, no_params(RoundRobinScorer)),
     PluginFactory(PrefixHashScorer.type_name, PrefixHashParams, with_params(PrefixHashScorer)),
     PluginFactory(HashRingScorer.type_name, HashRingParams, with_params(HashRingScorer)),
     PluginFactory(BoundedLoadScorer.type_name, BoundedLoadParams, with_params(BoundedLoadScorer)),
+    PluginFactory(TextTreeScorer.type_name, TextTreeParams, with_params(TextTreeScorer)),
 )

@@ -445,6 +445,8 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any] | None] = {
     "prefix-hash": _baseline("prefix-hash", _plugin("prefix-hash-scorer")),
     "hash-ring": _baseline("hash-ring", _plugin("hash-ring-scorer")),
     "bounded-load": _baseline("bounded-load", _plugin("bounded-load-scorer")),
+    # SGLang router's cache_aware policy (vllm-router's too): the peers' routing, for the simulator
+    "text-tree": _baseline("text-tree", _plugin("text-tree-scorer")),
 }
 STRATEGIES: tuple[str, ...] = tuple(STRATEGY_CONFIGS)
 # Strategies that keep a prefix index (and so can share one through Redis/Valkey)

@@ -248,7 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only, "
       "prefix-hash (hash of the prompt's first 1,000 characters: a baseline that reads no metrics), hash-ring "
       "(the same characters on a consistent-hash ring, 200 points per pod), bounded-load (that ring with bounded "
-      "loads: a pod past 1.25x the mean in-flight passes the key on)")
+      "loads: a pod past 1.25x the mean in-flight passes the key on), text-tree (SGLang router's cache_aware "
+      "policy: the pod sent the longest shared prefix, else the one sent the least text)")
     a("--seed", type=int, help="seed for random tie-breaks and weighted model rewrites (reproducible runs)")
     a("--log-level", type=str.upper, choices=_LOG_LEVELS, metavar="LEVEL",
       help=f"{', '.join(_LOG_LEVELS)} (default INFO; any case). DEBUG: one line per routing decision; TRACE: "
