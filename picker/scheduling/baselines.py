@@ -175,9 +175,11 @@ class TextTreeScorer(Plugin):
     with the prompt when that prefix is over `cache_threshold` of it, else to the pod that has been sent the least
     distinct text (a new pod takes every new prefix). Out of balance (the busiest pod more than
     `balance_abs_threshold` requests and `balance_rel_threshold` times over the idlest), the idlest takes it.
-    Defaults are the router's. The tree is kept in `block_chars` blocks (the router's is per character) and is never
-    trimmed (the router trims each pod's tree to 64M characters: beyond any run here); the pods' sets are bitmasks,
-    one bit per address, so a long simulation keeps one small int per distinct block."""
+    Where several pods hold the longest match, the one with the fewest in flight takes it (the router takes the
+    first its tree lists: ours is the kinder reading). Defaults are the router's. The tree is kept in
+    `block_chars` blocks (the router's is per character) and never trimmed (the router trims each pod's tree to
+    64M characters: beyond any run here); the pods' sets are bitmasks, one bit per address, so a long simulation
+    keeps one small int per distinct block."""
 
     type_name = "text-tree-scorer"
 
