@@ -25,6 +25,7 @@ from picker.core.requests import InferenceRequest
 from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.prefix.hashing import prefix_keys
+from picker.prefix.memory import InMemoryPrefixIndex
 from picker.scheduling.context import SchedulingContext, effective_model
 from picker.scheduling.plugins import NoParams, Plugin, PluginFactory, default_of, no_params, with_params
 
@@ -167,6 +168,10 @@ class BoundedLoadScorer(HashRingScorer):
         return order
 
 
+# SGLang router's budget for each pod's text tree (--max-tree-size), in characters.
+TEXT_TREE_CHARS = 64 * 1024 * 1024
+
+
 class TextTreeScorer(Plugin):
     """SGLang router's `cache_aware` policy: a tree of the text the router has sent each pod, and its own in-flight
     counts; no metrics.
@@ -176,10 +181,9 @@ class TextTreeScorer(Plugin):
     distinct text (a new pod takes every new prefix). Out of balance (the busiest pod more than
     `balance_abs_threshold` requests and `balance_rel_threshold` times over the idlest), the idlest takes it.
     Where several pods hold the longest match, the one with the fewest in flight takes it (the router takes the
-    first its tree lists: ours is the kinder reading). Defaults are the router's. The tree is kept in
-    `block_chars` blocks (the router's is per character) and never trimmed (the router trims each pod's tree to
-    64M characters: beyond any run here); the pods' sets are bitmasks, one bit per address, so a long simulation
-    keeps one small int per distinct block."""
+    first its tree lists: ours is the kinder reading). Defaults are the router's. The tree is our prefix index in
+    `block_chars` blocks (the router's is per character), each pod's trimmed least recently sent first past the
+    router's budget, with no expiry; a pod's tree size is its count of blocks."""
 
     type_name = "text-tree-scorer"
 
@@ -193,15 +197,7 @@ class TextTreeScorer(Plugin):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.block_chars = block_chars
-        self._sent: dict[int, int] = {}  # block key -> bitmask of the pods whose sent text holds that prefix
-        self._bits: dict[str, int] = {}  # address -> its bit
-        self._tree_chars: dict[str, int] = {}  # address -> distinct characters sent to it (its tree's size)
-
-    def _bit(self, address: str) -> int:
-        bit = self._bits.get(address)
-        if bit is None:
-            bit = self._bits[address] = 1 << len(self._bits)
-        return bit
+        self._tree = InMemoryPrefixIndex(TEXT_TREE_CHARS // block_chars, ttl=None)
 
     def choose(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> Endpoint:
         loads = [e.in_flight for e in candidates]
@@ -213,18 +209,11 @@ class TextTreeScorer(Plugin):
         if ctx.state is None:
             ctx.state = {}
         ctx.state[self.name] = keys
-        alive = 0
-        for e in candidates:
-            alive |= self._bit(e.address)
-        holders, matched = 0, 0
-        for key in keys:
-            live = self._sent.get(key, 0) & alive
-            if not live:
-                break
-            holders, matched = live, matched + 1
-        if text and min(matched * self.block_chars, len(text)) / len(text) > self.cache_threshold:
-            return min((e for e in candidates if self._bits[e.address] & holders), key=lambda e: e.in_flight)
-        return min(candidates, key=lambda e: self._tree_chars.get(e.address, 0))
+        matched = self._tree.match(keys, {e.address for e in candidates}, ctx.now)
+        longest = max(matched.values(), default=0)
+        if text and min(longest * self.block_chars, len(text)) / len(text) > self.cache_threshold:
+            return min((e for e in candidates if matched.get(e.address) == longest), key=lambda e: e.in_flight)
+        return min(candidates, key=lambda e: self._tree.endpoint_size(e.address))
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         """The router's choice first; the others (Envoy's fallbacks) by their in-flight counts."""
@@ -241,14 +230,7 @@ class TextTreeScorer(Plugin):
         """The prompt joins the tree of the pod it went to (as the router inserts it at every pick)."""
         kept = ctx.state.get(self.name) if ctx.state else None
         keys = cast(list[int], kept) if kept is not None else self._keys(ctx.request)  # None: sent by balance
-        bit, added = self._bit(endpoint.address), 0
-        length = len(ctx.request.prompt_text)
-        for i, key in enumerate(keys):
-            held = self._sent.get(key, 0)
-            if not held & bit:
-                self._sent[key] = held | bit
-                added += min(self.block_chars, length - i * self.block_chars)
-        self._tree_chars[endpoint.address] = self._tree_chars.get(endpoint.address, 0) + added
+        self._tree.record(keys, endpoint.address, now)
 
 
 class PrefixHashParams(Section):
