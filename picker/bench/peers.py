@@ -46,12 +46,11 @@ def _sglang_remove(base_url: str, worker_url: str) -> None:
     _call("DELETE", f"{base_url}/workers/{ids[0]}")
 
 
-def _vllm_router_add(base_url: str, worker_url: str) -> None:
-    _call("POST", f"{base_url}/add_worker?url={urllib.parse.quote(worker_url, safe=':/')}")
-
-
-def _vllm_router_remove(base_url: str, worker_url: str) -> None:
-    _call("POST", f"{base_url}/remove_worker?url={urllib.parse.quote(worker_url, safe=':/')}")
+def _post_url(path: str) -> Callable[[str, str], None]:
+    """vllm-router's `POST <path>?url=<worker>` (its /add_worker and /remove_worker)."""
+    def call(base_url: str, worker_url: str) -> None:
+        _call("POST", f"{base_url}{path}?url={urllib.parse.quote(worker_url, safe=':/')}")
+    return call
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,8 @@ class PeerSpec:
 PEERS: dict[str, PeerSpec] = {
     "sglang-router": PeerSpec("sglang-router", "sglang-router==0.3.2", "sglang-router", _sglang_add, _sglang_remove),
     # It tokenizes each prompt with the worker's render endpoint (vLLM serves it only with --enable-scale-out).
-    "vllm-router": PeerSpec("vllm-router", "vllm-router==0.1.17", "vllm-router", _vllm_router_add,
-                            _vllm_router_remove, needs=("/v1/completions/render",)),
+    "vllm-router": PeerSpec("vllm-router", "vllm-router==0.1.17", "vllm-router", _post_url("/add_worker"),
+                            _post_url("/remove_worker"), needs=("/v1/completions/render",)),
 }
 
 
