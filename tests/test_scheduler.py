@@ -313,8 +313,11 @@ def test_short_prompts_use_bursty_chat_and_explain_adds_up() -> None:
 def test_session_affinity_keeps_a_conversation_on_its_pod() -> None:
     endpoints = pods(3)
     s = build_scheduler(rng=random.Random(5))
+    assert s.context(req("turn one", session_id="chat-1"), endpoints, 0.0).session_pod is None
     first = route(s, req("turn one", session_id="chat-1"), endpoints)
     first.finish_request(2)
+    # the cycle state names the session's pod, so the cold-prompt deal steps aside for it
+    assert s.context(req("turn two", session_id="chat-1"), endpoints, 0.0).session_pod == first.address
     for turn in range(5):
         chosen = route(s, req(f"unrelated turn {turn}", session_id="chat-1"), endpoints)
         chosen.finish_request(2)

@@ -157,9 +157,18 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     spreader.on_picked(ctx_for(req), pods[1], 0.0)
     scores = spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
     assert scores[1] < scores[0] < scores[2]  # least recently chosen first
-    pods[2].in_flight = 5  # the never-chosen pod is busy with others' work: load counts too
-    scores = spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
-    assert scores[0] > scores[2]
+    pods[2].in_flight = 5  # the never-chosen pod is busy with others' work: by default recency alone decides
+    assert spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods) == scores
+    mixed = ColdPrefixSpreader(recency_weight=0.5)
+    for pod in pods[:2]:
+        mixed.on_picked(ctx_for(req), pod, 0.0)
+    scores = mixed.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
+    assert scores[0] > scores[2]  # ...and with load mixed in, the busy pod loses its turn
+    in_session = ctx_for(keys=3, matched=[0, 0, 0])
+    in_session.session_pod = pods[1].address  # the session's pod is a candidate: session affinity decides
+    assert spreader.score(in_session, pods) == [0.0, 0.0, 0.0]
+    in_session.session_pod = "10.0.0.9:8000"  # its pod is gone: dealt as usual
+    assert spreader.score(in_session, pods) == spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
     coming_back = ctx_for(keys=5, matched=[0, 0, 0])
     coming_back.home = pods[2].address  # a prefix every pod evicted goes home, busy or not (load scorers weigh)
     assert spreader.score(coming_back, pods) == [0.0, 0.0, 1.0]

@@ -29,6 +29,8 @@ class SchedulingContext:
     model: str  # the name the pod sees (after a rewrite): also the LoRA adapter name when it is one
     keys: list[int] = field(default_factory=list)
     session: str = ""  # the request's x-session-id as remembered and shared (IndexKey.session); "" without one
+    # the pod the session's last request went to, from the profile's session memory (None: no session, or new)
+    session_pod: str | None = None
     block_chars: int = 64
     # how many characters make a token where the prompt's token ids are not known (prefixCache.charsPerToken):
     # plugins count a prompt's tokens with it, as the director counts them in flight

@@ -74,6 +74,16 @@ class Scorer(Protocol):
 
 
 @runtime_checkable
+class SessionMemory(Protocol):
+    """A plugin that remembers which pod each session went to last. The scheduler asks it once per request and
+    writes the answer into the cycle state (`session_pod`), so other plugins can defer to a known session."""
+
+    def session_pod(self, session: str) -> str | None:
+        """The pod `session` (IndexKey.session) went to last; None when not remembered."""
+        ...
+
+
+@runtime_checkable
 class Picker(Protocol):
     name: str
     type_name: str

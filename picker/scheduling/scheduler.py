@@ -18,7 +18,7 @@ from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.scheduling.context import SchedulingContext, effective_model
-from picker.scheduling.plugins import PeerPick, Plugin, PluginTimer, Scorer
+from picker.scheduling.plugins import PeerPick, Plugin, PluginTimer, Scorer, SessionMemory
 from picker.scheduling.producers import ApproximatePrefix, PrefixProducer
 from picker.scheduling.profiles import Classifier, Profile, SingleProfile
 from picker.scheduling.types import CandidateScore, Disaggregation, SchedulingResult
@@ -61,6 +61,7 @@ class PrefixAwareScheduler:
             seen.setdefault(id(self.classifier), self.classifier)
         self._plugins = list(seen.values())
         self._stateful = [p for p in self._plugins if _overrides_hooks(p)]
+        self._sessions = [p for p in self._plugins if isinstance(p, SessionMemory)]
 
     @property
     def index(self) -> PrefixIndex:
@@ -83,11 +84,15 @@ class PrefixAwareScheduler:
         return self.classifier.disaggregates
 
     def context(self, request: InferenceRequest, endpoints: Sequence[Endpoint], now: float) -> SchedulingContext:
-        """The request's cycle state: its session key, and what the prefix sources know of its prompt."""
+        """The request's cycle state: its session key and pod, and what the prefix sources know of its prompt."""
         ctx = SchedulingContext(request=request, now=now, model=effective_model(request),
                                 chars_per_token=self.hasher.chars_per_token)
         if request.session_id:
-            ctx.session = self.hasher.key.session(request.session_id)
+            ctx.session = session = self.hasher.key.session(request.session_id)
+            for memory in self._sessions:
+                ctx.session_pod = memory.session_pod(session)
+                if ctx.session_pod is not None:
+                    break
         if self.uses_prefix and request.prompt_text:
             for producer in self.producers:
                 producer.produce(ctx, endpoints, now)

@@ -323,7 +323,8 @@ class LoraAffinityScorer(Plugin):
 
 
 class SessionAffinityScorer(Plugin):
-    """Stick a session (x-session-id) to the endpoint that served it last: its KV cache has the history."""
+    """Stick a session (x-session-id) to the endpoint that served it last: its KV cache has the history. Also the
+    scheduler's `SessionMemory`: the cycle state's `session_pod` comes from here."""
 
     type_name = "session-affinity-scorer"
 
@@ -332,6 +333,9 @@ class SessionAffinityScorer(Plugin):
         if max_sessions <= 0:
             raise ValueError("maxSessions must be positive")
         self._last: PodMemory[str] = PodMemory(max_sessions)
+
+    def session_pod(self, session: str) -> str | None:
+        return self._last.get(session)
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         session = ctx.session
@@ -358,20 +362,23 @@ class SessionAffinityScorer(Plugin):
 
 
 class ColdPrefixSpreader(Plugin):
-    """A prompt nobody has cached goes to the least recently chosen, least loaded pod; one whose opening has a
-    home (it was sent before and every pod has since evicted it) goes home.
+    """A prompt nobody has cached goes to the least recently chosen pod (by default; `recencyWeight` below 1
+    mixes in the least loaded); one whose opening has a home (it was sent before and every pod has since evicted
+    it) goes home.
 
     Without it, cold requests that arrive between two metric scrapes see identical scores and pile up on
     whatever the tie-break favours; with it they deal out like cards. Neutral (all 0) when any candidate
-    holds part of the prefix, so it never fights prefix affinity. A prefix coming back is not dealt: on another
+    holds part of the prefix, so it never fights prefix affinity, and when the request's session has a pod
+    among the candidates, so it never fights session affinity. A prefix coming back is not dealt: on another
     pod it would join that pod's working set and evict one of its prefixes (docs/decisions.md, 19); the load
-    scorers still weigh against a busy home.
+    scorers still weigh against a busy home. Recency alone rather than load: a pod that has just taken a cold
+    prompt is prefilling it, which its in-flight count does not show, and a second cold prompt there waits.
     """
 
     type_name = "cold-prefix-spreader"
     needs_prefix = True
 
-    def __init__(self, name: str | None = None, *, recency_weight: float = 0.5) -> None:
+    def __init__(self, name: str | None = None, *, recency_weight: float = 1.0) -> None:
         super().__init__(name)
         if not 0.0 <= recency_weight <= 1.0:
             raise ValueError("recencyWeight must be within [0, 1]")
@@ -380,7 +387,8 @@ class ColdPrefixSpreader(Plugin):
         self._last_pick: dict[str, int] = {}
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
-        if any(ctx.matched):
+        session_pod = ctx.session_pod
+        if any(ctx.matched) or (session_pod is not None and any(e.address == session_pod for e in candidates)):
             return [0.0] * len(candidates)
         home = ctx.home
         if home is not None:
