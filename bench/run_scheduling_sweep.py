@@ -77,6 +77,12 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # code's one loss to GIE's emulation (prefix weighed higher there): more prefix or less in-flight for chat?
     "chat: prefix 4": _with_weights("bursty-chat", {"prefix-cache-scorer": 4}),
     "chat: in-flight 2": _with_weights("bursty-chat", {"in-flight-load-scorer": 2}),
+    # cold prompts that land on a pod which has just taken another cold prompt (the long-prompt workloads' p99,
+    # docs/decisions.md, 20): the deal by recency alone, weighed more, or a recent prefill counted heavier
+    "cold spreader: recency only": _with_params("cold-prefix-spreader", {"recencyWeight": 1.0}),
+    "chat: cold spreader 2": _with_weights("bursty-chat", {"cold-prefix-spreader": 2}),
+    "prefill weight 16": _with_params("in-flight-load-scorer", {"prefillWeight": 16}),
+    "prefill weight 64": _with_params("in-flight-load-scorer", {"prefillWeight": 64}),
     # GIE's default scheduling, emulated with our plugins: queue 2, kv-cache 2, prefix 3 (matched/total only, no
     # load guard), max score with random tie-break, one profile; same prefix hashing (64-character blocks) and
     # per-pod LRU. Not GIE's code: its Go picker does not run here.
@@ -181,13 +187,14 @@ def main() -> int:
                     sweep_workloads=(), capacity_workload=None)
     rows = sweep(base, args.variants.split(","))
     lines = [f"Fast mode, {args.pods} pods, load {args.load}, {args.requests} requests, seed {args.seed}. "
-             "Cells: TTFT mean / p90 / p95 ms, hit rate, share served cold (oracle's).", "",
+             "Cells: TTFT mean / p90 / p95 / p99 ms, hit rate, share served cold (oracle's).", "",
              "| variant | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
     for name in [*BASELINES, *args.variants.split(",")]:
         cells = []
         for w in workloads:
             f = rows[(name, w)]
-            cells.append(f"{f['ttft_mean'] * 1e3:.1f} / {f['ttft_p90'] * 1e3:.1f} / {f['ttft_p95'] * 1e3:.1f}, "
+            cells.append(f"{f['ttft_mean'] * 1e3:.1f} / {f['ttft_p90'] * 1e3:.1f} / {f['ttft_p95'] * 1e3:.1f} / "
+                         f"{f['ttft_p99'] * 1e3:.1f}, "
                          f"{f['hit_rate'] * 100:.0f}%, cold {f['cold_share'] * 100:.0f}% ({f['oracle_cold_share'] * 100:.0f}%)")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)

@@ -157,13 +157,14 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     spreader.on_picked(ctx_for(req), pods[1], 0.0)
     scores = spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
     assert scores[1] < scores[0] < scores[2]  # least recently chosen first
-    pods[2].in_flight = 5  # the never-chosen pod is busy with others' work: by default recency alone decides
-    assert spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods) == scores
-    mixed = ColdPrefixSpreader(recency_weight=0.5)
+    pods[2].in_flight = 5  # the never-chosen pod is busy with others' work: load counts too
+    scores = spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
+    assert scores[0] > scores[2]
+    by_recency = ColdPrefixSpreader(recency_weight=1.0)
     for pod in pods[:2]:
-        mixed.on_picked(ctx_for(req), pod, 0.0)
-    scores = mixed.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
-    assert scores[0] > scores[2]  # ...and with load mixed in, the busy pod loses its turn
+        by_recency.on_picked(ctx_for(req), pod, 0.0)
+    scores = by_recency.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
+    assert scores[1] < scores[0] < scores[2]  # ...unless recency alone is asked for
     in_session = ctx_for(keys=3, matched=[0, 0, 0])
     in_session.session_pod = pods[1].address  # the session's pod is a candidate: session affinity decides
     assert spreader.score(in_session, pods) == [0.0, 0.0, 0.0]
@@ -174,6 +175,10 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     assert spreader.score(coming_back, pods) == [0.0, 0.0, 1.0]
     coming_back.matched = [1, 0, 0]
     assert spreader.score(coming_back, pods) == [0.0, 0.0, 0.0]  # somebody holds part of it: neutral
+    # every pod holds the same opening (a system prompt all prompts share): the rest is cold wherever it goes, so
+    # it is dealt like a new prompt, and the opening's last pod is no home
+    coming_back.matched = [1, 1, 1]
+    assert spreader.score(coming_back, pods) == spreader.score(ctx_for(keys=5, matched=[0, 0, 0]), pods)
     coming_back.matched = [0, 0]
     assert spreader.score(coming_back, pods[:2]) == spreader.score(ctx_for(keys=5, matched=[0, 0]), pods[:2])
 

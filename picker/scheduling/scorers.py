@@ -362,23 +362,22 @@ class SessionAffinityScorer(Plugin):
 
 
 class ColdPrefixSpreader(Plugin):
-    """A prompt nobody has cached goes to the least recently chosen pod (by default; `recencyWeight` below 1
-    mixes in the least loaded); one whose opening has a home (it was sent before and every pod has since evicted
-    it) goes home.
+    """A prompt nobody has cached goes to the least recently chosen, least loaded pod; one whose opening has a
+    home (it was sent before and every pod has since evicted it) goes home.
 
     Without it, cold requests that arrive between two metric scrapes see identical scores and pile up on
-    whatever the tie-break favours; with it they deal out like cards. Neutral (all 0) when any candidate
-    holds part of the prefix, so it never fights prefix affinity, and when the request's session has a pod
-    among the candidates, so it never fights session affinity. A prefix coming back is not dealt: on another
+    whatever the tie-break favours; with it they deal out like cards. Neutral (all 0) when some candidates hold
+    more of the prefix than others, so it never fights prefix affinity, and when the request's session has a
+    pod among the candidates, so it never fights session affinity. A prompt whose opening every candidate holds
+    alike (a system prompt all prompts share) is cold past it wherever it goes: it is dealt. A prefix coming back is not dealt: on another
     pod it would join that pod's working set and evict one of its prefixes (docs/decisions.md, 19); the load
-    scorers still weigh against a busy home. Recency alone rather than load: a pod that has just taken a cold
-    prompt is prefilling it, which its in-flight count does not show, and a second cold prompt there waits.
+    scorers still weigh against a busy home.
     """
 
     type_name = "cold-prefix-spreader"
     needs_prefix = True
 
-    def __init__(self, name: str | None = None, *, recency_weight: float = 1.0) -> None:
+    def __init__(self, name: str | None = None, *, recency_weight: float = 0.5) -> None:
         super().__init__(name)
         if not 0.0 <= recency_weight <= 1.0:
             raise ValueError("recencyWeight must be within [0, 1]")
@@ -387,11 +386,14 @@ class ColdPrefixSpreader(Plugin):
         self._last_pick: dict[str, int] = {}
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
+        matched = ctx.matched
+        held = max(matched, default=0)
         session_pod = ctx.session_pod
-        if any(ctx.matched) or (session_pod is not None and any(e.address == session_pod for e in candidates)):
+        if (held and min(matched) != held) or (
+                session_pod is not None and any(e.address == session_pod for e in candidates)):
             return [0.0] * len(candidates)
         home = ctx.home
-        if home is not None:
+        if home is not None and not held:
             at_home = [1.0 if e.address == home else 0.0 for e in candidates]
             if 1.0 in at_home:  # a home that is not among the candidates (gone, filtered out): deal as usual
                 return at_home
