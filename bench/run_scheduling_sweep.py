@@ -22,7 +22,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from picker.bench.suite import Cell, FastSpec, calibrate, run_cell  # noqa: E402
-from picker.scheduling.config import DEFAULT_CONFIG, PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling  # noqa: E402
+from picker.scheduling.config import (  # noqa: E402
+    DEFAULT_CONFIG,
+    PREDICTED_TTFT_CONFIG,
+    predicted_ttft_scheduling,
+    with_scorer,
+)
 
 
 def _with_weights(profile: str, weights: Mapping[str, float]) -> dict[str, Any]:
@@ -83,6 +88,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "chat: cold spreader 2": _with_weights("bursty-chat", {"cold-prefix-spreader": 2}),
     "prefill weight 16": _with_params("in-flight-load-scorer", {"prefillWeight": 16}),
     "prefill weight 64": _with_params("in-flight-load-scorer", {"prefillWeight": 64}),
+    # ...or the predicted-TTFT scorer (its queue of our own picks drains at the pods' measured prefill rate) on top
+    "predicted-ttft 8 on top": with_scorer(DEFAULT_CONFIG, "predicted-ttft-scorer", 8),
     # GIE's default scheduling, emulated with our plugins: queue 2, kv-cache 2, prefix 3 (matched/total only, no
     # load guard), max score with random tie-break, one profile; same prefix hashing (64-character blocks) and
     # per-pod LRU. Not GIE's code: its Go picker does not run here.
