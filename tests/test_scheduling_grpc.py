@@ -156,6 +156,30 @@ async def test_saturated_pool_sheds_only_sheddable_requests(scene: Scene) -> Non
     assert status == 200, "sheddable traffic flows again once the pool has room"
 
 
+async def explain(scene: Scene, body: dict[str, Any], **headers: str) -> dict[str, dict[str, float]]:
+    """Each unfiltered candidate's scores (address -> scorer -> score) for one request, routing nothing."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
+        explained = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
+            path="/v1/completions", body=json.dumps(body).encode(), headers=headers))
+    return {c.address: dict(c.scores) for c in explained.candidates if not c.filtered_by}
+
+
+async def test_a_session_whose_pod_is_known_is_not_dealt_as_a_cold_prompt(scene: Scene) -> None:
+    """A conversation's next turn that shares nothing cacheable with its last (a short question) is cold on every
+    pod; the cold-prompt deal stands aside for it and session affinity keeps it on the session's pod, through
+    Envoy too. A cold prompt without a session is dealt."""
+    await scene.set()
+    pod, _ = await scene.route(prompt("turnone"), x_session_id="conv-7")
+    scores = await explain(scene, prompt("turntwo"), **{"x-session-id": "conv-7"})
+    assert {a: s["cold-prefix-spreader"] for a, s in scores.items()} == dict.fromkeys(scores, 0.0)
+    assert {a: s["session-affinity-scorer"] for a, s in scores.items()} == {a: float(a == pod) for a in scores}
+    assert max(s["cold-prefix-spreader"] for s in (await explain(scene, prompt("nosession"))).values()) == 1.0
+    async with aiohttp.ClientSession() as session, session.post(
+            scene.envoy.url + "/v1/completions", json=prompt("turnthree"),
+            headers={"x-session-id": "conv-7"}) as response:
+        assert (await response.json())["served_by"] == pod
+
+
 async def test_shared_prefix_sticks_and_cold_prefixes_spread(scene: Scene) -> None:
     await scene.set()
     shared = " ".join(f"system{i}" for i in range(400))
@@ -167,10 +191,7 @@ async def test_shared_prefix_sticks_and_cold_prefixes_spread(scene: Scene) -> No
     async def idle_again() -> bool:
         # The shared prompts' recent prefill work decays (50 ms half-life) until every pod's in-flight load score
         # is level again; a cold prompt's explanation shows it without routing anything.
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
-            explained = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
-                path="/v1/completions", body=json.dumps(prompt("probe")).encode()))
-        scores = [c.scores["in-flight-load-scorer"] for c in explained.candidates if not c.filtered_by]
+        scores = [s["in-flight-load-scorer"] for s in (await explain(scene, prompt("probe"))).values()]
         return len(scores) == 3 and min(scores) >= 0.999
 
     await eventually_async(idle_again, "the pods' recent prefill work decayed: idle pods again")
