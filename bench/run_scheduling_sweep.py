@@ -83,9 +83,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "chat: prefix 4": _with_weights("bursty-chat", {"prefix-cache-scorer": 4}),
     "chat: in-flight 2": _with_weights("bursty-chat", {"in-flight-load-scorer": 2}),
     # cold prompts that land on a pod which has just taken another cold prompt (the long-prompt workloads' p99,
-    # docs/decisions.md, 20): the deal by recency alone, weighed more, or a recent prefill counted heavier
+    # docs/decisions.md, 20): the deal by recency alone, or a recent prefill counted heavier
     "cold spreader: recency only": _with_params("cold-prefix-spreader", {"recencyWeight": 1.0}),
-    "chat: cold spreader 2": _with_weights("bursty-chat", {"cold-prefix-spreader": 2}),
     "prefill weight 16": _with_params("in-flight-load-scorer", {"prefillWeight": 16}),
     "prefill weight 64": _with_params("in-flight-load-scorer", {"prefillWeight": 64}),
     # ...or the predicted-TTFT scorer (its queue of our own picks drains at the pods' measured prefill rate) on top

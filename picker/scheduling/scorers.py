@@ -369,9 +369,9 @@ class ColdPrefixSpreader(Plugin):
     whatever the tie-break favours; with it they deal out like cards. Neutral (all 0) when some candidates hold
     more of the prefix than others, so it never fights prefix affinity, and when the request's session has a
     pod among the candidates, so it never fights session affinity. A prompt whose opening every candidate holds
-    alike (a system prompt all prompts share) is cold past it wherever it goes: it is dealt (decision 20). A
-    prefix coming back is not dealt: on another pod it would join that pod's working set and evict one of its
-    prefixes (docs/decisions.md, 19); the load scorers still weigh against a busy home.
+    alike (a system prompt all prompts share) is cold past it wherever it goes: it is dealt (docs/decisions.md,
+    20). A prefix coming back is not dealt: on another pod it would join that pod's working set and evict one of
+    its prefixes (docs/decisions.md, 19); the load scorers still weigh against a busy home.
     """
 
     type_name = "cold-prefix-spreader"
