@@ -7,7 +7,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,28 +156,54 @@ async def test_saturated_pool_sheds_only_sheddable_requests(scene: Scene) -> Non
     assert status == 200, "sheddable traffic flows again once the pool has room"
 
 
+async def explained(scene: Scene, body: dict[str, Any], **headers: str) -> list[Any]:
+    """The unfiltered candidates of Explain's answer for one request (scores and details), routing nothing."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
+        answer = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
+            path="/v1/completions", body=json.dumps(body).encode(), headers=headers))
+    return [c for c in answer.candidates if not c.filtered_by]
+
+
 async def explain(scene: Scene, body: dict[str, Any], **headers: str) -> dict[str, dict[str, float]]:
     """Each unfiltered candidate's scores (address -> scorer -> score) for one request, routing nothing."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
-        explained = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
-            path="/v1/completions", body=json.dumps(body).encode(), headers=headers))
-    return {c.address: dict(c.scores) for c in explained.candidates if not c.filtered_by}
+    return {c.address: dict(c.scores) for c in await explained(scene, body, **headers)}
 
 
-async def test_a_session_whose_pod_is_known_is_not_dealt_as_a_cold_prompt(scene: Scene) -> None:
-    """A conversation's next turn that shares nothing cacheable with its last (a short question) is cold on every
-    pod; the cold-prompt deal stands aside for it and session affinity keeps it on the session's pod, through
-    Envoy too. A cold prompt without a session is dealt."""
+async def test_the_deal_counts_the_cold_prefill_each_pod_was_handed(scene: Scene) -> None:
+    """The cold-prompt deal remembers how many uncached prompt tokens it handed each pod lately (a pod still
+    prefilling a long cold prompt is skipped when its turn comes): while both requests are in flight through Envoy,
+    a long cold prompt weighs on its pod hundreds of times as much as a short one on another, and Explain shows it;
+    once they have ended, nothing is counted."""
     await scene.set()
-    pod, _ = await scene.route(prompt("turnone"), x_session_id="conv-7")
-    scores = await explain(scene, prompt("turntwo"), **{"x-session-id": "conv-7"})
-    assert {a: s["cold-prefix-spreader"] for a, s in scores.items()} == dict.fromkeys(scores, 0.0)
-    assert {a: s["session-affinity-scorer"] for a, s in scores.items()} == {a: float(a == pod) for a in scores}
-    assert max(s["cold-prefix-spreader"] for s in (await explain(scene, prompt("nosession"))).values()) == 1.0
-    async with aiohttp.ClientSession() as session, session.post(
-            scene.envoy.url + "/v1/completions", json=prompt("turnthree"),
-            headers={"x-session-id": "conv-7"}) as response:
-        assert (await response.json())["served_by"] == pod
+
+    def work(candidates: list[Any]) -> dict[str, float]:
+        return {c.address: c.details["cold-prefix-spreader.work_tokens"] for c in candidates}
+
+    async with held(scene, prompt("longcold", words=2000)) as long_pod, \
+            held(scene, prompt("shortcold", words=4)) as short_pod:
+        assert short_pod != long_pod
+        dealt = work(await explained(scene, prompt("probe")))
+        assert dealt[long_pod] > 100 * dealt[short_pod] > 0
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scene.picker.grpc_port}") as channel:
+        stub = picker_pb2_grpc.PickerStub(channel)
+
+        async def answered() -> bool:
+            listing = await stub.ListEndpoints(picker_pb2.ListEndpointsRequest())
+            return all(e.in_flight == 0 for e in listing.endpoints)
+
+        await eventually_async(answered, "both requests ended")
+    assert set(work(await explained(scene, prompt("probe"))).values()) == {0.0}
+
+
+@contextlib.asynccontextmanager
+async def held(scene: Scene, body: dict[str, Any]) -> AsyncIterator[str]:
+    """One streamed request through Envoy, held in flight (its pod spaces its events far apart) until the block
+    ends and the client goes away: the pod that serves it."""
+    slow = {**body, "stream": True, "test_events": 2, "test_event_delay": 60.0}
+    async with aiohttp.ClientSession() as session, session.post(scene.envoy.url + "/v1/completions",
+                                                                json=slow) as response:
+        first = await response.content.readline()  # b"data: {...}" with the pod's answer
+        yield str(json.loads(first.removeprefix(b"data: "))["served_by"])
 
 
 async def test_shared_prefix_sticks_and_cold_prefixes_spread(scene: Scene) -> None:

@@ -183,6 +183,57 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     assert spreader.score(coming_back, pods[:2]) == spreader.score(ctx_for(keys=5, matched=[0, 0]), pods[:2])
 
 
+def test_cold_spreader_counts_the_uncached_prefill_it_dealt() -> None:
+    """A pod dealt a long cold prompt is busy prefilling it for a while: the next cold prompt goes elsewhere even
+    where recency alone would send it there, while a short prompt's prefill, or a prompt the pod had cached, barely
+    counts, and the work fades (docs/decisions.md, 21)."""
+    spreader = ColdPrefixSpreader()  # the defaults: 128 tokens weigh as a request, half-life 0.2 s
+    by_count = ColdPrefixSpreader(work_tokens=0)
+    pods = [ep(1), ep(2), ep(3)]
+    cold = ctx_for(InferenceRequest("r", "m", prompt_text="a" * 8000), keys=125, block_chars=64)
+    short = ctx_for(InferenceRequest("r", "m", prompt_text="b" * 100), keys=1, block_chars=64)
+    for dealer in (spreader, by_count):
+        dealer.on_picked(cold, pods[0], 0.0)  # ~2,000 uncached tokens
+        dealer.on_picked(short, pods[1], 0.0)
+        dealer.on_picked(short, pods[2], 0.0)
+    for pod, tokens in zip(pods, (2000, 25, 25), strict=True):
+        pod.start_request(tokens, 0.0)  # the director counts them in flight
+    fresh = ctx_for(keys=3, matched=[0, 0, 0])
+    assert max(by_count.score(fresh, pods)) == by_count.score(fresh, pods)[0]  # chosen least recently...
+    scores = spreader.score(fresh, pods)
+    assert scores[0] < scores[1]  # ...but still prefilling: the next in the deal goes first
+    # a short prefill weighs next to nothing
+    assert scores[1:] == pytest.approx(by_count.score(fresh, pods)[1:], abs=0.05)
+    later = ctx_for(keys=3, matched=[0, 0, 0])
+    later.now = 5.0  # long since prefilled: recency deals again
+    scores = spreader.score(later, pods)
+    assert scores[0] > scores[1] > scores[2]
+    for pod, tokens in zip(pods, (2000, 25, 25), strict=True):
+        pod.finish_request(tokens)
+
+    def work_after(picked: SchedulingContext, pod: Endpoint) -> list[float]:
+        spreader.on_picked(picked, pod, 5.0)
+        pod.start_request(2000, 5.0)
+        probe = ctx_for(keys=3, matched=[0, 0, 0])
+        probe.now = 5.0
+        spreader.score(probe, pods)
+        assert probe.details is not None
+        return [d.explain()["work_tokens"] for d in probe.details[spreader.name]]
+
+    warm = ctx_for(InferenceRequest("r", "m", prompt_text="a" * 8000), keys=125, block_chars=64)
+    warm.matches = {pods[1].address: 125}  # the pod had all of it cached: no prefill dealt
+    assert work_after(warm, pods[1]) == pytest.approx([0.0, 0.0, 0.0], abs=1e-3)
+    assert work_after(cold, pods[0])[0] == pytest.approx(2000.0)  # the same prompt cold: ~2,000 tokens dealt
+    pods[0].finish_request(2000)  # answered: its pod is done with it
+    probe = ctx_for(keys=3, matched=[0, 0, 0])
+    probe.now = 5.0
+    spreader.score(probe, pods)
+    assert probe.details is not None and probe.details[spreader.name][0].explain()["work_tokens"] == 0.0
+    spreader.on_endpoint_removed(pods[0])
+    with pytest.raises(ValueError):
+        ColdPrefixSpreader(work_tokens=-1)
+
+
 def test_saturation_filter_keeps_all_when_all_saturated() -> None:
     f = SaturationFilter(thresholds=SaturationThresholds(queue=5, kv_cache=0.8, stale=0.2))
     ok, queued, full = ep(1, waiting=5.0, kv_usage=0.8), ep(2, waiting=6.0), ep(3, kv_usage=0.9)

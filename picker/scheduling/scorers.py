@@ -7,6 +7,7 @@ arrays costs as much as the arithmetic it would speed up (bench/decision_cost.py
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field
@@ -361,6 +362,16 @@ class SessionAffinityScorer(Plugin):
         return len(self._last)
 
 
+@dataclass(slots=True)
+class DealtWork:
+    """For Explain: the uncached prompt tokens the deal still counts against a candidate (decayed)."""
+
+    tokens: float
+
+    def explain(self) -> dict[str, float]:
+        return {"work_tokens": self.tokens}
+
+
 class ColdPrefixSpreader(Plugin):
     """A prompt nobody has cached goes to the least recently chosen, least loaded pod; one whose opening has a
     home (it was sent before and every pod has since evicted it) goes home.
@@ -372,18 +383,30 @@ class ColdPrefixSpreader(Plugin):
     alike (a system prompt all prompts share) is cold past it wherever it goes: it is dealt (docs/decisions.md,
     20). A prefix coming back is not dealt: on another pod it would join that pod's working set and evict one of
     its prefixes (docs/decisions.md, 19); the load scorers still weigh against a busy home.
+
+    The deal mixes recency (`recencyWeight`) with load: our in-flight count on the pod plus, with `workTokens` > 0,
+    the uncached prompt tokens it was dealt lately (fading with `workHalfLife`, and never more than its requests
+    still in flight carry), `workTokens` of them weighing as one request in flight. A pod still prefilling a long
+    cold prompt is skipped even when its turn has come; a short or cached prompt barely counts, a pod that has
+    answered its requests not at all (docs/decisions.md, 21).
     """
 
     type_name = "cold-prefix-spreader"
     needs_prefix = True
 
-    def __init__(self, name: str | None = None, *, recency_weight: float = 0.5) -> None:
+    def __init__(self, name: str | None = None, *, recency_weight: float = 0.5, work_tokens: float = 128.0,
+                 work_half_life: float = 0.2) -> None:
         super().__init__(name)
         if not 0.0 <= recency_weight <= 1.0:
             raise ValueError("recencyWeight must be within [0, 1]")
+        if work_tokens < 0 or work_half_life <= 0:
+            raise ValueError("workTokens must be >= 0 and workHalfLife positive")
         self.recency_weight = recency_weight
+        self.work_tokens = work_tokens
+        self.work_half_life = work_half_life
         self._seq = 0
         self._last_pick: dict[str, int] = {}
+        self._work: dict[str, tuple[float, float]] = {}  # address -> (decayed uncached tokens dealt, at time)
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         matched = ctx.matched
@@ -399,24 +422,47 @@ class ColdPrefixSpreader(Plugin):
                 return at_home
         get = self._last_pick.get
         recency = min_max_inverse([get(e.address, -1) for e in candidates])
-        flights = [e.in_flight for e in candidates]
-        lo = min(flights)
-        span = max(flights) - lo + 1
+        loads = [float(e.in_flight) for e in candidates]
+        if self.work_tokens and self._work:
+            work, half, unit, now = self._work.get, self.work_half_life, self.work_tokens, ctx.now
+            dealt = [DealtWork(0.0) for _ in candidates]
+            for i, e in enumerate(candidates):
+                entry = work(e.address)
+                if entry is not None:
+                    # no more than its requests still in flight carry: a pod that has answered them is done
+                    left = entry[0] * 0.5 ** ((now - entry[1]) / half)
+                    carried = e.in_flight_tokens + e.peer_in_flight_tokens
+                    dealt[i].tokens = left if left < carried else float(carried)
+                    loads[i] += dealt[i].tokens / unit
+            ctx.note(self.name, dealt)
+        lo = min(loads)
+        span = max(loads) - lo + 1
         w = self.recency_weight
-        return [w * r + (1.0 - w) * (1.0 - (f - lo) / span) for r, f in zip(recency, flights, strict=True)]
+        return [w * r + (1.0 - w) * (1.0 - (f - lo) / span) for r, f in zip(recency, loads, strict=True)]
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         self._note(endpoint.address)
+        if self.work_tokens:
+            cached = ctx.matches.get(endpoint.address, 0) * ctx.block_chars
+            self._add_work(endpoint.address, ctx.tokens(max(0, len(ctx.request.prompt_text) - cached)), now)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         self._note(pick.address)
+        if self.work_tokens:  # a peer's pick carries its prompt, not what the pod had cached of it
+            self._add_work(pick.address, pick.prompt_tokens, now)
 
     def _note(self, address: str) -> None:
         self._seq += 1
         self._last_pick[address] = self._seq
 
+    def _add_work(self, address: str, tokens: float, now: float) -> None:
+        value, at = self._work.get(address, (0.0, now))
+        now = max(now, at)  # a peer's pick may be a moment older
+        self._work[address] = (value * 0.5 ** ((now - at) / self.work_half_life) + tokens, now)
+
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self._last_pick.pop(endpoint.address, None)
+        self._work.pop(endpoint.address, None)
 
 
 
@@ -450,6 +496,8 @@ class SessionAffinityParams(Section):
 
 class ColdPrefixSpreaderParams(Section):
     recency_weight: float = Field(default_of(ColdPrefixSpreader, "recency_weight"), ge=0, le=1)
+    work_tokens: float = Field(default_of(ColdPrefixSpreader, "work_tokens"), ge=0)
+    work_half_life: float = Field(default_of(ColdPrefixSpreader, "work_half_life"), gt=0)
 
 
 def _prefix_cache(name: str, p: PrefixCacheParams, deps: PluginDeps) -> Plugin:
