@@ -18,6 +18,7 @@ from picker.prefix.hashing import IndexKey
 from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.filters import SaturationFilter
+from picker.scheduling.memory import FadingTally
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import PeerPick
 from picker.scheduling.scorers import (
@@ -234,6 +235,19 @@ def test_cold_spreader_counts_the_uncached_prefill_it_dealt() -> None:
         ColdPrefixSpreader(work_tokens=-1)
 
 
+def test_a_fading_tally_halves_every_half_life() -> None:
+    tally = FadingTally(0.5)
+    assert not tally and tally.value("a", 0.0) == 0.0
+    tally.add("a", 100.0, 0.0)
+    assert tally.value("a", 0.5) == pytest.approx(50.0) and tally.value("a", 1.0) == pytest.approx(25.0)
+    tally.add("a", 100.0, -0.25)  # a peer's pick a moment older than the last: added as of the last
+    assert tally.entries["a"] == (200.0, 0.0)
+    tally.forget("a")
+    assert not tally and tally.value("a", 1.0) == 0.0
+    with pytest.raises(ValueError):
+        FadingTally(0.0)
+
+
 def test_saturation_filter_keeps_all_when_all_saturated() -> None:
     f = SaturationFilter(thresholds=SaturationThresholds(queue=5, kv_cache=0.8, stale=0.2))
     ok, queued, full = ep(1, waiting=5.0, kv_usage=0.8), ep(2, waiting=6.0), ep(3, kv_usage=0.9)
@@ -322,4 +336,5 @@ def test_peer_picks_teach_the_stateful_scorers_like_own_picks() -> None:
     load.on_peer_picked(PeerPick(a.address, 4096), 0.0)
     assert load.score(ctx_for(), [a, b])[0] < 0.25  # a peer just handed `a` a long prompt
     load.on_peer_picked(PeerPick(a.address, 4096), -0.01)  # a peer's pick may be a moment older: adds up
-    assert load._recent_prefill(a.address, 0.0) == pytest.approx(2 * 4096)
+    b.in_flight = 1  # one request with no prompt against 2 x 4096 recent tokens at weight 4: 8 requests on `a`
+    assert load.score(ctx_for(), [a, b]) == pytest.approx([1.0 - 7 / 8, 1.0])  # (8 - 1) / (8 - 1 + slack 1)

@@ -17,7 +17,7 @@ from picker.endpoints.state import Endpoint
 from picker.prefix.index import CacheRoom
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.demand import PrefixDemand
-from picker.scheduling.memory import PodMemory
+from picker.scheduling.memory import FadingTally, PodMemory
 from picker.scheduling.plugins import (
     NoParams,
     PeerPick,
@@ -245,19 +245,16 @@ class InFlightLoadScorer(Plugin):
         self.slack = slack
         self.prefill_half_life = prefill_half_life
         self.prefill_weight = prefill_weight
-        self._recent: dict[str, tuple[float, float]] = {}  # address -> (decayed prompt tokens, at time)
-
-    def _recent_prefill(self, address: str, now: float) -> float:
-        value, at = self._recent.get(address, (0.0, now))
-        return value * 0.5 ** ((now - at) / self.prefill_half_life) if value else 0.0
+        # prompt tokens picked for each pod lately (None: the term is off)
+        self._recent = FadingTally(prefill_half_life) if prefill_half_life > 0 else None
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         unit = self.tokens_per_request
         loads = [e.in_flight + e.in_flight_tokens / unit for e in candidates]
         recent = self._recent
-        if self.prefill_half_life > 0 and recent:
-            # _recent_prefill inlined (one call per pod was a fifth of a decision at 1,000 pods); same arithmetic
-            scale, half, now, get = self.prefill_weight / unit, self.prefill_half_life, ctx.now, recent.get
+        if recent:
+            # FadingTally.value inlined (one call per pod was a fifth of a decision at 1,000 pods); same arithmetic
+            scale, half, now, get = self.prefill_weight / unit, recent.half_life, ctx.now, recent.entries.get
             for i, e in enumerate(candidates):
                 entry = get(e.address)
                 if entry is not None and entry[0]:
@@ -275,12 +272,12 @@ class InFlightLoadScorer(Plugin):
         self._add_prefill(pick.address, pick.prompt_tokens, now)
 
     def _add_prefill(self, address: str, tokens: float, now: float) -> None:
-        if self.prefill_half_life > 0:
-            now = max(now, self._recent.get(address, (0.0, now))[1])  # a peer's pick may be a moment older
-            self._recent[address] = (self._recent_prefill(address, now) + tokens, now)
+        if self._recent is not None:
+            self._recent.add(address, tokens, now)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
-        self._recent.pop(endpoint.address, None)
+        if self._recent is not None:
+            self._recent.forget(endpoint.address)
 
 
 class LoraAffinityScorer(Plugin):
@@ -406,7 +403,7 @@ class ColdPrefixSpreader(Plugin):
         self.work_half_life = work_half_life
         self._seq = 0
         self._last_pick: dict[str, int] = {}
-        self._work: dict[str, tuple[float, float]] = {}  # address -> (decayed uncached tokens dealt, at time)
+        self._work = FadingTally(work_half_life)  # uncached prompt tokens dealt to each pod lately
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         matched = ctx.matched
@@ -424,13 +421,14 @@ class ColdPrefixSpreader(Plugin):
         recency = min_max_inverse([get(e.address, -1) for e in candidates])
         loads = [float(e.in_flight) for e in candidates]
         if self.work_tokens and self._work:
-            work, half, unit, now = self._work.get, self.work_half_life, self.work_tokens, ctx.now
+            # FadingTally.value inlined, as in InFlightLoadScorer.score
+            entries, half, unit, now = self._work.entries.get, self._work.half_life, self.work_tokens, ctx.now
             dealt = [DealtWork(0.0) for _ in candidates]
             for i, e in enumerate(candidates):
-                entry = work(e.address)
+                entry = entries(e.address)
                 if entry is not None:
-                    # no more than its requests still in flight carry: a pod that has answered them is done
                     left = entry[0] * 0.5 ** ((now - entry[1]) / half)
+                    # no more than its requests still in flight carry: a pod that has answered them is done
                     carried = e.in_flight_tokens + e.peer_in_flight_tokens
                     dealt[i].tokens = left if left < carried else float(carried)
                     loads[i] += dealt[i].tokens / unit
@@ -444,25 +442,20 @@ class ColdPrefixSpreader(Plugin):
         self._note(endpoint.address)
         if self.work_tokens:
             cached = ctx.matches.get(endpoint.address, 0) * ctx.block_chars
-            self._add_work(endpoint.address, ctx.tokens(max(0, len(ctx.request.prompt_text) - cached)), now)
+            self._work.add(endpoint.address, ctx.tokens(max(0, len(ctx.request.prompt_text) - cached)), now)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         self._note(pick.address)
         if self.work_tokens:  # a peer's pick carries its prompt, not what the pod had cached of it
-            self._add_work(pick.address, pick.prompt_tokens, now)
+            self._work.add(pick.address, pick.prompt_tokens, now)
 
     def _note(self, address: str) -> None:
         self._seq += 1
         self._last_pick[address] = self._seq
 
-    def _add_work(self, address: str, tokens: float, now: float) -> None:
-        value, at = self._work.get(address, (0.0, now))
-        now = max(now, at)  # a peer's pick may be a moment older
-        self._work[address] = (value * 0.5 ** ((now - at) / self.work_half_life) + tokens, now)
-
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self._last_pick.pop(endpoint.address, None)
-        self._work.pop(endpoint.address, None)
+        self._work.forget(endpoint.address)
 
 
 
