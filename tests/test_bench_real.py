@@ -32,6 +32,7 @@ from picker.bench.real import (
     mirror_at_rates,
     mirror_overshoots,
     paired_ratio_lines,
+    picker_flags,
     replay,
     report,
     request_rows,
@@ -201,6 +202,19 @@ def test_a_pod_leaving_is_refused_where_a_router_cannot_follow_it(tmp_path) -> N
         run_real(RealSpec.for_workload("leave-rejoin", strategies=("round-robin", "picker")), tmp_path)
     with pytest.raises(ValueError, match="0 < leave_at < rejoin_at < 1"):
         run_real(RealSpec.for_workload("leave-rejoin", rejoin_at=0.2), tmp_path)
+
+
+def test_a_candidate_is_the_picker_with_its_own_flags_on_top(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`picker-candidate` runs the picker with `--candidate-args` after `--picker-args`; each without the other is
+    refused before anything is installed or started."""
+    spec = RealSpec(strategies=("picker", "picker-candidate"), picker_args=("--log-level", "INFO"),
+                    candidate_args=("--config-file", "variant.yaml"))
+    assert picker_flags("picker", spec, tmp_path) == ["--log-level", "WARNING", "--log-level", "INFO"]
+    assert picker_flags("picker-candidate", spec, tmp_path) == ["--log-level", "WARNING", "--log-level", "INFO",
+                                                                "--config-file", "variant.yaml"]
+    for lone in (replace(spec, candidate_args=()), replace(spec, strategies=("picker",))):
+        with pytest.raises(ValueError, match="--candidate-args and the picker-candidate strategy go together"):
+            run_real(lone, tmp_path)
 
 
 def test_direction_check_and_report() -> None:

@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "processes (not with a pod leaving); repeat r replays the trace of --seed + r, as fresh servers' new ports "
       "would re-place the hash routers' prefixes")
     a("--picker-args", default=None, help="--engine vllm: extra `picker serve` flags for the picker strategies")
+    a("--candidate-args", default=None, help="--engine vllm: `picker serve` flags for the picker-candidate strategy "
+                                             "(a change measured beside the defaults in the same run)")
     a("--model-shape", default=None, help="--engine vllm: the served random-weight Llama, small (default) or "
       "medium (~12x the compute per token by its shape: loads a fast machine's engines at the workloads' rates)")
     a("--mode", choices=("fast", "live", "both"), default=None,
@@ -202,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return run_real(args, out)
     vllm_only = [flag for flag, value in (("--model-shape", args.model_shape), ("--picker-args", args.picker_args),
+                                          ("--candidate-args", args.candidate_args),
                                           ("--reuse-servers", args.reuse_servers or None)) if value is not None]
     if vllm_only:
         print(f"picker bench: {', '.join(vllm_only)}: only with --engine vllm (the real-engine benchmark)", file=sys.stderr)
@@ -259,6 +262,7 @@ def real_spec(args: argparse.Namespace) -> RealSpec:
                                  repeats=args.repeats or 3, seed=args.seed,
                                  **({"rate": args.rate} if args.rate else {}),
                                  picker_args=tuple(shlex.split(args.picker_args or "")),
+                                 candidate_args=tuple(shlex.split(args.candidate_args or "")),
                                  reuse_servers=args.reuse_servers, seed_per_repeat=args.reuse_servers,
                                  **({"model": args.model_shape} if args.model_shape else {}))
     return spec.with_requests(args.requests) if args.requests else spec

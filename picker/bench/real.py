@@ -22,7 +22,8 @@ compute per token) brings the engines back to the loaded regime the rates were c
   token), `picker-4-replicas` (four replicas behind one Envoy sharing a Valkey index: does the pods' scrape
   load grow?) and `picker-round-robin` (`picker serve --strategy round-robin`: the picker's path, its ext_proc
   round trips, scrapes and CPU, with round-robin's decisions: what routing through the picker costs, apart from
-  where it sends requests); the peers `sglang-router` and `vllm-router` (`cache_aware`, each in its own venv,
+  where it sends requests) and `picker-candidate` (the picker with `--candidate-args` on top of `--picker-args`,
+  say a config file that changes one default: the change measured beside the defaults in one run); the peers `sglang-router` and `vllm-router` (`cache_aware`, each in its own venv,
   picker/bench/peers.py) run as the proxies they are, the client sending to them and they to the same servers
   (no Envoy: their requests are not attributed to a pod, so the per-pod sections of the report leave them out;
   in `leave-rejoin` the pool change reaches them through their own add/remove-worker API).
@@ -81,7 +82,7 @@ from picker.serving.supervisor import (
 from picker.sim.profiles import TINY_CPU
 
 STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "prefix-hash", "picker", "picker-predicted-ttft",
-              "picker-4-replicas", "picker-round-robin", *PEERS)
+              "picker-4-replicas", "picker-round-robin", "picker-candidate", *PEERS)
 # What `make bench-real` compares: round-robin, the two strong hash baselines and the defaults.
 DEFAULT_STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "picker")
 # The hash baselines: `picker serve --strategy NAME`, reading no metrics.
@@ -151,6 +152,7 @@ class RealSpec:
     num_blocks: int = 160
     seed: int = 1
     picker_args: tuple[str, ...] = ()  # extra `picker serve` flags for the picker strategies
+    candidate_args: tuple[str, ...] = ()  # and for `picker-candidate` only, after those
     model: str = "small"  # the served model's shape: vllm_engine.MODEL_SHAPES
     leave_at: float = 0.0  # > 0: the last server leaves at this share of the trace's span ...
     rejoin_at: float = 0.0  # ... and a fresh server joins at this one
@@ -274,6 +276,23 @@ class Router:
         return sum(cpu_seconds(p.proc.pid) for p in self.processes if p.alive())
 
 
+def picker_flags(strategy: str, spec: RealSpec, logdir: Path) -> list[str]:
+    """The `picker serve` flags of a strategy served by the picker (the hash baselines included)."""
+    if strategy in HASH_BASELINES:
+        flags = ["--strategy", strategy, "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
+    elif strategy in ("picker", "picker-4-replicas"):
+        flags = list(spec.picker_args)
+    elif strategy == "picker-predicted-ttft":
+        flags = [*spec.picker_args, "--config-file", str(predicted_ttft_config(logdir, 1.0))]
+    elif strategy == "picker-round-robin":
+        flags = ["--strategy", "round-robin"]  # scraping at the picker's default cadence, as `picker` does
+    elif strategy == "picker-candidate":
+        flags = [*spec.picker_args, *spec.candidate_args]
+    else:
+        raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+    return ["--log-level", "WARNING", *flags]  # first, so `--picker-args "--log-level DEBUG"` overrides it
+
+
 def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
                  endpoints_file: Path | None = None, timing_log: Path | None = None) -> Router:
     """The router in front of `pool`; the picker strategies follow `endpoints_file` when given. Its Envoy writes
@@ -284,17 +303,7 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
     if strategy in PEERS:
         peer, url = start_peer(PEERS[strategy], [f"http://{address}" for address in pool], logdir)
         return Router(url, [peer], through_envoy=False)
-    if strategy in HASH_BASELINES:
-        flags = ["--strategy", strategy, "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
-    elif strategy in ("picker", "picker-4-replicas"):
-        flags = list(spec.picker_args)
-    elif strategy == "picker-predicted-ttft":
-        flags = [*spec.picker_args, "--config-file", str(predicted_ttft_config(logdir, 1.0))]
-    elif strategy == "picker-round-robin":
-        flags = ["--strategy", "round-robin"]  # scraping at the picker's default cadence, as `picker` does
-    else:
-        raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
-    flags = ["--log-level", "WARNING", *flags]  # first, so `--picker-args "--log-level DEBUG"` overrides it
+    flags = picker_flags(strategy, spec, logdir)
     replicas = 4 if strategy == "picker-4-replicas" else 1
     procs: list[Managed] = []
     if replicas > 1:
@@ -1035,6 +1044,9 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     for s in spec.strategies:
         if s not in STRATEGIES:
             raise ValueError(f"unknown strategy {s!r} for --engine vllm (known: {', '.join(STRATEGIES)})")
+    if ("picker-candidate" in spec.strategies) != bool(spec.candidate_args):
+        raise ValueError("--candidate-args and the picker-candidate strategy go together (the candidate is the "
+                         "picker with those flags)")
     if spec.leave_at:
         if not 0 < spec.leave_at < spec.rejoin_at < 1 or spec.servers < 2:
             raise ValueError("a pod leaving needs 0 < leave_at < rejoin_at < 1 and at least two servers")
