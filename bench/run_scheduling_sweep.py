@@ -85,8 +85,11 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # cold prompts that land on a pod which has just taken another cold prompt (the long-prompt workloads' p99,
     # docs/decisions.md, 20): the deal by recency alone, or a recent prefill counted heavier
     "cold spreader: recency only": _with_params("cold-prefix-spreader", {"recencyWeight": 1.0}),
-    # the deal before decision 21: recency and in-flight counts, not the uncached prefill each pod was handed
-    "cold spreader: no work": _with_params("cold-prefix-spreader", {"workTokens": 0}),
+    # the deal before decision 21: recency and in-flight counts half and half, not the uncached prefill each pod
+    # was handed, weighed 1 in bursty-chat
+    "deal before decision 21": _combine(
+        _with_params("cold-prefix-spreader", {"workTokens": 0, "recencyWeight": 0.5}),
+        _with_weights("bursty-chat", {"cold-prefix-spreader": 1})),
     "prefill weight 16": _with_params("in-flight-load-scorer", {"prefillWeight": 16}),
     "prefill weight 64": _with_params("in-flight-load-scorer", {"prefillWeight": 64}),
     # ...or the predicted-TTFT scorer (its queue of our own picks drains at the pods' measured prefill rate) on top

@@ -129,7 +129,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
             {"pluginRef": "in-flight-load-scorer", "weight": 3},
             {"pluginRef": "lora-affinity-scorer", "weight": 2},
             {"pluginRef": "session-affinity-scorer", "weight": 1},
-            {"pluginRef": "cold-prefix-spreader", "weight": 1},
+            {"pluginRef": "cold-prefix-spreader", "weight": 2},
             *_COMMON_TAIL,
         ]},
     ],

@@ -391,7 +391,7 @@ class ColdPrefixSpreader(Plugin):
     type_name = "cold-prefix-spreader"
     needs_prefix = True
 
-    def __init__(self, name: str | None = None, *, recency_weight: float = 0.5, work_tokens: float = 128.0,
+    def __init__(self, name: str | None = None, *, recency_weight: float = 0.25, work_tokens: float = 128.0,
                  work_half_life: float = 0.2) -> None:
         super().__init__(name)
         if not 0.0 <= recency_weight <= 1.0:
