@@ -147,7 +147,7 @@ def test_a_restarted_pods_empty_cache_is_seen_through_its_events(trace: Trace) -
     # Here the approximate index is right as often as the exact view, so the lines above cannot tell a precise view
     # that follows the events from one that ignores them. With 40 % of the traffic routed around the picker as
     # well, the index is wrong and only the events keep the view right through the restarts. (At 30 % the gap is
-    # 1.6 points of hits and 0.93x the TTFT since the cold-prompt deal counts prefill work, decision 21: too close
+    # 1.3 points of hits and 0.99x the TTFT since the cold-prompt deal counts prefill work, decision 21: too close
     # to this short trace's noise to tell the views apart.)
     unseen = replace(restarting, bypass=0.4)
     approximate = summarize(run_fast(trace, "picker", unseen))
