@@ -206,6 +206,22 @@ async def held(scene: Scene, body: dict[str, Any]) -> AsyncIterator[str]:
         yield str(json.loads(first.removeprefix(b"data: "))["served_by"])
 
 
+async def test_a_session_whose_pod_is_known_is_not_dealt_as_a_cold_prompt(scene: Scene) -> None:
+    """A conversation's next turn that shares nothing cacheable with its last (a short question) is cold on every
+    pod; the cold-prompt deal stands aside for it and session affinity keeps it on the session's pod, through
+    Envoy too. A cold prompt without a session is dealt."""
+    await scene.set()
+    pod, _ = await scene.route(prompt("turnone"), x_session_id="conv-7")
+    scores = await explain(scene, prompt("turntwo"), **{"x-session-id": "conv-7"})
+    assert {a: s["cold-prefix-spreader"] for a, s in scores.items()} == dict.fromkeys(scores, 0.0)
+    assert {a: s["session-affinity-scorer"] for a, s in scores.items()} == {a: float(a == pod) for a in scores}
+    assert max(s["cold-prefix-spreader"] for s in (await explain(scene, prompt("nosession"))).values()) == 1.0
+    async with aiohttp.ClientSession() as session, session.post(
+            scene.envoy.url + "/v1/completions", json=prompt("turnthree"),
+            headers={"x-session-id": "conv-7"}) as response:
+        assert (await response.json())["served_by"] == pod
+
+
 async def test_shared_prefix_sticks_and_cold_prefixes_spread(scene: Scene) -> None:
     await scene.set()
     shared = " ".join(f"system{i}" for i in range(400))
