@@ -284,11 +284,6 @@ class PredictedTTFTScorer(Plugin):
                 prefill += self.eviction_cost * (full if full < 1.0 else 1.0) * cost.per_token * priced
         return Prediction(wait + prefill + decode, wait, uncached, prefill, decode, share)
 
-    def _uncached(self, ctx: SchedulingContext, endpoint: Endpoint) -> float:
-        """This request's prompt tokens the index does not place on `endpoint`."""
-        uncached = self._prompt_tokens(ctx) - ctx.tokens(ctx.matches.get(endpoint.address, 0) * ctx.block_chars)
-        return uncached if uncached > 0.0 else 0.0
-
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         predictions = self.predict(ctx, candidates)
         ctx.note(self.name, predictions)
@@ -308,7 +303,7 @@ class PredictedTTFTScorer(Plugin):
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         now *= self.pod_time_scale
         pod = self._pod(endpoint)
-        uncached = self._uncached(ctx, endpoint)
+        uncached = ctx.uncached_tokens(endpoint.address)
         if self.observer is not None:  # what we expected of this pick, before it joins the pod's queue
             pod.predicted_sum += self._predict_one(endpoint, pod, uncached, now).seconds
             pod.predicted_n += 1

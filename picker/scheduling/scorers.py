@@ -243,7 +243,6 @@ class InFlightLoadScorer(Plugin):
             raise ValueError("tokensPerRequest must be positive; slack, prefillHalfLife, prefillWeight >= 0")
         self.tokens_per_request = tokens_per_request
         self.slack = slack
-        self.prefill_half_life = prefill_half_life
         self.prefill_weight = prefill_weight
         # prompt tokens picked for each pod lately (None: the term is off)
         self._recent = FadingTally(prefill_half_life) if prefill_half_life > 0 else None
@@ -400,7 +399,6 @@ class ColdPrefixSpreader(Plugin):
             raise ValueError("workTokens must be >= 0 and workHalfLife positive")
         self.recency_weight = recency_weight
         self.work_tokens = work_tokens
-        self.work_half_life = work_half_life
         self._seq = 0
         self._last_pick: dict[str, int] = {}
         self._work = FadingTally(work_half_life)  # uncached prompt tokens dealt to each pod lately
@@ -441,8 +439,7 @@ class ColdPrefixSpreader(Plugin):
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         self._note(endpoint.address)
         if self.work_tokens:
-            cached = ctx.matches.get(endpoint.address, 0) * ctx.block_chars
-            self._work.add(endpoint.address, ctx.tokens(max(0, len(ctx.request.prompt_text) - cached)), now)
+            self._work.add(endpoint.address, ctx.uncached_tokens(endpoint.address), now)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         self._note(pick.address)
