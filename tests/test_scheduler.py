@@ -300,7 +300,7 @@ def test_short_prompts_use_bursty_chat_and_explain_adds_up() -> None:
     assert result.profile == "bursty-chat"
     weights = {"prefix-cache-scorer": 3, "queue-scorer": 1, "kv-cache-utilization-scorer": 1,
                "in-flight-load-scorer": 3, "lora-affinity-scorer": 2, "session-affinity-scorer": 1,
-               "cold-prefix-spreader": 2}
+               "cold-prefix-spreader": 4}
     assert len(result.candidates) == 3
     for cand in result.candidates:
         assert set(cand.scores) == set(weights)

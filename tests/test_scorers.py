@@ -184,6 +184,24 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     assert spreader.score(coming_back, pods[:2]) == spreader.score(ctx_for(keys=5, matched=[0, 0]), pods[:2])
 
 
+def test_cold_spreader_sees_a_queue_its_counts_do_not() -> None:
+    """A pod whose last scrape shows requests waiting (other replicas', or ones our counts missed) is not dealt a
+    cold prompt before an idle one; a queue smaller than our own count there changes nothing (docs/decisions.md,
+    22)."""
+    spreader = ColdPrefixSpreader()
+    pods = [ep(1, waiting=4.0), ep(2), ep(3, waiting=3.0)]
+    fresh = ctx_for(keys=3, matched=[0, 0, 0])
+    scores = spreader.score(fresh, pods)
+    assert scores[1] > scores[2] > scores[0]
+    spreader.on_picked(ctx_for(), pods[1], 0.0)  # its turn is over, and still the only pod without a queue
+    scores = spreader.score(fresh, pods)
+    assert scores[1] > scores[2] > scores[0]
+    counted = [ep(1, waiting=1.0), ep(2)]
+    counted[0].in_flight = counted[1].in_flight = 2  # the queued request is one of ours: already counted
+    scores = ColdPrefixSpreader().score(fresh, counted)
+    assert scores[0] == scores[1]
+
+
 def test_cold_spreader_counts_the_uncached_prefill_it_dealt() -> None:
     """A pod dealt a long cold prompt is busy prefilling it for a while: the next cold prompt goes elsewhere even
     where recency alone would send it there, while a short prompt's prefill, or a prompt the pod had cached, barely

@@ -129,7 +129,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
             {"pluginRef": "in-flight-load-scorer", "weight": 3},
             {"pluginRef": "lora-affinity-scorer", "weight": 2},
             {"pluginRef": "session-affinity-scorer", "weight": 1},
-            {"pluginRef": "cold-prefix-spreader", "weight": 2},
+            # 4 (was 2): a cold prompt is not dealt onto a pod still prefilling another (docs/decisions.md, 22)
+            {"pluginRef": "cold-prefix-spreader", "weight": 4},
             *_COMMON_TAIL,
         ]},
     ],

@@ -380,7 +380,8 @@ class ColdPrefixSpreader(Plugin):
     20). A prefix coming back is not dealt: on another pod it would join that pod's working set and evict one of
     its prefixes (docs/decisions.md, 19); the load scorers still weigh against a busy home.
 
-    The deal mixes recency (`recencyWeight`) with load: our in-flight count on the pod plus, with `workTokens` > 0,
+    The deal mixes recency (`recencyWeight`) with load: our in-flight count on the pod (or its scraped queue when
+    longer, docs/decisions.md, 22) plus, with `workTokens` > 0,
     the uncached prompt tokens it was dealt lately (fading with `workHalfLife`, and never more than its requests
     still in flight carry), `workTokens` of them weighing as one request in flight. A pod still prefilling a long
     cold prompt is skipped even when its turn has come; a short or cached prompt barely counts, a pod that has
@@ -417,7 +418,9 @@ class ColdPrefixSpreader(Plugin):
                 return at_home
         get = self._last_pick.get
         recency = min_max_inverse([get(e.address, -1) for e in candidates])
-        loads = [float(e.in_flight) for e in candidates]
+        # what the pod has in hand: our requests in flight, or its queue at the last scrape when longer (other
+        # replicas' requests, or requests our counts do not see); its running count would add the decoding ones
+        loads = [float(max(e.in_flight, e.metrics.waiting)) for e in candidates]
         if self.work_tokens and self._work:
             # FadingTally.value inlined, as in InFlightLoadScorer.score
             entries, half, unit, now = self._work.entries.get, self._work.half_life, self.work_tokens, ctx.now
