@@ -90,6 +90,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "deal before decision 21": _combine(
         _with_params("cold-prefix-spreader", {"workTokens": 0, "recencyWeight": 0.5}),
         _with_weights("bursty-chat", {"cold-prefix-spreader": 1})),
+    # the deal before decision 22: weighed 2 in bursty-chat, against the in-flight scorer's 3 (its other change,
+    # a pod's scraped queue counted when longer than our own count, never fires with one picker in fast mode)
+    "deal before decision 22": _with_weights("bursty-chat", {"cold-prefix-spreader": 2}),
     "prefill weight 16": _with_params("in-flight-load-scorer", {"prefillWeight": 16}),
     "prefill weight 64": _with_params("in-flight-load-scorer", {"prefillWeight": 64}),
     # ...or the predicted-TTFT scorer (its queue of our own picks drains at the pods' measured prefill rate) on top
