@@ -381,11 +381,11 @@ class ColdPrefixSpreader(Plugin):
     its prefixes (docs/decisions.md, 19); the load scorers still weigh against a busy home.
 
     The deal mixes recency (`recencyWeight`) with load: our in-flight count on the pod (or its scraped queue when
-    longer, docs/decisions.md, 22) plus, with `workTokens` > 0,
-    the uncached prompt tokens it was dealt lately (fading with `workHalfLife`, and never more than its requests
-    still in flight carry), `workTokens` of them weighing as one request in flight. A pod still prefilling a long
-    cold prompt is skipped even when its turn has come; a short or cached prompt barely counts, a pod that has
-    answered its requests not at all (docs/decisions.md, 21).
+    longer: docs/decisions.md, 22) plus, with `workTokens` > 0, the uncached prompt tokens it was dealt lately
+    (fading with `workHalfLife`, and never more than its requests still in flight carry), `workTokens` of them
+    weighing as one request in flight. A pod still prefilling a long cold prompt is skipped even when its turn has
+    come; a short or cached prompt barely counts, a pod that has answered its requests not at all (docs/decisions.md,
+    21).
     """
 
     type_name = "cold-prefix-spreader"
