@@ -173,7 +173,8 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     assert spreader.score(in_session, pods) == spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
     coming_back = ctx_for(keys=5, matched=[0, 0, 0])
     coming_back.home = pods[2].address  # a prefix every pod evicted goes home, busy or not (load scorers weigh)
-    assert spreader.score(coming_back, pods) == [0.0, 0.0, 1.0]
+    assert spreader.score(coming_back, pods) == [0.0, 0.0, 0.5]  # half a deal's swing (docs/decisions.md, 22)
+    assert ColdPrefixSpreader(home_credit=1.0).score(coming_back, pods) == [0.0, 0.0, 1.0]
     coming_back.matched = [1, 0, 0]
     assert spreader.score(coming_back, pods) == [0.0, 0.0, 0.0]  # somebody holds part of it: neutral
     # every pod holds the same opening (a system prompt all prompts share): the rest is cold wherever it goes, so

@@ -392,10 +392,11 @@ class ColdPrefixSpreader(Plugin):
     needs_prefix = True
 
     def __init__(self, name: str | None = None, *, recency_weight: float = 0.25, work_tokens: float = 128.0,
-                 work_half_life: float = 0.2) -> None:
+                 work_half_life: float = 0.2, home_credit: float = 0.5) -> None:
         super().__init__(name)
-        if not 0.0 <= recency_weight <= 1.0:
-            raise ValueError("recencyWeight must be within [0, 1]")
+        if not 0.0 <= recency_weight <= 1.0 or not 0.0 <= home_credit <= 1.0:
+            raise ValueError("recencyWeight and homeCredit must be within [0, 1]")
+        self.home_credit = home_credit
         if work_tokens < 0 or work_half_life <= 0:
             raise ValueError("workTokens must be >= 0 and workHalfLife positive")
         self.recency_weight = recency_weight
@@ -412,10 +413,9 @@ class ColdPrefixSpreader(Plugin):
                 session_pod is not None and any(e.address == session_pod for e in candidates)):
             return [0.0] * len(candidates)
         home = ctx.home
-        if home is not None and not held:
-            at_home = [1.0 if e.address == home else 0.0 for e in candidates]
-            if 1.0 in at_home:  # a home that is not among the candidates (gone, filtered out): deal as usual
-                return at_home
+        # a home not among the candidates (gone, filtered out): deal as usual
+        if home is not None and not held and any(e.address == home for e in candidates):
+            return [self.home_credit if e.address == home else 0.0 for e in candidates]
         get = self._last_pick.get
         recency = min_max_inverse([get(e.address, -1) for e in candidates])
         # what the pod has in hand: our requests in flight, or its queue at the last scrape when longer (other
@@ -491,6 +491,7 @@ class ColdPrefixSpreaderParams(Section):
     recency_weight: float = Field(default_of(ColdPrefixSpreader, "recency_weight"), ge=0, le=1)
     work_tokens: float = Field(default_of(ColdPrefixSpreader, "work_tokens"), ge=0)
     work_half_life: float = Field(default_of(ColdPrefixSpreader, "work_half_life"), gt=0)
+    home_credit: float = Field(default_of(ColdPrefixSpreader, "home_credit"), ge=0, le=1)
 
 
 def _prefix_cache(name: str, p: PrefixCacheParams, deps: PluginDeps) -> Plugin:
