@@ -64,10 +64,14 @@ class SchedulingContext:
         """`chars` characters of prompt in tokens."""
         return chars / self.chars_per_token
 
+    def prompt_tokens(self) -> float:
+        """The whole prompt in tokens."""
+        return self.tokens(len(self.request.prompt_text))
+
     def uncached_tokens(self, address: str) -> float:
         """The prompt's tokens the index does not place on the pod at `address`: what it would prefill there."""
         uncached = len(self.request.prompt_text) - self.matches.get(address, 0) * self.block_chars
-        return uncached / self.chars_per_token if uncached > 0 else 0.0
+        return self.tokens(uncached) if uncached > 0 else 0.0
 
     def align(self, candidates: Sequence[Endpoint]) -> None:
         """Refresh `matched` for this candidate list (after filtering)."""

@@ -83,7 +83,7 @@ class PrefixBasedPdDecider(Plugin):
             return False
         request = ctx.request
         ids = request.token_ids
-        tokens = len(ids) if ids else int(ctx.tokens(len(request.prompt_text)))
+        tokens = len(ids) if ids else int(ctx.prompt_tokens())
         if tokens < self.prompt_tokens or tokens < self.non_cached_tokens:
             return False
         held = int(ctx.tokens(ctx.matches.get(decode.address, 0) * ctx.block_chars))

@@ -234,12 +234,9 @@ class PredictedTTFTScorer(Plugin):
             pod.cost.learn(d_count, d_tokens, d_seconds)
             pod.seen_tokens, pod.seen_seconds, pod.seen_count = tokens, seconds, count
 
-    def _prompt_tokens(self, ctx: SchedulingContext) -> float:
-        return ctx.tokens(len(ctx.request.prompt_text))
-
     def predict(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[Prediction]:
         """Each candidate's predicted TTFT (needs `ctx.matched` aligned with `candidates`)."""
-        prompt = self._prompt_tokens(ctx)
+        prompt = ctx.prompt_tokens()
         now = ctx.now * self.pod_time_scale
         block_tokens = ctx.tokens(ctx.block_chars)
         matched = ctx.matched or [0] * len(candidates)

@@ -265,7 +265,7 @@ class InFlightLoadScorer(Plugin):
         return [1.0 - (x - lo) / span for x in loads]
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
-        self._add_prefill(endpoint.address, ctx.tokens(len(ctx.request.prompt_text)), now)
+        self._add_prefill(endpoint.address, ctx.prompt_tokens(), now)
 
     def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         self._add_prefill(pick.address, pick.prompt_tokens, now)
@@ -396,11 +396,11 @@ class ColdPrefixSpreader(Plugin):
         super().__init__(name)
         if not 0.0 <= recency_weight <= 1.0 or not 0.0 <= home_credit <= 1.0:
             raise ValueError("recencyWeight and homeCredit must be within [0, 1]")
-        self.home_credit = home_credit
         if work_tokens < 0 or work_half_life <= 0:
             raise ValueError("workTokens must be >= 0 and workHalfLife positive")
         self.recency_weight = recency_weight
         self.work_tokens = work_tokens
+        self.home_credit = home_credit
         self._seq = 0
         self._last_pick: dict[str, int] = {}
         self._work = FadingTally(work_half_life)  # uncached prompt tokens dealt to each pod lately
