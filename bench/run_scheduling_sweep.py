@@ -93,6 +93,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # the deal before decision 22: weighed 2 in bursty-chat, against the in-flight scorer's 3 (its other change,
     # a pod's scraped queue counted when longer than our own count, never fires with one picker in fast mode)
     "deal before decision 22": _with_weights("bursty-chat", {"cold-prefix-spreader": 2}),
+    # the deal before decision 23: it stood aside whenever the pods held different amounts of a prompt, however
+    # little of it (a system prompt some pods hold before a long cold question)
+    "deal before decision 23": _with_params("cold-prefix-spreader", {"standAsideShare": 0.0}),
     "prefill weight 16": _with_params("in-flight-load-scorer", {"prefillWeight": 16}),
     "prefill weight 64": _with_params("in-flight-load-scorer", {"prefillWeight": 64}),
     # ...or the predicted-TTFT scorer (its queue of our own picks drains at the pods' measured prefill rate) on top

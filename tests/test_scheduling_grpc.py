@@ -222,6 +222,26 @@ async def test_a_session_whose_pod_is_known_is_not_dealt_as_a_cold_prompt(scene:
         assert (await response.json())["served_by"] == pod
 
 
+async def test_a_prompt_mostly_cold_everywhere_is_dealt_though_one_pod_holds_its_opening(scene: Scene) -> None:
+    """A conversation's first turn: a system prompt one pod holds, then a long question no pod holds. Past its
+    opening the prompt is cold wherever it goes, so the deal spreads it (docs/decisions.md, 23), through Envoy
+    too; a prompt the holder has most of is left to the prefix scorer."""
+    await scene.set()
+    system = " ".join(f"persona{i}" for i in range(40))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(scene.envoy.url + "/v1/completions",
+                                json={"model": "tiny", "prompt": system + " hello", "max_tokens": 8}) as response:
+            holder = (await response.json())["served_by"]
+        first_turn = {"model": "tiny", "prompt": system + " " + " ".join(f"story{i}" for i in range(500)),
+                      "max_tokens": 8}
+        deal = {a: s["cold-prefix-spreader"] for a, s in (await explain(scene, first_turn)).items()}
+        assert deal[holder] < max(deal.values()) == 1.0
+        async with session.post(scene.envoy.url + "/v1/completions", json=first_turn) as response:
+            assert (await response.json())["served_by"] != holder
+    next_turn = await explain(scene, {"model": "tiny", "prompt": system + " hello again"})
+    assert {s["cold-prefix-spreader"] for s in next_turn.values()} == {0.0}
+
+
 async def test_shared_prefix_sticks_and_cold_prefixes_spread(scene: Scene) -> None:
     await scene.set()
     shared = " ".join(f"system{i}" for i in range(400))

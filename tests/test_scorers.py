@@ -185,6 +185,22 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     assert spreader.score(coming_back, pods[:2]) == spreader.score(ctx_for(keys=5, matched=[0, 0]), pods[:2])
 
 
+def test_cold_spreader_deals_a_prompt_mostly_cold_wherever_it_goes() -> None:
+    """A short opening one pod holds (a system prompt) before a long new question: the prompt is cold on every pod
+    past the opening, so it is dealt, away from a busy holder; a prompt the holder has most of is not."""
+    pods = [ep(1), ep(2), ep(3)]
+    pods[0].in_flight = 3
+    ten_blocks = InferenceRequest("r", "m", prompt_text="x" * 64 * 10)
+    mostly_cold = ctx_for(ten_blocks, keys=10, matched=[2, 0, 0])  # the holder has a fifth of it
+    scores = ColdPrefixSpreader().score(mostly_cold, pods)
+    assert scores[0] < scores[1] == scores[2] == 1.0
+    assert ColdPrefixSpreader(stand_aside_share=0.0).score(mostly_cold, pods) == [0.0, 0.0, 0.0]  # decision 20's
+    mostly_held = ctx_for(ten_blocks, keys=10, matched=[3, 0, 0])  # 30 %: the prefix scorer decides
+    assert ColdPrefixSpreader().score(mostly_held, pods) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="standAsideShare"):
+        ColdPrefixSpreader(stand_aside_share=1.5)
+
+
 def test_cold_spreader_sees_a_queue_its_counts_do_not() -> None:
     """A pod whose last scrape shows requests waiting (other replicas', or ones our counts missed) is not dealt a
     cold prompt before an idle one; a queue smaller than our own count there changes nothing (docs/decisions.md,

@@ -374,11 +374,13 @@ class ColdPrefixSpreader(Plugin):
 
     Without it, cold requests that arrive between two metric scrapes see identical scores and pile up on
     whatever the tie-break favours; with it they deal out like cards. Neutral (all 0) when some candidates hold
-    more of the prefix than others, so it never fights prefix affinity, and when the request's session has a
-    pod among the candidates, so it never fights session affinity. A prompt whose opening every candidate holds
-    alike (a system prompt all prompts share) is cold past it wherever it goes: it is dealt (docs/decisions.md,
-    20). A prefix coming back is not dealt: on another pod it would join that pod's working set and evict one of
-    its prefixes (docs/decisions.md, 19); the load scorers still weigh against a busy home.
+    more of the prompt than others and one holds at least `standAsideShare` of it, so it never fights prefix
+    affinity, and when the request's session has a pod among the candidates, so it never fights session
+    affinity. A prompt whose opening every candidate holds alike (a system prompt all prompts share), or which
+    is mostly cold wherever it goes (a short opening some pods hold before a long new question), is dealt
+    (docs/decisions.md, 20 and 23). A prefix coming back is not dealt: on another pod it would join that pod's
+    working set and evict one of its prefixes (docs/decisions.md, 19); the load scorers still weigh against a
+    busy home.
 
     The deal mixes recency (`recencyWeight`) with load: our in-flight count on the pod (or its scraped queue when
     longer: docs/decisions.md, 22) plus, with `workTokens` > 0, the uncached prompt tokens it was dealt lately
@@ -392,15 +394,17 @@ class ColdPrefixSpreader(Plugin):
     needs_prefix = True
 
     def __init__(self, name: str | None = None, *, recency_weight: float = 0.25, work_tokens: float = 128.0,
-                 work_half_life: float = 0.2, home_credit: float = 0.5) -> None:
+                 work_half_life: float = 0.2, home_credit: float = 0.5,
+                 stand_aside_share: float = 0.3) -> None:
         super().__init__(name)
-        if not 0.0 <= recency_weight <= 1.0 or not 0.0 <= home_credit <= 1.0:
-            raise ValueError("recencyWeight and homeCredit must be within [0, 1]")
+        if not 0.0 <= recency_weight <= 1.0 or not 0.0 <= home_credit <= 1.0 or not 0.0 <= stand_aside_share <= 1.0:
+            raise ValueError("recencyWeight, homeCredit and standAsideShare must be within [0, 1]")
         if work_tokens < 0 or work_half_life <= 0:
             raise ValueError("workTokens must be >= 0 and workHalfLife positive")
         self.recency_weight = recency_weight
         self.work_tokens = work_tokens
         self.home_credit = home_credit
+        self.stand_aside_share = stand_aside_share
         self._seq = 0
         self._last_pick: dict[str, int] = {}
         self._work = FadingTally(work_half_life)  # uncached prompt tokens dealt to each pod lately
@@ -409,7 +413,8 @@ class ColdPrefixSpreader(Plugin):
         matched = ctx.matched
         held = max(matched, default=0)
         session_pod = ctx.session_pod
-        if (held and min(matched) != held) or (
+        if (held and min(matched) != held
+                and held * ctx.block_chars >= self.stand_aside_share * len(ctx.request.prompt_text)) or (
                 session_pod is not None and any(e.address == session_pod for e in candidates)):
             return [0.0] * len(candidates)
         home = ctx.home
@@ -492,6 +497,7 @@ class ColdPrefixSpreaderParams(Section):
     work_tokens: float = Field(default_of(ColdPrefixSpreader, "work_tokens"), ge=0)
     work_half_life: float = Field(default_of(ColdPrefixSpreader, "work_half_life"), gt=0)
     home_credit: float = Field(default_of(ColdPrefixSpreader, "home_credit"), ge=0, le=1)
+    stand_aside_share: float = Field(default_of(ColdPrefixSpreader, "stand_aside_share"), ge=0, le=1)
 
 
 def _prefix_cache(name: str, p: PrefixCacheParams, deps: PluginDeps) -> Plugin:
