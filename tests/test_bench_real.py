@@ -609,6 +609,11 @@ def test_a_pool_change_is_reported_phase_by_phase_for_every_router() -> None:
     peer = run("sglang-router", 0, 0.8, 275, 500, 0.5, 0.0) | {
         "pool_changes": [["left", 10.0], ["stopped", 12.0], ["joined", 20.0]], "requests_detail": detail,
         "share": [0.5, 0.25, 0.25], "completed": 4, "pods_known": False}
-    assert phase_figures(peer) == (100.0, 200.0, 400.0, 0.5)  # the joined server served 1 of the 2 sent after
+    figures = phase_figures(peer)
+    assert figures is not None
+    assert figures.means_ms == (100.0, 200.0, 400.0)
+    assert figures.joined_share == 0.5  # the joined server served 1 of the 2 sent after
+    assert figures.slowest == (0, 0, 1)  # the p90 (440 ms) falls after the join: only the 500 ms request is above it
     assert phase_figures(run("picker", 0, 0.8, 275, 500, 0.5, 1.0)) is None  # no pool change
-    assert "| sglang-router | 1 | 100.0 | 200.0 | 400.0 | 0.50 |" in phase_lines([peer], ["sglang-router", "picker"])
+    assert "| sglang-router | 1 | 100.0 | 200.0 | 400.0 | 0.50 | 0 / 0 / 1 |" in phase_lines([peer], ["sglang-router",
+                                                                                                 "picker"])

@@ -53,7 +53,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import numpy as np
@@ -781,9 +781,17 @@ def paired_ratio_lines(runs: list[dict[str, Any]], strategies: list[str]) -> lis
          "|---|---:|---:|---:|---:|"], rows)
 
 
-def phase_figures(run: dict[str, Any]) -> tuple[float, float, float, float] | None:
-    """A pool-change run's TTFT mean over the requests sent before the leave, while one server served alone and
-    after the join, and the joined server's share of the requests sent after it joined; None for other runs."""
+class PhaseFigures(NamedTuple):
+    """A pool-change run, phase by phase: before the leave, while one server served alone, after the join."""
+
+    means_ms: tuple[float, float, float]  # TTFT mean of the requests sent in each phase
+    joined_share: float  # the joined server's share of the requests sent after it joined
+    slowest: tuple[int, int, int]  # the run's slowest tenth (TTFT at or above its p90) by the phase it was sent in
+
+
+def phase_figures(run: dict[str, Any]) -> PhaseFigures | None:
+    """A pool-change run's figures by phase; None for other runs. Where the slowest tenth was sent says which
+    phase sets the run's p90: a router can only change it where it has a choice (not while one server is alone)."""
     events = dict(run.get("pool_changes") or [])
     rows = run.get("requests_detail") or []
     if "left" not in events or "joined" not in events or not rows:
@@ -793,7 +801,9 @@ def phase_figures(run: dict[str, Any]) -> tuple[float, float, float, float] | No
         phases[0 if row[0] < events["left"] else 1 if row[0] < events["joined"] else 2].append(row[5])
     means = [statistics.fmean(p) if p else math.nan for p in phases]
     joined = run["share"][-1] * run["completed"] / len(phases[2]) if phases[2] else math.nan
-    return means[0], means[1], means[2], joined
+    p90 = _pct(np.array([row[5] for row in rows]), 90)
+    slow = [sum(t >= p90 for t in p) for p in phases]
+    return PhaseFigures((means[0], means[1], means[2]), joined, (slow[0], slow[1], slow[2]))
 
 
 def phase_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
@@ -804,15 +814,20 @@ def phase_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
         figures = [f for r in runs if r["strategy"] == name and "error" not in r
                    for f in [phase_figures(r)] if f is not None]
         if figures:
-            cells = [statistics.median(f[i] for f in figures) for i in range(4)]
-            rows.append(f"| {name} | {len(figures)} | {cells[0]:.1f} | {cells[1]:.1f} | {cells[2]:.1f} | {cells[3]:.2f} |")
+            means = [statistics.median(f.means_ms[i] for f in figures) for i in range(3)]
+            share = statistics.median(f.joined_share for f in figures)
+            slow = " / ".join(f"{statistics.median(f.slowest[i] for f in figures):g}" for i in range(3))
+            rows.append(f"| {name} | {len(figures)} | {means[0]:.1f} | {means[1]:.1f} | {means[2]:.1f} | {share:.2f} "
+                        f"| {slow} |")
     return _table_section(
         "Phase by phase of the pool change",
         "TTFT mean of the requests sent before the leave, while one server served alone (from the leave to the join) "
-        "and after the join, and the share of the requests sent after the join that the joined server served: "
-        "medians over the repeats.",
-        ["| router | runs | before the leave ms | one server ms | after the join ms | joined server's share after |",
-         "|---|---:|---:|---:|---:|---:|"], rows)
+        "and after the join, the share of the requests sent after the join that the joined server served, and where "
+        "the run's slowest tenth (TTFT at or above its p90) was sent: medians over the repeats. While one server is "
+        "alone no router has a choice.",
+        ["| router | runs | before the leave ms | one server ms | after the join ms | joined server's share after "
+         "| slowest tenth: before / alone / after |",
+         "|---|---:|---:|---:|---:|---:|---|"], rows)
 
 
 def busier_pick_lines(runs: list[dict[str, Any]], strategies: list[str]) -> list[str]:
