@@ -9,7 +9,9 @@ token, so a scrape competes with the tokens of every request on that pod. This s
 - idle: the API server's CPU time at 0, 20 and 80 scrapes/s (1 and 4 picker replicas at the old 50 ms cadence)
   and 2 and 8 scrapes/s (500 ms), so CPU per scrape = extra CPU / scrapes;
 - under traffic (2 closed-loop streaming completions, ~600-token prompts, 64 output tokens): TTFT and
-  inter-token latency at the same scrape rates, so the event-loop delay shows as the change against no scrapes.
+  inter-token latency at the same scrape rates, so the event-loop delay shows as the change against no scrapes;
+- both for the whole page and for the page cut down to the series the picker reads (`/metrics/?name[]=...`,
+  what `picker serve` asks for by default: `--metrics-only-read-series`).
 
 Writes bench/out/scrape_cost.md and .json.
 """
@@ -34,15 +36,29 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from picker.bench import vllm_engine as engine  # noqa: E402
+from picker.endpoints.scraper import MetricsTarget  # noqa: E402
+from picker.endpoints.state import Endpoint  # noqa: E402
 
-# (label, scrapers, interval): scrapers stand for picker replicas, each polling on its own cadence
-RATES: tuple[tuple[str, int, float], ...] = (
-    ("no scrapes", 0, 0.0),
-    ("1 replica @ 500 ms", 1, 0.5),
-    ("4 replicas @ 500 ms", 4, 0.5),
-    ("1 replica @ 50 ms", 1, 0.05),
-    ("4 replicas @ 50 ms", 4, 0.05),
+# (label, scrapers, interval, only the series read): scrapers stand for picker replicas, each polling on its own
+# cadence, for the whole page or the filtered one
+RATES: tuple[tuple[str, int, float, bool], ...] = (
+    ("no scrapes", 0, 0.0, False),
+    ("1 replica @ 500 ms", 1, 0.5, False),
+    ("4 replicas @ 500 ms", 4, 0.5, False),
+    ("1 replica @ 50 ms", 1, 0.05, False),
+    ("4 replicas @ 50 ms", 4, 0.05, False),
+    ("1 replica @ 500 ms, series read", 1, 0.5, True),
+    ("1 replica @ 50 ms, series read", 1, 0.05, True),
+    ("4 replicas @ 50 ms, series read", 4, 0.05, True),
 )
+
+
+def metrics_urls(server: engine.VllmServer) -> tuple[str, str]:
+    """The whole page's URL and the filtered one's, as `picker serve` builds them."""
+    pod = Endpoint.from_address(server.address)
+    filtered = MetricsTarget().filtered_url(pod)
+    assert filtered is not None
+    return MetricsTarget(only_read_series=False).url(pod), filtered
 
 
 @dataclass
@@ -52,6 +68,7 @@ class Phase:
     interval: float
     traffic: bool
     seconds: float
+    url: str = ""
     scrapes: int = 0
     scrape_latency: list[float] = field(default_factory=list)
     api_cpu_s: float = 0.0
@@ -69,7 +86,7 @@ async def scraper(session: aiohttp.ClientSession, url: str, interval: float, pha
     while not stop.is_set():
         start = time.perf_counter()
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-            async with session.get(url + "/metrics") as resp:
+            async with session.get(url) as resp:
                 await resp.read()
             phase.scrapes += 1
             phase.scrape_latency.append(time.perf_counter() - start)
@@ -104,7 +121,7 @@ async def run_phase(server: engine.VllmServer, phase: Phase, seed: int) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
         cpu_before = engine.group_cpu_seconds(server.proc.pid)
-        tasks = [asyncio.create_task(scraper(session, server.url, phase.interval, phase, stop,
+        tasks = [asyncio.create_task(scraper(session, phase.url, phase.interval, phase, stop,
                                              phase.interval * i / max(1, phase.scrapers)))
                  for i in range(phase.scrapers)]
         rng = random.Random(seed)
@@ -133,7 +150,7 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
         base_itl = [x for p in base for x in p.itl]
         base_ttft = [x for p in base for x in p.ttft]
         rows = []
-        for label, scrapers, interval in RATES:
+        for label, scrapers, interval, _ in RATES:
             mine = [p for p in phases if p.traffic == traffic and p.label == label]
             if not mine:
                 continue
@@ -168,7 +185,8 @@ def report(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "# What /metrics scrapes cost a real vLLM server",
         "",
         f"vLLM {engine.VLLM_VERSION} on the CPU, tiny local Llama, engine bound to one core; {meta['rounds']} "
-        f"interleaved rounds of {meta['phase_seconds']:.0f} s per phase; /metrics page {meta['metrics_bytes']} bytes. "
+        f"interleaved rounds of {meta['phase_seconds']:.0f} s per phase; /metrics page {meta['metrics_bytes']} bytes, "
+        f"{meta['filtered_bytes']} with only the series the picker reads ('series read'). "
         "CPU is the API server process (the loop that renders /metrics and streams tokens), as a share of one core.",
         "",
         "## Idle server",
@@ -202,23 +220,29 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, A
     server = engine.fresh_server("scrape-cost", block_size=64, num_blocks=160, cpu=0)
     try:
         await asyncio.to_thread(server.wait_healthy)
-        async with aiohttp.ClientSession() as session, session.get(server.url + "/metrics") as resp:
-            metrics_bytes = len(await resp.read())
+        whole, filtered = metrics_urls(server)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(whole) as resp:
+                metrics_bytes = len(await resp.read())
+            async with session.get(filtered) as resp:
+                filtered_bytes = len(await resp.read())
         warm = Phase("warm-up", 0, 0.0, True, 5.0)
         await run_phase(server, warm, 0)
         phases: list[Phase] = []
         for rnd in range(args.rounds):
             order = list(RATES) if rnd % 2 == 0 else list(reversed(RATES))
             for traffic in (False, True):
-                for label, scrapers, interval in order:
-                    phase = Phase(label, scrapers, interval, traffic, args.phase_seconds)
+                for label, scrapers, interval, only_read in order:
+                    phase = Phase(label, scrapers, interval, traffic, args.phase_seconds,
+                                  filtered if only_read else whole)
                     await run_phase(server, phase, rnd * 100 + scrapers)
                     engine.log(f"round {rnd} {'traffic' if traffic else 'idle'} {label}: {phase.scrapes} scrapes, "
                                f"API CPU {phase.api_cpu_s / phase.seconds * 100:.1f} %")
                     phases.append(phase)
     finally:
         server.stop()
-    meta = {"rounds": args.rounds, "phase_seconds": args.phase_seconds, "metrics_bytes": metrics_bytes}
+    meta = {"rounds": args.rounds, "phase_seconds": args.phase_seconds, "metrics_bytes": metrics_bytes,
+            "filtered_bytes": filtered_bytes}
     return summarize(phases), meta
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
+from picker.endpoints.metrics import VLLM_READ_SERIES, parse_vllm_metrics
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper, MetricsTarget
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
+from picker.tools.echo import only_named_samples
 from tests.fake_pod import FakePod, running_pods
 from tests.waiting import eventually
 
@@ -307,3 +310,39 @@ async def test_a_scrape_budget_stretches_every_interval_alike(pods: list[FakePod
     unlimited = MetricsScraper(lambda: endpoints, refresh_interval=0.02)
     await unlimited.poll_once()
     assert unlimited.stretch == 1.0 and endpoints[0].scrape_interval == pytest.approx(0.02)
+
+
+async def test_a_vllm_pod_is_asked_for_only_the_series_read_and_others_for_the_whole_page() -> None:
+    """vLLM's page is ~50 KB of which the picker reads a few series; asked for those by name (`/metrics/?name[]=`,
+    as vLLM 0.32's exporter takes them) it renders ~1 KB. A pod that refuses that URL, or answers it without
+    vLLM's queue gauge (another engine), is tried once and read whole from then on; with the filter off every
+    pod is read whole."""
+    async with running_pods(4) as pods:
+        pods[0].waiting = 3
+        pods[1].filter, pods[1].waiting = "refuse", 4
+        pods[2].filter, pods[2].waiting = "ignore", 5
+        endpoints = [p.endpoint for p in pods]
+        scraper = MetricsScraper(lambda: endpoints[:3])
+        whole = MetricsScraper(lambda: endpoints[3:], target=MetricsTarget(only_read_series=False))
+        try:
+            for _ in range(3):
+                await scraper.poll_once()
+                await whole.poll_once()
+        finally:
+            await scraper.stop()
+            await whole.stop()
+        # (filtered URL asked, scrapes in all): the refusing and the ignoring pod each asked once, then whole
+        assert [(p.filtered_hits, p.hits) for p in pods] == [(3, 3), (1, 4), (1, 4), (0, 3)]
+        assert [e.metrics.waiting for e in endpoints] == [3.0, 4.0, 5.0, 0.0]
+        assert [e.healthy for e in endpoints] == [True] * 4 and scraper.failures == 0
+        assert 0 < pods[0].last_page_bytes < pods[3].last_page_bytes / 20  # ~2 KB of ~55 KB
+        assert endpoints[0].metrics.num_gpu_blocks == endpoints[3].metrics.num_gpu_blocks == 8192
+
+
+@pytest.mark.parametrize("page", ["vllm-0.32-cpu-idle.txt", "vllm-0.32-cpu-lora.txt"])
+def test_the_series_asked_for_are_every_one_the_parser_reads(page: str) -> None:
+    """Real vLLM pages cut down to the series the scraper asks for read exactly as the whole pages do."""
+    text = (Path(__file__).resolve().parent / "data" / page).read_text()
+    filtered = only_named_samples(text, list(VLLM_READ_SERIES))
+    assert len(filtered) < len(text) / 10
+    assert parse_vllm_metrics(filtered) == parse_vllm_metrics(text)

@@ -34,6 +34,10 @@ _SUMMED = {
 }
 _KV = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # the second is the pre-0.10 name
 _WANTED = (*_SUMMED, *_KV, "cache_config_info", "lora_requests_info")
+# Asking vLLM for only these (prometheus_client's `name[]` filter) spares the pod rendering the ~50 KB page, most of
+# it histogram buckets, on every scrape; a page that took the filter always carries the queue gauge.
+VLLM_READ_SERIES = tuple(f"vllm:{name}" for name in _WANTED)
+VLLM_FILTER_MARK = "vllm:num_requests_waiting"
 # No ^ anchor: an anchored multi-line pattern is tried at every offset (7x slower); line starts are checked below.
 _SAMPLE = re.compile(r"vllm:(" + "|".join(_WANTED) + r")([{ ][^\n]*)")
 

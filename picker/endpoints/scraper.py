@@ -24,6 +24,7 @@ import heapq
 import math
 import random
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,7 +33,7 @@ import aiohttp
 from yarl import URL
 
 from picker.core.lifecycle import cancel_all
-from picker.endpoints.metrics import parse_metrics
+from picker.endpoints.metrics import VLLM_FILTER_MARK, VLLM_READ_SERIES, parse_metrics
 from picker.endpoints.pool import PoolEvent, PoolListener
 from picker.endpoints.shared_scrape import SharedScrapes, grace
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
@@ -63,6 +64,8 @@ async def serving_port_open(endpoint: Endpoint, connect_s: float) -> bool:
     return True
 
 ScrapeCallback = Callable[[Endpoint, bool, bool], None]  # endpoint, fetched and read, fetched but unreadable
+# prometheus_client's filter: only the samples named (`name[]=...`), as its exposition app takes them
+_FILTER_QUERY = urllib.parse.urlencode([("name[]", series) for series in VLLM_READ_SERIES])
 FIRST_SCRAPES = 64  # pods that may join in one sweep and be scraped at once; more are spread out
 
 
@@ -104,12 +107,13 @@ class Cadence:
 @dataclass(frozen=True, slots=True)
 class MetricsTarget:
     """Where a pod's metrics are read (the reference picker's --model-server-metrics-* flags): scheme, a port
-    shared by every pod (0: the pod's serving port) and path."""
+    shared by every pod (0: the pod's serving port) and path; and whether to ask for only the series we read."""
 
     scheme: str = "http"
     port: int = 0
     path: str = "/metrics"
     verify_tls: bool = False  # https only: GIE's --model-server-metrics-https-insecure-skip-verify defaults true
+    only_read_series: bool = True
 
     def url(self, endpoint: Endpoint) -> str:
         if not self.port:
@@ -117,6 +121,14 @@ class MetricsTarget:
         else:
             host = f"[{endpoint.ip}]:{self.port}" if ":" in endpoint.ip else f"{endpoint.ip}:{self.port}"
         return f"{self.scheme}://{host}{self.path}"
+
+    def filtered_url(self, endpoint: Endpoint) -> str | None:
+        """The page with only vLLM's series we read (None when off). vLLM 0.32 takes the filter at `/metrics/`,
+        its Prometheus client's own mount; its `/metrics` route answers the whole page whatever the query."""
+        if not self.only_read_series:
+            return None
+        slash = "" if self.path.endswith("/") else "/"
+        return f"{self.url(endpoint)}{slash}?{_FILTER_QUERY}"
 
 
 class MetricsScraper:
@@ -177,6 +189,8 @@ class MetricsScraper:
         self._rates: dict[str, float] = {}  # address -> 1 / its cadence's interval: scrapes a second it asks for
         self._demand = 0.0  # their sum, kept as each changes
         self._urls: dict[str, URL] = {}  # address -> its metrics URL
+        # pods whose page did not take the series filter (not vLLM, an exporter without it): read whole
+        self._whole_page: set[str] = set()
         self._rng = random.Random()  # spreads each pod's next scrape a little, so a pool's scrapes do not bunch
         self._wakeup: asyncio.Future[None] | None = None  # the loop's sleep; an earlier due scrape ends it
         self._loop_task: asyncio.Task[None] | None = None
@@ -256,6 +270,7 @@ class MetricsScraper:
             self._applied.pop(address, None)
             self._set_rate(address, None)
             self._urls.pop(address, None)
+            self._whole_page.discard(address)
         self._known = known
 
     @property
@@ -364,17 +379,9 @@ class MetricsScraper:
 
     async def scrape(self, endpoint: Endpoint) -> bool:
         """Scrape one endpoint and update its metrics and health; True on success."""
-        session = self._ensure_session()
         self.polls += 1
-        url = self._urls.get(endpoint.address)
-        if url is None:  # parsed once per pod: building the URL anew was ~10 % of a scrape's CPU
-            url = self._urls[endpoint.address] = URL(self.target.url(endpoint), encoded=True)
         try:
-            async with session.get(url, timeout=self.timeout) as resp:
-                if resp.status != 200:
-                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                body = await resp.read()
-            metrics = parse_metrics(body.decode("utf-8", "replace"), updated_at=self.clock())
+            metrics = parse_metrics(await self._page(endpoint), updated_at=self.clock())
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             await self._failed(endpoint, exc)
             if self.on_scrape is not None:
@@ -384,6 +391,36 @@ class MetricsScraper:
             self.on_scrape(endpoint, True, False)
         self._succeeded(endpoint, metrics)
         return True
+
+    async def _page(self, endpoint: Endpoint) -> str:
+        """The pod's metrics page: only the series we read when the pod takes the filter, else the whole page. A
+        pod that refuses the filtered URL (an HTTP error) or answers it without vLLM's queue gauge (another
+        engine, an exporter that ignores the filter) is read whole from then on; a timeout or a refused
+        connection is the pod's failure, not the filter's."""
+        session = self._ensure_session()
+        address = endpoint.address
+        url = self._urls.get(address)
+        filtered = self.target.only_read_series and address not in self._whole_page
+        if url is None:  # parsed once per pod: building the URL anew was ~10 % of a scrape's CPU
+            text = self.target.filtered_url(endpoint) if filtered else None
+            url = self._urls[address] = URL(text or self.target.url(endpoint), encoded=True)
+        if filtered:
+            try:
+                page = await self._get(session, url)
+                if VLLM_FILTER_MARK in page:
+                    return page
+            except aiohttp.ClientResponseError:
+                pass
+            self._whole_page.add(address)
+            url = self._urls[address] = URL(self.target.url(endpoint), encoded=True)
+        return await self._get(session, url)
+
+    async def _get(self, session: aiohttp.ClientSession, url: URL) -> str:
+        async with session.get(url, timeout=self.timeout) as resp:
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            body = await resp.read()
+        return body.decode("utf-8", "replace")
 
     def _succeeded(self, endpoint: Endpoint, metrics: EndpointMetrics) -> None:
         endpoint.metrics = metrics

@@ -16,8 +16,16 @@ from typing import Any
 from aiohttp import web
 
 
+def only_named_samples(page: str, names: list[str]) -> str:
+    """The page cut down to the samples whose names are listed, as prometheus_client's exposition app answers
+    `?name[]=...` (vLLM 0.32 serves that at `/metrics/`): metadata lines go, every label set of a name stays."""
+    wanted = set(names)
+    return "".join(line + "\n" for line in page.splitlines()
+                   if line and not line.startswith("#") and line.split("{", 1)[0].split(" ", 1)[0] in wanted)
+
+
 def make_app(address: str) -> web.Application:
-    stats = {"requests": 0, "listings": 0}
+    stats = {"requests": 0, "listings": 0, "metrics_pages": 0, "filtered_metrics_pages": 0}
 
     async def inference(request: web.Request) -> web.StreamResponse:
         stats["requests"] += 1
@@ -69,18 +77,28 @@ def make_app(address: str) -> web.Application:
                              "adapters": []}  # adapters: loaded (listed at /v1/models), not running
 
     async def metrics(request: web.Request) -> web.Response:
+        """The engine's page; at `/metrics/` with `name[]` only the samples named (as vLLM's exporter answers)."""
         if state["down"]:
             return web.Response(status=503, text="down")
+        page = metrics_page()
+        if request.path.endswith("/"):
+            stats["filtered_metrics_pages"] += 1
+            page = only_named_samples(page, request.query.getall("name[]", []))
+        else:
+            stats["metrics_pages"] += 1
+        return web.Response(text=page)
+
+    def metrics_page() -> str:
         if state["engine"] == "sglang":
             labels = f'model_name="{state["models"][0]}"'
-            return web.Response(text=(
+            return (
                 f"sglang:num_running_reqs{{{labels}}} {float(state['running'])}\n"
                 f"sglang:num_queue_reqs{{{labels}}} {float(state['waiting'])}\n"
-                f"sglang:token_usage{{{labels}}} {float(state['kv'])}\n"))
+                f"sglang:token_usage{{{labels}}} {float(state['kv'])}\n")
         labels = f'engine="0",model_name="{state["models"][0]}"'
         more = "".join(f'vllm:num_requests_running{{engine="{i}",model_name="{m}"}} 0.0\n'
                        for i, m in enumerate(state["models"][1:], start=1))  # an engine per further model
-        return web.Response(text=(
+        return (
             f"vllm:num_requests_running{{{labels}}} {float(state['running'])}\n{more}"
             f"vllm:num_requests_waiting{{{labels}}} {float(state['waiting'])}\n"
             f"vllm:kv_cache_usage_perc{{{labels}}} {float(state['kv'])}\n"
@@ -88,7 +106,7 @@ def make_app(address: str) -> web.Application:
             f'engine="0",num_gpu_blocks="{state["num_gpu_blocks"]}"}} 1.0\n'
             f'vllm:lora_requests_info{{max_lora="{state["max_lora"]}",'
             f'running_lora_adapters="{",".join(state["running_loras"])}",'
-            f'waiting_lora_adapters="{",".join(state["waiting_loras"])}"}} {time.time()}\n'))
+            f'waiting_lora_adapters="{",".join(state["waiting_loras"])}"}} {time.time()}\n')
 
     async def set_metrics(request: web.Request) -> web.Response:
         update = await request.json()
@@ -104,6 +122,7 @@ def make_app(address: str) -> web.Application:
     app = web.Application(client_max_size=64 * 2**20)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics/", metrics)
     app.router.add_get("/test/count", count)
     app.router.add_post("/test/metrics", set_metrics)
     app.router.add_route("*", "/{tail:.*}", inference)
