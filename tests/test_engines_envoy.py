@@ -53,6 +53,11 @@ def test_sglang_pods_are_routed_on_their_own_metric_names() -> None:
                    picker.process.proc)
         assert {served_by(envoy.url, "qwen", f"question {i} " * 10) for i in range(8)} == {(200, free)}
         assert served_by(envoy.url, "llama", "who serves me") == (404, "model_not_found")
+        # asked once for vLLM's series by name (SGLang's page has none of them), read whole from then on
+        for address in pods.addresses:
+            with urllib.request.urlopen(f"http://{address}/test/count", timeout=5) as response:
+                count = json.loads(response.read())
+            assert count["filtered_metrics_pages"] == 1 and count["metrics_pages"] >= 1
 
 
 def sim_served_by(url: str, model: str, prompt: str) -> tuple[int, str]:

@@ -116,6 +116,12 @@ async def test_picks_the_pod_with_lower_queue_and_kv(scene: Scene) -> None:
     for i in range(3):
         dest, status = await scene.route(prompt(f"load{i}x"))
         assert (dest, status) == (scene.pods.addresses[1], 200)
+    # read from the page cut down to the series the picker reads, as vLLM answers `/metrics/?name[]=...`
+    async with aiohttp.ClientSession() as session:
+        for address in scene.pods.addresses:
+            async with session.get(f"http://{address}/test/count") as response:
+                count = await response.json()
+            assert count["filtered_metrics_pages"] > 0 and count["metrics_pages"] == 0
 
 
 async def test_picks_the_pod_with_the_lora_adapter_despite_higher_kv(scene: Scene) -> None:

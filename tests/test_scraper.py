@@ -316,7 +316,7 @@ async def test_a_vllm_pod_is_asked_for_only_the_series_read_and_others_for_the_w
     """vLLM's page is ~50 KB of which the picker reads a few series; asked for those by name (`/metrics/?name[]=`,
     as vLLM 0.32's exporter takes them) it renders ~1 KB. A pod that refuses that URL, or answers it without
     vLLM's queue gauge (another engine), is tried once and read whole from then on; with the filter off every
-    pod is read whole."""
+    pod is read whole. A pod failing with a 5xx fails the scrape and keeps the filter."""
     async with running_pods(4) as pods:
         pods[0].waiting = 3
         pods[1].filter, pods[1].waiting = "refuse", 4
@@ -336,6 +336,15 @@ async def test_a_vllm_pod_is_asked_for_only_the_series_read_and_others_for_the_w
         assert [e.metrics.waiting for e in endpoints] == [3.0, 4.0, 5.0, 0.0]
         assert [e.healthy for e in endpoints] == [True] * 4 and scraper.failures == 0
         assert 0 < pods[0].last_page_bytes < pods[3].last_page_bytes / 20  # ~2 KB of ~55 KB
+        pods[0].mode = "error"  # 503: the pod's failure, not the filter's
+        scraper = MetricsScraper(lambda: endpoints[:1])
+        try:
+            await scraper.poll_once()
+            pods[0].mode = "ok"
+            await scraper.poll_once()
+        finally:
+            await scraper.stop()
+        assert scraper.failures == 1 and (pods[0].filtered_hits, pods[0].hits) == (5, 5)
         assert endpoints[0].metrics.num_gpu_blocks == endpoints[3].metrics.num_gpu_blocks == 8192
 
 

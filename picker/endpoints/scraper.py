@@ -394,9 +394,9 @@ class MetricsScraper:
 
     async def _page(self, endpoint: Endpoint) -> str:
         """The pod's metrics page: only the series we read when the pod takes the filter, else the whole page. A
-        pod that refuses the filtered URL (an HTTP error) or answers it without vLLM's queue gauge (another
-        engine, an exporter that ignores the filter) is read whole from then on; a timeout or a refused
-        connection is the pod's failure, not the filter's."""
+        pod that refuses the filtered URL (a 4xx: not served there) or answers it without vLLM's queue gauge
+        (another engine, an exporter that ignores the filter) is read whole from then on; a 5xx, a timeout or a
+        refused connection is the pod's failure, not the filter's, and the next scrape asks for the series again."""
         session = self._ensure_session()
         address = endpoint.address
         url = self._urls.get(address)
@@ -409,8 +409,9 @@ class MetricsScraper:
                 page = await self._get(session, url)
                 if VLLM_FILTER_MARK in page:
                     return page
-            except aiohttp.ClientResponseError:
-                pass
+            except aiohttp.ClientResponseError as exc:
+                if not 400 <= exc.status < 500:
+                    raise
             self._whole_page.add(address)
             url = self._urls[address] = URL(self.target.url(endpoint), encoded=True)
         return await self._get(session, url)
