@@ -9,8 +9,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from picker.endpoints.metrics import only_named_samples
 from picker.endpoints.state import Endpoint
-from picker.tools.echo import only_named_samples
 
 IDLE_TEXT = (Path(__file__).resolve().parent / "data" / "vllm-0.32-cpu-idle.txt").read_text()  # read once
 

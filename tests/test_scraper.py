@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from picker.endpoints.metrics import VLLM_READ_SERIES, parse_vllm_metrics
+from picker.endpoints.metrics import VLLM_READ_SERIES, only_named_samples, parse_vllm_metrics
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper, MetricsTarget
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
-from picker.tools.echo import only_named_samples
 from tests.fake_pod import FakePod, running_pods
 from tests.waiting import eventually
 

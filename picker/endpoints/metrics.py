@@ -42,6 +42,15 @@ VLLM_FILTER_MARK = "vllm:num_requests_waiting"
 _SAMPLE = re.compile(r"vllm:(" + "|".join(_WANTED) + r")([{ ][^\n]*)")
 
 
+def only_named_samples(page: str, names: list[str]) -> str:
+    """The page cut down to the samples whose names are listed, as prometheus_client's exposition app answers
+    `?name[]=...` (vLLM 0.32 serves that at `/metrics/`): metadata lines go, every label set of a name stays. What
+    the echo and simulated pods answer, and what tests cut real pages with."""
+    wanted = set(names)
+    return "".join(line + "\n" for line in page.splitlines()
+                   if line and not line.startswith("#") and line.split("{", 1)[0].split(" ", 1)[0] in wanted)
+
+
 @functools.lru_cache(maxsize=1024)
 def parse_labels(text: str) -> dict[str, str]:
     """Labels of one sample (`a="x",b="y"`), with Prometheus escapes undone.

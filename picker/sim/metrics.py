@@ -56,6 +56,8 @@ class MetricsPage:
     path: str
     content_type: str
     render: Callable[[], bytes]
+    # also served at `path/`, cut down to the samples a GET names (`?name[]=...`), as vLLM's exporter does
+    takes_names: bool = False
 
 
 def build_1_2_5_buckets(max_value: int) -> list[float]:
@@ -365,7 +367,7 @@ class SimMetrics(Collector):
         """The routes this pod serves its metrics on: vLLM's /metrics, or the other dialect's pages."""
         if self.dialect_pages is not None:
             return self.dialect_pages.pages()
-        return [MetricsPage("/metrics", PROMETHEUS_TEXT, self.render)]
+        return [MetricsPage("/metrics", PROMETHEUS_TEXT, self.render, takes_names=True)]
 
     def render(self) -> bytes:
         """vLLM's page: Prometheus text format 0.0.4 of the whole registry (byte-identical to `generate_latest`)."""

@@ -15,13 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-
-def only_named_samples(page: str, names: list[str]) -> str:
-    """The page cut down to the samples whose names are listed, as prometheus_client's exposition app answers
-    `?name[]=...` (vLLM 0.32 serves that at `/metrics/`): metadata lines go, every label set of a name stays."""
-    wanted = set(names)
-    return "".join(line + "\n" for line in page.splitlines()
-                   if line and not line.startswith("#") and line.split("{", 1)[0].split(" ", 1)[0] in wanted)
+from picker.endpoints.metrics import only_named_samples
 
 
 def make_app(address: str) -> web.Application:

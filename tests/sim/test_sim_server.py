@@ -11,7 +11,11 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.endpoints.metrics import parse_vllm_metrics
+from picker.endpoints.scraper import MetricsTarget
+from picker.endpoints.state import Endpoint
 from picker.sim.fleet import SimFleet, SimFleetThread
+from picker.sim.server import NAMED_SCRAPE_SHARE
 
 LONG_TEXT = " ".join(f"word{i % 97} and more text {i}" for i in range(300))  # ~1.8k tokens
 
@@ -284,3 +288,23 @@ async def test_a_scrape_cost_holds_the_pods_api_server() -> None:
         await asyncio.gather(*storm)
         assert loop.time() - start >= 6 * 0.05 * 0.9  # six scrapes one after the other
         assert held >= 0.15 and free < held  # the request waited for the scrapes ahead of it
+
+
+async def test_a_pod_asked_for_the_series_read_answers_them_alone_at_a_third_of_the_cost() -> None:
+    """As vLLM 0.32's exporter, a simulated pod answers `/metrics/?name[]=...` with only the samples named, and such
+    a scrape holds its API server for NAMED_SCRAPE_SHARE of a whole page's cost (measured on real vLLM)."""
+    async with SimFleet(1, profile="tiny-cpu", time_scale=1.0,
+                        profile_overrides={"scrape_cost_s": 0.1}) as f, aiohttp.ClientSession() as http:
+        loop = asyncio.get_running_loop()
+        url = MetricsTarget().filtered_url(Endpoint.from_address(f.urls[0].removeprefix("http://")))
+        assert url is not None
+        timings = []
+        for path in (url, f.urls[0] + "/metrics"):
+            start = loop.time()
+            async with http.get(path) as resp:
+                assert resp.status == 200
+                page = await resp.text()
+            timings.append((loop.time() - start, len(page), parse_vllm_metrics(page)))
+        (named_s, named_bytes, named), (whole_s, whole_bytes, whole) = timings
+        assert named_bytes < whole_bytes / 10 and named == whole
+        assert 0.1 * NAMED_SCRAPE_SHARE * 0.9 <= named_s < 0.1 * 0.9 <= whole_s
