@@ -196,6 +196,15 @@ def test_workloads_are_named_specs() -> None:
     assert RealSpec.for_workload("leave-rejoin", strategies=("picker",)).strategies == ("picker",)
 
 
+def test_a_recorded_run_says_whether_its_scrapes_asked_for_only_the_series_read() -> None:
+    """Runs since the series filter record it (the mirror prices their scrapes lower); a run recorded before it
+    scraped whole pages."""
+    now = asdict(RealSpec.for_workload("hot"))
+    assert now["series_filter"] and RealSpec.recorded(now).series_filter
+    before = {k: v for k, v in now.items() if k != "series_filter"}
+    assert not RealSpec.recorded(before).series_filter
+
+
 def test_a_pod_leaving_is_refused_where_a_router_cannot_follow_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Checked before anything is installed or started."""
     with pytest.raises(ValueError, match=r"round-robin's Envoy routes over a static list of servers"):

@@ -80,6 +80,7 @@ from picker.serving.supervisor import (
     wait_until,
 )
 from picker.sim.profiles import TINY_CPU
+from picker.sim.server import NAMED_SCRAPE_SHARE
 
 STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "prefix-hash", "picker", "picker-predicted-ttft",
               "picker-4-replicas", "picker-round-robin", "picker-candidate", *PEERS)
@@ -163,6 +164,10 @@ class RealSpec:
     # their placement dice anew each repeat; reused ones keep their ports, and one trace would measure a hash on
     # one placement of its prefixes however many repeats ran (set with reuse_servers by `picker bench`)
     seed_per_repeat: bool = False
+    # True: the routers behind our Envoy asked vLLM for only the series they read (`--metrics-only-read-series`,
+    # every run since 2026-12-06), so the mirror prices their scrapes at NAMED_SCRAPE_SHARE of a whole page's;
+    # a run recorded without the key scraped whole pages (`recorded`)
+    series_filter: bool = True
 
     def trace_seed(self, repeat: int) -> int:
         """The seed of repeat `repeat`'s trace (0-based; settling passes, numbered below 0, replay repeat 0's)."""
@@ -194,7 +199,7 @@ class RealSpec:
         """The spec as a run's real.json holds it (lists back to tuples, derived keys such as `requests` dropped)."""
         names = {f.name for f in fields(cls)}
         given: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k in names}
-        return cls(**given)
+        return cls(**{"series_filter": False, **given})  # recorded before the filter: whole pages
 
 
 # --- the workload -------------------------------------------------------------------------------------------------
@@ -963,6 +968,7 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0,
                                       step_overhead_s=SMALL_STEP_S * slowdown)
     fleet = FleetSpec(profile, spec.servers)
     health_only = Cadence.fixed(5.0)
+    scrape_cost = SCRAPE_COST_S * (NAMED_SCRAPE_SHARE if spec.series_filter else 1.0)
 
     def setups(seed: int, span: float) -> dict[str, tuple[str, FastConfig]]:
         moves = (spec.leave_at * span, spec.rejoin_at * span) if spec.leave_at else None
@@ -974,20 +980,20 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0,
 
         return {
             "round-robin": ("round-robin", fleet_cfg("round-robin", admission=False, scraping=False)),
-            **{name: (name, fleet_cfg(name, cadence=health_only, scrape_cost=SCRAPE_COST_S))
+            **{name: (name, fleet_cfg(name, cadence=health_only, scrape_cost=scrape_cost))
                for name in HASH_BASELINES},
             # the peers' cache_aware policy, which reads no metrics (text-tree-scorer)
             **{name: ("text-tree", fleet_cfg(name, admission=False, scraping=False)) for name in PEERS},
-            "picker": ("picker", fleet_cfg("picker", cadence=Cadence(), scrape_cost=SCRAPE_COST_S)),
+            "picker": ("picker", fleet_cfg("picker", cadence=Cadence(), scrape_cost=scrape_cost)),
             "picker-predicted-ttft": ("picker", fleet_cfg("picker-predicted-ttft", cadence=Cadence(),
-                                                          scrape_cost=SCRAPE_COST_S)),
+                                                          scrape_cost=scrape_cost)),
             "picker-round-robin": ("round-robin", fleet_cfg("picker-round-robin", cadence=Cadence(),
-                                                            scrape_cost=SCRAPE_COST_S)),
+                                                            scrape_cost=scrape_cost)),
             "picker-4-replicas": ("picker", fleet_cfg("picker-4-replicas", replicas=4, shared_index=True,
                                                       cadence=Cadence(compare_in_flight=False),
-                                                      scrape_cost=SCRAPE_COST_S)),
+                                                      scrape_cost=scrape_cost)),
             "picker (fixed 50 ms scrape)": ("picker", fleet_cfg("picker", cadence=Cadence.fixed(0.05),
-                                                                scrape_cost=SCRAPE_COST_S)),
+                                                                scrape_cost=scrape_cost)),
         }
 
     rows: dict[str, list[dict[str, float]]] = {}
@@ -1337,6 +1343,8 @@ def report(section: dict[str, Any]) -> str:
                       else f"; with the {model} model it scales for the model as well as the machine")
         seeds = section.get("sim_seeds", 3)
         paths = section.get("sim_paths") or {}
+        filtered = RealSpec.recorded(section["spec"]).series_filter
+        scrape_ms = SCRAPE_COST_S * (NAMED_SCRAPE_SHARE if filtered else 1.0) * 1000
         path_note = ("; each router's path as this run measured it (its requests reach the pod after Envoy's median "
                      "hold, its engines run slower by the CPU its processes took beyond the lightest of them: "
                      + ", ".join(f"{s} {p['delay_ms']:.2f} ms, x{p['engine_slowdown']:.3f}" for s, p in paths.items())
@@ -1345,7 +1353,7 @@ def report(section: dict[str, Any]) -> str:
                   f"The small model's measured rates times {slowdown:.2f} (this run's cold requests took that many "
                   f"times the {SMALL_COLD_TTFT_MS:.0f} ms they took where the rates were measured"
                   f"{also_model}). "
-                  f"Scrapes cost the pod's API server {SCRAPE_COST_S * 1000:.0f} ms each{path_note}; the simulator's "
+                  f"Scrapes cost the pod's API server {scrape_ms:.1f} ms each{path_note}; the simulator's "
                   "tokenizer and prompts differ from the real ones (same token counts). Orderings count as the same when both "
                   "sides differ in the same direction or both are level (hit rates within 0.01, TTFT within 5 %).",
                   "",
