@@ -85,7 +85,7 @@ class ServeConfig(Section):
     model_server_metrics_port: int = Field(0, ge=0, le=65535)
     model_server_metrics_path: str = Field("/metrics", pattern=r"^/")
     model_server_metrics_https_insecure_skip_verify: bool = True
-    # ask vLLM for only the series the picker reads (a ~1 KB page, not ~50 KB): a scrape costs the pod less
+    # ask vLLM for only the series the picker reads (a ~3 KB page, not ~50 KB): a scrape costs the pod less
     metrics_only_read_series: bool = True
     max_body_bytes: Size = Field(16 * 2**20, gt=0)
     max_buffered_bytes: Size = Field(256 * 2**20, gt=0)  # request bodies held by all streams together
@@ -229,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-server-metrics-https-insecure-skip-verify", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="with https, accept the pods' certificates unverified (default true, as the reference picker)")
     a("--metrics-only-read-series", type=parse_bool, nargs="?", const=True, metavar="BOOL",
-      help="ask each pod for only the vLLM series the picker reads (name[] at <path>/, ~1 KB instead of ~50 KB); a "
+      help="ask each pod for only the vLLM series the picker reads (name[] at <path>/, ~3 KB instead of ~50 KB); a "
       "pod whose page does not take the filter is read whole (default true)")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before a pod's serving port is tried: degraded "
       "(still routed) if it answers, unready if not (2)")
