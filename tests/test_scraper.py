@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -311,11 +312,13 @@ async def test_a_scrape_budget_stretches_every_interval_alike(pods: list[FakePod
     assert unlimited.stretch == 1.0 and endpoints[0].scrape_interval == pytest.approx(0.02)
 
 
-async def test_a_vllm_pod_is_asked_for_only_the_series_read_and_others_for_the_whole_page() -> None:
+async def test_a_vllm_pod_is_asked_for_only_the_series_read_and_others_for_the_whole_page(
+        caplog: pytest.LogCaptureFixture) -> None:
     """vLLM's page is ~50 KB of which the picker reads a few series; asked for those by name (`/metrics/?name[]=`,
     as vLLM 0.32's exporter takes them) it renders ~1 KB. A pod that refuses that URL, or answers it without
     vLLM's queue gauge (another engine), is tried once and read whole from then on; with the filter off every
     pod is read whole. A pod failing with a 5xx fails the scrape and keeps the filter."""
+    caplog.set_level(logging.INFO, logger="picker.endpoints.scraper")
     async with running_pods(4) as pods:
         pods[0].waiting = 3
         pods[1].filter, pods[1].waiting = "refuse", 4
@@ -332,6 +335,8 @@ async def test_a_vllm_pod_is_asked_for_only_the_series_read_and_others_for_the_w
             await whole.stop()
         # (filtered URL asked, scrapes in all): the refusing and the ignoring pod each asked once, then whole
         assert [(p.filtered_hits, p.hits) for p in pods] == [(3, 3), (1, 4), (1, 4), (0, 3)]
+        told = [r.getMessage() for r in caplog.records if "series filter" in r.getMessage()]
+        assert len(told) == 2 and "HTTP 404" in told[0] + told[1]  # once a pod, with why
         assert [e.metrics.waiting for e in endpoints] == [3.0, 4.0, 5.0, 0.0]
         assert [e.healthy for e in endpoints] == [True] * 4 and scraper.failures == 0
         assert 0 < pods[0].last_page_bytes < pods[3].last_page_bytes / 20  # ~2 KB of ~55 KB

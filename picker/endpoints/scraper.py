@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import heapq
+import logging
 import math
 import random
 import time
@@ -64,6 +65,7 @@ async def serving_port_open(endpoint: Endpoint, connect_s: float) -> bool:
     return True
 
 ScrapeCallback = Callable[[Endpoint, bool, bool], None]  # endpoint, fetched and read, fetched but unreadable
+log = logging.getLogger(__name__)
 # prometheus_client's filter: only the samples named (`name[]=...`), as its exposition app takes them
 _FILTER_QUERY = urllib.parse.urlencode([("name[]", series) for series in VLLM_READ_SERIES])
 FIRST_SCRAPES = 64  # pods that may join in one sweep and be scraped at once; more are spread out
@@ -409,9 +411,13 @@ class MetricsScraper:
                 page = await self._get(session, url)
                 if VLLM_FILTER_MARK in page:
                     return page
+                why = f"its answer has no {VLLM_FILTER_MARK}"
             except aiohttp.ClientResponseError as exc:
                 if not 400 <= exc.status < 500:
                     raise
+                why = f"HTTP {exc.status}"
+            log.info("pod %s does not take the series filter at %s (%s): reading its whole metrics page", address,
+                     url.path, why)
             self._whole_page.add(address)
             url = self._urls[address] = URL(self.target.url(endpoint), encoded=True)
         return await self._get(session, url)
