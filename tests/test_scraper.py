@@ -308,8 +308,11 @@ async def test_a_scrape_budget_stretches_every_interval_alike(pods: list[FakePod
     finally:
         await scraper.stop()
     unlimited = MetricsScraper(lambda: endpoints, refresh_interval=0.02)
-    await unlimited.poll_once()
-    assert unlimited.stretch == 1.0 and endpoints[0].scrape_interval == pytest.approx(0.02)
+    try:
+        await unlimited.poll_once()
+        assert unlimited.stretch == 1.0 and endpoints[0].scrape_interval == pytest.approx(0.02)
+    finally:
+        await unlimited.stop()
 
 
 async def test_a_vllm_pod_is_asked_for_only_the_series_read_and_others_for_the_whole_page(

@@ -173,9 +173,9 @@ class PoolMonitor:
                                       max_rate=config.max_scrapes_per_second, subscribe=pool.subscribe)
 
     async def run(self) -> None:
-        await self.scraper.poll_once()  # warm start: metrics before the first request where possible
-        await self.scraper.start()
         try:
+            await self.scraper.poll_once()  # warm start: metrics before the first request where possible
+            await self.scraper.start()
             index = self.scheduler.index
             while True:
                 self.metrics.pool.observe_pool(self.pool.all(), self.scraper.stretch)
