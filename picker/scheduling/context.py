@@ -68,6 +68,10 @@ class SchedulingContext:
         """The whole prompt in tokens."""
         return self.tokens(len(self.request.prompt_text))
 
+    def covers(self, blocks: int, share: float) -> bool:
+        """Whether `blocks` matched blocks are at least `share` of the prompt (in characters)."""
+        return blocks * self.block_chars >= share * len(self.request.prompt_text)
+
     def uncached_tokens(self, address: str) -> float:
         """The prompt's tokens the index does not place on the pod at `address`: what it would prefill there."""
         uncached = len(self.request.prompt_text) - self.matches.get(address, 0) * self.block_chars

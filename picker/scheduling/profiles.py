@@ -134,13 +134,13 @@ class RequestClassifier(OneStage, Plugin):
             return self.context_heavy_profile
         if not ctx.matches:
             return self.default_profile
-        matched_chars = max(ctx.matches.values()) * ctx.block_chars
+        held = max(ctx.matches.values())
+        matched_chars = held * ctx.block_chars
         if matched_chars >= self.long_prefix_chars:
             return self.context_heavy_profile
         share = self.continuation_share
-        if (share is not None and matched_chars >= self.continuation_chars
-                and matched_chars >= share * len(ctx.request.prompt_text)
-                and sum(1 for m in ctx.matches.values() if m * ctx.block_chars == matched_chars) == 1):
+        if (share is not None and matched_chars >= self.continuation_chars and ctx.covers(held, share)
+                and sum(1 for m in ctx.matches.values() if m == held) == 1):
             return self.context_heavy_profile
         return self.default_profile
 

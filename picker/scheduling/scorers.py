@@ -413,8 +413,7 @@ class ColdPrefixSpreader(Plugin):
         matched = ctx.matched
         held = max(matched, default=0)
         session_pod = ctx.session_pod
-        if (held and min(matched) != held
-                and held * ctx.block_chars >= self.stand_aside_share * len(ctx.request.prompt_text)) or (
+        if (held and min(matched) != held and ctx.covers(held, self.stand_aside_share)) or (
                 session_pod is not None and any(e.address == session_pod for e in candidates)):
             return [0.0] * len(candidates)
         home = ctx.home
