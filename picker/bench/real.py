@@ -169,6 +169,11 @@ class RealSpec:
     # a run recorded without the key scraped whole pages (`recorded`)
     series_filter: bool = True
 
+    @property
+    def scrape_cost_s(self) -> float:
+        """API-server CPU one of this run's scrapes cost a pod, as the mirror prices it."""
+        return SCRAPE_COST_S * (NAMED_SCRAPE_SHARE if self.series_filter else 1.0)
+
     def trace_seed(self, repeat: int) -> int:
         """The seed of repeat `repeat`'s trace (0-based; settling passes, numbered below 0, replay repeat 0's)."""
         return self.seed + max(repeat, 0) if self.seed_per_repeat else self.seed
@@ -968,7 +973,7 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0,
                                       step_overhead_s=SMALL_STEP_S * slowdown)
     fleet = FleetSpec(profile, spec.servers)
     health_only = Cadence.fixed(5.0)
-    scrape_cost = SCRAPE_COST_S * (NAMED_SCRAPE_SHARE if spec.series_filter else 1.0)
+    scrape_cost = spec.scrape_cost_s
 
     def setups(seed: int, span: float) -> dict[str, tuple[str, FastConfig]]:
         moves = (spec.leave_at * span, spec.rejoin_at * span) if spec.leave_at else None
@@ -1343,8 +1348,7 @@ def report(section: dict[str, Any]) -> str:
                       else f"; with the {model} model it scales for the model as well as the machine")
         seeds = section.get("sim_seeds", 3)
         paths = section.get("sim_paths") or {}
-        filtered = RealSpec.recorded(section["spec"]).series_filter
-        scrape_ms = SCRAPE_COST_S * (NAMED_SCRAPE_SHARE if filtered else 1.0) * 1000
+        scrape_ms = RealSpec.recorded(section["spec"]).scrape_cost_s * 1000
         path_note = ("; each router's path as this run measured it (its requests reach the pod after Envoy's median "
                      "hold, its engines run slower by the CPU its processes took beyond the lightest of them: "
                      + ", ".join(f"{s} {p['delay_ms']:.2f} ms, x{p['engine_slowdown']:.3f}" for s, p in paths.items())
@@ -1353,7 +1357,7 @@ def report(section: dict[str, Any]) -> str:
                   f"The small model's measured rates times {slowdown:.2f} (this run's cold requests took that many "
                   f"times the {SMALL_COLD_TTFT_MS:.0f} ms they took where the rates were measured"
                   f"{also_model}). "
-                  f"Scrapes cost the pod's API server {scrape_ms:.1f} ms each{path_note}; the simulator's "
+                  f"Scrapes cost the pod's API server {scrape_ms:.2g} ms each{path_note}; the simulator's "
                   "tokenizer and prompts differ from the real ones (same token counts). Orderings count as the same when both "
                   "sides differ in the same direction or both are level (hit rates within 0.01, TTFT within 5 %).",
                   "",
