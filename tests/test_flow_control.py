@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from picker.core.headers import DROPPED_REASON
 from picker.core.requests import InferenceRequest, RequestError
 from picker.endpoints.saturation import SaturationThresholds, dispatch_level
 from picker.endpoints.state import Endpoint, EndpointMetrics
-from picker.flowcontrol.controller import DROPPED_REASON_HEADER, FlowController, FlowSettings
+from picker.flowcontrol.controller import FlowController, FlowSettings
 from picker.flowcontrol.queues import FlowQueues, QueueFull
 from picker.flowcontrol.slots import RunningSlots
 from picker.routing.director import through_gate
@@ -193,7 +194,7 @@ async def test_sheddable_is_refused_at_once_full_bands_and_ttl_with_reasons() ->
     with pytest.raises(RequestError) as shed:
         await through(fc, request("batch", priority=-1))
     assert (shed.value.status, shed.value.code) == (429, "saturated")
-    assert shed.value.headers[DROPPED_REASON_HEADER] == "rejected-saturated" and shed.value.headers["retry-after"]
+    assert shed.value.headers[DROPPED_REASON] == "rejected-saturated" and shed.value.headers["retry-after"]
     waiting = asyncio.create_task(through(fc, request("std")))
     await asyncio.sleep(0)
     with pytest.raises(RequestError) as full:
@@ -202,7 +203,7 @@ async def test_sheddable_is_refused_at_once_full_bands_and_ttl_with_reasons() ->
     with pytest.raises(RequestError) as expired:
         await waiting  # nothing frees room: its TTL (50 ms, the loop's timer) passes
     assert (expired.value.status, expired.value.code) == (503, "queue_ttl_expired")
-    assert expired.value.headers[DROPPED_REASON_HEADER] == "rejected-ttl-expired"
+    assert expired.value.headers[DROPPED_REASON] == "rejected-ttl-expired"
     assert len(fc.queues) == 0
 
 
@@ -310,7 +311,7 @@ async def test_a_flow_over_its_budget_is_refused_and_others_are_not() -> None:
         await through(fc, request("third", flow="tenant-a"))
     assert (refused.value.status, refused.value.code) == (429, "token_budget_exceeded")
     assert refused.value.headers["retry-after"] == "30" and \
-        refused.value.headers[DROPPED_REASON_HEADER] == "rejected-token-budget"
+        refused.value.headers[DROPPED_REASON] == "rejected-token-budget"
     await through(fc, request("other", flow="tenant-b"))  # its own budget
 
 

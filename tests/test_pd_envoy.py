@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from picker.core.headers import PREFILLER
 from picker.serving.supervisor import (
     HOST,
     free_port,
@@ -44,9 +45,10 @@ def counter(address: str, name: str, **labels: str) -> float:
     return total
 
 
-def send(url: str, prompt: str) -> dict[str, object]:
+def send(url: str, prompt: str, headers: dict[str, str] | None = None) -> dict[str, object]:
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4}).encode()
-    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+    request = urllib.request.Request(url + "/v1/completions", data=body,
+                                     headers={"content-type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
         answer: dict[str, object] = json.loads(response.read())
@@ -86,7 +88,7 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_a_dead_one_costs_a_lo
             "--config-file", str(config), "--metrics-fast-interval", "5s", "--metrics-slow-interval", "5s",
             "--unhealthy-after-failures", "5"])
         started.append(picker.process)
-        envoy = start_envoy(logdir, picker, [*sidecars, *prefiller.addresses])
+        envoy = start_envoy(logdir, picker, [*sidecars, *prefiller.addresses], disaggregation=True)
         started.append(envoy.process)
         prefill_pod = prefiller.addresses[0]
         wait_until(lambda: counter(f"{HOST}:{picker.metrics_port}", "picker_endpoint_state",
@@ -123,6 +125,12 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_a_dead_one_costs_a_lo
         assert counter(decisions, "llm_d_epp_disagg_decision_total", decision_type="decode-only") == 1
         assert sum(counter(a, "picker_pd_sidecar_requests_total", prefill="remote") for a in sidecar_metrics) == 2
         assert sum(counter(a, "picker_pd_sidecar_requests_total", prefill="local") for a in sidecar_metrics) == 1
+
+        # a client's own prefill target is removed, not honoured: this short prompt is prefilled where it is decoded
+        # (had the sidecar seen the header, it would have tried the closed port and counted an unreachable prefill)
+        send(envoy.url, prompt(10), {PREFILLER: f"{HOST}:{free_port()}"})
+        assert sum(counter(a, "picker_pd_sidecar_requests_total", prefill="local") for a in sidecar_metrics) == 2
+        assert sum(counter(a, "picker_pd_sidecar_prefill_fallbacks_total") for a in sidecar_metrics) == 0
 
         prefiller.process.proc.terminate()
         prefiller.process.proc.wait(10)

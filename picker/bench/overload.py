@@ -52,7 +52,7 @@ from picker.bench.fast import FastConfig, run_fast
 from picker.bench.results import OK, SHED
 from picker.bench.trace import Trace, TraceRequest
 from picker.bench.workloads import WORDS
-from picker.core.requests import FAIRNESS_ID_HEADER
+from picker.core.headers import FAIRNESS_ID
 from picker.endpoints.scraper import Cadence
 from picker.routing.admission import AdmissionConfig
 from picker.serving.config import ServeConfig
@@ -309,7 +309,7 @@ async def one(session: aiohttp.ClientSession, url: str, shot: Shot, text: str) -
     if objective:
         headers["x-gateway-inference-objective"] = objective
     if shot.tenant:
-        headers[FAIRNESS_ID_HEADER] = shot.tenant
+        headers[FAIRNESS_ID] = shot.tenant
     body = {"model": get_profile(PROFILE).model, "stream": True, "max_tokens": MAX_TOKENS,
             "messages": [{"role": "user", "content": text}]}
     try:

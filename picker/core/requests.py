@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from picker.core import headers as names
+
 
 class ApiKind(enum.Enum):
     """OpenAI-style API families, told apart by the `:path` suffix."""
@@ -105,7 +107,7 @@ def route_kind(headers: dict[str, str], has_body: bool) -> ApiKind | None:
         return None
     if api is not None and method != "POST":
         raise RequestError(405, "method_not_allowed", f"{method} is not allowed on {path.split('?', 1)[0]!r}: "
-                           f"the {api.value} API takes POST", {"allow": "POST"})
+                           f"the {api.value} API takes POST", {names.ALLOW: "POST"})
     if not has_body:
         if api is not None:
             raise RequestError(400, "empty_body", f"a {api.value} request needs a JSON body")
@@ -166,10 +168,6 @@ def _prompt_text(prompt: Any) -> str:
     raise RequestError(400, "invalid_prompt", "'prompt' must be a string or a list")
 
 
-FAIRNESS_ID_HEADER = "x-llm-d-inference-fairness-id"  # the reference's flow-control tenant (GIE's x-gateway-... too)
-SLO_TTFT_HEADER = "x-slo-ttft-ms"  # llm-d's name for a request's time-to-first-token objective
-
-
 def _slo_seconds(value: str | None) -> float | None:
     """`x-slo-ttft-ms: 250` -> 0.25 s; a value that is no positive number is the client's 400."""
     if value is None:
@@ -179,7 +177,7 @@ def _slo_seconds(value: str | None) -> float | None:
     except ValueError:
         ms = -1.0
     if not ms > 0 or ms == float("inf"):
-        raise RequestError(400, "invalid_header", f"{SLO_TTFT_HEADER} must be a positive number of milliseconds, "
+        raise RequestError(400, "invalid_header", f"{names.SLO_TTFT} must be a positive number of milliseconds, "
                                                   f"not {value!r}")
     return ms / 1000.0
 
@@ -302,11 +300,11 @@ def build_request(
         model="",
         api=api,
         path=path,
-        objective=headers.get("x-gateway-inference-objective"),
-        fairness_id=headers.get(FAIRNESS_ID_HEADER) or headers.get("x-gateway-inference-fairness-id"),
-        session_id=headers.get("x-session-id"),
-        target_model=headers.get("x-gateway-model-name-rewrite"),
-        slo_ttft_s=_slo_seconds(headers.get(SLO_TTFT_HEADER)),
+        objective=headers.get(names.OBJECTIVE),
+        fairness_id=headers.get(names.FAIRNESS_ID) or headers.get(names.GATEWAY_FAIRNESS_ID),
+        session_id=headers.get(names.SESSION_ID),
+        target_model=headers.get(names.MODEL_REWRITE),
+        slo_ttft_s=_slo_seconds(headers.get(names.SLO_TTFT)),
         subset=subset,
         body_bytes=len(body),
         headers=headers,

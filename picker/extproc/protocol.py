@@ -14,18 +14,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
+from picker.core import headers as names
+
+DESTINATION_HEADER = names.DESTINATION
 DESTINATION_SERVED_KEY = "x-gateway-destination-endpoint-served"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
-FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
-MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
-# P/D: the prefill pod ("ip:port") the decode pod's sidecar sends the prompt to first (llm-d's header)
-PREFILLER_HEADER = "x-prefiller-host-port"
-REQUEST_ID_HEADER = "x-request-id"
-SESSION_HEADER = "x-session-id"
 
 # Envoy splits streamed body mutations; 62,000 bytes keeps each chunk under its per-message limit.
 STREAMED_CHUNK_BYTES = 62_000
@@ -69,8 +64,10 @@ def routing_metadata(destination: str) -> struct_pb2.Struct:
     return meta
 
 
-def routing_common(destination: str, extra_headers: dict[str, str] | None = None) -> pb.CommonResponse:
-    """The mutation that routes a request: destination header (always overwriting) + route cache refresh.
+def routing_common(destination: str, extra_headers: dict[str, str] | None = None,
+                   removed: tuple[str, ...] = ()) -> pb.CommonResponse:
+    """The mutation that routes a request: destination header (always overwriting), the other headers set or
+    removed, and a route cache refresh. Nothing else is touched (docs/protocol.md lists what may be).
 
     `clear_route_cache` makes Envoy re-evaluate routes after the mutation, which is what lets a
     fallback route (no destination header → round-robin) coexist with the picker's route.
@@ -78,23 +75,24 @@ def routing_common(destination: str, extra_headers: dict[str, str] | None = None
     mutation = pb.HeaderMutation(set_headers=[header_option(DESTINATION_HEADER, destination)])
     if extra_headers:
         mutation.set_headers.extend(header_option(k, v) for k, v in extra_headers.items())
-    if not extra_headers or PREFILLER_HEADER not in extra_headers:
-        mutation.remove_headers.append(PREFILLER_HEADER)  # the picker's to set: never the client's
+    if removed:
+        mutation.remove_headers.extend(removed)
     return pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
 
 
-def route_by_headers(destination: str, extra_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
+def route_by_headers(destination: str, extra_headers: dict[str, str] | None = None,
+                     removed: tuple[str, ...] = ()) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=routing_common(destination, extra_headers)),
+        request_headers=pb.HeadersResponse(response=routing_common(destination, extra_headers, removed)),
         dynamic_metadata=routing_metadata(destination),
     )
 
 
-def route_by_body(destination: str, extra_headers: dict[str, str] | None = None,
+def route_by_body(destination: str, extra_headers: dict[str, str] | None = None, removed: tuple[str, ...] = (),
                   body: bytes | None = None) -> pb.ProcessingResponse:
     """BUFFERED mode: the header mutation rides on the body response (headers were already answered); `body`
     replaces the request body (the caller sets its content-length: in this mode that is ours to keep right)."""
-    common = routing_common(destination, extra_headers)
+    common = routing_common(destination, extra_headers, removed)
     if body is not None:
         common.body_mutation.body = body
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
@@ -154,7 +152,7 @@ def immediate(status: int, code: str, message: str, headers: dict[str, str] | No
 def immediate_json(status: int, body: bytes, details: str, headers: dict[str, str] | None = None
                    ) -> pb.ProcessingResponse:
     """Answer the client directly with a JSON body (an error, or what the picker itself answers)."""
-    mutation = pb.HeaderMutation(set_headers=[header_option("content-type", "application/json")])
+    mutation = pb.HeaderMutation(set_headers=[header_option(names.CONTENT_TYPE, "application/json")])
     if headers:
         mutation.set_headers.extend(header_option(k, v) for k, v in headers.items())
     return pb.ProcessingResponse(

@@ -26,6 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 
+from picker.core import headers as names
 from picker.core.memory import AllocatorTrim
 from picker.core.model_rewrite import swap_models
 from picker.core.quietlog import QuietLog
@@ -127,7 +128,7 @@ class _Stream:
             if message.response_headers.end_of_stream:
                 self.release()
             elif self.response_mode != p.NONE and self.decision is not None:
-                content_type = _headers_of(message.response_headers).get("content-type", "")
+                content_type = _headers_of(message.response_headers).get(names.CONTENT_TYPE, "")
                 self.usage = UsageReader(content_type)
                 self.response = self.director.trace_response(self.decision)
             return [p.EMPTY_RESPONSE_HEADERS]
@@ -162,7 +163,7 @@ class _Stream:
         if self.phase is not Phase.START:
             raise ProtocolViolation("request headers arrived twice")
         headers = self.headers = _headers_of(message)
-        self.request_id = headers.get(p.REQUEST_ID_HEADER, "")
+        self.request_id = headers.get(names.REQUEST_ID, "")
         if not self.request_id:
             self.request_id = uuid.uuid4().hex
             self.generated_id = True
@@ -176,7 +177,7 @@ class _Stream:
                 self.phase = Phase.DONE
                 return [p.immediate_json(200, answer, "picker_local_answer")]
             return [await self._route(b"", by_headers=True)]
-        length = headers.get("content-length", "")
+        length = headers.get(names.CONTENT_LENGTH, "")
         if length.isdigit() and int(length) > self.max_body:
             return [self._reject(self._too_large(int(length)))]
         self.phase = Phase.BODY
@@ -206,7 +207,7 @@ class _Stream:
             if not self.budget.take(size):
                 return [self._reject(RequestError(
                     503, "buffers_full", f"the picker holds {self.budget.limit} bytes of request bodies already "
-                    "(--max-buffered-bytes); retry shortly", {"retry-after": "1"}))]
+                    "(--max-buffered-bytes); retry shortly", {names.RETRY_AFTER: "1"}))]
             self.held += size
             if not self.body:
                 self.body = chunk
@@ -247,15 +248,13 @@ class _Stream:
         except RequestError as err:
             return self._reject(err, counted=True)
         self.phase = Phase.ROUTED
-        extra = {p.REQUEST_ID_HEADER: self.request_id} if self.generated_id else None
-        destination, forwarded, prefill = self.decision.destination, self.decision.body, self.decision.prefill
-        if prefill is not None:
-            extra = {**(extra or {}), p.PREFILLER_HEADER: prefill.address}
-        if forwarded is not None:  # the model rewritten: the pod gets another body, of another length
-            extra = {**(extra or {}), "content-length": str(len(forwarded))}
+        decision = self.decision
+        extra = decision.set_headers
+        if self.generated_id:
+            extra = {**(extra or {}), names.REQUEST_ID: self.request_id}
         if by_headers:
-            return p.route_by_headers(destination, extra)
-        return p.route_by_body(destination, extra, forwarded)
+            return p.route_by_headers(decision.destination, extra, decision.removed_headers)
+        return p.route_by_body(decision.destination, extra, decision.removed_headers, decision.body)
 
     def _too_large(self, size: int) -> RequestError:
         return RequestError(413, "body_too_large", f"request body of {size} bytes exceeds the limit of "

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from picker.core.headers import DROPPED_REASON, RETRY_AFTER
 from picker.core.requests import InferenceRequest, RequestError, estimated_tokens
 from picker.endpoints.saturation import SaturationThresholds, dispatch_level
 from picker.endpoints.state import Endpoint
@@ -33,7 +34,6 @@ from picker.flowcontrol.queues import FlowQueues, QueueFull, Waiter
 from picker.flowcontrol.slots import RunningSlots
 from picker.prefix.hashing import CHARS_PER_TOKEN
 
-DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"  # the reference picker's header
 DEFAULT_FLOW = "default"  # the flow of requests that name no fairness id
 
 
@@ -204,8 +204,8 @@ class FlowController:
                 self._observe(request, "RejectedCapacity", 0.0)
                 raise RequestError(429, "token_budget_exceeded", f"flow {request.fairness_id or DEFAULT_FLOW!r} has "
                                    f"used its {self.settings.tokens_per_minute_per_flow} tokens per minute",
-                                   headers={"retry-after": str(max(1, math.ceil(wait))),
-                                            DROPPED_REASON_HEADER: "rejected-token-budget"})
+                                   headers={RETRY_AFTER: str(max(1, math.ceil(wait))),
+                                            DROPPED_REASON: "rejected-token-budget"})
         if self._may_go(now, priority):
             self._let_through(request, 0.0)
             return None
@@ -277,7 +277,7 @@ class FlowController:
 
     def _refusal(self, status: int, code: str, reason: str, message: str) -> RequestError:
         return RequestError(status, code, message,
-                            headers={"retry-after": self.settings.retry_after, DROPPED_REASON_HEADER: reason})
+                            headers={RETRY_AFTER: self.settings.retry_after, DROPPED_REASON: reason})
 
     def _observe(self, request: InferenceRequest, outcome: str, waited: float) -> None:
         if self.observer is not None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import AliasChoices, Field, PrivateAttr, field_validator
 
+from picker.core.headers import RETRY_AFTER
 from picker.core.requests import InferenceRequest, RequestError
 from picker.core.schema import Duration, Section, decode
 from picker.endpoints.saturation import SaturationThresholds, pool_saturation
@@ -185,7 +186,7 @@ class SloShedding:
                 and result.context.slo_attainable is False:
             raise RequestError(429, "slo_unattainable", f"no pod is predicted to give the first token within "
                                f"{slo * 1e3:g} ms (x-slo-ttft-ms); the request is sheddable",
-                               headers={"retry-after": "1"})
+                               headers={RETRY_AFTER: "1"})
 
 
 class Ungated:
@@ -250,7 +251,7 @@ class BoundedWait:
             return None
         return RequestError(429, "saturated", f"pool saturated ({level:.2f} >= {self.config.saturation_limit:g}); "
                             f"request priority {request.priority} is sheddable",
-                            headers={"retry-after": self.config.retry_after})
+                            headers={RETRY_AFTER: self.config.retry_after})
 
     def offer(self, request: InferenceRequest, candidates: Sequence[Endpoint],
               go: Callable[[], bool]) -> _Waiting | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from picker.core import headers as names
 from picker.core.model_rewrite import ModelRewrites, body_for_target, response_swaps
 from picker.core.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
 from picker.endpoints.model_listing import MODELS_PATH
@@ -96,6 +97,10 @@ class Decision:
     body: bytes | None = None  # the body the pod gets, when it is not the client's (its model rewritten)
     swaps: tuple[tuple[bytes, bytes], ...] = ()  # in response bodies: the pod's model name -> the client's
     prefill: Endpoint | None = None  # with P/D: the pod prefilling it (None again once the response began)
+    # What the pod's request gets beyond the destination: headers set, and the client's headers removed (only
+    # those it carries: a locked-down gateway refuses the removal of an absent header as any other mutation).
+    set_headers: dict[str, str] | None = None
+    removed_headers: tuple[str, ...] = ()
 
     @property
     def endpoint(self) -> Endpoint:
@@ -283,6 +288,11 @@ class Director:
         if target is not None and target != request.model and request.has_body:
             decision.body = body_for_target(body, target)
             decision.swaps = response_swaps(target, request.model)
+            decision.set_headers = {names.CONTENT_LENGTH: str(len(decision.body))}  # another body, another length
+        if decision.prefill is not None:
+            decision.set_headers = {**(decision.set_headers or {}), names.PREFILLER: decision.prefill.address}
+        elif names.PREFILLER in headers and self.hears_response_start:
+            decision.removed_headers = (names.PREFILLER,)  # the picker's to set with P/D: never the client's
         if self.metrics is not None:
             self.metrics.observe_processing(time.perf_counter() - began)
         if log.isEnabledFor(logging.DEBUG):

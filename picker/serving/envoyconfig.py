@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from picker.core.headers import mutated_names
 from picker.core.schema import parse_duration
 from picker.endpoints.state import parse_address
 
@@ -54,6 +55,8 @@ class EnvoySettings:
     # The buffered template's response bodies: "none" passes them straight by, "streamed" shows them to the picker
     # (token usage metrics). The full-duplex template always streams them.
     response_body: str = "none"
+    # The picker runs P/D: its ext_proc filter may also set and remove x-prefiller-host-port.
+    disaggregation: bool = False
 
     def picker_host_list(self) -> tuple[str, ...]:
         return self.picker_hosts or (self.picker_host,)
@@ -209,6 +212,18 @@ def _response_body_modes(settings: EnvoySettings) -> str:
             f"{indent}response_body_mode: FULL_DUPLEX_STREAMED\n{indent}response_trailer_mode: SEND\n")
 
 
+def _mutation_rules(settings: EnvoySettings) -> str:
+    """The ext_proc filter's `mutation_rules`: the picker may touch exactly the headers it may set or remove
+    (picker/core/headers.py, docs/protocol.md) and nothing else; any other mutation fails the request, so a
+    picker and a config that disagree are seen at once (and counted: `ext_proc.rejected_header_mutations`)."""
+    names = mutated_names(disaggregation=settings.disaggregation)
+    indent = " " * 14
+    return (f"{indent}# The picker may set or remove only these headers (docs/protocol.md says when); anything else\n"
+            f"{indent}# is refused and fails the request{'' if settings.disaggregation else ' (P/D: envoy-config --disaggregation)'}.\n"
+            f"{indent}mutation_rules:\n{indent}  disallow_all: true\n{indent}  disallow_is_error: true\n"
+            f"{indent}  allow_expression:\n{indent}    regex: \"{'|'.join(names)}\"  # full-string match\n")
+
+
 def render(settings: EnvoySettings) -> str:
     """Fill the template for `settings.mode`. The pool is only needed by the fail-open round-robin route."""
     template = string.Template(template_path(settings.mode).read_text())
@@ -217,6 +232,7 @@ def render(settings: EnvoySettings) -> str:
         PICKER_TRANSPORT_SOCKET=transport,
         PICKER_HEALTH_TRANSPORT=health_transport,
         RESPONSE_BODY_MODES=_response_body_modes(settings),
+        MUTATION_RULES=_mutation_rules(settings),
         LISTEN_HOST=settings.listen_host,
         LISTEN_PORT=settings.listen_port,
         ADMIN_PORT=settings.admin_port,
@@ -372,6 +388,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="with --mode buffered: response bodies pass Envoy straight by (none) or are streamed to the picker, "
       "which reads their token usage for the inference_objective_input/output_tokens metrics at some CPU per "
       "chunk (streamed); --mode full-duplex always streams them (default %(default)s)")
+    a("--disaggregation", action="store_true",
+      help="the picker runs prefill/decode disaggregation: let it set and remove x-prefiller-host-port too "
+      "(default: off; without it the filter refuses that header, as every header but the picker's own)")
     a("--out", metavar="PATH", help="write the config to PATH (default: stdout)")
     a("--validate", action="store_true",
       help="run `envoy --mode validate` on the result and say whether it is valid; without --out nothing is "
@@ -388,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         pool=tuple(p.strip() for p in args.pool.split(",") if p.strip()), mode=args.mode,
         failure_mode_allow=not args.fail_closed, message_timeout=args.message_timeout,
         picker_tls=args.picker_tls, picker_ca=args.picker_ca, picker_client_cert=args.picker_client_cert,
-        response_body=args.response_body,
+        response_body=args.response_body, disaggregation=args.disaggregation,
     )
     try:
         if parse_duration(args.message_timeout) <= parse_duration(args.queue_ttl):

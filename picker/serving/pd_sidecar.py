@@ -36,12 +36,12 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from picker.extproc.protocol import PREFILLER_HEADER
+from picker.core.headers import PREFILLER
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 CONNECTORS = ("nixlv2", "shared-storage")
 # Request headers not passed on (hop-by-hop, or recomputed by the client library for the new body)
-_DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", PREFILLER_HEADER})
+_DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", PREFILLER})
 _NOT_RETURNED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class Sidecar:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
-        prefiller = request.headers.get(PREFILLER_HEADER, "").split(",")[0].strip()
+        prefiller = request.headers.get(PREFILLER, "").split(",")[0].strip()
         if request.method != "POST" or request.path not in GENERATION_PATHS:
             return await self._relay(request, request.method, body, headers)
         if not prefiller:
@@ -146,7 +146,7 @@ class Sidecar:
             return await self._relay(request, "POST", body, headers)
         if self.allowed and not self._allowed(prefiller):
             log.warning("refused a prefill target outside --allowed-prefillers: %s", prefiller)
-            return web.json_response({"error": {"code": "prefiller_not_allowed", "message": f"{PREFILLER_HEADER} "
+            return web.json_response({"error": {"code": "prefiller_not_allowed", "message": f"{PREFILLER} "
                                                 f"{prefiller!r} is outside --allowed-prefillers"}}, status=403)
         try:
             parsed = json.loads(body)

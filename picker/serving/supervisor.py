@@ -22,8 +22,10 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
+import yaml
 
 from picker.serving.envoyconfig import EnvoySettings, envoy_binary, instrumented, render
 from picker.serving.tls import client_credentials, make_pki, read_pair
@@ -307,14 +309,16 @@ _base_id = iter(range(1000 + os.getpid() % 1000 * 100, 10**7))
 def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str], *, mode: str = "buffered",
                 fail_open: bool = True, name: str = "envoy", wait_for_picker: bool = True,
                 client_cert: bool = True, response_body: str = "none", served_by: str = "",
-                timing_log: Path | None = None) -> Envoy:
+                timing_log: Path | None = None, disaggregation: bool = False,
+                edit: Callable[[dict[str, Any]], None] | None = None) -> Envoy:
     """Envoy in front of one picker, or of several replicas (same ports, different hosts) it balances over.
 
     It speaks what the picker serves; to an mTLS picker it presents the client certificate of the picker's CA
     (`client_cert=False`: none, which the picker must refuse). `response_body="streamed"` shows the buffered
     template's response bodies to the picker (token usage); `served_by` names a response header carrying the
     address of the pod that answered; `timing_log` is a file of what routing added to each request
-    (envoyconfig.add_timing_log)."""
+    (envoyconfig.add_timing_log); `disaggregation`: the picker runs P/D (envoy-config --disaggregation); `edit`
+    changes the loaded config before Envoy starts (a gateway configured otherwise than the templates)."""
     pickers = [picker] if isinstance(picker, Picker) else list(picker)
     first = pickers[0]
     if any((p.grpc_port, p.health_port) != (first.grpc_port, first.health_port) for p in pickers):
@@ -327,10 +331,14 @@ def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str]
                                  picker_tls="plaintext" if first.tls == "plaintext" else "tls",
                                  picker_ca=str(first.pki / "ca.crt") if first.pki else "",
                                  picker_client_cert=str(first.pki / "client") if first.pki and client_cert else "",
-                                 response_body=response_body)
+                                 response_body=response_body, disaggregation=disaggregation)
         config_path = logdir / f"{name}.yaml"
-        text = render(settings)
-        config_path.write_text(instrumented(text, served_by, timing_log))
+        text = instrumented(render(settings), served_by, timing_log)
+        if edit is not None:
+            config = yaml.safe_load(text)
+            edit(config)
+            text = yaml.safe_dump(config)
+        config_path.write_text(text)
         process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),
                                "-l", "warning", "--concurrency", "1"], logdir)
         try:

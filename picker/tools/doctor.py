@@ -4,7 +4,8 @@ A picker Envoy cannot talk to is silent by design: with `failure_mode_allow` eve
 routed round-robin by the fail-open route, and the picker never sees the streams that failed. Envoy knows: its
 ext_proc filter counts the streams it let through unprocessed, and its `picker` cluster counts refused
 connections, failed TLS handshakes and connections the picker closed. This command reads those counters and the
-cluster's transport (TLS or plaintext) and names the cause in one line each. Exit status: 0 requests reach the
+cluster's transport (TLS or plaintext) and names the cause in one line each; it also names header changes of the
+picker that the filter's mutation_rules refused. Exit status: 0 requests reach the
 picker, 1 something is wrong (said on stdout), 2 Envoy's admin interface cannot be read.
 """
 
@@ -96,6 +97,11 @@ def diagnose(view: EnvoyView) -> list[str]:
         problems.append(f"the picker at {', '.join(unhealthy)} fails Envoy's gRPC health check: it reports "
                         "NOT_SERVING (no endpoints discovered yet, or draining); `picker explain --endpoints` shows "
                         "its pool")
+    if view.ext_proc("rejected_header_mutations"):
+        problems.append(f"Envoy refused {view.ext_proc('rejected_header_mutations')} header changes of the picker "
+                        "(each fails its request with disallow_is_error): the ext_proc filter's mutation_rules do "
+                        "not allow every header the picker may set or remove (docs/protocol.md lists them). With "
+                        "P/D render Envoy with `picker envoy-config --disaggregation`")
     if view.ext_proc("message_timeouts"):
         problems.append(f"{view.ext_proc('message_timeouts')} picker answers came later than Envoy's "
                         "message_timeout: the picker is overloaded, or the timeout is below its queue TTL")

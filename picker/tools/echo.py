@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from picker.core import headers as names
 from picker.endpoints.metrics import only_named_samples
 
 
@@ -29,8 +30,9 @@ def make_app(address: str) -> web.Application:
             "path": request.path,
             "body_bytes": len(body),
             "body_sha256": hashlib.sha256(body).hexdigest(),
-            "destination_header": request.headers.get("x-gateway-destination-endpoint"),
-            "request_id": request.headers.get("x-request-id"),
+            "destination_header": request.headers.get(names.DESTINATION),
+            "request_id": request.headers.get(names.REQUEST_ID),
+            "prefiller_header": request.headers.get(names.PREFILLER),
         }
         try:
             data = json.loads(body) if body else {}
