@@ -103,6 +103,7 @@ async def test_wrong_method_on_an_inference_api_is_405_from_the_picker(envoy: En
         body = await response.json()
         assert response.status == 405, body
         assert response.headers["allow"] == "POST"
+        assert "x-picker-fail-open" not in response.headers  # the picker answered: nothing failed open
     assert body["error"]["code"] == "method_not_allowed"
     assert await pod_requests(stack) == before
     assert await send_raw(envoy, "/v1/models", b"", method="GET") == 200  # a GET elsewhere still reaches a pod

@@ -107,7 +107,7 @@ async def test_header_only_request_goes_to_a_pool_endpoint(envoy: Envoy, stack: 
 
 async def test_models_are_listed_by_the_picker_for_the_whole_pool(envoy: Envoy, stack: Stack) -> None:
     async with aiohttp.ClientSession() as session, session.get(envoy.url + "/v1/models") as response:
-        assert response.status == 200
+        assert response.status == 200 and "x-picker-fail-open" not in response.headers
         body = await response.json()
     assert body["object"] == "list" and "served_by" not in body  # answered by the picker, not a pod
     assert {m["id"] for m in body["data"]} == {"tiny", "metrics-model", "usage-model", "gauge-model"}
