@@ -1,7 +1,7 @@
 # picker: the ext_proc endpoint picker (`picker serve`) and the vLLM simulator (`picker sim`) in one image.
 #
-#   docker build -t picker:0.1.0 .
-#   docker run --rm -p 9002:9002 -p 9003:9003 -p 9090:9090 picker:0.1.0 serve --endpoints 10.0.0.5:8000
+#   docker build -t llm-picker:0.1.0 .
+#   docker run --rm -p 9002:9002 -p 9003:9003 -p 9090:9090 llm-picker:0.1.0 serve --endpoints 10.0.0.5:8000
 #
 # Two stages: the first builds a virtualenv (our protos compiled while the package is built), the
 # second copies only that virtualenv and runs it as a non-root user that cannot write to it.

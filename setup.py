@@ -1,4 +1,5 @@
-"""Build hook: compile our gRPC API and bundle the Envoy templates while setuptools builds the package.
+"""Build hook: compile our gRPC API, bundle the Envoy templates and record the commit (`picker --version`) while
+setuptools builds the package.
 
 Generated stubs are never committed, and an installed package may be read-only, so the stubs have to be
 produced by the build, not on first import. grpcio-tools is therefore a build requirement
@@ -8,6 +9,7 @@ produced by the build, not on first import. grpcio-tools is therefore a build re
 from __future__ import annotations
 
 import shutil
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -62,6 +64,22 @@ def copy_envoy_templates(build_lib: Path) -> list[Path]:
     return outputs
 
 
+def record_commit(build_lib: Path) -> list[Path]:
+    """The checkout's commit into the built package (picker/build_commit.txt), when it is built from a git checkout
+    (an sdist's tree has none: nothing is recorded)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from picker.core.distribution import BUILD_COMMIT_FILE, git_commit  # standard library only
+    finally:
+        sys.path.remove(str(HERE))
+    commit = git_commit(HERE) if (HERE / ".git").exists() else ""
+    if not commit:
+        return []
+    target = build_lib / "picker" / BUILD_COMMIT_FILE
+    target.write_text(commit + "\n")
+    return [target]
+
+
 class BuildPyWithGenerated(build_py):
     """build_py that adds the API stubs and the Envoy templates to what it builds."""
 
@@ -74,7 +92,8 @@ class BuildPyWithGenerated(build_py):
             return
         super().run()  # copies the sources (possibly with a developer's stale stubs) first...
         build_lib = Path(self.build_lib)
-        self._generated = compile_protos(build_lib) + copy_envoy_templates(build_lib)  # ...then overwrites
+        self._generated = (compile_protos(build_lib) + copy_envoy_templates(build_lib)  # ...then overwrites
+                           + record_commit(build_lib))
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outputs = list(super().get_outputs(include_bytecode))

@@ -21,7 +21,6 @@ import functools
 import json
 import math
 import multiprocessing
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from picker.bench.suite import FastSpec, calibrate  # noqa: E402
 from picker.bench.summary import summarize  # noqa: E402
 from picker.bench.trace import Trace  # noqa: E402
 from picker.bench.workloads import FleetSpec, generate  # noqa: E402
+from picker.core.distribution import git_commit
 
 WORKLOADS = ("shared-prefix", "multi-turn", "imbalance")
 
@@ -125,12 +125,7 @@ def write_report(out: str, stem: str, header: str, table: str, data: dict[str, A
 
 
 def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_commit(Path(__file__).resolve().parent) or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

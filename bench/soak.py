@@ -795,16 +795,6 @@ def _status_like(path: str, key: str) -> float:
     return 0.0
 
 
-def _git_commit() -> str:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               capture_output=True, text=True, timeout=5)
-        return done.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
-    return ""
-
-
 def start_stack(args: argparse.Namespace, logdir: Path, started: list[Any], probe_dir: Path | None
                 ) -> tuple[Any, Any, Any]:
     """Sim pods, the picker (plaintext ext_proc on loopback) and Envoy in front of it, on free ports."""
@@ -906,7 +896,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.time()
-    commit = _git_commit()  # now: the checkout may change while the soak runs
+    from picker.core.distribution import git_commit
+
+    commit = git_commit(HERE)  # now: the checkout may change while the soak runs
     try:
         with process_scope("soak") as (logdir, started):
             probe_dir = None if args.no_probe else logdir / "probe"

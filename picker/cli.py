@@ -8,6 +8,7 @@ import importlib
 import re
 import sys
 
+from picker.core.distribution import install_hint, version_line
 from picker.serving import reference_flags
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
@@ -23,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("picker.bench.cli", "compare routing strategies on the same trace and fleet"),
 }
 
-# `pip install picker` is the serving picker; these subcommands need an extra (pyproject.toml's
+# `pip install llm-picker` is the serving picker; these subcommands need an extra (pyproject.toml's
 # optional-dependencies): subcommand -> (extra, modules the extra installs). The demo runs `picker sim`.
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sim": ("sim", ("zmq",)),
@@ -44,7 +45,7 @@ def missing_extra(command: str | None) -> str | None:
     if not missing:
         return None
     return (f"picker {command}: needs the '{extra}' extra (missing: {', '.join(missing)}); "
-            f"install it with: pip install 'picker[{extra}]'")
+            f"install it with: {install_hint(extra)}")
 
 
 DESCRIPTION = (
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     # No abbreviations: `--endpoints-fil` must be an error, not a silent `--endpoints-file`.
     parser = argparse.ArgumentParser(prog="picker", description=DESCRIPTION, allow_abbrev=False,
                                      epilog="`picker COMMAND --help` lists a command's options.")
+    parser.add_argument("--version", action=_Version, help="the distribution's version (and the commit it was built "
+                        "from, when known), then exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = args_list[0] if args_list else None
     reason = missing_extra(chosen)
@@ -83,6 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         owner.exit(2, f"{owner.prog}: error: unrecognized arguments: {' '.join(unknown)}{_suggest(owner, unknown)}\n")
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
+
+
+class _Version(argparse.Action):
+    """`picker --version`: the version line is worked out (git, for a checkout) only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:  # noqa: A002
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(version_line())
+        parser.exit()
 
 
 def _suggest(parser: argparse.ArgumentParser, unknown: list[str]) -> str:

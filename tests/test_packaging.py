@@ -1,4 +1,4 @@
-"""The package as users get it: `pip install picker` is the lean serving picker, the simulator and the benchmark
+"""The package as users get it: `pip install llm-picker` is the lean serving picker, the simulator and the benchmark
 are extras, and the gRPC stubs and Envoy templates come from the build, so a read-only install works.
 
 The wheel is built from an sdist of a clean copy of the sources (no generated stubs, no build/ directory): built
@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
+import picker
 from picker import cli
+from picker.core.distribution import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "picker", "protos", "envoy")
@@ -78,7 +80,7 @@ def _chmod_tree(root: Path, file_mode: int, dir_mode: int) -> None:
 
 @pytest.fixture(scope="module")
 def built() -> Iterator[tuple[Path, Path]]:
-    """(sdist, wheel), built like `pip install picker-*.tar.gz` would, in a directory removed afterwards."""
+    """(sdist, wheel), built like `pip install llm_picker-*.tar.gz` would, in a directory removed afterwards."""
     work = Path(tempfile.mkdtemp(prefix="picker-packaging-"))
     try:
         src = work / "src"
@@ -96,7 +98,7 @@ def built() -> Iterator[tuple[Path, Path]]:
         result = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                        str(wheels), "."], cwd=unpacked, timeout=120)
         assert result.returncode == 0, result.stderr
-        yield archive, next(wheels.glob("picker-*.whl"))
+        yield archive, next(wheels.glob("llm_picker-*.whl"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -116,6 +118,9 @@ def test_wheel_has_the_stubs_and_a_lean_runtime(built: tuple[Path, Path]) -> Non
         names = set(whl.namelist())
         meta = whl.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert set(STUBS) | set(TEMPLATES) | {"picker/py.typed", "picker/api/__init__.py"} <= names
+    # the registry's `picker` is someone else's: ours is llm-picker, at the version the package says
+    assert re.search(r"^Name: llm-picker$", meta, re.M) and re.search(rf"^Version: {picker.__version__}$", meta, re.M)
+    assert "picker/build_commit.txt" not in names  # built from an sdist: no checkout, no commit to record
     requires = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
     runtime = {_dist_name(r) for r in requires if "extra ==" not in r}
     assert not runtime & RUNTIME_FORBIDDEN, runtime
@@ -187,6 +192,8 @@ def test_read_only_install_serves_and_explains(read_only_venv: Path, tmp_path: P
     for command in (["serve", "--help"], ["explain", "--help"]):
         result = _run([*ro, str(bin_dir / "picker"), *command], cwd=tmp_path, env=env)
         assert result.returncode == 0 and "usage: picker" in result.stdout, result.stderr
+    version = _run([*ro, str(bin_dir / "picker"), "--version"], cwd=tmp_path, env=env)
+    assert version.returncode == 0 and version.stdout == f"llm-picker {picker.__version__}\n", version.stderr
     rendered = _run([*ro, str(bin_dir / "picker"), "envoy-config", "--pool", "127.0.0.1:8001"], cwd=tmp_path,
                     env=env)
     assert rendered.returncode == 0 and "127.0.0.1" in rendered.stdout, rendered.stderr
@@ -231,7 +238,7 @@ def test_subcommand_without_its_extra_says_which_to_install(command: str, extra:
     """, tmp_path)
     assert result.returncode != 0 and result.stdout == ""
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"pip install 'picker[{extra}]'" in result.stderr
+    assert f"pip install 'llm-picker[{extra}]'" in result.stderr
 
 
 def test_serving_needs_no_extra_nor_simulator(tmp_path: Path) -> None:
@@ -255,7 +262,7 @@ def test_kv_events_without_their_extra_is_a_config_error_naming_it(tmp_path: Pat
         sys.exit(main(["serve", "--endpoints", "127.0.0.1:1", "--kv-events-endpoint", "tcp://127.0.0.1:1"]))
     """, tmp_path)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
-    assert "kv-events-endpoint" in result.stderr and "pip install 'picker[kv-events]'" in result.stderr
+    assert "kv-events-endpoint" in result.stderr and "pip install 'llm-picker[kv-events]'" in result.stderr
 
 
 def test_cli_extras_match_pyproject() -> None:
@@ -274,3 +281,22 @@ def test_the_license_is_an_spdx_string_not_a_deprecated_table() -> None:
     """`project.license = {text = ...}` makes every `pip install` warn twice; an SPDX expression does not."""
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
+
+
+def test_a_checkout_names_its_commit_in_the_version() -> None:
+    """`picker --version` from this editable install: the version and the checkout's commit."""
+    result = _run([sys.executable, "-m", "picker", "--version"], cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    commit = git_commit(ROOT)
+    assert result.stdout == f"llm-picker {picker.__version__}" + (f" (commit {commit})" if commit else "") + "\n"
+
+
+def test_no_file_tells_users_to_install_someone_elses_picker() -> None:
+    """The registry's `picker` is an unrelated project: nothing the repository ships may tell users to install it."""
+    tracked = _run(["git", "ls-files"], cwd=ROOT)
+    files = tracked.stdout.split() if tracked.returncode == 0 else [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+                                                                    if p.is_file() and ".venv" not in p.parts]
+    wrong = re.compile(r"pip install ['\"]?picker(\[|['\"\s`]|$)", re.M)
+    said = [name for name in files if not name.startswith("bench/results/") and Path(ROOT / name).is_file()
+            and wrong.search((ROOT / name).read_text(errors="replace"))]
+    assert said == []

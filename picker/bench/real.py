@@ -68,6 +68,7 @@ from picker.bench.peers import PEERS, PeerPool
 from picker.bench.peers import start as start_peer
 from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, group_sizes, multi_turn, shared_prefix
+from picker.core.distribution import install_hint
 from picker.endpoints.scraper import Cadence
 from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 from picker.serving.supervisor import (
@@ -1470,7 +1471,7 @@ def plot(section: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("picker bench: matplotlib missing (pip install 'picker[bench]'): no plot", file=sys.stderr)
+        print(f"picker bench: matplotlib missing ({install_hint('bench')}): no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for s in section["medians"]:

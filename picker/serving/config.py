@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
+from picker.core.distribution import install_hint
 from picker.core.schema import ConfigError, Duration, Section, describe, parse_duration
 from picker.endpoints.scraper import MetricsTarget
 from picker.extproc.limits import StreamLimits
@@ -419,7 +420,7 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
                           "--kv-events-port (the picker connects to the pods), not both")
     if (config.kv_events_endpoint or config.kv_events_port) and not _importable("zmq"):
         key = "kv-events-endpoint" if config.kv_events_endpoint else "kv-events-port"
-        raise ConfigError(f"{key}: reading KV events needs pyzmq; install it with: pip install 'picker[kv-events]'")
+        raise ConfigError(f"{key}: reading KV events needs pyzmq; install it with: {install_hint('kv-events')}")
     if config.index_hash_key_file:
         try:
             IndexKey.from_file(config.index_hash_key_file)

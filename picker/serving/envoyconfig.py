@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import ipaddress
-import json
 import re
 import shutil
 import string
@@ -14,15 +13,15 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from picker.core.distribution import editable_checkout
 from picker.core.headers import mutated_names
 from picker.core.schema import parse_duration
 from picker.endpoints.state import parse_address
@@ -60,24 +59,6 @@ class EnvoySettings:
 
     def picker_host_list(self) -> tuple[str, ...]:
         return self.picker_hosts or (self.picker_host,)
-
-
-def editable_checkout() -> Path | None:
-    """The source tree of the editable install (`pip install -e`) this package runs from, as pip records it
-    (PEP 610); None for a regular install. Other installs of picker on sys.path (another venv's editable one,
-    a stray .egg-info) are not this package and are skipped."""
-    package = Path(__file__).resolve().parents[1]  # picker/
-    for dist in metadata.distributions(name="picker"):
-        try:
-            info = json.loads(dist.read_text("direct_url.json") or "{}")
-        except ValueError:
-            continue
-        url = urllib.parse.urlparse(str(info.get("url", "")))
-        if isinstance(info.get("dir_info"), dict) and info["dir_info"].get("editable") and url.scheme == "file":
-            tree = Path(urllib.parse.unquote(url.path))
-            if (tree / "picker").resolve() == package:
-                return tree
-    return None
 
 
 def template_dirs() -> list[Path]:
