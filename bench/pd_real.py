@@ -38,6 +38,7 @@ from picker.serving.supervisor import (  # noqa: E402
     free_port,
     port_open,
     process_scope,
+    python_module,
     spawn,
     start_envoy,
     start_picker,
@@ -112,7 +113,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 server.wait_healthy()
             prefill, decode = servers
             sidecar_port, sidecar_metrics = free_port(), free_port()
-            started.append(spawn("sidecar", [sys.executable, "-m", "picker", "pd-sidecar", "--host", HOST,
+            started.append(spawn("sidecar", [*python_module("picker"), "pd-sidecar", "--host", HOST,
                                              "--port", str(sidecar_port), "--model-server-port", str(decode.port),
                                              "--kv-connector", "shared-storage", "--metrics-port",
                                              str(sidecar_metrics)], logdir))

@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from picker.serving.supervisor import ProcessExited, process_scope, start_picker
 from picker.tools import demo
 
 
-def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """The demo as `make demo` runs it, with its temporary folders in tmp_path so leftovers can be seen."""
-    return subprocess.run([sys.executable, "-m", "picker", "demo", *args], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "TMPDIR": str(tmp_path)})
+def run_demo(tmp_path: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The demo as `make demo` runs it (the installed `picker` script), with its temporary folders in tmp_path so
+    leftovers can be seen."""
+    return subprocess.run([str(Path(sys.executable).parent / "picker"), "demo", *args], capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=cwd)
 
 
 def blocks(out: str) -> dict[int, str]:
@@ -106,12 +108,20 @@ def test_demo_with_two_replicas_sharing_the_index(tmp_path: Path) -> None:
     assert list(tmp_path.glob("picker-demo-*")) == []
 
 
-def test_demo_with_echo_backends_in_full_duplex_mode(tmp_path: Path) -> None:
-    result = run_demo(tmp_path, *ECHO_RUN)
+def test_demo_with_echo_backends_in_full_duplex_mode_from_the_folder_holding_a_clone(tmp_path: Path) -> None:
+    """Run where a folder named `picker` (a clone) sits in the working directory: every child still runs the
+    installed package, not that folder."""
+    holder = tmp_path / "projects"
+    (holder / "picker" / "picker").mkdir(parents=True)
+    (holder / "picker" / "README.md").write_text("a clone\n")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = run_demo(temp, *ECHO_RUN, cwd=holder)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
     assert "(full-duplex body mode)" in out and out.count("-> 200 served by 127.0.0.1:") == 5, out
     assert "model_not_found" not in out, out
+    assert list(temp.iterdir()) == []
 
 
 def test_every_demo_option_the_readme_lists_runs_in_a_test() -> None:
@@ -186,19 +196,36 @@ def test_printed_commands_work_as_printed(tmp_path: Path) -> None:
     assert list(tmp_path.glob("picker-demo-*")) == []
 
 
-def test_a_failed_demo_keeps_its_logs_and_says_where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    def broken_fleet(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("sim pod did not start")
+def test_a_child_that_dies_is_named_with_its_last_log_lines_and_its_logs_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    with process_scope("dying") as (logdir, started), pytest.raises(ProcessExited) as dead:
+        # a real child that refuses its arguments
+        started.append(start_picker(logdir, endpoints=["127.0.0.1:1"], extra=["--refresh-metrics-interval",
+                                                                                "soon"]).process)
+    assert dead.value.returncode == 2 and "refresh-metrics-interval" in dead.value.cause, dead.value.log_tail
 
-    monkeypatch.setattr(demo, "start_sim", broken_fleet)
+    def dying_fleet(*args: object, **kwargs: object) -> None:
+        raise dead.value
+
+    monkeypatch.setattr(demo, "start_sim", dying_fleet)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    with pytest.raises(RuntimeError, match="did not start"):
-        demo.run(parser.parse_args(["--once"]))
+    assert demo.run(parser.parse_args(["--once"])) == 1
+    err = capsys.readouterr().err
     (kept,) = tmp_path.glob("picker-demo-*")
-    assert f"logs kept in {kept}" in capsys.readouterr().err
+    assert f"picker: process exited with status 2 while starting: {dead.value.cause}" not in err
+    assert err.startswith(f"picker demo: picker exited with status 2 while starting: {dead.value.cause}\n"), err
+    assert "its last log lines:" in err and f"logs kept in {kept}" in err and "Traceback" not in err
+
+
+def test_bad_counts_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    for args, said in ((["--pods", "0"], "argument --pods: must be from 1 to 64, not 0"),
+                       (["--replicas", "many"], "argument --replicas: 'many' is not a whole number")):
+        result = run_demo(tmp_path, "--once", *args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().splitlines()[-1] == f"picker demo: error: {said}"  # after the usage
+    assert list(tmp_path.iterdir()) == []  # no log folder: nothing was started
 
 
 def test_help_shows_every_default() -> None:

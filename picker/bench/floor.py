@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import itertools
 import signal
-import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.extproc import protocol as p
-from picker.serving.supervisor import Managed, Picker, free_port, port_open, spawn, wait_until
+from picker.serving.supervisor import Managed, Picker, free_port, port_open, python_module, spawn, wait_until
 
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 SERVERS = ("grpcio", "grpclib")
@@ -132,7 +131,7 @@ def start(logdir: Path, pool: Sequence[str], started: list[Managed], server: str
     """This floor in its own process on `server`'s library (appended to `started`), shaped as the Picker an Envoy
     config needs (its ports, plaintext)."""
     grpc_port, health_port = free_port(), free_port()
-    process = spawn(f"floor-{server}", [sys.executable, "-m", "picker.bench.floor", "--grpc-port", str(grpc_port),
+    process = spawn(f"floor-{server}", [*python_module("picker.bench.floor"), "--grpc-port", str(grpc_port),
                                         "--health-port", str(health_port), "--pool", ",".join(pool),
                                         "--server", server], logdir)
     started.append(process)

@@ -22,7 +22,6 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -294,6 +293,7 @@ def _round_trips(pods: int, bodies: list[bytes], count: int, idle_window: float)
         cpu_seconds,
         free_port,
         process_scope,
+        python_module,
         spawn,
         start_envoy,
         start_picker,
@@ -303,7 +303,7 @@ def _round_trips(pods: int, bodies: list[bytes], count: int, idle_window: float)
     with process_scope(f"scale-round-trip-{pods}") as (logdir, started):
         port = free_port()
         pool = [f"127.{1 + i // 62500}.{i // 250 % 250}.{1 + i % 250}:{port}" for i in range(pods)]
-        echo = spawn("echo", [sys.executable, "-m", "picker.tools.echo", *pool], logdir)
+        echo = spawn("echo", [*python_module("picker.tools.echo"), *pool], logdir)
         started.append(echo)
         wait_until(lambda: "ready" in echo.log(), 60, "echo pods", echo.proc)
         picker = start_picker(logdir, endpoints=pool, extra=["--log-level", "WARNING"])

@@ -80,12 +80,27 @@ def port_open(port: int, host: str = HOST) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None
-               ) -> None:
+class ProcessExited(RuntimeError):
+    """A child exited while it was awaited: what it was, its exit status, the last lines of its log and, as the
+    one-line cause, the last of them (a child says why it stops as it goes)."""
+
+    def __init__(self, what: str, returncode: int, log_tail: str = "") -> None:
+        lines = [line for line in log_tail.splitlines() if line.strip()]
+        self.what, self.returncode, self.log_tail = what, returncode, "\n".join(lines)
+        self.cause = lines[-1].strip() if lines else ""
+        super().__init__(f"{what}: process exited with {returncode}" + (f": {self.cause}" if self.cause else ""))
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str,
+               proc: subprocess.Popen[bytes] | Managed | None = None) -> None:
+    """Poll `check` until it holds; TimeoutError after `timeout`, ProcessExited as soon as `proc` exits (with the
+    tail of its log when it is a Managed child)."""
     deadline = time.monotonic() + timeout
+    popen = proc.proc if isinstance(proc, Managed) else proc
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        if popen is not None and popen.poll() is not None:
+            tail = proc.log_tail() if isinstance(proc, Managed) else ""
+            raise ProcessExited(what, popen.returncode, tail)
         try:
             if check():
                 return
@@ -123,12 +138,22 @@ class Managed:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def log_tail(self, lines: int = 12) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
     def rss_bytes(self) -> int:
         """Resident memory now (VmRSS, Linux)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         raise ProcessLookupError(f"{self.name} ({self.proc.pid}) has no VmRSS: it exited")
+
+
+def python_module(module: str) -> list[str]:
+    """The command that runs `python -m module` of the installed package, whatever the working directory holds:
+    `-P` keeps the directory out of sys.path (a folder named `picker` there, such as the folder a clone was made
+    into, would otherwise shadow the package)."""
+    return [sys.executable, "-P", "-m", module]
 
 
 def spawn(name: str, args: list[str], logdir: Path, env: dict[str, str] | None = None) -> Managed:
@@ -149,9 +174,9 @@ class Backends:
 
 def start_backends(count: int, logdir: Path, name: str = "backends") -> Backends:
     addresses = [f"{HOST}:{free_port()}" for _ in range(count)]
-    process = spawn(name, [sys.executable, "-m", "picker.tools.echo", *addresses], logdir)
+    process = spawn(name, [*python_module("picker.tools.echo"), *addresses], logdir)
     for address in addresses:
-        wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 20, f"backend {address}", process.proc)
+        wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1])), 20, f"backend {address}", process)
     return Backends(addresses, process)
 
 
@@ -169,13 +194,13 @@ def start_sim(pods: int, logdir: Path, *, model: str | None = None, time_scale: 
     """A simulated vLLM fleet (`picker sim`), all pods in one process (on `base_port` onwards, else free ports);
     `host` may be another loopback address (127.0.0.x), as pods have IPs of their own."""
     base = base_port or free_port_range(pods)
-    args = [sys.executable, "-m", "picker", "sim", "--host", host, "--pods", str(pods), "--base-port", str(base),
+    args = [*python_module("picker"), "sim", "--host", host, "--pods", str(pods), "--base-port", str(base),
             "--time-scale", str(time_scale), *(["--model", model] if model else []), *(extra or [])]
     process = spawn(name, args, logdir)
     addresses = [f"{host}:{base + i}" for i in range(pods)]
     for address in addresses:
         wait_until(functools.partial(port_open, int(address.rsplit(":", 1)[1]), host), 60, f"sim pod {address}",
-                   process.proc)
+                   process)
     return Backends(addresses, process)
 
 
@@ -207,7 +232,7 @@ def start_valkey(logdir: Path, *, port: int | None = None, name: str = "valkey")
     port = port or free_port()
     process = spawn(name, [valkey_binary(), "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
                            "--dir", str(logdir)], logdir)
-    wait_until(lambda: port_open(port), 20, "valkey", process.proc)
+    wait_until(lambda: port_open(port), 20, "valkey", process)
     return Valkey(port, process)
 
 
@@ -254,7 +279,7 @@ def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_
     grpc_port = grpc_port or free_port()
     health_port = health_port or free_port()
     metrics_port = free_port()
-    args = [sys.executable, "-m", "picker", "serve", "--host", host, "--grpc-port", str(grpc_port),
+    args = [*python_module("picker"), "serve", "--host", host, "--grpc-port", str(grpc_port),
             "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--seed", "7"]
     pki: Path | None = None
     if tls == "plaintext":
@@ -272,7 +297,7 @@ def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_
         args += ["--endpoints-file", str(endpoints_file)]
     args += extra or []
     process = spawn(name, args, logdir)
-    wait_until(lambda: port_open(health_port, host) and port_open(grpc_port, host), 30, "picker", process.proc)
+    wait_until(lambda: port_open(health_port, host) and port_open(grpc_port, host), 30, "picker", process)
     return Picker(grpc_port, health_port, metrics_port, process, endpoints_file, host, tls, pki)
 
 
@@ -342,14 +367,14 @@ def start_envoy(logdir: Path, picker: Picker | Sequence[Picker], pool: list[str]
         process = spawn(name, [envoy_binary(), "-c", str(config_path), "--base-id", str(next(_base_id)),
                                "-l", "warning", "--concurrency", "1"], logdir)
         try:
-            wait_until(functools.partial(port_open, settings.listen_port), 30, "envoy", process.proc)
+            wait_until(functools.partial(port_open, settings.listen_port), 30, "envoy", process)
             break
         except RuntimeError:
             if attempt == 2 or "Address already in use" not in process.log():
                 raise
     envoy = Envoy(settings.listen_port, settings.admin_port, process, config_path, settings)
     if wait_for_picker:
-        wait_until(envoy.picker_healthy, 30, "envoy sees the picker healthy", process.proc)
+        wait_until(envoy.picker_healthy, 30, "envoy sees the picker healthy", process)
     return envoy
 
 
@@ -392,20 +417,32 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+KEEP_LOGS_ENV = "PICKER_KEEP_LOGS"  # set (to anything but "" or "0"): log folders are kept after a success too
+
+
+def keep_logs() -> bool:
+    return os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0")
+
+
 @contextlib.contextmanager
 def process_scope(prefix: str) -> Iterator[tuple[Path, list[Managed]]]:
     """A log directory and a list of processes that are all stopped on exit, even on failure. A SIGTERM to this
     process (a benchmark stopped by `kill`) exits through the same path instead of orphaning them, when no one
-    else handles SIGTERM."""
+    else handles SIGTERM. The directory is removed when the block ends without an exception (unless
+    PICKER_KEEP_LOGS is set) and kept when it raises: its logs say what went wrong."""
     logdir = Path(tempfile.mkdtemp(prefix=f"picker-{prefix}-"))
     started: list[Managed] = []
     previous = None
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    succeeded = False
     try:
         yield logdir, started
+        succeeded = True
     finally:
         for managed in reversed(started):
             managed.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if succeeded and not keep_logs():
+            shutil.rmtree(logdir, ignore_errors=True)

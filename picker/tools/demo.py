@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.serving.supervisor import (
     Managed,
     Picker,
+    ProcessExited,
     free_port,
     process_scope,
     set_echo_metrics,
@@ -147,16 +149,31 @@ def picker_command() -> str:
     return shlex.quote(str(script)) if script.exists() else f"{shlex.quote(sys.executable)} -m picker"
 
 
+def _count(most: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from 1 to `most`, or a usage error (checked before any child starts)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be from 1 to {most}, not {value}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pods", type=int, default=3, help="simulated vLLM pods (default 3)")
+    parser.add_argument("--pods", type=_count(64), default=3, help="simulated vLLM pods, 1 to 64 (default 3)")
     parser.add_argument("--model", default=LLAMA3_8B_H100.model,
                         help="model name the simulated pods serve and the samples ask for (default %(default)s)")
     parser.add_argument("--backend", choices=["sim", "echo"], default="sim",
                         help="sim: simulated vLLM; echo: tiny servers that echo what they got (default %(default)s)")
     parser.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered",
                         help="Envoy's ext_proc body mode: buffer the whole body, or stream it (default %(default)s)")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="picker replicas behind Envoy, sharing the prefix index through a local Valkey (default 1)")
+    parser.add_argument("--replicas", type=_count(16), default=1,
+                        help="picker replicas behind Envoy, sharing the prefix index through a local Valkey, 1 to 16 "
+                        "(default 1)")
     parser.add_argument("--once", action="store_true", help="exit after the sample requests")
     parser.add_argument("--tls", action="store_true",
                         help="Envoy -> picker over mTLS: a throwaway CA signs the picker's certificate and Envoy's "
@@ -188,24 +205,34 @@ def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[M
     return pickers
 
 
+class _Failed(Exception):
+    """The demo ran but did not do what it shows (a sample got another status): its logs are kept."""
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the demo in a temporary log folder, removed on exit; kept (and named) only when the demo failed."""
+    """Run the demo in a temporary log folder, removed on exit; kept (and named) only when the demo failed. A child
+    that dies is reported by name, with its last log lines and why, never as a traceback."""
     logdir: Path | None = None
-    failed = True
     try:
         with process_scope("demo") as (logdir, started):
-            code = _run(args, logdir, started)
-        failed = code != 0
-        return code
+            if _run(args, logdir, started) != 0:
+                raise _Failed
+        return 0
     except KeyboardInterrupt:  # Ctrl-C while starting up: stopped, not failed
-        failed = False
-        return 130
-    finally:
         if logdir is not None:
-            if failed:
-                print(f"picker demo failed: logs kept in {logdir}", file=sys.stderr)
-            else:
-                shutil.rmtree(logdir, ignore_errors=True)
+            shutil.rmtree(logdir, ignore_errors=True)
+        return 130
+    except ProcessExited as exited:
+        tail = "\n".join(f"    {line}" for line in exited.log_tail.splitlines())
+        print(f"picker demo: {exited.what} exited with status {exited.returncode} while starting"
+              + (f": {exited.cause}" if exited.cause else "") + (f"\n  its last log lines:\n{tail}" if tail else ""),
+              file=sys.stderr)
+    except TimeoutError as exc:
+        print(f"picker demo: {exc} (the machine may be overloaded)", file=sys.stderr)
+    except _Failed:
+        pass
+    print(f"picker demo failed: logs kept in {logdir}", file=sys.stderr)
+    return 1
 
 
 def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
