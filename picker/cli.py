@@ -8,6 +8,7 @@ import importlib
 import re
 import sys
 
+from picker.core.children import ProcessExited
 from picker.core.distribution import install_hint, version_line
 from picker.serving import reference_flags
 
@@ -85,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         owner = subparsers[args.command] if chosen == args.command else parser
         owner.exit(2, f"{owner.prog}: error: unrecognized arguments: {' '.join(unknown)}{_suggest(owner, unknown)}\n")
     module = importlib.import_module(args._module)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ProcessExited as exited:  # a child of a command that starts some (the benchmark's, say) died
+        print(f"picker {args.command}: {exited.describe()}", file=sys.stderr)
+        return 1
 
 
 class _Version(argparse.Action):

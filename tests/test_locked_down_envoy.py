@@ -135,5 +135,5 @@ async def test_doctor_names_a_header_change_the_gateway_refused(locked: dict[str
             headers={MODEL_REWRITE: "tiny"}) as response:
         assert response.status == 500  # Envoy's answer to a refused mutation with disallow_is_error
     problems = doctor.diagnose(doctor.read(f"http://{HOST}:{envoy.admin_port}"))
-    assert len(problems) == 1 and "refused 1 header changes" in problems[0] and "mutation_rules" in problems[0]
+    assert len(problems) == 1 and "refused 1 header change of the picker" in problems[0] and "mutation_rules" in problems[0]
 

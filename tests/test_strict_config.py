@@ -17,7 +17,11 @@ pytestmark = pytest.mark.timeout(30)  # a config that wrongly passes would start
 BASE = "endpoints: 10.0.0.1:8000\n"
 
 CASES = [
-    ("top-level unknown key", "grpc-prot: 9002\n", "grpc-prot: unknown key"),
+    ("top-level unknown key", "grpc-prot: 9002\n", "grpc-prot: unknown key (did you mean grpc-port?)"),
+    ("top-level unknown key, underscores", "log_levl: debug\n", "log_levl: unknown key (did you mean log_level?)"),
+    ("nested unknown key, camelCase", "admission:\n  flowControl: {queueTl: 4s}\n",
+     "admission.flowControl.queueTl: unknown key (did you mean queueTtl?)"),
+    ("broken YAML", "admission: [1\n", "line 3, column 1: expected ',' or ']', but got '<stream end>'"),
     ("top-level wrong type", "grpc-port: abc\n", "grpc-port: Input should be a valid integer"),
     ("top-level bad duration", "metrics-slow-interval: '5'\n", "metrics-slow-interval: '5' needs a unit"),
     ("top-level bad choice", "strategy: fastest\n", "strategy: Input should be 'picker'"),
@@ -109,3 +113,26 @@ def test_a_missing_endpoints_file_is_a_start_up_error(tmp_path: Path, capsys: py
     assert main(["serve", "--endpoints-file", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"picker serve: --endpoints-file {missing}: no such file"), err
+
+
+def test_nothing_close_gets_no_suggestion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text(BASE + "colour: blue\n")
+    assert main(["serve", "--config-file", str(path)]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("colour: unknown key")
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("- {addr: '127.0.0.1:8000'}\n", "bad endpoint entry {'addr': '127.0.0.1:8000'}: each entry is \"ip:port\", or "
+                                     "{address: \"ip:port\""),
+    ("- 127.0.0.1:99999\n", "endpoint '127.0.0.1:99999': bad port '99999'"),
+    ("endpoints: [127.0.0.1:8000\n", "line 2, column 1: expected ',' or ']'"),
+    ("just text\n", "expected a list of endpoints (each entry is"),
+])
+def test_a_bad_endpoints_file_at_start_up_exits_2_showing_the_valid_form(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, said: str) -> None:
+    path = tmp_path / "ep.yaml"
+    path.write_text(text)
+    assert main(["serve", "--endpoints-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"picker serve: --endpoints-file {path}") and said in err and "Traceback" not in err, err

@@ -84,6 +84,9 @@ async def test_default_tls_through_envoy_and_plaintext_clients_are_refused(scope
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert picker.process.alive()
     assert explain(picker, "--endpoints").splitlines()[0].startswith("127.0.0.1:")  # trusts what it presents
+    plaintext = explained(picker, "--plaintext", "--endpoints")
+    assert plaintext.returncode == 1 and "it serves TLS" in plaintext.stderr and "drop --plaintext" in \
+        plaintext.stderr, plaintext.stderr
 
 
 async def test_mutual_tls_through_envoy_and_clients_without_a_certificate_are_refused(
@@ -112,9 +115,13 @@ async def test_mutual_tls_through_envoy_and_clients_without_a_certificate_are_re
                    str(picker.pki / "client"), "--server-name", "localhost").startswith("127.0.0.1:")
 
 
+def explained(picker: Picker, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "picker", "explain", "--target", picker.target, *args],
+                          capture_output=True, text=True, timeout=30)
+
+
 def explain(picker: Picker, *args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "picker", "explain", "--target", picker.target, *args],
-                            capture_output=True, text=True, timeout=30)
+    result = explained(picker, *args)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

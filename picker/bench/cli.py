@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from picker.bench.workloads import WORKLOADS, FleetSpec, generate
+from picker.core.argtypes import positive_number, whole_number
 from picker.scheduling.config import STRATEGIES
 from picker.serving.config import parse_duration
 
@@ -47,13 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "index cost at 64-4,000 pods, and what sampling pods costs in routing (~8 min; --requests: timed decisions per "
       "size)")
     a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
-    a("--max-num-seqs", type=int, default=None, help="--scenario overload: sequences per pod (default 8)")
-    a("--replicas", type=int, default=None, help="--scenario overload: picker replicas behind Envoy (default 1); more "
+    a("--max-num-seqs", type=whole_number(1), default=None, help="--scenario overload: sequences per pod (default 8)")
+    a("--replicas", type=whole_number(1), default=None, help="--scenario overload: picker replicas behind Envoy (default 1); more "
       "than one runs each picker with each replica counting only its own requests and with the replicas sharing "
       "their in-flight counts (live: through a local Valkey)")
     a("--engine", choices=("sim", "vllm"), default="sim",
       help="sim: the simulator (default); vllm: real vLLM CPU servers (make bench-real; ~40 minutes)")
-    a("--repeats", type=int, default=None, help="--engine vllm: runs per strategy, each on fresh servers unless "
+    a("--repeats", type=whole_number(1), default=None, help="--engine vllm: runs per strategy, each on fresh servers unless "
       "--reuse-servers (default 3); "
       "--scenario mixed-models: runs per router (default 2); --scenario overload: fast-mode seeds (default 10)")
     a("--reuse-servers", action="store_true", help="--engine vllm: start the servers once, settle them with "
@@ -73,23 +74,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"comma-separated workloads (default all: {', '.join(WORKLOADS)}; --engine vllm: one of uniform, "
       "pressure, hot, multi-turn, leave-rejoin, default uniform)")
     a("--strategies", type=_csv, default=None, help=f"comma-separated strategies (default {', '.join(FAST_STRATEGIES)})")
-    a("--pods", type=int, default=None, help="fast-mode fleet size (default 8)")
+    a("--pods", type=whole_number(1), default=None, help="fast-mode fleet size (default 8)")
     a("--profile", default="llama3-8b-h100", help="simulator profile (picker.sim.profiles)")
-    a("--num-gpu-blocks", type=int, default=None, help="override the profile's KV-cache blocks per pod")
-    a("--load", type=float, default=None, help="offered load as a fraction of cache-blind capacity (default 0.8)")
-    a("--rate", type=float, default=None, help="offered requests/s (overrides --load)")
-    a("--requests", type=int, default=None, help="requests per workload and strategy (default 4000; --engine vllm: "
+    a("--num-gpu-blocks", type=whole_number(1), default=None, help="override the profile's KV-cache blocks per pod")
+    a("--load", type=positive_number, default=None, help="offered load as a fraction of cache-blind capacity (default 0.8)")
+    a("--rate", type=positive_number, default=None, help="offered requests/s (overrides --load)")
+    a("--requests", type=whole_number(1), default=None, help="requests per workload and strategy (default 4000; --engine vllm: "
       "the workload's preset, scaled by more prompts per prefix)")
     a("--seed", type=int, default=1, help="seed of every trace and tie-break")
     a("--arrival", choices=("poisson", "ramp"), default="poisson", help="open-loop arrival process")
     a("--out", default=None, help="output directory (default bench/out/<timestamp> under the working directory)")
-    a("--jobs", type=int, default=0, help="worker processes for fast mode (default: CPU count)")
+    a("--jobs", type=whole_number(0), default=0, help="worker processes for fast mode (default: CPU count)")
     a("--sweep-loads", type=_floats, default=None, help="loads of the sweep (default 0.5,0.7,0.85,1.0,1.15)")
     a("--sweep-workloads", type=_csv, default=None, help="workloads of the sweep (default shared-prefix,multi-turn)")
-    a("--sweep-requests", type=int, default=None, help="requests per sweep point (default 2000)")
+    a("--sweep-requests", type=whole_number(1), default=None, help="requests per sweep point (default 2000)")
     a("--capacity-workload", default=None, help="workload of the smallest-fleet search ('' to skip)")
-    a("--capacity-requests", type=int, default=None, help="requests per smallest-fleet try (default 1500)")
-    a("--ttft-target", type=float, default=None, help="p95 TTFT target (s) of the smallest-fleet search")
+    a("--capacity-requests", type=whole_number(1), default=None, help="requests per smallest-fleet try (default 1500)")
+    a("--ttft-target", type=positive_number, default=None, help="p95 TTFT target (s) of the smallest-fleet search")
     a("--adaptive-scrape", action="store_true",
       help="fast mode: scrape on picker serve's adaptive cadence (1 s calm, 100 ms busy) instead of every 50 ms")
     a("--scrape-cost", type=parse_duration, default=0.0,
@@ -98,10 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--workload-param", dest="workload_params", action="append", default=[], metavar="WORKLOAD.KEY=VALUE",
       help="fast mode: one of a workload's generator parameters, e.g. zipf-prefix.kv_fill=0.5 (repeatable)")
     a("--live-workload", default="shared-prefix", help="live-mode workload")
-    a("--live-pods", type=int, default=None, help="live-mode fleet size (default 4)")
-    a("--live-requests", type=int, default=None, help="live-mode requests per strategy (default 400)")
-    a("--live-load", type=float, default=None, help="live-mode load (default 0.8)")
-    a("--live-time-scale", type=float, default=None,
+    a("--live-pods", type=whole_number(1), default=None, help="live-mode fleet size (default 4)")
+    a("--live-requests", type=whole_number(1), default=None, help="live-mode requests per strategy (default 400)")
+    a("--live-load", type=positive_number, default=None, help="live-mode load (default 0.8)")
+    a("--live-time-scale", type=positive_number, default=None,
       help="model seconds per wall second in live mode (default 0.5: half speed keeps 2 cores ahead of the load)")
     a("--peers", type=_csv, default=None, help=f"peer routers in live mode (default {','.join(PEERS)}; 'none')")
 

@@ -8,8 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-import yaml
-
+from picker.core.schema import load_yaml
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint
 
@@ -21,29 +20,47 @@ def parse_endpoint_list(text: str) -> list[Endpoint]:
     return [Endpoint.from_address(part) for part in text.split(",") if part.strip()]
 
 
+VALID_FORM = ('each entry is "ip:port", or {address: "ip:port", name: ..., labels: {key: value}}; the whole a '
+              'list, or {endpoints: [...]}')
+
+
 def load_endpoints_file(path: Path) -> list[Endpoint]:
-    """A YAML or JSON list of "ip:port" strings or {address, name, labels} objects (also {endpoints: [...]})."""
+    """A YAML or JSON list of "ip:port" strings or {address, name, labels} objects (also {endpoints: [...]});
+    ValueError (ConfigError for broken YAML) naming the file and, for a wrong entry, the valid form."""
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    else:
+        data = load_yaml(text, str(path))
     if isinstance(data, dict):
         data = data.get("endpoints", [])
     if data is None:
         return []
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a list of endpoints")
+        raise ValueError(f"{path}: expected a list of endpoints ({VALID_FORM})")
     endpoints: list[Endpoint] = []
     for item in data:
         if isinstance(item, str):
-            endpoints.append(Endpoint.from_address(item))
+            endpoints.append(_entry(path, item))
         elif isinstance(item, dict) and isinstance(item.get("address"), str):
             labels = item.get("labels") or {}
             if not isinstance(labels, dict):
                 raise ValueError(f"{path}: labels of {item['address']} must be a mapping")
-            endpoints.append(Endpoint.from_address(item["address"], str(item.get("name") or ""),
-                                                   {str(k): str(v) for k, v in labels.items()}))
+            endpoints.append(_entry(path, item["address"], str(item.get("name") or ""),
+                                    {str(k): str(v) for k, v in labels.items()}))
         else:
-            raise ValueError(f"{path}: bad endpoint entry {item!r}")
+            raise ValueError(f"{path}: bad endpoint entry {item!r}: {VALID_FORM}")
     return endpoints
+
+
+def _entry(path: Path, address: str, name: str = "", labels: dict[str, str] | None = None) -> Endpoint:
+    try:
+        return Endpoint.from_address(address, name, labels or {})
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 class EndpointsFileWatcher:
@@ -69,8 +86,9 @@ class EndpointsFileWatcher:
         self._signature = signature
         try:
             endpoints = load_endpoints_file(self.path)
-        except (ValueError, yaml.YAMLError, json.JSONDecodeError) as exc:
-            log.error("endpoints file %s is invalid, keeping the previous set: %s", self.path, exc)
+        except ValueError as exc:  # checked at start-up (exit 2): only a later edit can be wrong here
+            log.error("endpoints file %s is invalid, keeping the last good set of %d endpoints: %s", self.path,
+                      len(self.pool), exc)
             return False
         added, removed = self.pool.set_endpoints(endpoints)
         log.info("endpoints file reloaded: %d endpoints (+%d, -%d)", len(self.pool), len(added), len(removed))

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
 from picker.core.distribution import install_hint
-from picker.core.schema import ConfigError, Duration, Section, describe, parse_duration
+from picker.core.schema import ConfigError, Duration, Section, describe, load_yaml, parse_duration
+from picker.endpoints.discovery import load_endpoints_file
 from picker.endpoints.scraper import MetricsTarget
 from picker.extproc.limits import StreamLimits
 from picker.prefix.hashing import IndexKey
@@ -193,10 +193,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_config_text(text: str, source: str) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    data = load_yaml(text, source) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a YAML mapping")
     return data
@@ -317,7 +314,7 @@ def decode_serve_config(data: Mapping[str, Any], source: str = "") -> ServeConfi
     try:
         return ServeConfig.model_validate({name: data[key] for name, key in spelled.items()})
     except ValidationError as exc:
-        problems = describe(exc, "", spelled)
+        problems = describe(exc, "", spelled, ServeConfig)
         raise ConfigError(f"{source}: {problems}" if source else problems) from None
 
 
@@ -393,6 +390,11 @@ def resolve(args: argparse.Namespace, notes: list[str] | None = None) -> ServeCo
     if config.endpoints_file and not Path(config.endpoints_file).is_file():
         raise ConfigError(f"--endpoints-file {config.endpoints_file}: no such file (it is read at start-up, then "
                           "watched for changes)")
+    if config.endpoints_file:  # wrong at start-up is as fatal as missing: a later bad edit keeps the last good set
+        try:
+            load_endpoints_file(Path(config.endpoints_file))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--endpoints-file {exc}") from None
     if config.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"log-level {config.log_level!r} is not one of {', '.join(_LOG_LEVELS)}")
     if config.endpoint_selector and (config.endpoints or config.endpoints_file):

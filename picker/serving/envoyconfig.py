@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from picker.core.argtypes import port
 from picker.core.distribution import editable_checkout
 from picker.core.headers import mutated_names
 from picker.core.schema import parse_duration
@@ -199,8 +200,9 @@ def _mutation_rules(settings: EnvoySettings) -> str:
     picker and a config that disagree are seen at once (and counted: `ext_proc.rejected_header_mutations`)."""
     names = mutated_names(disaggregation=settings.disaggregation)
     indent = " " * 14
+    pd_note = "" if settings.disaggregation else " (P/D: envoy-config --disaggregation)"
     return (f"{indent}# The picker may set or remove only these headers (docs/protocol.md says when); anything else\n"
-            f"{indent}# is refused and fails the request{'' if settings.disaggregation else ' (P/D: envoy-config --disaggregation)'}.\n"
+            f"{indent}# is refused and fails the request{pd_note}.\n"
             f"{indent}mutation_rules:\n{indent}  disallow_all: true\n{indent}  disallow_is_error: true\n"
             f"{indent}  allow_expression:\n{indent}    regex: \"{'|'.join(names)}\"  # full-string match\n")
 
@@ -335,14 +337,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--mode", choices=sorted(TEMPLATES), default="buffered",
       help="ext_proc body mode: Envoy buffers the whole body, or streams it (default %(default)s)")
     a("--listen-host", default="127.0.0.1", help="address Envoy's HTTP listener binds (default %(default)s)")
-    a("--listen-port", type=int, default=8080, help="port clients send inference requests to (default %(default)s)")
-    a("--admin-port", type=int, default=9901, help="Envoy's admin interface port (default %(default)s)")
+    a("--listen-port", type=port, default=8080, help="port clients send inference requests to (default %(default)s)")
+    a("--admin-port", type=port, default=9901, help="Envoy's admin interface port (default %(default)s)")
     a("--picker-host", default="127.0.0.1",
       help="picker address; comma-separated for several replicas; DNS names make a STRICT_DNS cluster "
       "(default %(default)s)")
-    a("--picker-port", type=int, default=9002,
+    a("--picker-port", type=port, default=9002,
       help="the picker's ext_proc gRPC port, its --grpc-port (default %(default)s)")
-    a("--picker-health-port", type=int, default=9003,
+    a("--picker-health-port", type=port, default=9003,
       help="the picker's gRPC health port Envoy checks, its --grpc-health-port (default %(default)s)")
     a("--pool", default="", help="ip:port,... of the model servers (the fail-open round-robin route); "
       "name:port (e.g. a headless Service) makes that cluster STRICT_DNS (default: none, the fail-open route "

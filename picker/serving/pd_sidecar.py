@@ -36,6 +36,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from picker.core.argtypes import port, port_or_off, positive_number
 from picker.core.headers import PREFILLER
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -229,16 +230,16 @@ class Sidecar:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on: the pod's port in the pool")
-    parser.add_argument("--model-server-port", "--vllm-port", dest="model_server_port", type=int, default=8200,
+    parser.add_argument("--port", type=port, default=8000, help="port to listen on: the pod's port in the pool")
+    parser.add_argument("--model-server-port", "--vllm-port", dest="model_server_port", type=port, default=8200,
                         help="the decode engine's port on --decoder-host")
     parser.add_argument("--decoder-host", default="127.0.0.1", help="the decode engine's host (default: this one)")
     parser.add_argument("--kv-connector", choices=CONNECTORS, default="nixlv2",
                         help="how the prefill hands its KV over: nixlv2 (vLLM's kv_transfer_params handshake) or "
                              "shared-storage (both engines read and write one directory)")
-    parser.add_argument("--prefill-timeout", type=float, default=60.0,
+    parser.add_argument("--prefill-timeout", type=positive_number, default=60.0,
                         help="seconds the prefill leg may take before it is given up for a local prefill")
-    parser.add_argument("--metrics-port", type=int, default=0,
+    parser.add_argument("--metrics-port", type=port_or_off, default=0,
                         help="serve the sidecar's /metrics on this port (0: not served)")
     parser.add_argument("--allowed-prefillers", default="",
                         help="comma-separated addresses or CIDR blocks a prefill may be sent to (e.g. the pod "

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import yaml
 
+from picker.core.children import ProcessExited
 from picker.serving.envoyconfig import EnvoySettings, envoy_binary, instrumented, render
 from picker.serving.tls import client_credentials, make_pki, read_pair
 
@@ -80,17 +81,6 @@ def port_open(port: int, host: str = HOST) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-class ProcessExited(RuntimeError):
-    """A child exited while it was awaited: what it was, its exit status, the last lines of its log and, as the
-    one-line cause, the last of them (a child says why it stops as it goes)."""
-
-    def __init__(self, what: str, returncode: int, log_tail: str = "") -> None:
-        lines = [line for line in log_tail.splitlines() if line.strip()]
-        self.what, self.returncode, self.log_tail = what, returncode, "\n".join(lines)
-        self.cause = lines[-1].strip() if lines else ""
-        super().__init__(f"{what}: process exited with {returncode}" + (f": {self.cause}" if self.cause else ""))
-
-
 def wait_until(check: Callable[[], bool], timeout: float, what: str,
                proc: subprocess.Popen[bytes] | Managed | None = None) -> None:
     """Poll `check` until it holds; TimeoutError after `timeout`, ProcessExited as soon as `proc` exits (with the
@@ -99,8 +89,9 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str,
     popen = proc.proc if isinstance(proc, Managed) else proc
     while time.monotonic() < deadline:
         if popen is not None and popen.poll() is not None:
-            tail = proc.log_tail() if isinstance(proc, Managed) else ""
-            raise ProcessExited(what, popen.returncode, tail)
+            if isinstance(proc, Managed):
+                raise ProcessExited(what, popen.returncode, proc.log_tail(), proc.log_path)
+            raise ProcessExited(what, popen.returncode)
         try:
             if check():
                 return

@@ -9,6 +9,7 @@ import contextlib
 import signal
 import sys
 
+from picker.core.argtypes import port_or_off, positive_number, whole_number
 from picker.serving.config import parse_duration
 from picker.sim.fleet import SimFleet
 from picker.sim.metrics import DIALECTS
@@ -26,14 +27,14 @@ def _lora_module(text: str) -> tuple[str, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker sim`."""
     a = parser.add_argument
-    a("--pods", type=int, default=1, help="number of simulated vLLM instances (default %(default)s)")
-    a("--base-port", type=int, default=8000,
+    a("--pods", type=whole_number(1), default=1, help="number of simulated vLLM instances (default %(default)s)")
+    a("--base-port", type=port_or_off, default=8000,
       help="pod i listens on base-port + i; 0 picks free ports (default %(default)s)")
     a("--host", default="127.0.0.1", help="listen address (default %(default)s)")
     a("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
       help="hardware/model profile (default %(default)s)")
     a("--model", default=None, help="served model name (default: the profile's model)")
-    a("--time-scale", type=float, default=1.0,
+    a("--time-scale", type=positive_number, default=1.0,
       help="model time runs this many times faster than wall time (default %(default)s)")
     a("--seed", type=int, default=0, help="seed of the generated text (default %(default)s)")
     a("--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH",
@@ -43,23 +44,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "consumer binds: give `picker serve --kv-events-endpoint` the same value; default: no KV events)")
     a("--kv-events-endpoint-base", default=None, metavar="tcp://HOST:PORT",
       help="publish KV events, pod i to PORT + i under the topic kv-events (a consumer per pod; default: none)")
-    a("--kv-events-bind-port", type=int, default=0, metavar="PORT",
+    a("--kv-events-bind-port", type=port_or_off, default=0, metavar="PORT",
       help="each pod binds its KV-event publisher on tcp://<--host>:PORT, as vLLM's tcp://*:PORT on a pod; for "
       "`picker serve --kv-events-port PORT` (one pod per host address; default: 0, none)")
-    a("--kv-events-replay-port-base", type=int, default=0, metavar="PORT",
+    a("--kv-events-replay-port-base", type=port_or_off, default=0, metavar="PORT",
       help="pod i serves KV-event replays on PORT + i, as vLLM's replay_endpoint (default: none)")
-    a("--num-gpu-blocks", type=int, default=None, help="override the KV cache size (default: the profile's)")
-    a("--block-size", type=int, default=None, help="override the KV block size (default: the profile's)")
-    a("--max-num-seqs", type=int, default=None,
+    a("--num-gpu-blocks", type=whole_number(1), default=None, help="override the KV cache size (default: the profile's)")
+    a("--block-size", type=whole_number(1), default=None, help="override the KV block size (default: the profile's)")
+    a("--max-num-seqs", type=whole_number(1), default=None,
       help="override the most sequences a pod runs at once (default: the profile's)")
-    a("--max-num-batched-tokens", type=int, default=None,
+    a("--max-num-batched-tokens", type=whole_number(1), default=None,
       help="override the token budget of one step (default: the profile's)")
-    a("--max-model-len", type=int, default=None, help="override the context window (default: the profile's)")
-    a("--max-loras", type=int, default=None, help="override the number of LoRA slots (default: the profile's)")
+    a("--max-model-len", type=whole_number(1), default=None, help="override the context window (default: the profile's)")
+    a("--max-loras", type=whole_number(0), default=None, help="override the number of LoRA slots (default: the profile's)")
     a("--scrape-cost", type=parse_duration, default=None,
       help="model time one GET /metrics holds a pod's API server (delays its request intake and tokens), "
       "e.g. 6ms as measured on a real vLLM (default: 0, free)")
-    a("--eos-mean-tokens", type=int, default=None,
+    a("--eos-mean-tokens", type=whole_number(1), default=None,
       help="mean output length before a pseudo-EOS (default: the profile's)")
     a("--engine", default="vllm", choices=DIALECTS,
       help="whose metric names the pods serve: vllm or sglang on /metrics; trtllm on /prometheus/metrics as "
@@ -109,12 +110,6 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point called by `picker sim`."""
-    if args.pods < 1:
-        print("--pods must be at least 1", file=sys.stderr)
-        return 2
-    if args.time_scale <= 0:
-        print("--time-scale must be positive", file=sys.stderr)
-        return 2
     try:
         return asyncio.run(_serve(args))
     except PodBindError as exc:  # the fleet has stopped the pods it started

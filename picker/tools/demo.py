@@ -14,7 +14,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import grpc
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
+from picker.core.argtypes import whole_number
 from picker.serving.supervisor import (
     Managed,
     Picker,
@@ -149,29 +149,15 @@ def picker_command() -> str:
     return shlex.quote(str(script)) if script.exists() else f"{shlex.quote(sys.executable)} -m picker"
 
 
-def _count(most: int) -> Callable[[str], int]:
-    """An argparse type: a whole number from 1 to `most`, or a usage error (checked before any child starts)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if not 1 <= value <= most:
-            raise argparse.ArgumentTypeError(f"must be from 1 to {most}, not {value}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pods", type=_count(64), default=3, help="simulated vLLM pods, 1 to 64 (default 3)")
+    parser.add_argument("--pods", type=whole_number(1, 64), default=3, help="simulated vLLM pods, 1 to 64 (default 3)")
     parser.add_argument("--model", default=LLAMA3_8B_H100.model,
                         help="model name the simulated pods serve and the samples ask for (default %(default)s)")
     parser.add_argument("--backend", choices=["sim", "echo"], default="sim",
                         help="sim: simulated vLLM; echo: tiny servers that echo what they got (default %(default)s)")
     parser.add_argument("--mode", choices=["buffered", "full-duplex"], default="buffered",
                         help="Envoy's ext_proc body mode: buffer the whole body, or stream it (default %(default)s)")
-    parser.add_argument("--replicas", type=_count(16), default=1,
+    parser.add_argument("--replicas", type=whole_number(1, 16), default=1,
                         help="picker replicas behind Envoy, sharing the prefix index through a local Valkey, 1 to 16 "
                         "(default 1)")
     parser.add_argument("--once", action="store_true", help="exit after the sample requests")
@@ -223,10 +209,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(logdir, ignore_errors=True)
         return 130
     except ProcessExited as exited:
-        tail = "\n".join(f"    {line}" for line in exited.log_tail.splitlines())
-        print(f"picker demo: {exited.what} exited with status {exited.returncode} while starting"
-              + (f": {exited.cause}" if exited.cause else "") + (f"\n  its last log lines:\n{tail}" if tail else ""),
-              file=sys.stderr)
+        print(f"picker demo: {exited.describe()}", file=sys.stderr)
     except TimeoutError as exc:
         print(f"picker demo: {exc} (the machine may be overloaded)", file=sys.stderr)
     except _Failed:

@@ -78,10 +78,6 @@ def diagnose(view: EnvoyView) -> list[str]:
     failed = view.ext_proc("streams_failed")
     hosts = ", ".join(view.hosts) or "no hosts"
     speaks = "TLS" if view.tls else "plaintext"
-    if view.cluster("upstream_cx_connect_fail"):
-        problems.append(f"nothing accepts connections at the picker address Envoy uses ({hosts}): the picker is "
-                        "down, or Envoy's --picker-host/--picker-port do not match the picker's address and "
-                        "--grpc-port")
     if view.tls and view.cluster("ssl.connection_error"):
         problems.append(f"Envoy speaks TLS to the picker ({hosts}) and the handshake fails: the picker serves "
                         "plaintext (--secure-serving=false). Render Envoy with `picker envoy-config --picker-tls "
@@ -92,26 +88,38 @@ def diagnose(view: EnvoyView) -> list[str]:
         problems.append(f"Envoy speaks plaintext HTTP/2 to the picker ({hosts}) and the picker closes every "
                         "connection: it expects TLS (its default, --secure-serving). Render Envoy with `picker "
                         "envoy-config --picker-tls tls` (the default), or run the picker with --secure-serving=false")
+    if not problems and view.cluster("upstream_cx_connect_fail"):
+        # A transport mismatch needs connections the picker accepted: "nothing accepts them" would then be stale
+        # (counted while it started, say), so it is said only alone.
+        problems.append(f"nothing accepts connections at the picker address Envoy uses ({hosts}): the picker is "
+                        "down, or Envoy's --picker-host/--picker-port do not match the picker's address and "
+                        "--grpc-port")
     unhealthy = [address for address, flags in view.hosts.items() if "failed_active_hc" in flags]
     if unhealthy and not problems:
         problems.append(f"the picker at {', '.join(unhealthy)} fails Envoy's gRPC health check: it reports "
                         "NOT_SERVING (no endpoints discovered yet, or draining); `picker explain --endpoints` shows "
                         "its pool")
     if view.ext_proc("rejected_header_mutations"):
-        problems.append(f"Envoy refused {view.ext_proc('rejected_header_mutations')} header changes of the picker "
-                        "(each fails its request with disallow_is_error): the ext_proc filter's mutation_rules do "
-                        "not allow every header the picker may set or remove (docs/protocol.md lists them). With "
-                        "P/D render Envoy with `picker envoy-config --disaggregation`")
+        refused = _counted(view.ext_proc("rejected_header_mutations"), "header change")
+        problems.append(f"Envoy refused {refused} of the picker (each fails its request with disallow_is_error): "
+                        "the ext_proc filter's mutation_rules do not allow every header the picker may set or "
+                        "remove (docs/protocol.md lists them). With P/D render Envoy with `picker envoy-config "
+                        "--disaggregation`")
     if view.ext_proc("message_timeouts"):
-        problems.append(f"{view.ext_proc('message_timeouts')} picker answers came later than Envoy's "
+        problems.append(f"{_counted(view.ext_proc('message_timeouts'), 'picker answer')} came later than Envoy's "
                         "message_timeout: the picker is overloaded, or the timeout is below its queue TTL")
     if (failed_open or failed) and not problems:
-        problems.append(f"{failed_open or failed} ext_proc streams failed ({speaks} to {hosts}) without a cause "
+        streams = _counted(failed_open or failed, "ext_proc stream")
+        problems.append(f"{streams} failed ({speaks} to {hosts}) without a cause "
                         "Envoy counts: see Envoy's log for the picker cluster")
     if problems and failed_open:
-        problems.insert(0, f"{failed_open} requests failed open (routed round-robin, no prefix or load awareness; "
-                           "they carry x-picker-fail-open)")
+        problems.insert(0, f"{_counted(failed_open, 'request')} failed open (routed round-robin, no prefix or load "
+                           "awareness; they carry x-picker-fail-open)")
     return problems
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,5 +144,5 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"picker doctor: {p}" for p in problems))
     else:
         print(f"picker doctor: ok: Envoy reaches the picker ({'TLS' if view.tls else 'plaintext'}, "
-              f"{', '.join(view.hosts) or 'no hosts'}); {streams} ext_proc streams, none failed open")
+              f"{', '.join(view.hosts) or 'no hosts'}); {_counted(streams, 'ext_proc stream')}, none failed open")
     return 1 if problems else 0

@@ -15,14 +15,15 @@ import grpc
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.serving.tls import TlsError, client_credentials, read_pair
+from picker.core.argtypes import host_port
+from picker.serving.tls import TlsError, client_credentials, presented_certificate, read_pair
 
 REFUSED = 3  # exit status when the picker would refuse the request
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--target", default="127.0.0.1:9002", help="picker gRPC address (default 127.0.0.1:9002)")
+    a("--target", type=host_port, default="127.0.0.1:9002", help="picker gRPC address (default 127.0.0.1:9002)")
     a("--path", default="/v1/chat/completions", help="request path the body is for")
     a("--body", help="request body as JSON text; '@file' reads a file, '-' reads stdin")
     a("--header", action="append", default=[], metavar="NAME=VALUE", help="extra request header (repeatable)")
@@ -106,6 +107,16 @@ async def _call(args: argparse.Namespace) -> tuple[str, bool]:
         return format_explain(response), refused
 
 
+def _speaks_tls(target: str) -> bool:
+    """Whether a TLS server answers at `target`: why a plaintext call was refused."""
+    host, _, port = target.rpartition(":")
+    try:
+        presented_certificate(host.strip("[]"), int(port), timeout=2.0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.endpoints and args.body is None:
         print("picker explain: --body is required (or --endpoints)", file=sys.stderr)
@@ -114,7 +125,11 @@ def run(args: argparse.Namespace) -> int:
         text, refused = asyncio.run(_call(args))
         print(text)
     except grpc.aio.AioRpcError as err:
-        print(f"picker explain: {args.target}: {err.code().name}: {err.details()}", file=sys.stderr)
+        hint = ""
+        if args.plaintext and err.code() is grpc.StatusCode.UNAVAILABLE and _speaks_tls(args.target):
+            hint = ("\n  it serves TLS (the picker's default, --secure-serving): drop --plaintext (add --ca FILE to "
+                    "verify its certificate)")
+        print(f"picker explain: {args.target}: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
         return 1
     except ssl.SSLError as exc:
         print(f"picker explain: {args.target} does not speak TLS ({exc.reason or exc}): a picker run with "
