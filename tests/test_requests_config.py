@@ -16,7 +16,13 @@ from picker.core.requests import (
     build_request,
     render_messages,
 )
-from picker.endpoints.discovery import EndpointsFileWatcher, load_endpoints_file, parse_endpoint_list
+from picker.endpoints.discovery import (
+    EndpointsFileWatcher,
+    StaticEndpoints,
+    load_endpoints_file,
+    parse_endpoint_list,
+    resolve_name,
+)
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.serving import config as cfg
 
@@ -121,12 +127,46 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
 
 
 def test_endpoint_sources(tmp_path: Path) -> None:
-    assert [e.address for e in parse_endpoint_list("10.0.0.1:8000, [::1]:9000")] == ["10.0.0.1:8000", "[::1]:9000"]
-    with pytest.raises(ValueError, match="not an IP"):
-        parse_endpoint_list("pod-a:8000")
+    specs = parse_endpoint_list("10.0.0.1:8000, [::1]:9000, pod-a:8000")
+    assert [(s.host, s.port, s.named) for s in specs] == [("10.0.0.1", 8000, False), ("::1", 9000, False),
+                                                            ("pod-a", 8000, True)]
+    with pytest.raises(ValueError, match="not an IP address nor a host name"):
+        parse_endpoint_list("pod a:8000")
     path = tmp_path / "eps.yaml"
     path.write_text("endpoints:\n- 10.0.0.1:8000\n- {address: 10.0.0.2:8000, name: pod-b}\n")
-    assert [e.name for e in load_endpoints_file(path)] == ["10.0.0.1:8000", "pod-b"]
+    pool = EndpointPool()
+    StaticEndpoints(pool).set_specs(load_endpoints_file(path))
+    assert sorted(e.name for e in pool.all()) == ["10.0.0.1:8000", "pod-b"]
+
+
+async def test_names_are_resolved_and_followed() -> None:
+    answers: dict[str, list[str] | OSError] = {"vllm": ["10.0.0.5", "10.0.0.6"], "late": OSError("no such host")}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        answer = answers[host]
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
+
+    pool = EndpointPool()
+    static = StaticEndpoints(pool, resolver)
+    static.set_specs(parse_endpoint_list("10.0.0.1:8000,vllm:8000,late:9000"))
+    assert [e.address for e in pool.all()] == ["10.0.0.1:8000"]  # names count once resolved
+    await static.resolve()
+    assert sorted(e.address for e in pool.all()) == ["10.0.0.1:8000", "10.0.0.5:8000", "10.0.0.6:8000"]
+    assert pool.get("10.0.0.5:8000").name == "vllm:8000/10.0.0.5"  # type: ignore[union-attr]
+    answers["vllm"] = ["10.0.0.7"]  # a restart on another address
+    answers["late"] = ["10.0.0.9"]  # a container that was still starting
+    await static.resolve()
+    assert sorted(e.address for e in pool.all()) == ["10.0.0.1:8000", "10.0.0.7:8000", "10.0.0.9:9000"]
+    assert pool.get("10.0.0.7:8000").name == "vllm:8000"  # type: ignore[union-attr]
+    answers["vllm"] = OSError("resolver down")  # a failure keeps the last addresses
+    await static.resolve()
+    assert sorted(e.address for e in pool.all()) == ["10.0.0.1:8000", "10.0.0.7:8000", "10.0.0.9:9000"]
+
+
+async def test_localhost_resolves_to_its_ipv4_address() -> None:
+    assert await resolve_name("localhost", 8000) == ["127.0.0.1"]
 
 
 def test_file_watcher_replaces_pool_and_keeps_last_good(tmp_path: Path) -> None:
@@ -135,7 +175,7 @@ def test_file_watcher_replaces_pool_and_keeps_last_good(tmp_path: Path) -> None:
     pool = EndpointPool()
     removed: list[str] = []
     pool.subscribe(lambda event, e: removed.append(e.address) if event is PoolEvent.REMOVED else None)
-    watcher = EndpointsFileWatcher(path, pool)
+    watcher = EndpointsFileWatcher(path, StaticEndpoints(pool))
     assert watcher.load_now() and len(pool) == 2
     kept = pool.get("10.0.0.1:8000")
     path.write_text(json.dumps(["10.0.0.1:8000"]) + " ")

@@ -123,8 +123,8 @@ def test_nothing_close_gets_no_suggestion(tmp_path: Path, capsys: pytest.Capture
 
 
 @pytest.mark.parametrize(("text", "said"), [
-    ("- {addr: '127.0.0.1:8000'}\n", "bad endpoint entry {'addr': '127.0.0.1:8000'}: each entry is \"ip:port\", or "
-                                     "{address: \"ip:port\""),
+    ("- {addr: '127.0.0.1:8000'}\n", "bad endpoint entry {'addr': '127.0.0.1:8000'}: each entry is \"host:port\" (an "
+                                     "IP or a name), or {address: \"host:port\""),
     ("- 127.0.0.1:99999\n", "endpoint '127.0.0.1:99999': bad port '99999'"),
     ("endpoints: [127.0.0.1:8000\n", "line 2, column 1: expected ',' or ']'"),
     ("just text\n", "expected a list of endpoints (each entry is"),

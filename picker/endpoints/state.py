@@ -4,9 +4,36 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import re
 from dataclasses import dataclass, field
 
 from picker.endpoints.load_column import LoadColumn
+
+DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                      r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """"ip:port", "[v6]:port" or "dns-name:port" (a model server reached by name, as in docker-compose or a headless
+    Service); ValueError with the valid forms otherwise."""
+    text = text.strip()
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        host, sep, port_text = text.rpartition(":")
+        if not (sep and host and DNS_NAME.match(host) and not host.replace(".", "").isdigit()):
+            raise ValueError(f"{exc} nor a host name with a port (e.g. 10.0.0.5:8000 or vllm-0.vllm:8000)") from None
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ValueError(f"endpoint {text!r}: bad port {port_text!r}") from None
+        return host, int(port_text)
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -210,7 +210,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "same Pod while probes and Prometheus still reach the others on --host (default: --host)")
     a("--grpc-health-port", type=int, help="gRPC health port (default 9003)")
     a("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free port, -1 disables)")
-    a("--endpoints", help="static pool: ip:port,ip:port")
+    a("--endpoints", help="static pool: host:port,host:port, each an IP or a name (a compose service, a headless "
+      "Service, localhost) resolved to every IPv4 address it has, again every 5 s")
     a("--endpoints-file", help="YAML/JSON list of endpoints, reloaded when it changes")
     a("--refresh-metrics-interval", help="scrape every endpoint's /metrics at this fixed cadence (e.g. 50ms); "
       "default: adaptive, see --metrics-fast-interval and --metrics-slow-interval")

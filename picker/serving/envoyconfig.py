@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import ipaddress
-import re
 import shutil
 import string
 import subprocess
@@ -25,10 +23,9 @@ from picker.core.argtypes import port
 from picker.core.distribution import editable_checkout
 from picker.core.headers import mutated_names
 from picker.core.schema import parse_duration
-from picker.endpoints.state import parse_address
+from picker.endpoints.state import DNS_NAME, is_ip, parse_host_port
 
 TEMPLATES = {"buffered": "envoy.yaml", "full-duplex": "envoy-full-duplex.yaml"}
-_DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
 
 @dataclass(slots=True)
@@ -85,36 +82,21 @@ def template_path(mode: str) -> Path:
                             "the root of a source checkout")
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def check_host(host: str) -> str:
     """An IP literal or a DNS name (for STRICT_DNS clusters); ValueError otherwise."""
-    if _is_ip(host) or _DNS_NAME.match(host):
+    if is_ip(host) or DNS_NAME.match(host):
         return host
     raise ValueError(f"{host!r} is neither an IP address nor a DNS name")
 
 
 def parse_pool_address(text: str) -> tuple[str, int]:
     """"ip:port", or "dns-name:port" for the fail-open round-robin cluster (e.g. a headless Service)."""
-    try:
-        return parse_address(text)
-    except ValueError:
-        host, sep, port_text = text.strip().rpartition(":")
-        if sep and host and _DNS_NAME.match(host) and not _is_ip(host) and port_text.isdigit() \
-                and 0 < int(port_text) < 65536 and not host.replace(".", "").isdigit():
-            return host, int(port_text)
-        raise
+    return parse_host_port(text)
 
 
 def cluster_type(hosts: tuple[str, ...]) -> str:
     """STATIC when every host is an IP literal, STRICT_DNS as soon as one is a name."""
-    return "STATIC" if all(_is_ip(h) for h in hosts) else "STRICT_DNS"
+    return "STATIC" if all(is_ip(h) for h in hosts) else "STRICT_DNS"
 
 
 def _lb_endpoints(pool: tuple[str, ...]) -> str:

@@ -26,7 +26,7 @@ from picker.api.service import PickerService, picker_pb2_grpc
 from picker.core.lifecycle import cancel_all
 from picker.core.logformat import configure_logging, exit_line
 from picker.core.model_rewrite import ModelRewrites, configured_rules
-from picker.endpoints.discovery import EndpointsFileWatcher, parse_endpoint_list
+from picker.endpoints.discovery import EndpointsFileWatcher, StaticEndpoints, parse_endpoint_list
 from picker.endpoints.kubernetes import (
     KubeApi,
     KubernetesDiscovery,
@@ -221,12 +221,18 @@ class PickerServer:
 
     async def _start_endpoint_sources(self, c: cfg.ServeConfig) -> None:
         """Static flags, a watched file, or Kubernetes discovery (given a moment to list the pods first)."""
-        if c.endpoints:
-            self.pool.set_endpoints(parse_endpoint_list(c.endpoints))
-        if c.endpoints_file:
-            watcher = EndpointsFileWatcher(Path(c.endpoints_file), self.pool)
-            watcher.load_now()
-            self.supervise(asyncio.create_task(watcher.run(), name="endpoints-file"))
+        if c.endpoints or c.endpoints_file:
+            static = StaticEndpoints(self.pool)
+            if c.endpoints:
+                static.set_specs(parse_endpoint_list(c.endpoints))
+            if c.endpoints_file:
+                watcher = EndpointsFileWatcher(Path(c.endpoints_file), static)
+                watcher.load_now()
+                self.supervise(asyncio.create_task(watcher.run(), name="endpoints-file"))
+            if any(spec.named for spec in static.specs):  # names: resolved before serving (briefly), then kept
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(static.resolve(), 3.0)
+            self.supervise(asyncio.create_task(static.run(), name="endpoint-names"))
         self.discovery: KubernetesDiscovery | None = None
         if c.discovery != "static":
             self.discovery = discovery_from_config(c, self.pool)
