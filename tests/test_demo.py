@@ -43,7 +43,7 @@ def check_pick_matches_served(block: str) -> str | None:
     pick_line = next((line for line in lines if line.strip().startswith("pick: ")), None)
     if served_line is None or pick_line is None:
         return None
-    served = served_line.split("served by ", 1)[1].split()[0]
+    served = served_line.split("served by ", 1)[1].split()[0].rstrip(",")
     pick = pick_line.strip().removeprefix("pick: ").split("   ", 1)[0]
     if pick.startswith("tie of "):
         tied = pick.split("(", 1)[1].rstrip(")").split(", ")
@@ -71,7 +71,17 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert out.count("-> 200 served by 127.0.0.1:") == 5, out
     assert "-> 200 answered by the picker: " in out, out  # GET /v1/models: the pool's union
     assert "-> 400" in out and "invalid_json" in out
-    assert "-> 404" in out and "unknown_path" in out
+    assert "-> 404" in out and "unknown_path" in out and " …\n" in out  # cut at a word, and says so
+    # the weights behind each total and why each profile was chosen
+    assert out.count("  x weight  ") == 4 and "why bursty-chat: no pod holds any of this prompt yet" in out, out
+    assert "why context-heavy: one pod alone holds " in out, out
+    # the burst: spread over both pods by load, the rest queued, a sheddable request shed
+    burst = blocks(out)[9]
+    served = burst.split("-> 12 x 200; served by ", 1)[1].split("\n", 1)[0]
+    assert len(served.split(", ")) == 2, burst  # both pods, though one holds the shared prefix
+    queued = int(burst.split("-> ", 2)[2].split(" of 12 waited", 1)[0])
+    assert queued > 0, burst
+    assert "while the pool was full: 429 saturated (x-llm-d-request-dropped-reason: rejected-saturated)" in burst
     # The second request shares the first one's system prompt: the index must see the shared blocks.
     by_sample = blocks(out)
     matched = by_sample[2].split("prefix blocks matched: ", 1)[1].split("/", 1)[0]
@@ -99,8 +109,11 @@ def test_demo_with_two_replicas_sharing_the_index(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
     assert "prefix index shared by 2 picker replicas" in out and out.count("  picker: 127.0.0.1") == 2, out
+    deciders = {line.split("decided by replica ", 1)[1] for line in out.splitlines() if "decided by replica" in line}
+    assert deciders == {"127.0.0.10", "127.0.0.11"}, out  # Envoy alternates replicas; each says it decided
     assert out.count("(mTLS, certificates in ") == 2, out
-    served = [line.split("served by ", 1)[1].split()[0] for line in out.splitlines() if "-> 200 served by" in line]
+    served = [line.split("served by ", 1)[1].split()[0].rstrip(",") for line in out.splitlines()
+              if "-> 200 served by" in line]
     assert len(served) == 5, out
     # Envoy alternates replicas: the same system prompt still lands on one pod, whichever replica routes it.
     assert served[0] == served[1] == served[2], out
@@ -169,9 +182,14 @@ def test_printed_commands_work_as_printed(tmp_path: Path) -> None:
                     (line.lstrip().startswith("curl ") or " explain --target " in line)]
         curl = next(c for c in commands if c[0] == "curl")
         body = curl[curl.index("-d") + 1]
+        assert curl[1] == "-si"
         assert json.loads(body)["max_tokens"] <= 64
         if shutil.which("curl"):
-            answer = subprocess.run(curl, capture_output=True, text=True, timeout=60, check=True).stdout
+            printed = subprocess.run(curl, capture_output=True, text=True, timeout=60, check=True).stdout
+            head, answer = printed.replace("\r\n", "\n").split("\n\n", 1)  # -i: the headers first
+            served_by = [line.split(":", 1)[1].strip() for line in head.splitlines()
+                         if line.lower().startswith("x-served-by:")]
+            assert served_by and served_by[0].startswith("127.0.0.1:"), head  # the pod's address, for the client
         else:
             request = urllib.request.Request(curl[2], data=body.encode(), headers={"content-type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as response:

@@ -23,8 +23,13 @@ def test_explain_ranks_every_pool_endpoint(stack: Stack) -> None:
     assert set(data["ranked"]) == set(stack.backends.addresses)
     assert {c["address"] for c in data["candidates"]} == set(stack.backends.addresses)
     assert all(c["scores"] for c in data["candidates"])
+    # the weights behind each total, and why the profile was chosen
+    for c in data["candidates"]:
+        assert abs(sum(data["weights"][name] * score for name, score in c["scores"].items()) - c["total"]) < 1e-9
+    assert data["profile"] == "bursty-chat" and data["profile_reason"].startswith("no pod holds any of this prompt")
     table = cli(stack, "--body", BODY)
     assert table.returncode == 0 and "pick: 127.0.0.1:" in table.stdout
+    assert "why bursty-chat: " in table.stdout and "x weight" in table.stdout
 
 
 def test_explain_reports_refusals(stack: Stack) -> None:

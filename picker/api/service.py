@@ -28,6 +28,9 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
         return response
     response.ranked.extend(e.address for e in result.ranked)
     response.profile = result.profile
+    response.profile_reason = result.profile_reason
+    for name, weight in result.weights.items():
+        response.weights[name] = weight
     response.prefix_blocks = result.prefix_blocks
     response.prefix_matched_blocks = result.prefix_matched_blocks
     for candidate in result.candidates:

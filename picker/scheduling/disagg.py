@@ -139,6 +139,9 @@ class DisaggProfileHandler(Plugin):
     def classify(self, ctx: SchedulingContext) -> str:
         return self.decode_profile
 
+    def reason(self, ctx: SchedulingContext) -> str:
+        return "P/D: every request's own pod is picked by the decode profile"
+
     def prefill_profile(self, ctx: SchedulingContext, decode: Endpoint) -> str | None:
         decider = self.decider
         if decider is None or not decider.disaggregate(ctx, decode):

@@ -61,6 +61,10 @@ class Classifier(Protocol):
         """Name of the profile that picks the destination."""
         ...
 
+    def reason(self, ctx: SchedulingContext) -> str:
+        """Why `classify` chooses what it does for this request, in a sentence (Explain only: never routing)."""
+        ...
+
     def prefill_profile(self, ctx: SchedulingContext, decode: Endpoint) -> str | None:
         """The profile that picks a pod to prefill the request for `decode`, or None (prefilled where it runs)."""
         ...
@@ -94,6 +98,13 @@ class SingleProfile(OneStage):
 
     def classify(self, ctx: SchedulingContext) -> str:
         return self.profile
+
+    def reason(self, ctx: SchedulingContext) -> str:
+        return "the only profile"
+
+
+# Why RequestClassifier chooses: the branch a request takes (small ints: classify allocates nothing)
+_NOTHING_HELD, _SHORT_PREFIX, _LONG_PROMPT, _LONG_PREFIX, _CONTINUATION = range(5)
 
 
 class RequestClassifier(OneStage, Plugin):
@@ -130,19 +141,38 @@ class RequestClassifier(OneStage, Plugin):
         self.default_profile = default_profile
 
     def classify(self, ctx: SchedulingContext) -> str:
+        return self.context_heavy_profile if self._branch(ctx) >= _LONG_PROMPT else self.default_profile
+
+    def _branch(self, ctx: SchedulingContext) -> int:
         if len(ctx.request.prompt_text) >= self.long_prompt_chars:
-            return self.context_heavy_profile
+            return _LONG_PROMPT
         if not ctx.matches:
-            return self.default_profile
+            return _NOTHING_HELD
         held = max(ctx.matches.values())
         matched_chars = held * ctx.block_chars
         if matched_chars >= self.long_prefix_chars:
-            return self.context_heavy_profile
+            return _LONG_PREFIX
         share = self.continuation_share
         if (share is not None and matched_chars >= self.continuation_chars and ctx.covers(held, share)
                 and sum(1 for m in ctx.matches.values() if m == held) == 1):
-            return self.context_heavy_profile
-        return self.default_profile
+            return _CONTINUATION
+        return _SHORT_PREFIX
+
+    def reason(self, ctx: SchedulingContext) -> str:
+        branch = self._branch(ctx)
+        prompt = len(ctx.request.prompt_text)
+        held = max(ctx.matches.values(), default=0) * ctx.block_chars
+        if branch == _LONG_PROMPT:
+            return f"a long prompt: {prompt} characters (longPromptChars {self.long_prompt_chars})"
+        if branch == _NOTHING_HELD:
+            return "no pod holds any of this prompt yet: load decides"
+        if branch == _LONG_PREFIX:
+            return f"a pod holds {held} characters of its prefix (longPrefixChars {self.long_prefix_chars})"
+        if branch == _CONTINUATION:
+            return (f"one pod alone holds {held} of its {prompt} characters (continuationChars "
+                    f"{self.continuation_chars}): elsewhere they would all be computed again")
+        return (f"the most any pod holds is {held} of its {prompt} characters (a long prefix is "
+                f"{self.long_prefix_chars}): cheap to move, load decides")
 
 
 class RequestClassifierParams(Section):

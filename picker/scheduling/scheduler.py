@@ -119,7 +119,7 @@ class PrefixAwareScheduler:
                 ctx.prefill = disaggregation.prefill  # what on_picked records the prompt on, besides the pick
         if not self.explain:
             return SchedulingResult(ranked, profile.name, [], len(ctx.keys), matched, ctx, disaggregation)
-        return ExplainedResult(ranked, profile.name, len(ctx.keys), matched, ctx, run, disaggregation)
+        return ExplainedResult(ranked, profile, len(ctx.keys), matched, ctx, run, disaggregation, handler)
 
     def _profile(self, name: str) -> Profile:
         profile = self.profiles.get(name)
@@ -247,14 +247,24 @@ class ExplainedResult(SchedulingResult):
     pods; the Explain API and traces read it and get exactly the scores computed at decision time.
     """
 
-    __slots__ = ("_breakdown", "_candidates")
+    __slots__ = ("_breakdown", "_candidates", "_profile", "_classifier")
 
     def __init__(
-        self, ranked: list[Endpoint], profile: str, prefix_blocks: int, prefix_matched_blocks: int,
-        context: SchedulingContext, breakdown: _Run, disaggregation: Disaggregation | None = None,
+        self, ranked: list[Endpoint], profile: Profile, prefix_blocks: int, prefix_matched_blocks: int,
+        context: SchedulingContext, breakdown: _Run, disaggregation: Disaggregation | None, classifier: Classifier,
     ) -> None:
         self._breakdown: _Run | None = breakdown
-        super().__init__(ranked, profile, [], prefix_blocks, prefix_matched_blocks, context, disaggregation)
+        self._profile = profile
+        self._classifier = classifier
+        super().__init__(ranked, profile.name, [], prefix_blocks, prefix_matched_blocks, context, disaggregation)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {w.scorer.name: w.weight for w in self._profile.scorers}
+
+    @property
+    def profile_reason(self) -> str:
+        return self._classifier.reason(self.context) if self.context is not None else ""
 
     @property  # type: ignore[override]
     def candidates(self) -> list[CandidateScore]:

@@ -55,6 +55,16 @@ class SchedulingResult:
     def prefill(self) -> Endpoint | None:
         return self.disaggregation.prefill if self.disaggregation is not None else None
 
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each scorer's weight in the profile that ranked the candidates (what `total` sums); Explain reads it."""
+        return {}
+
+    @property
+    def profile_reason(self) -> str:
+        """Why the profile handler chose `profile`, in a sentence; Explain reads it."""
+        return ""
+
 
 class Scheduler(Protocol):
     """Pure policy: ranks `endpoints` for `request` at time `now`. Must not block or do I/O.

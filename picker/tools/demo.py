@@ -37,6 +37,7 @@ from picker.serving.supervisor import (
     start_valkey,
 )
 from picker.sim.profiles import LLAMA3_8B_H100
+from picker.tools.demo_burst import ADMISSION, BURST, POD_SEQUENCES, SERVED_BY, describe, metric, run_burst
 from picker.tools.explain import format_explain
 
 SYSTEM = ("You are a meticulous assistant for the ACME inference platform. Answer in short, precise sentences, "
@@ -52,10 +53,14 @@ class Sample:
     expect: int = 200  # any other status means the demo failed (its logs are kept)
 
 
+def _chat(model: str, question: str, max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "max_tokens": max_tokens, "messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **extra}
+
+
 def samples(model: str) -> list[Sample]:
     def chat(question: str, **extra: Any) -> dict[str, Any]:
-        return {"model": model, "max_tokens": 16, "messages": [
-            {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **extra}
+        return _chat(model, question, **extra)
 
     return [
         Sample("chat, shared system prompt (cold)", "/v1/chat/completions", chat("How do I drain a node?")),
@@ -73,14 +78,25 @@ def samples(model: str) -> list[Sample]:
 
 
 def _send(url: str, sample: Sample) -> tuple[int, str, str]:
+    """Status, the address of the pod that answered (the demo's Envoy says: "" when the picker answered itself)
+    and the body."""
     data = sample.body if isinstance(sample.body, bytes) or sample.body is None else json.dumps(sample.body).encode()
     request = urllib.request.Request(url + sample.path, data=data, method=sample.method,
                                      headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.headers.get("x-sim-pod", ""), response.read().decode(errors="replace")
+            return response.status, response.headers.get(SERVED_BY, ""), response.read().decode(errors="replace")
     except urllib.error.HTTPError as err:
         return err.code, "", err.read().decode(errors="replace")
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """`text` cut to about `limit` characters at a word's end, with an ellipsis when anything was cut."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0]
+    return cut.rstrip(",;:") + " …"
 
 
 @dataclass(slots=True)
@@ -115,16 +131,6 @@ def _explain(channel: grpc.Channel, sample: Sample) -> Explained:
     return Explained(text, first, tied if len(tied) > 1 else (first,))
 
 
-def _echo_served_by(text: str) -> str:
-    """The echo backends name themselves in the body (JSON, or each event of a stream); "?" if nothing does."""
-    first = text.removeprefix("data: ").split("\n", 1)[0] if text.startswith("data: ") else text
-    with contextlib.suppress(ValueError):
-        data = json.loads(first)
-        if isinstance(data, dict) and isinstance(data.get("served_by"), str):
-            return str(data["served_by"])
-    return "?"
-
-
 def _model_ids(text: str) -> str:
     with contextlib.suppress(ValueError, TypeError, KeyError):
         return ", ".join(str(m["id"]) for m in json.loads(text)["data"])
@@ -141,6 +147,19 @@ def _served_note(explained: Explained, served: str) -> str:
         return (f" (not Explain's pick {explained.first}: the pool's metrics or load changed between the "
                 "Explain call and the request)")
     return ""
+
+
+def _decisions(pickers: list[Picker]) -> list[float]:
+    """Each replica's count of requests it routed or refused (only asked for when there are several)."""
+    return [metric(p, "llm_d_epp_request_total") for p in pickers] if len(pickers) > 1 else []
+
+
+def _decided_by(pickers: list[Picker], before: list[float]) -> str:
+    """", decided by replica 127.0.0.11" when several replicas share the work: the one whose count moved."""
+    if not before:
+        return ""
+    moved = [p.host for p, was, now in zip(pickers, before, _decisions(pickers), strict=True) if now > was]
+    return f", decided by replica {', '.join(moved)}" if moved else ""
 
 
 def picker_command() -> str:
@@ -169,9 +188,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[Managed],
                    tls: str = "plaintext") -> list[Picker]:
     """One picker, or several on their own loopback addresses (same ports, as pods behind a Service) sharing
-    the prefix index through a Valkey started for the demo."""
+    the prefix index through a Valkey started for the demo; with the demo's admission (demo_burst.ADMISSION)."""
+    admission = ["--config-text", json.dumps(ADMISSION)]
     if replicas <= 1:
-        picker = start_picker(logdir, endpoints=pool, tls=tls)
+        picker = start_picker(logdir, endpoints=pool, tls=tls, extra=admission)
         started.append(picker.process)
         return [picker]
     valkey = start_valkey(logdir)
@@ -185,7 +205,7 @@ def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[M
         picker = start_picker(logdir, endpoints=pool, name=f"picker-{i}", host=f"127.0.0.{10 + i}",
                               grpc_port=grpc_port, health_port=health_port, tls=tls,
                               extra=["--index-backend", "redis", "--redis-url", valkey.url,
-                                     "--index-hash-key-file", str(key)])
+                                     "--index-hash-key-file", str(key), *admission])
         started.append(picker.process)
         pickers.append(picker)
     return pickers
@@ -221,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
     print(f"picker demo: logs in {logdir} (removed on exit unless the demo fails)")
     if args.backend == "sim":
-        fleet = start_sim(args.pods, logdir, model=args.model, time_scale=10.0)
+        fleet = start_sim(args.pods, logdir, model=args.model, time_scale=10.0,
+                          extra=["--max-num-seqs", str(POD_SEQUENCES)])
         started.append(fleet.process)
     else:
         fleet = start_backends(args.pods, logdir)
@@ -230,32 +251,41 @@ def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
             set_echo_metrics(address, models=[args.model])  # they report serving the model the samples ask for
     pickers = _start_pickers(args.replicas, fleet.addresses, logdir, started, "mtls" if args.tls else "plaintext")
     picker = pickers[0]
-    envoy = start_envoy(logdir, pickers, fleet.addresses, mode=args.mode)
+    envoy = start_envoy(logdir, pickers, fleet.addresses, mode=args.mode, served_by=SERVED_BY)
     started.append(envoy.process)
     print(f"  fleet:  {', '.join(fleet.addresses)}")
     for p in pickers:
         security = f"mTLS, certificates in {p.pki}" if p.pki else "plaintext"
         print(f"  picker: {p.host}:{p.grpc_port} ({security}; metrics http://{p.host}:{p.metrics_port}/metrics)")
     print(f"  envoy:  {envoy.url} ({args.mode} body mode)\n")
-    names = {f"sim-{i}": address for i, address in enumerate(fleet.addresses)}  # x-sim-pod → address
     unexpected = 0
+    held_by = ""  # the pod the shared system prompt went to: the burst's cache-affine choice
     with picker.channel() as channel:
         for i, sample in enumerate(samples(args.model), 1):
             explained = _explain(channel, sample)  # before the request: routing it changes the index
+            decided = _decisions(pickers)
             status, pod, text = _send(envoy.url, sample)
             print(f"[{i}] {sample.method} {sample.path}  {sample.title}")
             print("    " + explained.text.replace("\n", "\n    "))
-            if status == 200 and sample.path == "/v1/models" and not pod and _echo_served_by(text) == "?":
-                print(f"    -> 200 answered by the picker: {_model_ids(text)}\n")
+            by = _decided_by(pickers, decided)
+            if status == 200 and not pod:
+                print(f"    -> 200 answered by the picker{by}: {_model_ids(text)}\n")
             elif status == 200:
-                served = names.get(pod, pod) or _echo_served_by(text)
-                print(f"    -> 200 served by {served}{_served_note(explained, served)}\n")
+                held_by = held_by or pod
+                print(f"    -> 200 served by {pod}{_served_note(explained, pod)}{by}\n")
             else:
-                print(f"    -> {status} {text[:200]}\n")
+                print(f"    -> {status} {clip(text)}{by}\n")
             if status != sample.expect:
                 unexpected += 1
                 print(f"    !! expected {sample.expect}\n")
             time.sleep(0.2)
+    if args.backend == "sim":
+        print(f"[{len(samples(args.model)) + 1}] burst: {BURST} chats at once sharing the system prompt, then a "
+              "sheddable one")
+        burst = run_burst(envoy.url + "/v1/chat/completions", pickers,
+                          lambda question: _chat(args.model, question, max_tokens=256))
+        print("\n".join(f"    {line}" for line in describe(burst, held_by)) + "\n")
+        unexpected += sum(1 for a in burst.answers if a.status != 200)
     if unexpected:
         print(f"picker demo: {unexpected} sample(s) did not get the status they expect", file=sys.stderr)
         return 1
@@ -273,7 +303,7 @@ def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
     else:
         target += " --plaintext"
     print(f"Envoy is up at {envoy.url}; try:\n"
-          f"  curl -s {envoy.url}/v1/chat/completions -H 'content-type: application/json' -d {quoted}\n"
+          f"  curl -si {envoy.url}/v1/chat/completions -H 'content-type: application/json' -d {quoted}\n"
           f"  {picker_command()} explain --target {target} --body {quoted}\n"
           f"  {picker_command()} explain --target {target} --endpoints\n"
           "Ctrl-C stops everything.", flush=True)

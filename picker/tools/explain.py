@@ -60,11 +60,16 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
     lines = [f"pick: {response.ranked[0] if response.ranked else '-'}   profile: {response.profile}   "
              f"priority: {response.priority}   prefix blocks matched: "
              f"{response.prefix_matched_blocks}/{response.prefix_blocks}"]
+    if response.profile_reason:
+        lines.append(f"why {response.profile}: {response.profile_reason}")
     names = sorted({name for c in response.candidates for name in c.scores})
     labels = [n.removesuffix("-scorer") for n in names]
     widths = [max(6, len(label)) for label in labels]
     lines.append("  ".join([f"{'endpoint':<22}", *(f"{n:>{w}}" for n, w in zip(labels, widths, strict=True)),
                             f"{'total':>8}", "note"]))
+    if response.weights:  # what `total` sums: weight x score
+        lines.append("  ".join([f"{'  x weight':<22}", *(f"{_weight(response.weights.get(n)):>{w}}"
+                                                         for n, w in zip(names, widths, strict=True))]).rstrip())
     for c in sorted(response.candidates, key=lambda c: -c.total):
         cells = [f"{c.address:<22}",
                  *(f"{c.scores.get(n, float('nan')):>{w}.3f}" for n, w in zip(names, widths, strict=True)),
@@ -73,6 +78,10 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
         if c.details:
             lines.append(f"{'':<22}  " + "  ".join(f"{k}={v:.4g}" for k, v in sorted(c.details.items())))
     return "\n".join(lines)
+
+
+def _weight(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
 
 
 def _age(endpoint: picker_pb2.EndpointInfo) -> str:
@@ -99,6 +108,7 @@ async def _call(args: argparse.Namespace) -> tuple[str, bool]:
         refused = bool(response.error_status)
         if args.json:
             return json.dumps({"ranked": list(response.ranked), "profile": response.profile,
+                               "profile_reason": response.profile_reason, "weights": dict(response.weights),
                                "error": response.error_code or None,
                                "candidates": [{"address": c.address, "scores": dict(c.scores),
                                                "details": dict(c.details), "total": c.total,
