@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from picker import cli
+from picker.endpoints.discovery import parse_endpoint_list
 from picker.endpoints.kubernetes import objective_priorities
 from picker.serving.config import ServeConfig, parse_ports, resolve
 from picker.serving.envoyconfig import EnvoySettings, render, validate_with_envoy
@@ -38,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"
 COMPOSE = ROOT / "docker-compose.yaml"
 COMPOSE_ENVOY = ROOT / "envoy" / "compose.yaml"
+COMPOSE_VLLM = ROOT / "docker-compose.vllm.yaml"  # the same stack in front of real vLLM containers
+COMPOSE_VLLM_ENVOY = ROOT / "envoy" / "compose-vllm.yaml"
 SIDECAR = MANIFESTS / "sidecar"
 NO_GPU = MANIFESTS / "no-gpu"
 DASHBOARD = MANIFESTS / "grafana" / "picker-dashboard.json"
@@ -356,6 +359,7 @@ def _image_tag_problem(image: str) -> str | None:
 
 def all_images() -> list[str]:
     images = [svc["image"] for svc in compose_services().values()]
+    images += [svc["image"] for svc in yaml.safe_load(COMPOSE_VLLM.read_text())["services"].values()]
     for d in docs_in(MANIFESTS, recursive=True):
         if d.get("kind") == "Deployment":
             spec = d["spec"]["template"]["spec"]
@@ -623,6 +627,34 @@ def test_compose_envoy_config_is_rendered_from_compose_and_valid() -> None:
     assert clusters["picker"]["type"] == "STRICT_DNS"
     assert "http2_protocol_options" in str(clusters["picker"]) and clusters["picker"]["health_checks"]
     validate_with_envoy(COMPOSE_ENVOY)
+
+
+def test_the_vllm_compose_file_routes_to_its_model_servers_by_name(tmp_path: Path) -> None:
+    """docker-compose.vllm.yaml: the pickers name the vLLM services (resolved by Docker's DNS), share the index
+    through Valkey, and Envoy's config is rendered from the services, pinned and valid."""
+    services = yaml.safe_load(COMPOSE_VLLM.read_text())["services"]
+    servers = {name: svc for name, svc in services.items() if str(svc.get("image", "")).startswith("vllm/")}
+    assert len(servers) == 2
+    wanted = {f"{name}:{svc['command'][svc['command'].index('--port') + 1]}" for name, svc in servers.items()}
+    pickers = sorted(n for n, s in services.items() if s.get("command", [None])[0] == "serve")
+    assert len(pickers) == 2
+    configs = [serve_config(services[n]["command"]) for n in pickers]
+    for config in configs:
+        specs = parse_endpoint_list(config.endpoints)
+        assert {f"{s.host}:{s.port}" for s in specs} == wanted and all(s.named for s in specs)
+        assert config.index_backend == "redis" and config.redis_url.startswith("redis://valkey:6379")
+    envoy = services["envoy"]
+    mount = next(v for v in envoy["volumes"] if v.startswith("./envoy/compose-vllm.yaml:"))
+    assert mount.split(":")[1] in envoy["command"]
+    listen_port = int(envoy["ports"][0].rpartition(":")[2])
+    expected = render(EnvoySettings(
+        listen_host="0.0.0.0", listen_port=listen_port, picker_hosts=tuple(pickers),
+        picker_port=configs[0].grpc_port, picker_health_port=configs[0].grpc_health_port,
+        pool=tuple(configs[0].endpoints.split(",")),
+        picker_tls="tls" if configs[0].secure_serving else "plaintext"))
+    assert COMPOSE_VLLM_ENVOY.read_text() == expected, (
+        "envoy/compose-vllm.yaml drifted: re-render it with the command in docker-compose.vllm.yaml's header")
+    validate_with_envoy(COMPOSE_VLLM_ENVOY)
 
 
 # ---------------------------------------------------------------------------------------------- tests: image

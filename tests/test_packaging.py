@@ -300,3 +300,19 @@ def test_no_file_tells_users_to_install_someone_elses_picker() -> None:
     said = [name for name in files if not name.startswith("bench/results/") and Path(ROOT / name).is_file()
             and wrong.search((ROOT / name).read_text(errors="replace"))]
     assert said == []
+
+
+def test_committed_results_hold_no_machine_paths_nor_crash_logs() -> None:
+    """What bench/results keeps is read by others: no path of the machine it ran on, no Python traceback."""
+    tracked = _run(["git", "ls-files", "bench/results"], cwd=ROOT)
+    files = tracked.stdout.split() if tracked.returncode == 0 else [
+        str(p.relative_to(ROOT)) for p in (ROOT / "bench" / "results").rglob("*") if p.is_file()]
+    machine_path = re.compile(r"(?<![\w.])/(?:work|tmp|home|root)/[\w.-]")
+    found = []
+    for name in files:
+        if name.endswith((".png", ".svg")):
+            continue
+        text = (ROOT / name).read_text(errors="replace")
+        if machine_path.search(text) or "Traceback (most recent call last)" in text:
+            found.append(name)
+    assert found == []

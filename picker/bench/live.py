@@ -331,7 +331,6 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
                     for p in procs:
                         p.stop()
                         started.remove(p)
-            section["logdir"] = str(logdir)
     finally:
         bar.close()
     base = summarize(results["round-robin"]) if "round-robin" in results else None

@@ -1117,11 +1117,10 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
                     result = {"strategy": strategy, "repeat": repeat, "error": str(exc)[:400]}
                 engine.log(f"  {json.dumps(result, default=str)}")
                 runs.append(result)
-        logs = str(logdir)
     summary = medians(runs, spec.strategies)
     section: dict[str, Any] = {"spec": asdict(spec) | {"requests": spec.requests}, "calibration": calibration,
                                "runs": runs, "medians": summary, "targets": targets(summary, spec.workload),
-                               "logdir": logs, **({"settling_ttft_ms": settling} if settling else {})}
+                               **({"settling_ttft_ms": settling} if settling else {})}
     mirror(section, spec)
     out.mkdir(parents=True, exist_ok=True)
     (out / "real.json").write_text(report_json(section))
@@ -1151,8 +1150,7 @@ def combine(sections: list[dict[str, Any]], drop: tuple[int, ...] = (), why: str
     summary = medians(kept, strategies)
     return {"spec": asdict(spec) | {"requests": spec.requests}, "calibration": sections[0]["calibration"],
             "runs": kept, "medians": summary, "targets": targets(summary, spec.workload),
-            "dropped": {"repeats": sorted(drop), "why": why, "runs": [r for r in runs if r["repeat"] + 1 in drop]},
-            "logdir": [section.get("logdir") for section in sections]}
+            "dropped": {"repeats": sorted(drop), "why": why, "runs": [r for r in runs if r["repeat"] + 1 in drop]}}
 
 
 def mirror(section: dict[str, Any], spec: RealSpec, seeds: int = 3) -> None:
