@@ -45,6 +45,7 @@ from picker.prefix.tokens import LocalTokenizer, PodTokenizer, PromptTokenizer
 from picker.routing.director import Director
 from picker.serving import config as cfg
 from picker.serving import reference_flags
+from picker.serving.handshakes import HandshakeWatch
 from picker.serving.metrics import PickerMetrics
 from picker.serving.metrics.tracing import DecisionTracer
 from picker.serving.policy import (
@@ -320,6 +321,10 @@ class PickerServer:
 
             self.on_stop("metrics server", _awaitable(close_metrics))
             self.metrics_port = http_server.server_port
+        if c.tls.secure:  # a refused handshake is told in our log too (gRPC's core says so only on stderr)
+            watch = HandshakeWatch(asyncio.get_running_loop())
+            watch.start()
+            self.on_stop("handshake watch", _awaitable(watch.stop))
         await self.server.start()
         await self.health_server.start()
         changed = asyncio.Event()  # subscribed before the first look, so no change falls in between
