@@ -12,6 +12,7 @@ whose log line goes through the pipe like any other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -78,6 +79,7 @@ class HandshakeWatch:
         self._saved = None
 
     def _pump(self, read_end: int, out: int) -> None:
+        """Pass everything on; nothing here may stop reading while fd 2 is the pipe (a writer would block)."""
         pending = b""
         try:
             while chunk := os.read(read_end, 65536):
@@ -87,8 +89,9 @@ class HandshakeWatch:
                 pending = pending[-4096:]  # a line without its end yet (bounded: whatever writes it)
                 for line in lines:
                     cause = cause_of(line)
-                    if cause is not None and not self.loop.is_closed():
-                        self.loop.call_soon_threadsafe(self.report, cause)
+                    if cause is not None:
+                        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody to tell
+                            self.loop.call_soon_threadsafe(self.report, cause)
         except OSError:
             pass  # stderr itself gone: nothing to pass on
         finally:
