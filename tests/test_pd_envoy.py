@@ -21,6 +21,7 @@ from picker.core.headers import PREFILLER
 from picker.serving.supervisor import (
     HOST,
     free_port,
+    metric_sum,
     process_scope,
     spawn,
     start_envoy,
@@ -34,15 +35,7 @@ ROLE = "llm-d.ai/role"
 WORDS = ["alpha", "bo", "cider", "delta", "ex", "fox", "gamma", "hi", "iota", "jam"]
 
 
-def counter(address: str, name: str, **labels: str) -> float:
-    """A counter summed over its series (those with `labels`), from a page of Prometheus text."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+counter = metric_sum  # a counter summed over its series (those with `labels`)
 
 
 def send(url: str, prompt: str, headers: dict[str, str] | None = None) -> dict[str, object]:

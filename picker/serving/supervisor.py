@@ -171,6 +171,18 @@ def start_backends(count: int, logdir: Path, name: str = "backends") -> Backends
     return Backends(addresses, process)
 
 
+def metric_sum(address: str, name: str, **labels: str) -> float:
+    """A series of the Prometheus page at http://address/metrics, summed over the label sets that match `labels`
+    (0 when it has none)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def set_echo_metrics(address: str, **state: object) -> None:
     """Set what an echo pod (`picker.tools.echo`) reports on /metrics: waiting, running, kv, models, max_lora, ..."""
     request = urllib.request.Request(f"http://{address}/test/metrics", data=json.dumps(state).encode(),

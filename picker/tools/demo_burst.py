@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from picker.core.headers import DROPPED_REASON, OBJECTIVE
-from picker.serving.supervisor import Picker
+from picker.serving.supervisor import Picker, metric_sum
 
 BURST = 12
 POD_SEQUENCES = 2  # the simulated pods' --max-num-seqs: a burst finds them full
@@ -53,13 +53,7 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) 
 
 def metric(picker: Picker, name: str, **labels: str) -> float:
     """A series of a picker's /metrics, summed over the label sets that match `labels`."""
-    with urllib.request.urlopen(f"http://{picker.host}:{picker.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_sum(f"{picker.host}:{picker.metrics_port}", name, **labels)
 
 
 @dataclass(slots=True)
