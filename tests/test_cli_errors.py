@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from picker.cli import SUBCOMMANDS
+from picker.cli import SUBCOMMANDS, main
+from picker.core.children import ProcessExited
 from picker.serving.supervisor import free_port
 
 BAD: dict[str, tuple[list[str], str]] = {
@@ -35,3 +37,18 @@ def test_a_bad_argument_is_one_line_and_status_2(command: str) -> None:
                             timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert said in result.stderr.strip().splitlines()[-1], result.stderr
+
+
+def test_a_dead_child_of_any_command_is_told_without_a_traceback(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark starts pickers, Envoys and pods as the demo does: one that dies is named with its cause."""
+    from picker.bench import cli as bench_cli
+
+    def dies(args: object) -> int:
+        raise ProcessExited("envoy", 1, "starting\nerror initializing configuration: bad thing", Path("envoy.log"))
+
+    monkeypatch.setattr(bench_cli, "run", dies)
+    assert main(["bench", "--mode", "fast"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("picker bench: envoy exited with status 1 while starting: error initializing "
+                          "configuration: bad thing\n  its last log lines (envoy.log):") and "Traceback" not in err

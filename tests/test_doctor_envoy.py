@@ -19,6 +19,7 @@ from picker.serving.supervisor import (
     start_envoy,
     start_picker,
 )
+from picker.tools import doctor
 
 CASES: dict[str, tuple[str, str, str]] = {
     # what the picker serves, what Envoy is told it serves (or "wrong-port"), and what doctor must say
@@ -79,3 +80,10 @@ def test_doctor_names_each_mismatch_within_a_minute_of_traffic(case: str) -> Non
     # one diagnosis, after the count of what failed open
     first, *diagnoses = result.stdout.splitlines()
     assert first.startswith("picker doctor: 5 requests failed open") and len(diagnoses) == 1, result.stdout
+
+
+def test_counts_are_said_in_the_singular_too() -> None:
+    view = doctor.EnvoyView({"http.inference.ext_proc.failure_mode_allowed": 1,
+                             "cluster.picker.upstream_cx_connect_fail": 1}, {"127.0.0.1:9002": "healthy"}, tls=False)
+    first, second = doctor.diagnose(view)
+    assert first.startswith("1 request failed open") and second.startswith("nothing accepts connections")
