@@ -97,3 +97,32 @@ async def test_a_worker_the_peer_does_not_know_is_a_clear_error(admin: tuple[Fak
         pool = PeerPool(PEERS[name], base, ["127.0.0.1:1009"])
         with pytest.raises(RuntimeError, match="127.0.0.1:1009"):
             await asyncio.to_thread(pool, [])
+
+
+def test_router_names_carry_their_replicas_and_the_mesh() -> None:
+    from picker.bench.peers import is_peer, replicated
+
+    assert replicated("smg") == ("smg", 1, False)
+    assert replicated("smg@4") == ("smg", 4, False)
+    assert replicated("smg-mesh@4") == ("smg", 4, True)
+    assert replicated("picker@2") == ("picker", 2, False)
+    assert is_peer("sglang-router@2") and is_peer("smg-mesh@2") and not is_peer("picker@2")
+    for bad in ("smg@0", "smg@x", "vllm-router-mesh@2"):
+        with pytest.raises(ValueError):
+            replicated(bad)
+
+
+def test_smg_replicas_join_each_others_mesh() -> None:
+    from pathlib import Path
+
+    from picker.bench.peers import command
+
+    smg = PEERS["smg"]
+    first = command(smg, Path("smg"), 8001, 9001, ["http://127.0.0.1:7000"], (5001, []))
+    third = command(smg, Path("smg"), 8003, 9003, ["http://127.0.0.1:7000"], (5003, [5001, 5002]))
+    assert first[:2] == ["smg", "launch"] and "--mesh-peer-urls" not in first and "--enable-mesh" in first
+    assert third[third.index("--mesh-port") + 1] == "5003"
+    assert third[third.index("--mesh-peer-urls") + 1:] == ["127.0.0.1:5001", "127.0.0.1:5002"]
+    assert third[third.index("--policy") + 1] == "cache_aware"
+    alone = command(PEERS["vllm-router"], Path("vllm-router"), 8004, 9004, ["http://127.0.0.1:7000"])
+    assert alone[1] != "launch" and "--enable-mesh" not in alone

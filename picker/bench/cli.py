@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from picker.bench import peers
 from picker.bench.workloads import WORKLOADS, FleetSpec, generate
 from picker.core.argtypes import positive_number, whole_number
 from picker.scheduling.config import STRATEGIES
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from picker.bench.real import RealSpec
 
 FAST_STRATEGIES = ("round-robin", "random", "least-load", "prefix-only", "picker")
-PEERS = ("sglang-router", "vllm-router")
+PEERS = tuple(peers.PEERS)
 # Default output root, relative to the working directory (the repository root under `make bench`).
 OUT_ROOT = Path("bench") / "out"
 
@@ -104,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--live-load", type=positive_number, default=None, help="live-mode load (default 0.8)")
     a("--live-time-scale", type=positive_number, default=None,
       help="model seconds per wall second in live mode (default 0.5: half speed keeps 2 cores ahead of the load)")
-    a("--peers", type=_csv, default=None, help=f"peer routers in live mode (default {','.join(PEERS)}; 'none')")
+    a("--peers", type=_csv, default=None, help=f"peer routers in live mode (default {','.join(PEERS)}; 'none'); "
+      "NAME@N runs N replicas behind one Envoy round-robin, smg-mesh@N syncs their trees through smg's mesh, and "
+      "picker@N (in --strategies) shares the index and load through a Valkey")
 
 
 def _scheduling(path: str | None) -> dict[str, Any] | None:
@@ -150,7 +153,7 @@ def fast_spec(args: argparse.Namespace) -> Any:
     if args.num_gpu_blocks or smoke:
         overrides["num_gpu_blocks"] = args.num_gpu_blocks or 2500
     scheduling = _scheduling(args.scheduling)
-    strategies = tuple(s for s in (args.strategies or FAST_STRATEGIES) if s not in PEERS)
+    strategies = tuple(s for s in (args.strategies or FAST_STRATEGIES) if not peers.is_peer(s))
     for s in strategies:
         if s not in STRATEGIES:
             raise ValueError(f"unknown strategy {s!r} (fast mode knows {', '.join(FAST_STRATEGIES)})")

@@ -51,6 +51,7 @@ from picker.serving.supervisor import (
     spawn,
     start_picker_fleet,
     start_sim,
+    start_valkey,
     wait_until,
 )
 from picker.sim.profiles import Profile, get_profile
@@ -83,7 +84,7 @@ class LiveSpec:
         asked = args.strategies or DEFAULT_ROUTERS
         if args.peers is not None:  # --peers decides which peers run: those named in --strategies keep their place
             wanted = tuple(p for p in args.peers if p and p != "none")
-            asked = tuple(s for s in asked if s not in peers.PEERS or s in wanted) + tuple(
+            asked = tuple(s for s in asked if not peers.is_peer(s) or s in wanted) + tuple(
                 p for p in wanted if p not in asked)
         return cls(
             workload=args.live_workload,
@@ -101,12 +102,12 @@ class LiveSpec:
     @property
     def strategies(self) -> tuple[str, ...]:
         """The routers we start ourselves: the picker's strategies and Envoy round-robin."""
-        return tuple(s for s in self.order if s not in peers.PEERS)
+        return tuple(s for s in self.order if not peers.is_peer(s))
 
     @property
     def peers(self) -> tuple[str, ...]:
-        """The peer routers (peers.PEERS), each in its own venv."""
-        return tuple(s for s in self.order if s in peers.PEERS)
+        """The peer routers (peers.PEERS), each in its own venv (in any number of replicas)."""
+        return tuple(s for s in self.order if peers.is_peer(s))
 
     def get_profile(self) -> Profile:
         return get_profile(self.profile).with_overrides(num_gpu_blocks=self.num_gpu_blocks)
@@ -193,32 +194,49 @@ async def equal_scrape(session: aiohttp.ClientSession, urls: list[str], stop: as
 
 # --- routers -------------------------------------------------------------------------------------------------------
 def start_direct_envoy(logdir: Path, pool: list[str], *, served_by: str = "",
-                       timing_log: Path | None = None) -> tuple[Managed, str]:
+                       timing_log: Path | None = None, name: str = "envoy-direct") -> tuple[Managed, str]:
     """Envoy rendered from our own template with the ext_proc filter taken out: plain round-robin over the pool
-    (the fail-open route), i.e. Envoy with no picker. `served_by`, `timing_log`: as `start_envoy`'s."""
+    (the fail-open route), i.e. Envoy with no picker; over router replicas, the load balancer in front of them.
+    `served_by`, `timing_log`: as `start_envoy`'s."""
     settings = EnvoySettings(listen_port=free_port(), admin_port=free_port(), picker_port=free_port(),
                              picker_health_port=free_port(), pool=tuple(pool))
     config = yaml.safe_load(render(settings))
     for hcm in http_managers(config):
         if "http_filters" in hcm:
             hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-    path = logdir / "envoy-direct.yaml"
+    path = logdir / f"{name}.yaml"
     path.write_text(instrumented(yaml.safe_dump(config), served_by, timing_log))
-    proc = spawn("envoy-direct", [envoy_binary(), "-c", str(path), "--base-id", str(settings.admin_port),
-                                  "-l", "warning", "--concurrency", "1"], logdir)
-    wait_until(lambda: port_open(settings.listen_port), 30, "direct envoy", proc.proc)
+    proc = spawn(name, [envoy_binary(), "-c", str(path), "--base-id", str(settings.admin_port),
+                        "-l", "warning", "--concurrency", "1"], logdir)
+    wait_until(lambda: port_open(settings.listen_port), 30, name, proc.proc)
     return proc, f"http://{HOST}:{settings.listen_port}"
 
 
 def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str], logdir: Path
                  ) -> tuple[list[Managed], str]:
-    """Processes and base URL of the router for `strategy` (RuntimeError when it cannot start)."""
-    if strategy == "round-robin":
+    """Processes and base URL of the router for `strategy` (RuntimeError when it cannot start): one process, or
+    `name@N` replicas behind one load balancer (peers.replicated) as a gateway runs them: Envoy round-robin over
+    a peer's processes, the picker's own Envoy over pickers sharing their index and load through a Valkey."""
+    try:
+        name, replicas, mesh = peers.replicated(strategy)
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from None
+    if name == "round-robin":
         direct, url = start_direct_envoy(logdir, pool)
         return [direct], url
-    if strategy in peers.PEERS:
-        proc, url = peers.start(peers.PEERS[strategy], urls, logdir)
-        return [proc], url
+    if name in peers.PEERS:
+        procs, routers = peers.start_replicas(peers.PEERS[name], urls, logdir, replicas, mesh)
+        if replicas == 1:
+            return procs, routers[0]
+        try:
+            front, url = start_direct_envoy(logdir, [u.removeprefix("http://") for u in routers],
+                                            name=f"envoy-{strategy.replace('@', '-')}")
+        except BaseException:
+            for proc in procs:
+                proc.stop()
+            raise
+        return [*procs, front], url
+    strategy = name
     if strategy == PREDICTED_TTFT:
         extra = ["--strategy", "picker", "--config-file", str(predicted_ttft_config(logdir, spec.time_scale)),
                  "--log-level", "WARNING"]
@@ -226,8 +244,18 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
         extra = ["--strategy", strategy, "--log-level", "WARNING"]
     if spec.scheduling_file and strategy == "picker":
         extra += ["--config-file", _serve_config(spec.scheduling_file, logdir)]
-    fleet = start_picker_fleet(logdir, pool, flags=extra, name=f"picker-{strategy}")
-    return fleet.processes, fleet.envoy.url
+    shared: list[Managed] = []
+    if replicas > 1:  # the replicas share their prefix index and in-flight load, as deployed (docs/scheduling.md)
+        valkey = start_valkey(logdir, name=f"valkey-{strategy}")
+        shared.append(valkey.process)
+        extra += ["--index-backend", "redis", "--redis-url", valkey.url]
+    try:
+        fleet = start_picker_fleet(logdir, pool, flags=extra, replicas=replicas, name=f"picker-{strategy}")
+    except BaseException:
+        for proc in shared:
+            proc.stop()
+        raise
+    return [*shared, *fleet.processes], fleet.envoy.url
 
 
 def predicted_ttft_config(logdir: Path, time_scale: float) -> Path:
@@ -270,7 +298,7 @@ async def _measure(strategy: str, url: str, spec: LiveSpec, trace: Any, urls: li
         probe = RunResult("live", spec.workload, strategy, spec.pods, 0)
         start = time.monotonic()
         sampler = asyncio.create_task(sample_load(session, urls, probe, start, spec.time_scale, stop))
-        scraping = strategy in PICKER_STRATEGIES  # picker serve scrapes every pod itself
+        scraping = peers.replicated(strategy)[0] in PICKER_STRATEGIES  # picker serve scrapes every pod itself
         load = None if scraping else asyncio.create_task(equal_scrape(session, urls, stop))
         tokenizer = Tokenizer(spec.get_profile().vocab_size)
         res = await replay(url, trace, strategy, pods=spec.pods, model=model, time_scale=spec.time_scale,

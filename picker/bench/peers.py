@@ -1,4 +1,5 @@
-"""Peer routers measured in live mode: sglang-router and vllm-router, each pip-installed into its own venv.
+"""Peer routers measured in live mode: sglang-router, vllm-router and SGLang's gateway `smg`, each pip-installed into
+its own venv, as one process or as N replicas (smg's with its mesh, which syncs their cache-aware trees, or without).
 
 Own venvs keep their dependencies away from ours; HF_HUB_OFFLINE=1 stops them from reaching for a tokenizer on
 the Hub (they route on text or on the pod's /v1/completions/render token ids). Any failure (no network, no
@@ -7,6 +8,7 @@ wheel, crash at start) becomes a clear "skipped" reason instead of an error.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -64,10 +66,15 @@ class PeerSpec:
     # Worker endpoints its cache-aware policy cannot do without: without them it still forwards every request,
     # but no longer routes by prefix, so a run would measure a crippled peer (start() refuses instead).
     needs: tuple[str, ...] = ()
+    launch: bool = False  # its executable takes a `launch` subcommand first
+    mesh: bool = False  # its replicas can sync their trees (--enable-mesh, --mesh-peer-urls)
 
 
 PEERS: dict[str, PeerSpec] = {
-    "sglang-router": PeerSpec("sglang-router", "sglang-router==0.3.2", "sglang-router", _sglang_add, _sglang_remove),
+    "sglang-router": PeerSpec("sglang-router", "sglang-router==0.3.2", "sglang-router", _sglang_add, _sglang_remove,
+                              launch=True),
+    # SGLang's gateway since 2026 (the router's successor): the same launch flags and workers API, plus the mesh.
+    "smg": PeerSpec("smg", "smg==1.13.0", "smg", _sglang_add, _sglang_remove, launch=True, mesh=True),
     # It tokenizes each prompt with the worker's render endpoint (vLLM serves it only with --enable-scale-out).
     "vllm-router": PeerSpec("vllm-router", "vllm-router==0.1.17", "vllm-router", _post_url("/add_worker"),
                             _post_url("/remove_worker"), needs=("/v1/completions/render",)),
@@ -97,13 +104,48 @@ def ensure_installed(peer: PeerSpec, log: Path) -> Path:
     return exe
 
 
-def command(peer: PeerSpec, exe: Path, port: int, prometheus_port: int, worker_urls: list[str]) -> list[str]:
-    """Command line of the peer in cache-aware mode."""
+MESH_SUFFIX = "-mesh"
+
+
+def replicated(strategy: str) -> tuple[str, int, bool]:
+    """A router as named in a benchmark: "smg" (one process), "smg@4" (four behind one load balancer, each with
+    its own tree), "smg-mesh@4" (four that sync their trees through the mesh), "picker@4" (four sharing an index).
+    Returns (router, replicas, mesh); ValueError for a bad count or a mesh the router does not have."""
+    name, at, count = strategy.partition("@")
+    replicas = 1
+    if at:
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{strategy!r}: the count after @ must be a whole number from 1")
+        replicas = int(count)
+    mesh = name.endswith(MESH_SUFFIX) and name.removesuffix(MESH_SUFFIX) in PEERS
+    if mesh:
+        name = name.removesuffix(MESH_SUFFIX)
+        if not PEERS[name].mesh:
+            raise ValueError(f"{strategy!r}: {name} has no mesh")
+    return name, replicas, mesh
+
+
+def is_peer(strategy: str) -> bool:
+    """Whether a benchmark's router name is one of the peers (in any number of replicas)."""
+    try:
+        return replicated(strategy)[0] in PEERS
+    except ValueError:
+        return False
+
+
+def command(peer: PeerSpec, exe: Path, port: int, prometheus_port: int, worker_urls: list[str],
+            mesh: tuple[int, list[int]] | None = None) -> list[str]:
+    """Command line of the peer in cache-aware mode; `mesh` (its mesh port, the other replicas' mesh ports) joins
+    it to the others' mesh."""
     common = ["--host", HOST, "--port", str(port), "--worker-urls", *worker_urls, "--policy", "cache_aware",
               "--prometheus-host", HOST, "--prometheus-port", str(prometheus_port)]
-    if peer.name == "sglang-router":
-        return [str(exe), "launch", *common]
-    return [str(exe), *common]
+    if mesh is not None:
+        own, others = mesh
+        common += ["--enable-mesh", "--mesh-host", HOST, "--mesh-advertise-host", HOST, "--mesh-port", str(own),
+                   "--mesh-server-name", f"{peer.name}-{own}"]
+        if others:
+            common += ["--mesh-peer-urls", *(f"{HOST}:{p}" for p in others)]
+    return [str(exe), *(["launch"] if peer.launch else []), *common]
 
 
 # What the peers call on a worker before and while routing, with a body for the POSTs.
@@ -169,21 +211,41 @@ def missing_endpoints(peer: PeerSpec, worker_urls: list[str]) -> list[str]:
 def start(peer: PeerSpec, worker_urls: list[str], logdir: Path) -> tuple[Managed, str]:
     """Start the peer router; returns the process and its base URL. RuntimeError when it cannot start, or when a
     worker lacks an endpoint its routing needs."""
+    (managed,), (url,) = start_replicas(peer, worker_urls, logdir)
+    return managed, url
+
+
+def start_replicas(peer: PeerSpec, worker_urls: list[str], logdir: Path, replicas: int = 1, mesh: bool = False
+                   ) -> tuple[list[Managed], list[str]]:
+    """`replicas` processes of the peer, each routing over every worker; with `mesh` each joins the mesh of those
+    started before it (the first one alone: its own). Returns them and their base URLs; whatever started is
+    stopped again when one fails (RuntimeError)."""
     missing = missing_endpoints(peer, worker_urls)
     if missing:
         raise RuntimeError(f"{peer.name} cannot route by prefix: its workers do not serve what it needs "
                            f"({'; '.join(missing)})")
     exe = ensure_installed(peer, logdir / f"{peer.name}-install.log")
-    port = free_port()
-    managed = spawn(peer.name, command(peer, exe, port, free_port(), worker_urls), logdir,
-                    env={"HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "RUST_LOG": "warn"})
+    mesh_ports = [free_port() for _ in range(replicas)] if mesh else []
+    started: list[Managed] = []
+    urls = []
     try:
-        wait_until(lambda: _ready(port), 60, peer.name, managed.proc)
-    except (RuntimeError, TimeoutError) as exc:
-        tail = managed.log()[-600:]
-        managed.stop()
-        raise RuntimeError(f"{peer.name} did not start: {exc}; log tail: {tail!r}") from None
-    return managed, f"http://{HOST}:{port}"
+        for i in range(replicas):
+            port = free_port()
+            joined = (mesh_ports[i], mesh_ports[:i]) if mesh else None
+            name = peer.name if replicas == 1 else f"{peer.name}-{i}"
+            managed = spawn(name, command(peer, exe, port, free_port(), worker_urls, joined), logdir,
+                            env={"HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "RUST_LOG": "warn"})
+            started.append(managed)
+            try:
+                wait_until(functools.partial(_ready, port), 60, name, managed.proc)
+            except (RuntimeError, TimeoutError) as exc:
+                raise RuntimeError(f"{name} did not start: {exc}; log tail: {managed.log()[-600:]!r}") from None
+            urls.append(f"http://{HOST}:{port}")
+    except BaseException:
+        for managed in reversed(started):
+            managed.stop()
+        raise
+    return started, urls
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""Live mode's routers as they are deployed: `picker@2` is two `picker serve` replicas behind their Envoy sharing a
+prefix index on a Valkey; a bad replica count is refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from picker.bench.live import LiveSpec, start_router
+from picker.serving.supervisor import process_scope, start_backends, start_sim
+
+
+def test_picker_replicas_share_a_valkey_behind_their_envoy() -> None:
+    with process_scope("live-replicas") as (logdir, started):
+        pods = start_sim(2, logdir, model="tiny", extra=["--profile", "tiny-cpu"])
+        started.append(pods.process)
+        procs, url = start_router("picker@2", LiveSpec(), pods.addresses, [f"http://{a}" for a in pods.addresses],
+                                  logdir)
+        started.extend(procs)
+        names = sorted(p.name for p in procs)
+        assert names[:2] == ["envoy-picker-picker", "picker-picker-0"] and "valkey-picker" in names, names
+        for i in range(8):
+            body = json.dumps({"model": "tiny", "prompt": f"{i} shared opening of a prompt", "max_tokens": 2})
+            request = urllib.request.Request(url + "/v1/completions", data=body.encode(),
+                                             headers={"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert response.status == 200
+        pickers = [p for p in procs if p.name.startswith("picker-picker-")]
+        assert len(pickers) == 2 and all(p.alive() for p in pickers)
+        assert all("--redis-url" in " ".join(p.proc.args) for p in pickers)  # type: ignore[arg-type]
+
+
+def test_a_bad_replica_count_is_refused_before_anything_starts() -> None:
+    with process_scope("live-bad") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        with pytest.raises(RuntimeError, match="the count after @"):
+            start_router("smg@0", LiveSpec(), backends.addresses, [], logdir)
