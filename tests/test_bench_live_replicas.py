@@ -32,6 +32,17 @@ def test_picker_replicas_share_a_valkey_behind_their_envoy() -> None:
         assert all("--redis-url" in " ".join(p.proc.args) for p in pickers)  # type: ignore[arg-type]
 
 
+def test_a_stateless_router_replicated_shares_nothing() -> None:
+    """hash-ring@2: two replicas of a consistent hash agree without any shared state (no Valkey)."""
+    with process_scope("live-ring") as (logdir, started):
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        procs, url = start_router("hash-ring@2", LiveSpec(), backends.addresses, [], logdir)
+        started.extend(procs)
+        assert sorted(p.name for p in procs) == ["envoy-picker-hash-ring", "picker-hash-ring-0", "picker-hash-ring-1"]
+        assert url.startswith("http://127.0.0.1:")
+
+
 def test_a_bad_replica_count_is_refused_before_anything_starts() -> None:
     with process_scope("live-bad") as (logdir, started):
         backends = start_backends(1, logdir)

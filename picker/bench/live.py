@@ -60,6 +60,7 @@ from picker.sim.tokenizer import Tokenizer
 PREDICTED_TTFT = "picker-predicted-ttft"  # the picker with PREDICTED_TTFT_CONFIG as its scheduler
 DEFAULT_ROUTERS = ("round-robin", "random", "least-load", "prefix-only", "picker", *peers.PEERS)
 PICKER_STRATEGIES = ("random", "least-load", "prefix-only", "prefix-hash", "picker", PREDICTED_TTFT)
+INDEXED = ("picker", "prefix-only", PREDICTED_TTFT)  # the strategies with a prefix index replicas can share
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,7 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
     if spec.scheduling_file and strategy == "picker":
         extra += ["--config-file", _serve_config(spec.scheduling_file, logdir)]
     shared: list[Managed] = []
-    if replicas > 1:  # the replicas share their prefix index and in-flight load, as deployed (docs/scheduling.md)
+    if replicas > 1 and strategy in INDEXED:  # they share their prefix index and load, as deployed (a hash is stateless)
         valkey = start_valkey(logdir, name=f"valkey-{strategy}")
         shared.append(valkey.process)
         extra += ["--index-backend", "redis", "--redis-url", valkey.url]
