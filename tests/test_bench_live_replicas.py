@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from picker.bench.live import LiveSpec, start_router
+from picker.bench.live import LiveSpec, router_cpu, start_router
 from picker.serving.supervisor import process_scope, start_backends, start_sim
 
 
@@ -30,6 +30,7 @@ def test_picker_replicas_share_a_valkey_behind_their_envoy() -> None:
         pickers = [p for p in procs if p.name.startswith("picker-picker-")]
         assert len(pickers) == 2 and all(p.alive() for p in pickers)
         assert all("--redis-url" in " ".join(p.proc.args) for p in pickers)  # type: ignore[arg-type]
+        assert router_cpu(procs) > router_cpu(pickers) > 0  # what it routed with, Envoy and Valkey included
 
 
 def test_a_stateless_router_replicated_shares_nothing() -> None:
@@ -49,3 +50,11 @@ def test_a_bad_replica_count_is_refused_before_anything_starts() -> None:
         started.append(backends.process)
         with pytest.raises(RuntimeError, match="the count after @"):
             start_router("smg@0", LiveSpec(), backends.addresses, [], logdir)
+
+
+def test_the_live_report_shows_each_routers_own_cpu() -> None:
+    from picker.bench.report import live_markdown
+
+    lines = live_markdown({"strategies": {}, "router_cpu": {"smg-mesh@4": {"cpu_s": 12.5, "wall_s": 50.0,
+                                                                           "processes": 5}}})
+    assert "| smg-mesh@4 | 5 | 12.5 | 0.250 |" in lines

@@ -45,6 +45,7 @@ from picker.serving.envoyconfig import EnvoySettings, envoy_binary, http_manager
 from picker.serving.supervisor import (
     HOST,
     Managed,
+    cpu_seconds,
     free_port,
     port_open,
     process_scope,
@@ -268,6 +269,12 @@ def predicted_ttft_config(logdir: Path, time_scale: float) -> Path:
     return path
 
 
+def router_cpu(procs: list[Managed]) -> float:
+    """CPU seconds a router's processes (its replicas, their Envoy, their Valkey) have used so far: a router's own
+    CPU is part of its result on a machine it shares with the pods."""
+    return sum(cpu_seconds(p.proc.pid) for p in procs if p.alive())
+
+
 def _serve_config(path: str, logdir: Path) -> str:
     """`picker serve --config-file` wants the scheduler config under `scheduling:`."""
     data = yaml.safe_load(Path(path).read_text()) or {}
@@ -331,7 +338,7 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
         "trace_params": trace.params, "times": "model seconds (wall seconds x time_scale)",
         "equal_scrape_load": "routers that do not scrape /metrics (Envoy round-robin, peers) run with a scrape of "
                              "every pod each second (the picker's calm cadence) added",
-        "strategies": {}, "cdf": {}, "pod_load_series": {}, "skipped": {}, "notes": [],
+        "strategies": {}, "cdf": {}, "pod_load_series": {}, "skipped": {}, "notes": [], "router_cpu": {},
     }
     bar = ProgressBar(len(trace) * len(spec.order), "live mode")
     results: dict[str, RunResult] = {}
@@ -355,7 +362,10 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
                     continue
                 started.extend(procs)
                 try:
+                    cpu, began = router_cpu(procs), time.monotonic()
                     results[strategy] = asyncio.run(_measure(strategy, url, spec, trace, urls, profile.model, bar))
+                    section["router_cpu"][strategy] = {"cpu_s": router_cpu(procs) - cpu,
+                                                       "wall_s": time.monotonic() - began, "processes": len(procs)}
                 finally:
                     for p in procs:
                         p.stop()

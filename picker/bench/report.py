@@ -262,6 +262,14 @@ def live_markdown(live: dict[str, Any]) -> list[str]:
              f"{_ms(f['ttft_p95'])} [{_ms(_at(f, 'ttft_p95_ci95', 0))}-{_ms(_at(f, 'ttft_p95_ci95', 1))}]"]
             for s, f in strategies.items()])
         lines.append("")
+    cpu = live.get("router_cpu") or {}
+    if cpu:
+        lines += ["The routers' own CPU while they routed (their processes: replicas, Envoy, Valkey; the picker's "
+                  "scrapes of the pods included, the load the benchmark adds for the others not):", ""]
+        lines += _table(["router", "processes", "CPU s", "share of a core"], [
+            [s, str(c["processes"]), _num(c["cpu_s"], 1), _num(c["cpu_s"] / c["wall_s"] if c["wall_s"] else 0.0, 3)]
+            for s, c in cpu.items()])
+        lines.append("")
     if live.get("targets"):
         lines += _table(["target", "met", "measured"],
                         [[t["target"], "yes" if t["met"] else "**no**", t["detail"]] for t in live["targets"]])
