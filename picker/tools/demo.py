@@ -286,6 +286,9 @@ def _run(args: argparse.Namespace, logdir: Path, started: list[Managed]) -> int:
                           lambda question: _chat(args.model, question, max_tokens=256))
         print("\n".join(f"    {line}" for line in describe(burst, held_by)) + "\n")
         unexpected += sum(1 for a in burst.answers if a.status != 200)
+    else:
+        print(f"[{len(samples(args.model)) + 1}] burst: skipped with --backend echo (its pods answer at once: there is "
+              "no load to spread or queue)\n")
     if unexpected:
         print(f"picker demo: {unexpected} sample(s) did not get the status they expect", file=sys.stderr)
         return 1
