@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from picker.bench import vllm_engine as engine  # noqa: E402
+from picker.bench.summary import percentile  # noqa: E402
 from picker.endpoints.scraper import MetricsTarget  # noqa: E402
 from picker.endpoints.state import Endpoint  # noqa: E402
 
@@ -136,10 +136,6 @@ async def run_phase(server: engine.VllmServer, phase: Phase, seed: int) -> None:
     phase.engine_cpu_s = sum(v - cpu_before.get(k, 0.0) for k, v in cpu_after.items() if k != pid)
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
 def summarize(phases: list[Phase]) -> dict[str, Any]:
     """Per (label, traffic): means over rounds; CPU per scrape against the no-scrape phase of the same kind."""
     out: dict[str, Any] = {}
@@ -168,12 +164,12 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
                 "extra_api_cpu_share": api_cpu - base_cpu,
                 "cpu_ms_per_scrape": (api_cpu - base_cpu) * secs / scrapes * 1000 if scrapes else float("nan"),
                 "engine_cpu_share": sum(p.engine_cpu_s for p in mine) / secs,
-                "scrape_latency_ms_p50": _pct(lat, 50) * 1000, "scrape_latency_ms_p99": _pct(lat, 99) * 1000,
+                "scrape_latency_ms_p50": percentile(lat, 50) * 1000, "scrape_latency_ms_p99": percentile(lat, 99) * 1000,
                 "ttft_ms_mean": statistics.mean(ttft) * 1000 if ttft else float("nan"),
-                "ttft_ms_p90": _pct(ttft, 90) * 1000,
-                "itl_ms_p50": _pct(itl, 50) * 1000, "itl_ms_p99": _pct(itl, 99) * 1000,
+                "ttft_ms_p90": percentile(ttft, 90) * 1000,
+                "itl_ms_p50": percentile(itl, 50) * 1000, "itl_ms_p99": percentile(itl, 99) * 1000,
                 "ttft_ratio": (statistics.mean(ttft) / statistics.mean(base_ttft)) if ttft and base_ttft else None,
-                "itl_p99_ratio": (_pct(itl, 99) / _pct(base_itl, 99)) if itl and base_itl else None,
+                "itl_p99_ratio": (percentile(itl, 99) / percentile(base_itl, 99)) if itl and base_itl else None,
                 "completed": sum(p.completed for p in mine),
             })
         out[kind] = rows

@@ -66,7 +66,7 @@ from picker.bench.live import predicted_ttft_config, read_counters, start_direct
 from picker.bench.membership import PoolChange, write_pool
 from picker.bench.peers import PEERS, PeerPool
 from picker.bench.peers import start as start_peer
-from picker.bench.summary import summarize
+from picker.bench.summary import percentile, summarize
 from picker.bench.workloads import FleetSpec, group_sizes, multi_turn, shared_prefix
 from picker.core.distribution import install_hint
 from picker.endpoints.scraper import Cadence
@@ -536,10 +536,10 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "usage_cached_share": cached / prompt if prompt else math.nan,
         "mean_prompt_tokens": prompt / len(ok) if ok else math.nan,
         "ttft_mean_ms": float(ttft.mean()) if ttft.size else math.nan,
-        "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90), "ttft_p99_ms": _pct(ttft, 99),
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90), "ttft_p99_ms": percentile(ttft, 99),
         # what a cache hit is worth on these servers: TTFT of requests served mostly from cache vs mostly cold
         "warm_share": float(warm.mean()) if warm.size else math.nan,
-        "ttft_warm_p50_ms": _pct(ttft[warm], 50), "ttft_cold_p50_ms": _pct(ttft[~warm], 50),
+        "ttft_warm_p50_ms": percentile(ttft[warm], 50), "ttft_cold_p50_ms": percentile(ttft[~warm], 50),
         "share": [s / sum(served) if sum(served) else math.nan for s in served],
         "api_server_cpu_share": [c / wall for c in api_cpu],
         "server_cpu_share": [c / wall for c in all_cpu],
@@ -548,8 +548,8 @@ def run_once(strategy: str, spec: RealSpec, trace_fn: Any, repeat: int, logdir: 
         "router_cpu_share": router_cpu / wall,
         # what the router held each request for, in Envoy's own clock (p50, p90 ms): before the pod got it, and
         # between the pod's response and the client's
-        **({"request_held_ms": [_pct(held[0], 50), _pct(held[0], 90)],
-            "response_held_ms": [_pct(held[1], 50), _pct(held[1], 90)]} if held is not None else {}),
+        **({"request_held_ms": [percentile(held[0], 50), percentile(held[0], 90)],
+            "response_held_ms": [percentile(held[1], 50), percentile(held[1], 90)]} if held is not None else {}),
         "wall_s": wall,
         **({"pool_changes": change.events} if change is not None else {}),
         # one row per answered request, in send order: what a reader needs to see where the cold prefills were
@@ -812,7 +812,7 @@ def phase_figures(run: dict[str, Any]) -> PhaseFigures | None:
         phases[0 if row[0] < events["left"] else 1 if row[0] < events["joined"] else 2].append(row[5])
     means = [statistics.fmean(p) if p else math.nan for p in phases]
     joined = run["share"][-1] * run["completed"] / len(phases[2]) if phases[2] else math.nan
-    p90 = _pct(np.array([row[5] for row in rows]), 90)
+    p90 = percentile(np.array([row[5] for row in rows]), 90)
     slow = [sum(t >= p90 for t in p) for p in phases]
     return PhaseFigures((means[0], means[1], means[2]), joined, (slow[0], slow[1], slow[2]))
 
@@ -920,10 +920,6 @@ def mean_without_avoidable_colds(rows: list[list[float]]) -> float:
     return (sum(first) + sum(warm) + avoidable * statistics.fmean(warm)) / len(rows)
 
 
-def _pct(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) if values.size else math.nan
-
-
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) or 1
 
@@ -1021,7 +1017,7 @@ def sim_mirror(spec: RealSpec, seeds: int = 3, slowdown: float = 1.0,
             ttft = np.array([t for t in res.ttft if not math.isnan(t)]) * 1000
             rows.setdefault(name, []).append({
                 "hit_rate": figures["vllm_hit_rate"], "ttft_mean_ms": figures["ttft_mean"] * 1000,
-                "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90),
+                "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
                 "max_share": max(served) / sum(served) if sum(served) else math.nan,
                 "metrics_requests_per_pod_per_s": res.extra.get("scrapes_per_pod_per_s", 0.0)})
     return {name: {k: statistics.mean(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items()}

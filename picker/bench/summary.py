@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,8 +21,10 @@ LOWER_IS_BETTER = frozenset({"ttft_mean", "ttft_p50", "ttft_p95", "ttft_p99", "e
                              "itl_p95", "load_imbalance", "served_imbalance", "busy_s_per_1k", "shed", "failed"})
 
 
-def _pct(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) if values.size else math.nan
+def percentile(values: np.ndarray | Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100, numpy's linear interpolation) of the values; NaN for none."""
+    array = np.asarray(values, dtype=float)
+    return float(np.percentile(array, q)) if array.size else math.nan
 
 
 def _mean(values: np.ndarray) -> float:
@@ -90,16 +93,16 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "oracle_cold_share": _cold_share(res),
         "cold_share": _served_cold_share(res),
         "ttft_mean": _mean(ttft),
-        "ttft_p50": _pct(ttft, 50),
-        "ttft_p90": _pct(ttft, 90),
-        "ttft_p95": _pct(ttft, 95),
-        "ttft_p99": _pct(ttft, 99),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
+        "ttft_p95": percentile(ttft, 95),
+        "ttft_p99": percentile(ttft, 99),
         "ttft_mean_ci95": bootstrap_ci(ttft, "mean") if ttft.size <= 20_000 else [math.nan, math.nan],
         "ttft_p95_ci95": bootstrap_ci(ttft, "p95") if ttft.size <= 20_000 else [math.nan, math.nan],
         "e2e_mean": _mean(e2e),
-        "e2e_p95": _pct(e2e, 95),
+        "e2e_p95": percentile(e2e, 95),
         "itl_mean": _mean(itl),
-        "itl_p95": _pct(itl, 95),
+        "itl_p95": percentile(itl, 95),
         "output_tokens_per_s": sum(res.output_tokens) / res.duration_s if res.duration_s > 0 else math.nan,
         "load_imbalance": load_imbalance(res.load_per_pod),
         "served_imbalance": max(served) * len(served) / sum(served) if served and sum(served) else math.nan,
