@@ -25,6 +25,7 @@ class FakePod:
         self.filter = "names"
         self.waiting = 0
         self.running = 0
+        self.queries = 0  # added to the page's prefix-cache queries counter (a restart: set it lower)
         self.hits = 0  # GETs of /metrics and /metrics/: scrapes
         self.filtered_hits = 0  # those of /metrics/
         self.last_page_bytes = 0
@@ -39,7 +40,8 @@ class FakePod:
         if self.mode == "hang":
             await asyncio.sleep(10)
         text = IDLE_TEXT + f'vllm:num_requests_waiting{{engine="1",model_name="tiny"}} {self.waiting}\n' + \
-            f'vllm:num_requests_running{{engine="1",model_name="tiny"}} {self.running}\n'
+            f'vllm:num_requests_running{{engine="1",model_name="tiny"}} {self.running}\n' + \
+            f'vllm:prefix_cache_queries_total{{engine="1",model_name="tiny"}} {self.queries}\n'
         self.last_page_bytes = len(text)
         return web.Response(text=text, content_type="text/plain")
 

@@ -27,6 +27,7 @@ class PoolEvent(enum.Enum):
     UNREADY = "unready"  # it cannot be reached: not routed to until it recovers
     DEGRADED = "degraded"  # its metrics cannot be read but it answers: routed on our own view of it
     READY = "ready"  # it recovered
+    RESTARTED = "restarted"  # its counters started over: it restarted between two scrapes, its cache is empty
 
 
 PoolListener = Callable[[PoolEvent, Endpoint], None]
@@ -85,6 +86,15 @@ class EndpointPool:
     def mark_ready(self, endpoint: Endpoint, reason: str = "") -> None:
         """Route to `endpoint` on fresh metrics again."""
         self._transition(endpoint, EndpointState.READY, PoolEvent.READY, reason)
+
+    def mark_restarted(self, endpoint: Endpoint, reason: str = "") -> None:
+        """`endpoint` restarted unseen (between two scrapes: never unready): whatever was known of its cache is gone,
+        its state stays."""
+        if self._endpoints.get(endpoint.address) is not endpoint:
+            return
+        log.warning("endpoint %s restarted%s: what it cached is forgotten", endpoint.address,
+                    f" ({reason})" if reason else "")
+        self._emit(PoolEvent.RESTARTED, endpoint)
 
     def _transition(self, endpoint: Endpoint, state: EndpointState, event: PoolEvent, reason: str) -> None:
         if endpoint.state is state or self._endpoints.get(endpoint.address) is not endpoint:

@@ -49,8 +49,22 @@ class HealthTransitions(Protocol):
 
     def mark_ready(self, endpoint: Endpoint, reason: str = "") -> None: ...
 
+    def mark_restarted(self, endpoint: Endpoint, reason: str = "") -> None: ...
+
 
 Reachable = Callable[[Endpoint], Awaitable[bool]]
+
+def started_over(before: EndpointMetrics, after: EndpointMetrics) -> str:
+    """Why a pod restarted between two scrapes of it ("" when it did not): a counter vLLM only ever increases
+    while it runs went down. Only a later reading counts (another replica's older record may come after ours)."""
+    if before.updated_at < 0 or after.updated_at <= before.updated_at:
+        return ""
+    for name, was, now in (("prefix cache queries", before.prefix_queries, after.prefix_queries),
+                           ("finished prompts", before.prompt_count, after.prompt_count),
+                           ("first tokens", before.ttft_count, after.ttft_count)):
+        if now < was:
+            return f"its {name} went from {was:g} to {now:g}"
+    return ""
 
 
 async def serving_port_open(endpoint: Endpoint, connect_s: float) -> bool:
@@ -430,7 +444,10 @@ class MetricsScraper:
         return body.decode("utf-8", "replace")
 
     def _succeeded(self, endpoint: Endpoint, metrics: EndpointMetrics) -> None:
+        restart = started_over(endpoint.metrics, metrics)
         endpoint.metrics = metrics
+        if restart and self.health is not None:
+            self.health.mark_restarted(endpoint, restart)
         endpoint.consecutive_failures = 0
         if self.health is not None and endpoint.state is not EndpointState.READY:
             self.health.mark_ready(endpoint, "metrics read again")

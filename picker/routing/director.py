@@ -140,9 +140,10 @@ class Director:
         pool.subscribe(self._pool_changed)
 
     def _pool_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
-        """A departed pod is forgotten by the scheduler; so is an unready one's cache, presumed lost (vLLM restarts
-        empty). (Its metrics series go when it leaves the pool: the server's concern.)"""
-        if event is PoolEvent.REMOVED or event is PoolEvent.UNREADY:
+        """A departed pod is forgotten by the scheduler; so is the cache of an unready one, presumed lost, and of one
+        seen to have restarted between two scrapes (vLLM restarts empty). (Its metrics series go when it leaves the
+        pool: the server's concern.)"""
+        if event is PoolEvent.REMOVED or event is PoolEvent.UNREADY or event is PoolEvent.RESTARTED:
             self.scheduler.on_endpoint_removed(endpoint)
         if event in (PoolEvent.ADDED, PoolEvent.READY, PoolEvent.DEGRADED):
             self.gate.kick()  # a pod joined or recovered (a degraded pod is routable): room

@@ -156,6 +156,7 @@ class PickerServer:
             self.metrics.watch_index_sync(self.shared_index.stats)
         metrics = self.metrics
         self.pool.subscribe(lambda event, endpoint: metrics.forget_pod(endpoint) if event is PoolEvent.REMOVED else None)
+        self.pool.subscribe(lambda event, _: metrics.pool.observe_restart() if event is PoolEvent.RESTARTED else None)
         self.tracer = DecisionTracer(c.otlp_endpoint) if c.otlp_endpoint else None
         if self.tracer is not None:
             self.on_stop("tracer", _awaitable(self.tracer.shutdown))
@@ -263,6 +264,8 @@ class PickerServer:
             if event is PoolEvent.REMOVED:
                 index.forget(endpoint.address)
                 events.unfollow(endpoint.address)
+            elif event is PoolEvent.RESTARTED:  # its cache went with the old process: its events start over
+                index.forget(endpoint.address)
             elif c.kv_events_port:
                 events.follow(endpoint.address, endpoint.ip, c.kv_events_port)
 

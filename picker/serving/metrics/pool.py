@@ -55,6 +55,9 @@ class PoolMetrics:
         self.scrapes = Counter("picker_model_server_scrapes",
                                "/metrics requests this picker made to each model server (what our signals cost "
                                "the pods), by result.", ["name", "model_server_pod", "result"], registry=r)
+        self.restarts = Counter("picker_model_server_restarts", "Model servers seen to restart between two scrapes "
+                                "(a counter of theirs went down): what the picker knew of their cache was forgotten.",
+                                ["name"], registry=r)
         self.pool_prefix_hit_ratio = Gauge("picker_pool_prefix_cache_hit_ratio",
                                            "Prefix-cache hit ratio of the pool from vLLM counters (hits/queries, tokens); "
                                            "a signal for autoscaling.", ["name"], registry=r)
@@ -80,6 +83,9 @@ class PoolMetrics:
             self.poll_errors.labels("metrics-data-source").inc()
             if unreadable:
                 self.extract_errors.labels("metrics-data-source", "core-metrics-extractor").inc()
+
+    def observe_restart(self) -> None:
+        self.restarts.labels(self.pool_name).inc()
 
     def observe_pool(self, endpoints: Iterable[Endpoint], scrape_stretch: float = 1.0) -> None:
         """Refresh pool gauges from the latest endpoint state (every second), and how far scraping is stretched."""
