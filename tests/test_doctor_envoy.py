@@ -18,6 +18,7 @@ from picker.serving.supervisor import (
     start_backends,
     start_envoy,
     start_picker,
+    wait_until,
 )
 from picker.tools import doctor
 
@@ -72,6 +73,8 @@ def test_doctor_names_each_mismatch_within_a_minute_of_traffic(case: str) -> Non
         while result.returncode != 1 and time.monotonic() - began < 60:
             time.sleep(0.5)  # Envoy's counters lag its health checks by at most one interval
             result = _doctor(envoy.admin_port)
+        if serves == "tls":  # the picker's own line comes from its event loop, a moment after gRPC's
+            wait_until(lambda: "TLS handshake refused" in picker.process.log(), 10, "the picker's handshake line")
         picker_log = picker.process.log()  # read before the scope removes its folder
     assert result.returncode == 1 and cause in result.stdout, result
     if serves == "tls":  # the picker says so in its own log too, once, naming the flag

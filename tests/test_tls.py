@@ -104,7 +104,8 @@ async def test_mutual_tls_through_envoy_and_clients_without_a_certificate_are_re
                             client_cert=False)
     started.append(anonymous.process)
     assert post(anonymous.url)[0] == 500
-    assert "TLS handshake refused: a client presented no certificate" in picker.process.log()
+    await eventually(lambda: "TLS handshake refused: a client presented no certificate" in picker.process.log(), 10,
+                     "the picker's own line for the refused handshake")  # logged from its event loop, a moment later
     credentials = grpc.ssl_channel_credentials(root_certificates=(picker.pki / "ca.crt").read_bytes())
     async with grpc.aio.secure_channel(picker.target, credentials,
                                        options=[("grpc.ssl_target_name_override", "localhost")]) as channel:
