@@ -362,7 +362,7 @@ def describe_decision(decision: Decision, took_s: float) -> str:
     """One debug line per decision: the request, where it went, what the index matched, the best candidates'
     totals, the chosen one's scores (and predictions) and the runner-up's (why not the other pod: a prefix credit
     zeroed by the load guard shows there), and how long the decision took, waits included. A prompt no pod holds
-    any of but whose opening has a home (decision 19) names it: `home=ADDRESS`."""
+    any of but whose opening has a home (the pod it goes back to once every pod evicted it) names it: `home=ADDRESS`."""
     request, result = decision.request, decision.result
     parts = [f"routed {request.request_id} model={request.model or '-'} priority={request.priority} "
              f"-> {decision.destination}"]
