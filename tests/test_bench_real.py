@@ -16,32 +16,34 @@ from picker.bench.real import (
     RealSpec,
     RouterPath,
     build_trace,
-    busier_pick_lines,
     chains,
-    cold_causes,
-    cold_kinds,
     combine,
-    cross_pod_lines,
-    cross_pod_warm,
     direction_check,
-    first_placement_lines,
-    first_placements,
     machine_slowdown,
-    mean_without_avoidable_colds,
     medians,
     mirror_at_rates,
     mirror_overshoots,
-    paired_ratio_lines,
     picker_flags,
     replay,
     report,
-    request_rows,
     router_paths,
-    routing_cost_lines,
     run_real,
     scrapes_per_pod,
     sim_mirror,
     targets,
+)
+from picker.bench.real_analysis import (
+    busier_pick_lines,
+    cold_causes,
+    cold_kinds,
+    cross_pod_lines,
+    cross_pod_warm,
+    first_placement_lines,
+    first_placements,
+    mean_without_avoidable_colds,
+    paired_ratio_lines,
+    request_rows,
+    routing_cost_lines,
     ttft_breakdown,
     where_ttft_goes,
 )
@@ -106,7 +108,7 @@ def test_reused_servers_from_the_command_line_replay_a_trace_per_repeat() -> Non
 
 
 def test_busier_picks_count_requests_sent_to_the_pod_with_more_prefills_in_progress() -> None:
-    from picker.bench.real import busier_picks
+    from picker.bench.real_analysis import busier_picks
 
     rows = [[0.0, 0, 0, 100, 0, 500.0],  # pod 0 prefilling until 0.5 s
             [0.1, 0, 0, 100, 90, 100.0],  # onto pod 0 while it prefills and pod 1 is idle: busier
@@ -611,7 +613,7 @@ def test_paired_ratios_fall_back_to_the_hash_ring_when_round_robin_did_not_run()
 
 
 def test_a_pool_change_is_reported_phase_by_phase_for_every_router() -> None:
-    from picker.bench.real import phase_figures, phase_lines
+    from picker.bench.real_analysis import phase_figures, phase_lines
 
     detail = [[5.0, 0, -1, 800, 0, 100.0], [15.0, 0, -1, 800, 700, 200.0], [25.0, 1, -1, 800, 0, 300.0],
               [30.0, 1, -1, 800, 700, 500.0]]
