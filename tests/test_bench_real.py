@@ -25,7 +25,6 @@ from picker.bench.real import (
     mirror_overshoots,
     picker_flags,
     replay,
-    report,
     router_paths,
     run_real,
     scrapes_per_pod,
@@ -47,6 +46,7 @@ from picker.bench.real_analysis import (
     ttft_breakdown,
     where_ttft_goes,
 )
+from picker.bench.real_render import report
 from picker.endpoints.state import Endpoint
 from picker.serving.metrics import PickerMetrics
 from picker.serving.supervisor import process_scope, start_backends
@@ -119,7 +119,7 @@ def test_busier_picks_count_requests_sent_to_the_pod_with_more_prefills_in_progr
 
 
 def test_routing_cost_section_gives_each_routers_median_hold_and_cpu() -> None:
-    from picker.bench.real import routing_cost_lines
+    from picker.bench.real_analysis import routing_cost_lines
 
     runs = [{**run("round-robin", i, 0.8, 100, 200, 0.5, 0.0), "request_held_ms": [0.3 + i / 10, 0.6],
              "response_held_ms": [0.1, 0.2], "router_cpu_share": 0.02, "server_cpu_share": [0.96, 0.98]}
@@ -136,7 +136,7 @@ def test_routing_cost_section_gives_each_routers_median_hold_and_cpu() -> None:
 
 
 def test_paired_ratios_compare_each_repeat_with_round_robins_own() -> None:
-    from picker.bench.real import paired_ratio_lines
+    from picker.bench.real_analysis import paired_ratio_lines
 
     runs = [run("round-robin", i, 0.8, mean, 2 * mean, 0.5, 0.0) for i, mean in enumerate((100, 300, 200))]
     runs += [run("picker", i, 0.8, mean, 2 * mean, 0.5, 1.0) for i, mean in enumerate((110, 240, 200))]
