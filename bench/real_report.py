@@ -17,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from picker.bench.real import RealSpec, combine, mirror, mirror_at_rates, report_json
+from picker.bench.real import RealSpec, combine, report_json
+from picker.bench.real_mirror import mirror, mirror_at_rates
 from picker.bench.real_render import plot, report
 
 

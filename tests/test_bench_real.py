@@ -14,21 +14,14 @@ from prometheus_client import generate_latest
 from picker.bench.real import (
     DETAIL_COLUMNS,
     RealSpec,
-    RouterPath,
     build_trace,
     chains,
     combine,
-    direction_check,
-    machine_slowdown,
     medians,
-    mirror_at_rates,
-    mirror_overshoots,
     picker_flags,
     replay,
-    router_paths,
     run_real,
     scrapes_per_pod,
-    sim_mirror,
     targets,
 )
 from picker.bench.real_analysis import (
@@ -45,6 +38,15 @@ from picker.bench.real_analysis import (
     routing_cost_lines,
     ttft_breakdown,
     where_ttft_goes,
+)
+from picker.bench.real_mirror import (
+    RouterPath,
+    direction_check,
+    machine_slowdown,
+    mirror_at_rates,
+    mirror_overshoots,
+    router_paths,
+    sim_mirror,
 )
 from picker.bench.real_render import report
 from picker.endpoints.state import Endpoint

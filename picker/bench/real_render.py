@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from picker.bench import vllm_engine as engine
-from picker.bench.real import MIRROR_OVERSHOOT, SMALL_COLD_TTFT_MS, TTFT_COLUMN, RealSpec, mirror_overshoots
+from picker.bench.real import TTFT_COLUMN, RealSpec
 from picker.bench.real_analysis import (
     busier_pick_lines,
     cross_pod_lines,
@@ -22,6 +22,7 @@ from picker.bench.real_analysis import (
     routing_cost_lines,
     where_ttft_goes,
 )
+from picker.bench.real_mirror import MIRROR_OVERSHOOT, SMALL_COLD_TTFT_MS, mirror_overshoots
 from picker.core.distribution import install_hint
 
 
