@@ -12,8 +12,6 @@ import shutil
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,16 @@ from picker.serving.supervisor import (
     start_valkey,
 )
 from picker.sim.profiles import LLAMA3_8B_H100
-from picker.tools.demo_burst import ADMISSION, BURST, POD_SEQUENCES, SERVED_BY, describe, metric, run_burst
+from picker.tools.demo_burst import (
+    ADMISSION,
+    BURST,
+    POD_SEQUENCES,
+    SERVED_BY,
+    describe,
+    metric,
+    run_burst,
+    send,
+)
 from picker.tools.explain import format_explain
 
 SYSTEM = ("You are a meticulous assistant for the ACME inference platform. Answer in short, precise sentences, "
@@ -80,14 +87,8 @@ def samples(model: str) -> list[Sample]:
 def _send(url: str, sample: Sample) -> tuple[int, str, str]:
     """Status, the address of the pod that answered (the demo's Envoy says: "" when the picker answered itself)
     and the body."""
-    data = sample.body if isinstance(sample.body, bytes) or sample.body is None else json.dumps(sample.body).encode()
-    request = urllib.request.Request(url + sample.path, data=data, method=sample.method,
-                                     headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.headers.get(SERVED_BY, ""), response.read().decode(errors="replace")
-    except urllib.error.HTTPError as err:
-        return err.code, "", err.read().decode(errors="replace")
+    answer = send(url + sample.path, sample.body, method=sample.method)
+    return answer.status, answer.pod, answer.body
 
 
 def clip(text: str, limit: int = 200) -> str:

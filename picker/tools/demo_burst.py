@@ -41,8 +41,11 @@ class Answer:
     dropped_reason: str = ""
 
 
-def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Answer:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+def send(url: str, body: dict[str, Any] | bytes | None, headers: dict[str, str] | None = None,
+         method: str = "POST") -> Answer:
+    """One request through the demo's Envoy (a JSON body, raw bytes or none); an error status is an answer too."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
                                      headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -68,7 +71,7 @@ def run_burst(url: str, pickers: Sequence[Picker], chat: Any) -> Burst:
     """BURST chats at once (`chat(question)` builds a body), then, once a picker queues some, a sheddable one."""
     before = sum(metric(p, ENQUEUED, outcome="Enqueued") for p in pickers)
     with ThreadPoolExecutor(BURST) as pool:
-        futures = [pool.submit(post, url, chat(f"Question {i}: which runbook section covers incident {i}?"))
+        futures = [pool.submit(send, url, chat(f"Question {i}: which runbook section covers incident {i}?"))
                    for i in range(BURST)]
         deadline = time.monotonic() + 5.0
         full = False
@@ -76,7 +79,7 @@ def run_burst(url: str, pickers: Sequence[Picker], chat: Any) -> Burst:
             full = any(metric(p, QUEUE_SIZE) > 0 for p in pickers)
             if not full:
                 time.sleep(0.01)
-        sheddable = post(url, chat("A batch job's question, sheddable."), {OBJECTIVE: "batch"})
+        sheddable = send(url, chat("A batch job's question, sheddable."), {OBJECTIVE: "batch"})
         answers = [f.result() for f in futures]
     queued = int(sum(metric(p, ENQUEUED, outcome="Enqueued") for p in pickers) - before)
     return Burst(answers, queued, sheddable, full)
