@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-replicas bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
 # install compiles the protos too (setup.py's build hook).
@@ -40,6 +40,16 @@ bench: install
 
 bench-smoke: install
 	$(BIN)/picker bench --smoke
+
+# Routers as gateways run them (live mode, 8 simulated pods): the picker alone and four replicas sharing a Valkey,
+# four hash-ring replicas, four smg replicas with and without the mesh (smg pip-installed into bench/.venvs on first
+# use), on shared-prefix and multi-turn (~5 min each); reports in bench/out/replicas-<workload>.
+REPLICA_ROUTERS ?= picker,picker@4,hash-ring@4
+REPLICA_PEERS ?= smg@4,smg-mesh@4
+bench-replicas: install
+	for w in shared-prefix multi-turn; do $(BIN)/picker bench --mode live --live-pods 8 --live-requests 400 \
+	  --live-workload $$w --strategies $(REPLICA_ROUTERS) --peers $(REPLICA_PEERS) --out bench/out/replicas-$$w $(ARGS) \
+	  || exit 1; done
 
 overhead: install
 	$(BIN)/python bench/overhead.py
