@@ -87,9 +87,11 @@ def main() -> int:
             for k, label in enumerate(rows):
                 bar.set_label(f"replicas live: {label}")
                 if label.startswith("round-robin"):
-                    procs, url = start_router("round-robin", spec, sim.addresses, urls, logdir)
+                    router = start_router("round-robin", spec, sim.addresses, urls, logdir)
+                    procs, url = router.processes, router.url
                 elif "1 replica" in label:
-                    procs, url = start_router("picker", spec, sim.addresses, urls, logdir)
+                    router = start_router("picker", spec, sim.addresses, urls, logdir)
+                    procs, url = router.processes, router.url
                 else:
                     procs, url = start_replicas(logdir, sim.addresses, args.replicas, label.split(", ", 2)[2], k)
                 started.extend(procs)

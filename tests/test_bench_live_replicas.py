@@ -16,8 +16,9 @@ def test_picker_replicas_share_a_valkey_behind_their_envoy() -> None:
     with process_scope("live-replicas") as (logdir, started):
         pods = start_sim(2, logdir, model="tiny", extra=["--profile", "tiny-cpu"])
         started.append(pods.process)
-        procs, url = start_router("picker@2", LiveSpec(), pods.addresses, [f"http://{a}" for a in pods.addresses],
-                                  logdir)
+        router = start_router("picker@2", LiveSpec(), pods.addresses, [f"http://{a}" for a in pods.addresses],
+                              logdir)
+        procs, url = router.processes, router.url
         started.extend(procs)
         names = sorted(p.name for p in procs)
         assert names[:2] == ["envoy-picker-picker", "picker-picker-0"] and "valkey-picker" in names, names
@@ -38,7 +39,8 @@ def test_a_stateless_router_replicated_shares_nothing() -> None:
     with process_scope("live-ring") as (logdir, started):
         backends = start_backends(2, logdir)
         started.append(backends.process)
-        procs, url = start_router("hash-ring@2", LiveSpec(), backends.addresses, [], logdir)
+        router = start_router("hash-ring@2", LiveSpec(), backends.addresses, [], logdir)
+        procs, url = router.processes, router.url
         started.extend(procs)
         assert sorted(p.name for p in procs) == ["envoy-picker-hash-ring", "picker-hash-ring-0", "picker-hash-ring-1"]
         assert url.startswith("http://127.0.0.1:")

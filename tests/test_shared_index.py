@@ -279,6 +279,32 @@ async def test_redis_down_keeps_routing_locally_and_catches_up(tmp_path: Path, n
         await b.stop()
 
 
+async def test_a_pick_made_before_its_pod_restarted_is_refused_when_it_arrives_late(
+        tmp_path: Path, namespace: str, replicas: Factory) -> None:
+    """Replica A could not publish while Redis was away; meanwhile B saw POD_A restart (its cache is empty) and
+    forgot it. When Redis returns, A's old pick must not bring back what POD_A lost: B refuses and counts it, and
+    takes a pick A makes after the restart."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    with process_scope("valkey-stale") as (logdir, started):
+        valkey = start_valkey(logdir, port=port)
+        started.append(valkey.process)
+        a, b = replicas(url, namespace), replicas(url, namespace)
+        await a.start()
+        await b.start()
+        valkey.process.stop()
+        old, new = chain("before"), chain("after")
+        a.record(old, POD_A, time.monotonic())  # queued: Redis is away
+        await eventually(lambda: a.stats.pending == 1 and not a.stats.connected)
+        b.remove_endpoint(POD_A)  # B saw POD_A restart
+        a.record(new, POD_A, time.monotonic())  # made after the restart: it stands
+        valkey.process.restart()
+        await eventually(lambda: a.stats.pending == 0 and b.stats.stale == 1 and b.stats.received == 1, within=10)
+        now = time.monotonic()
+        assert b.match(old, None, now) == {}
+        assert b.match(new, None, now) == {POD_A: 8}
+
+
 def test_a_bad_redis_url_is_refused_at_construction() -> None:
     with pytest.raises(ValueError):
         SharedPrefixIndex(InMemoryPrefixIndex(), "http://127.0.0.1:1/", "x")

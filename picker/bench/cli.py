@@ -28,6 +28,10 @@ PEERS = tuple(peers.PEERS)
 OUT_ROOT = Path("bench") / "out"
 
 
+# Routers as gateways run them, through what production goes through (picker.bench.fleet)
+FLEET_SCENARIOS = ("replicas", "router-restart", "pod-restart", "valkey-outage")
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
@@ -39,7 +43,8 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker bench`."""
     a = parser.add_argument
-    a("--scenario", choices=("routing", "mixed-models", "overload", "pd", "scale"), default="routing",
+    a("--scenario", choices=("routing", "mixed-models", "overload", "pd", "scale", *FLEET_SCENARIOS),
+      default="routing",
       help="routing: the workloads and strategies below (default); mixed-models: two base models on disjoint sim "
       "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply); "
       "overload: flow control at 0.5x, 2x and 6.6x the fleet's capacity (--mode fast: seconds, live: ~20 min; "
@@ -47,7 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "decode disaggregation against aggregated serving at equal pod count (fast mode, ~12 min; --pods, --requests, "
       "--profile, --seed and --repeats apply); scale: one picker process's decision time, decisions/s, scrape and "
       "index cost at 64-4,000 pods, and what sampling pods costs in routing (~8 min; --requests: timed decisions per "
-      "size)")
+      "size); replicas, router-restart, pod-restart, valkey-outage: routers as gateways run them (NAME@N replicas "
+      "behind one load balancer, live mode, --live-* flags, --strategies and --peers apply) with steady traffic, "
+      "their replicas restarted one at a time, a pod restarted, the picker's Valkey away 30 s (--repeats "
+      "interleaved, default 3; see picker/bench/fleet.py)")
     a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
     a("--max-num-seqs", type=whole_number(1), default=None, help="--scenario overload: sequences per pod (default 8)")
     a("--replicas", type=whole_number(1), default=None, help="--scenario overload: picker replicas behind Envoy (default 1); more "
@@ -221,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
         return run_disaggregation(args, out)
     if args.scenario == "scale":
         return run_scale_scenario(args, out)
+    if args.scenario in FLEET_SCENARIOS:
+        return run_fleet(args, out)
     fast = None
     live = None
     try:
@@ -327,6 +337,21 @@ def run_disaggregation(args: argparse.Namespace, out: Path) -> int:
                   seeds=tuple(range(args.seed, args.seed + repeats)))
     run_pd(spec, out)
     print((out / "pd.md").read_text())
+    return 0
+
+
+def run_fleet(args: argparse.Namespace, out: Path) -> int:
+    """`--scenario replicas|router-restart|pod-restart|valkey-outage` (picker.bench.fleet)."""
+    from picker.bench.fleet import ScenarioSpec, run_scenario
+    from picker.bench.live import LiveSpec
+
+    spec = ScenarioSpec(LiveSpec.from_args(args), args.scenario, repeats=args.repeats or 3)
+    try:
+        run_scenario(spec, out)
+    except ValueError as exc:
+        print(f"picker bench: {exc}", file=sys.stderr)
+        return 2
+    print((out / "fleet.md").read_text())
     return 0
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import re
 import time
 import urllib.request
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,8 @@ from picker.serving.envoyconfig import EnvoySettings, envoy_binary, http_manager
 from picker.serving.supervisor import (
     HOST,
     Managed,
+    Picker,
+    Valkey,
     cpu_seconds,
     free_port,
     port_open,
@@ -206,6 +210,15 @@ def start_direct_envoy(logdir: Path, pool: list[str], *, served_by: str = "",
     for hcm in http_managers(config):
         if "http_filters" in hcm:
             hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+        for host in hcm.get("route_config", {}).get("virtual_hosts", []):
+            for route in host["routes"]:
+                # A member that is down (a router replica restarting, a pod): the request, never started there,
+                # goes to another, as a load balancer's retries or a Service's readiness would see to.
+                route["route"]["retry_policy"] = {
+                    "retry_on": "connect-failure,refused-stream,reset-before-request", "num_retries": 3,
+                    "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3"
+                                 ".PreviousHostsPredicate"}}]}
     path = logdir / f"{name}.yaml"
     path.write_text(instrumented(yaml.safe_dump(config), served_by, timing_log))
     proc = spawn(name, [envoy_binary(), "-c", str(path), "--base-id", str(settings.admin_port),
@@ -214,22 +227,39 @@ def start_direct_envoy(logdir: Path, pool: list[str], *, served_by: str = "",
     return proc, f"http://{HOST}:{settings.listen_port}"
 
 
-def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str], logdir: Path
-                 ) -> tuple[list[Managed], str]:
-    """Processes and base URL of the router for `strategy` (RuntimeError when it cannot start): one process, or
-    `name@N` replicas behind one load balancer (peers.replicated) as a gateway runs them: Envoy round-robin over
-    a peer's processes, the picker's own Envoy over pickers sharing their index and load through a Valkey."""
+@dataclass
+class Router:
+    """A router as started for a run: every process it took (stopped after the run, its CPU counted), the URL
+    clients send to, and what a fleet scenario (picker/bench/fleet.py) disrupts: its replicas, each with a check
+    that says it serves again after a restart, and the Valkey its replicas share."""
+
+    processes: list[Managed]
+    url: str
+    replicas: list[tuple[Managed, Callable[[], bool]]] = field(default_factory=list)
+    valkey: Valkey | None = None
+    pickers: list[Picker] = field(default_factory=list)  # the picker's replicas (their Explain API)
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+
+
+def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str], logdir: Path) -> Router:
+    """The router for `strategy` (RuntimeError when it cannot start): one process, or `name@N` replicas behind
+    one load balancer (peers.replicated) as a gateway runs them: Envoy round-robin over a peer's processes, the
+    picker's own Envoy over pickers sharing their index and load through a Valkey."""
     try:
         name, replicas, mesh = peers.replicated(strategy)
     except ValueError as exc:
         raise RuntimeError(str(exc)) from None
     if name == "round-robin":
         direct, url = start_direct_envoy(logdir, pool)
-        return [direct], url
+        return Router([direct], url)
     if name in peers.PEERS:
         procs, routers = peers.start_replicas(peers.PEERS[name], urls, logdir, replicas, mesh)
+        ready = [functools.partial(peers.ready, int(u.rsplit(":", 1)[1])) for u in routers]
         if replicas == 1:
-            return procs, routers[0]
+            return Router(procs, routers[0], list(zip(procs, ready, strict=True)))
         try:
             front, url = start_direct_envoy(logdir, [u.removeprefix("http://") for u in routers],
                                             name=f"envoy-{strategy.replace('@', '-')}")
@@ -237,7 +267,7 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
             for proc in procs:
                 proc.stop()
             raise
-        return [*procs, front], url
+        return Router([*procs, front], url, list(zip(procs, ready, strict=True)))
     strategy = name
     if strategy == PREDICTED_TTFT:
         extra = ["--strategy", "picker", "--config-file", str(predicted_ttft_config(logdir, spec.time_scale)),
@@ -246,18 +276,21 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
         extra = ["--strategy", strategy, "--log-level", "WARNING"]
     if spec.scheduling_file and strategy == "picker":
         extra += ["--config-file", _serve_config(spec.scheduling_file, logdir)]
-    shared: list[Managed] = []
+    valkey = None
     if replicas > 1 and strategy in INDEXED:  # they share their prefix index and load, as deployed (a hash is stateless)
         valkey = start_valkey(logdir, name=f"valkey-{strategy}")
-        shared.append(valkey.process)
         extra += ["--index-backend", "redis", "--redis-url", valkey.url]
     try:
         fleet = start_picker_fleet(logdir, pool, flags=extra, replicas=replicas, name=f"picker-{strategy}")
     except BaseException:
-        for proc in shared:
-            proc.stop()
+        if valkey is not None:
+            valkey.process.stop()
         raise
-    return [*shared, *fleet.processes], fleet.envoy.url
+    ready = [functools.partial(port_open, p.grpc_port, p.host) for p in fleet.pickers]
+    shared = [valkey.process] if valkey is not None else []
+    return Router([*shared, *fleet.processes], fleet.envoy.url, list(zip((p.process for p in fleet.pickers), ready,
+                                                                          strict=True)),
+                  valkey, fleet.pickers)
 
 
 def predicted_ttft_config(logdir: Path, time_scale: float) -> Path:
@@ -298,7 +331,9 @@ def _wait_pods_ready(urls: list[str]) -> None:
 
 
 async def _measure(strategy: str, url: str, spec: LiveSpec, trace: Any, urls: list[str], model: str,
-                   bar: ProgressBar) -> RunResult:
+                   bar: ProgressBar, during: Callable[[float], Coroutine[Any, Any, None]] | None = None) -> RunResult:
+    """Replay `trace` through the router at `url`; `during(start)` (a fleet scenario's disruptions, given the
+    run's start on the monotonic clock) runs alongside and is awaited after the replay."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         await reset_caches(session, urls)
         before = await scrape(session, urls)
@@ -309,11 +344,14 @@ async def _measure(strategy: str, url: str, spec: LiveSpec, trace: Any, urls: li
         scraping = peers.replicated(strategy)[0] in PICKER_STRATEGIES  # picker serve scrapes every pod itself
         load = None if scraping else asyncio.create_task(equal_scrape(session, urls, stop))
         tokenizer = Tokenizer(spec.get_profile().vocab_size)
+        disrupting = asyncio.create_task(during(start)) if during is not None else None
         res = await replay(url, trace, strategy, pods=spec.pods, model=model, time_scale=spec.time_scale,
                            progress=bar.advance, builder=PromptBuilder(tokenizer),
                            oracle=InfiniteCacheOracle(spec.get_profile().block_size))
         stop.set()
         await sampler
+        if disrupting is not None:
+            await disrupting
         if load is not None:
             await load
         after = await scrape(session, urls)
@@ -355,20 +393,22 @@ def run_live(spec: LiveSpec, out: Path) -> dict[str, Any]:
             for strategy in spec.order:
                 bar.set_label(f"live mode: {strategy}")
                 try:
-                    procs, url = start_router(strategy, spec, sim.addresses, urls, logdir)
+                    router = start_router(strategy, spec, sim.addresses, urls, logdir)
                 except (RuntimeError, TimeoutError, OSError) as exc:
                     section["skipped"][strategy] = str(exc)[:400]
                     bar.advance(len(trace))
                     continue
-                started.extend(procs)
+                started.extend(router.processes)
                 try:
-                    cpu, began = router_cpu(procs), time.monotonic()
-                    results[strategy] = asyncio.run(_measure(strategy, url, spec, trace, urls, profile.model, bar))
-                    section["router_cpu"][strategy] = {"cpu_s": router_cpu(procs) - cpu,
-                                                       "wall_s": time.monotonic() - began, "processes": len(procs)}
+                    cpu, began = router_cpu(router.processes), time.monotonic()
+                    results[strategy] = asyncio.run(_measure(strategy, router.url, spec, trace, urls, profile.model,
+                                                             bar))
+                    section["router_cpu"][strategy] = {"cpu_s": router_cpu(router.processes) - cpu,
+                                                       "wall_s": time.monotonic() - began,
+                                                       "processes": len(router.processes)}
                 finally:
-                    for p in procs:
-                        p.stop()
+                    router.stop()
+                    for p in router.processes:
                         started.remove(p)
     finally:
         bar.close()

@@ -184,7 +184,7 @@ def check_worker(base_url: str, timeout: float = 5.0) -> dict[str, str]:
     return out
 
 
-def _ready(port: int) -> bool:
+def ready(port: int) -> bool:
     """Up, and forwarding: its /health answers before it has registered its workers (sglang-router then turns
     requests away with 503), so a request it must pass on to a worker (GET /v1/models) has to succeed too."""
     if not port_open(port):
@@ -237,7 +237,7 @@ def start_replicas(peer: PeerSpec, worker_urls: list[str], logdir: Path, replica
                             env={"HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "RUST_LOG": "warn"})
             started.append(managed)
             try:
-                wait_until(functools.partial(_ready, port), 60, name, managed.proc)
+                wait_until(functools.partial(ready, port), 60, name, managed.proc)
             except (RuntimeError, TimeoutError) as exc:
                 raise RuntimeError(f"{name} did not start: {exc}; log tail: {managed.log()[-600:]!r}") from None
             urls.append(f"http://{HOST}:{port}")

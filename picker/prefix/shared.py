@@ -48,6 +48,8 @@ class SyncStats:
     sent: int = 0
     received: int = 0
     dropped: int = 0
+    stale: int = 0  # picks of another replica refused: made before the pod was last forgotten (it restarted or left)
+    pending: int = 0  # picks waiting to be published (Redis away, or between two flushes)
     errors: int = 0
     lag_seconds: float = 0.0  # age of the newest remote entry when it was applied
     following: bool = False  # the last read of the stream worked (and gave an answer of the right shape)
@@ -151,6 +153,9 @@ class SharedPrefixIndex:
         self._positioned = False
         self._server_offset = 0.0  # Redis clock - our wall clock, so trimming follows the stream IDs' clock
         self._applied_floor = -float("inf")
+        # address -> wall time it was last forgotten (here or by another replica): a pick made before that, arriving
+        # late (from a replica that could not publish while Redis was away), would bring back what the pod lost.
+        self._forgotten: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     # PrefixIndex --------------------------------------------------------------------------------------
@@ -171,7 +176,9 @@ class SharedPrefixIndex:
 
     def remove_endpoint(self, address: str) -> None:
         self.local.remove_endpoint(address)
-        self._publish((_REMOVE, address, self.wall_clock(), b"", 0, ""))
+        wall = self.wall_clock()
+        self._forgotten[address] = wall
+        self._publish((_REMOVE, address, wall, b"", 0, ""))
 
     def size(self) -> int:
         return self.local.size()
@@ -218,6 +225,7 @@ class SharedPrefixIndex:
             self._pending.popleft()  # Redis has been away a long time: keep the newest knowledge
             self.stats.dropped += 1
         self._pending.append(pick)
+        self.stats.pending = len(self._pending)
         self._wake.set()
 
     async def _write_loop(self) -> None:
@@ -250,6 +258,7 @@ class SharedPrefixIndex:
                 self._pending.extendleft(reversed(picks))  # retried after the backoff, order kept
                 raise
             self.stats.sent += len(picks)
+            self.stats.pending = len(self._pending)
             self._recovered("publish")
 
     # Following ----------------------------------------------------------------------------------------
@@ -321,7 +330,11 @@ class SharedPrefixIndex:
         now = self.clock()
         if op == _REMOVE:
             self.local.remove_endpoint(address)
+            self._forgotten[address] = max(wall, self._forgotten.get(address, wall))
         elif op == _RECORD:
+            if wall < self._forgotten.get(address, wall):
+                self.stats.stale += 1
+                return
             keys = decode_keys(pick[3])
             # Into our clock, never in the future, never older than what we applied before: the local view's
             # LRU order must follow time for its TTL and longest-match invariants.

@@ -102,6 +102,9 @@ class ServeConfig(Section):
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"
     drain_timeout: Duration = Field(2.0, ge=0)  # how long a stopping picker lets open streams finish
+    # how long a stopping picker, already NOT_SERVING, still takes new streams while they keep coming: a load
+    # balancer's health check needs a few seconds to move away (Envoy's, as we configure it: 2-4 s)
+    shutdown_delay: Duration = Field(5.0, ge=0)
     otlp_endpoint: str = ""
     enable_grpc_stream_metrics: bool = False  # llm_d_epp_extproc_* series: streams open, their durations and ends
     metrics_deprecated_names: bool = True  # also export each series under its deprecated GIE name
@@ -261,6 +264,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "also the libraries' own debug lines (gRPC, asyncio, HTTP)")
     a("--log-format", choices=("text", "json"), help="text lines, or one JSON object per line (default text)")
     a("--drain-timeout", help="how long a stopping picker lets open streams finish (default 2s)")
+    a("--shutdown-delay", help="how long a stopping picker, reporting NOT_SERVING, still takes new streams while "
+      "they keep coming (until none came for 0.25 s), so a rolling restart sends none to the fail-open route "
+      "(default 5s; 0: refuse new streams at once)")
     a("--enable-grpc-stream-metrics", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="export the ext_proc streams open, their durations and how they ended (llm_d_epp_extproc_*, as the "
       "reference picker's flag; default false)")

@@ -13,6 +13,7 @@ import random
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,8 @@ from picker.serving.policy import (
 from picker.serving.tls import certificate_hosts, server_credentials
 
 log = logging.getLogger("picker")
+# A stopping picker stops taking streams once none has come for this long: the load balancer has moved away.
+QUIET_BEFORE_STOP = 0.25
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXTPROC_SERVICE)
@@ -369,11 +372,18 @@ class PickerServer:
                          "no endpoints: not ready (readiness NOT_SERVING until the pool has one)")
                 ready = now
 
-    async def stop(self, grace: float = 2.0) -> None:
-        """Report NOT_SERVING first so Envoy's health check moves away, then drain streams."""
+    async def stop(self, grace: float = 2.0, delay: float = 0.0) -> None:
+        """Report NOT_SERVING first so Envoy's health check moves away, keep taking new streams while they still
+        come (at most `delay` seconds: a stream refused now would take the fail-open route), then drain them."""
         self._stopping = True
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + delay
+        while True:  # sleep until the quiet would be long enough if no stream came meanwhile, then look again
+            wait = min(deadline, self.metrics.streams.last_opened + QUIET_BEFORE_STOP) - time.monotonic()
+            if wait <= 0:
+                break
+            await asyncio.sleep(wait)
         await cancel_all(self._tasks)
         await self.server.stop(grace)
         await self.health_server.stop(0)
@@ -397,7 +407,7 @@ async def serve(server: PickerServer) -> None:
     await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     failed.cancel()
-    await server.stop(server.config.drain_timeout)
+    await server.stop(server.config.drain_timeout, server.config.shutdown_delay)
     if server.failed.is_set():
         raise BackgroundFailure("a background task failed (see the log above)")
 

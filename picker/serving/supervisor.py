@@ -108,6 +108,7 @@ class Managed:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    env: dict[str, str] | None = None  # what spawn added to the environment, for a restart
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -121,10 +122,18 @@ class Managed:
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(5)
+                self.proc.wait(10)  # a picker under traffic takes up to its shutdown delay and drain timeout (7 s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+    def restart(self) -> None:
+        """Stop the process and start the same command again (same environment, its log continued): a pod or a
+        replica restarted in place, as an orchestrator does. Readiness is the caller's to wait for."""
+        self.stop()
+        with open(self.log_path, "ab") as handle:
+            self.proc = subprocess.Popen(self.proc.args, stdout=handle, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(self.env or {})})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -154,7 +163,7 @@ def spawn(name: str, args: list[str], logdir: Path, env: dict[str, str] | None =
     proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})}, start_new_session=False)
     handle.close()
-    return Managed(name, proc, log_path)
+    return Managed(name, proc, log_path, env)
 
 
 @dataclass
@@ -193,12 +202,13 @@ def set_echo_metrics(address: str, **state: object) -> None:
 
 def start_sim(pods: int, logdir: Path, *, model: str | None = None, time_scale: float = 1.0,
               extra: list[str] | None = None, name: str = "sim", base_port: int | None = None,
-              host: str = HOST) -> Backends:
+              host: str = HOST, first_pod: int = 0) -> Backends:
     """A simulated vLLM fleet (`picker sim`), all pods in one process (on `base_port` onwards, else free ports);
-    `host` may be another loopback address (127.0.0.x), as pods have IPs of their own."""
+    `host` may be another loopback address (127.0.0.x), as pods have IPs of their own; `first_pod`: the number
+    in the first pod's name (sim-N), for a fleet whose pods run in several processes."""
     base = base_port or free_port_range(pods)
     args = [*python_module("picker"), "sim", "--host", host, "--pods", str(pods), "--base-port", str(base),
-            "--time-scale", str(time_scale), *(["--model", model] if model else []), *(extra or [])]
+            "--time-scale", str(time_scale), "--first-pod", str(first_pod), *(["--model", model] if model else []), *(extra or [])]
     process = spawn(name, args, logdir)
     addresses = [f"{host}:{base + i}" for i in range(pods)]
     for address in addresses:

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--pods", type=whole_number(1), default=1, help="number of simulated vLLM instances (default %(default)s)")
     a("--base-port", type=port_or_off, default=8000,
       help="pod i listens on base-port + i; 0 picks free ports (default %(default)s)")
+    a("--first-pod", type=whole_number(0), default=0,
+      help="number of the first pod's name (sim-N): pods of one fleet run by several processes keep distinct names, "
+           "so one of them can be restarted on its own (default %(default)s)")
     a("--host", default="127.0.0.1", help="listen address (default %(default)s)")
     a("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
       help="hardware/model profile (default %(default)s)")
@@ -93,6 +96,7 @@ async def _serve(args: argparse.Namespace) -> int:
         kv_events_replay_port_base=args.kv_events_replay_port_base,
         kv_events_bind_port=args.kv_events_bind_port,
         engine=args.engine,
+        first_index=args.first_pod,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

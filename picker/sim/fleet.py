@@ -66,6 +66,7 @@ class SimFleet:
         kv_events_replay_port_base: int = 0,
         kv_events_bind_port: int = 0,
         name_prefix: str = "sim",
+        first_index: int = 0,
         process_metrics: bool = True,
         profile_overrides: dict[str, object] | None = None,
         engine: MetricDialect = "vllm",
@@ -79,7 +80,7 @@ class SimFleet:
         self.pods = [
             SimPod(
                 PodConfig(
-                    name=f"{name_prefix}-{i}",
+                    name=f"{name_prefix}-{first_index + i}",
                     profile=prof,
                     model=model,
                     host=host,

@@ -25,9 +25,11 @@ class IndexSyncCollector(Collector):
         s = self.stats
         entries = CounterMetricFamily("picker_prefix_index_sync_entries",
                                       "Shared prefix index entries published to Redis (sent), applied from other "
-                                      "replicas (received), or dropped while Redis was unreachable.",
+                                      "replicas (received), dropped while Redis was unreachable, or refused as "
+                                      "stale (made before their pod restarted or left, arriving after).",
                                       labels=["direction"])
-        for direction, value in (("sent", s.sent), ("received", s.received), ("dropped", s.dropped)):
+        for direction, value in (("sent", s.sent), ("received", s.received), ("dropped", s.dropped),
+                                 ("stale", s.stale)):
             entries.add_metric([direction], value)
         yield entries
         yield CounterMetricFamily("picker_prefix_index_sync_errors", "Failed Redis calls of the shared prefix index.",
@@ -35,6 +37,9 @@ class IndexSyncCollector(Collector):
         yield GaugeMetricFamily("picker_prefix_index_sync_lag_seconds",
                                 "Age of the newest entry from another replica when it was applied.",
                                 value=s.lag_seconds)
+        yield GaugeMetricFamily("picker_prefix_index_sync_pending",
+                                "Entries waiting to be published (they pile up while Redis is unreachable).",
+                                value=s.pending)
         yield GaugeMetricFamily("picker_prefix_index_sync_connected", "1 while Redis answers, else 0.",
                                 value=1.0 if s.connected else 0.0)
 

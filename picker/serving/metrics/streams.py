@@ -4,6 +4,7 @@ durations and the gRPC status each ended with."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -21,6 +22,7 @@ class StreamMetrics:
                                      "protobuf; protocol: messages out of order; internal: a picker fault).",
                                      ["reason"], registry=r)
         self.per_stream = per_stream
+        self.last_opened = -float("inf")  # monotonic time the newest stream opened: a stopping picker waits for quiet
         if per_stream:
             self.open = Gauge("llm_d_epp_extproc_streams_inflight", "ext_proc streams open now.", registry=r)
             self.duration = Histogram("llm_d_epp_extproc_stream_duration_seconds",
@@ -33,6 +35,7 @@ class StreamMetrics:
         self.buffered_bytes.set_function(held)
 
     def stream_opened(self) -> None:
+        self.last_opened = time.monotonic()
         if self.per_stream:
             self.open.inc()
 
