@@ -71,7 +71,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "chat: queue 0 kv 0": _with_weights("bursty-chat", {"queue-scorer": 0, "kv-cache-utilization-scorer": 0}),
     "always context-heavy": _with_params("request-classifier", {"longPromptChars": 0}),
     "chat: in-flight 8": _with_weights("bursty-chat", {"in-flight-load-scorer": 8}),
-    # the in-flight guard the defaults had until 2026-12-04 (docs/decisions.md, 18)
+    # the in-flight guard the defaults had before (docs/decisions.md)
     "prefix guard: in-flight 8 too": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 8}),
     "prefix guard 16/8": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 16, "loadGuardWaiting": 8}),
     "prefix guard 4/2": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 4, "loadGuardWaiting": 2}),
@@ -83,19 +83,19 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "chat: prefix 4": _with_weights("bursty-chat", {"prefix-cache-scorer": 4}),
     "chat: in-flight 2": _with_weights("bursty-chat", {"in-flight-load-scorer": 2}),
     # cold prompts that land on a pod which has just taken another cold prompt (the long-prompt workloads' p99,
-    # docs/decisions.md, 20): the deal by recency alone, or a recent prefill counted heavier
+    # see docs/decisions.md): the deal by recency alone, or a recent prefill counted heavier
     "cold spreader: recency only": _with_params("cold-prefix-spreader", {"recencyWeight": 1.0}),
-    # the deal before decision 21: recency and in-flight counts half and half, not the uncached prefill each pod
+    # the deal by recency and count: recency and in-flight counts half and half, not the uncached prefill each pod
     # was handed, weighed 1 in bursty-chat
-    "deal before decision 21": _combine(
+    "deal by recency and count": _combine(
         _with_params("cold-prefix-spreader", {"workTokens": 0, "recencyWeight": 0.5}),
         _with_weights("bursty-chat", {"cold-prefix-spreader": 1})),
-    # the deal before decision 22: weighed 2 in bursty-chat, against the in-flight scorer's 3 (its other change,
+    # the deal weighed 2 in chat: weighed 2 in bursty-chat, against the in-flight scorer's 3 (its other change,
     # a pod's scraped queue counted when longer than our own count, never fires with one picker in fast mode)
-    "deal before decision 22": _with_weights("bursty-chat", {"cold-prefix-spreader": 2}),
-    # the deal before decision 23: it stood aside whenever the pods held different amounts of a prompt, however
+    "deal weighed 2 in chat": _with_weights("bursty-chat", {"cold-prefix-spreader": 2}),
+    # the deal yields to any held opening: it stood aside whenever the pods held different amounts of a prompt, however
     # little of it (a system prompt some pods hold before a long cold question)
-    "deal before decision 23": _with_params("cold-prefix-spreader", {"standAsideShare": 0.0}),
+    "deal yields to any held opening": _with_params("cold-prefix-spreader", {"standAsideShare": 0.0}),
     "prefill weight 16": _with_params("in-flight-load-scorer", {"prefillWeight": 16}),
     "prefill weight 64": _with_params("in-flight-load-scorer", {"prefillWeight": 64}),
     # ...or the predicted-TTFT scorer (its queue of our own picks drains at the pods' measured prefill rate) on top

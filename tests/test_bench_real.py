@@ -217,6 +217,31 @@ def test_a_pod_leaving_is_refused_where_a_router_cannot_follow_it(tmp_path) -> N
         run_real(RealSpec.for_workload("leave-rejoin", rejoin_at=0.2), tmp_path)
 
 
+def test_replicated_routers_are_named_name_at_n_and_checked_before_anything_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for bad, why in (("picker@0", "the count after @"), ("smg-mesh@2x", "the count after @"),
+                     ("vllm-router-mesh@2", "vllm-router has no mesh"), ("round-robin@2", "unknown strategy"),
+                     ("fastest@2", "unknown strategy")):
+        with pytest.raises(ValueError, match=why):
+            run_real(RealSpec.for_workload("uniform", strategies=("picker", bad)), tmp_path)
+    with pytest.raises(ValueError, match="replicated peers are not measured with a pod leaving"):
+        run_real(RealSpec.for_workload("leave-rejoin", strategies=("picker", "smg@2")), tmp_path)
+
+
+def test_replicas_of_the_picker_share_a_valkey_and_of_a_hash_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from picker.bench.real import start_router
+    from picker.serving.supervisor import process_scope, start_backends
+
+    with process_scope("real-replicas") as (logdir, started):
+        backends = start_backends(2, logdir)
+        started.append(backends.process)
+        for strategy, valkey in (("picker@2", True), ("hash-ring@2", False)):
+            router = start_router(strategy, RealSpec(), backends.addresses, logdir)
+            started.extend(router.processes)
+            names = [p.name for p in router.processes]
+            assert len(router.metrics_ports) == 2 and router.through_envoy, names
+            assert any(n.startswith("valkey") for n in names) == valkey, names
+
+
 def test_a_candidate_is_the_picker_with_its_own_flags_on_top(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`picker-candidate` runs the picker with `--candidate-args` after `--picker-args`; each without the other is
     refused before anything is installed or started."""

@@ -135,7 +135,7 @@ def test_a_pod_leaves_the_pool_and_rejoins_empty(trace: Trace) -> None:
 def test_a_restarted_pods_empty_cache_is_seen_through_its_events(trace: Trace) -> None:
     """KV events bring the precise view to the pods' real caches (the exact bound) through restarts. Not above the
     approximate index: the stale index sends a restarted pod its old prefixes back because it believes the pod
-    still holds them, the precise view because the pod is their home (decision 19), so the two are level
+    still holds them, the precise view because the pod is their home, so the two are level
     (docs/scheduling.md, "Where the approximate index is wrong")."""
     restarting = FastConfig(get_profile("llama3-8b-h100"), PODS, seed=1, restart_every=2.0)
     approximate = summarize(run_fast(trace, "picker", restarting))
@@ -147,7 +147,7 @@ def test_a_restarted_pods_empty_cache_is_seen_through_its_events(trace: Trace) -
     # Here the approximate index is right as often as the exact view, so the lines above cannot tell a precise view
     # that follows the events from one that ignores them. With 40 % of the traffic routed around the picker as
     # well, the index is wrong and only the events keep the view right through the restarts. (At 30 % the gap is
-    # 1.3 points of hits and 0.99x the TTFT since the cold-prompt deal counts prefill work, decision 21: too close
+    # 1.3 points of hits and 0.99x the TTFT since the cold-prompt deal counts prefill work: too close
     # to this short trace's noise to tell the views apart.)
     unseen = replace(restarting, bypass=0.4)
     approximate = summarize(run_fast(trace, "picker", unseen))

@@ -70,11 +70,11 @@ async def test_a_peer_refuses_to_start_when_a_worker_lacks_what_it_routes_with(t
     a peer that forwards without routing by prefix."""
     import asyncio
 
-    from picker.bench.peers import PEERS, missing_endpoints, start
+    from picker.bench.peers import PEERS, missing_endpoints, start_replicas
     from picker.sim.fleet import SimFleet
 
     async with SimFleet(1, profile="tiny-cpu") as fleet:
         assert await asyncio.to_thread(missing_endpoints, PEERS["vllm-router"], fleet.urls) == []
     with pytest.raises(RuntimeError, match="vllm-router cannot route by prefix.*/v1/completions/render"):
-        start(PEERS["vllm-router"], ["http://127.0.0.1:9"], tmp_path)
+        start_replicas(PEERS["vllm-router"], ["http://127.0.0.1:9"], tmp_path)
     assert missing_endpoints(PEERS["sglang-router"], ["http://127.0.0.1:9"]) == []

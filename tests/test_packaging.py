@@ -316,3 +316,12 @@ def test_committed_results_hold_no_machine_paths_nor_crash_logs() -> None:
         if machine_path.search(text) or "Traceback (most recent call last)" in text:
             found.append(name)
     assert found == []
+
+
+def test_code_says_why_not_which_numbered_decision() -> None:
+    """Comments and docstrings say why; which decision changed what is docs/decisions.md's to tell."""
+    numbered = re.compile(r"[Dd]ecision #?\d+|decisions\.md, \d+|\(was \d")
+    sources = [*ROOT.glob("picker/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tests/*.py")]
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in sources if p.name != "test_packaging.py"
+             for n, line in enumerate(p.read_text().splitlines(), 1) if numbered.search(line)]
+    assert not found, found

@@ -134,7 +134,7 @@ def without_hot_credit(**params: Any) -> dict[str, Any]:
 
 def test_by_default_in_flight_counts_alone_never_move_a_prefix() -> None:
     """A batching engine's in-flight count is not a queue: with nothing waiting, the holder keeps its prefix however
-    far ahead it is (docs/decisions.md, 18)."""
+    far ahead it is (docs/decisions.md)."""
     endpoints = pods(4)
     s = build_scheduler(without_hot_credit(), rng=random.Random(2))
     order = [route(s, req(SYSTEM + f"Q{i}"), endpoints, 0.0) for i in range(16)]  # none finish
@@ -255,7 +255,7 @@ def test_cold_prefixes_spread_evenly_over_idle_pods() -> None:
 def test_a_prefix_every_pod_evicted_comes_back_to_its_home() -> None:
     """Once the index has forgotten a prefix on every pod (their caches evicted it), its next request goes back to
     the pod it last went to, not to the next pod in the cold dealing order: elsewhere it would join another pod's
-    working set and evict one of its prefixes (docs/decisions.md, 19). A prompt with another opening is dealt."""
+    working set and evict one of its prefixes (docs/decisions.md). A prompt with another opening is dealt."""
     endpoints = pods(4)
     index = InMemoryPrefixIndex(10_000)
     s = build_scheduler(index=index, rng=random.Random(3))

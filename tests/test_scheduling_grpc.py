@@ -230,7 +230,7 @@ async def test_a_session_whose_pod_is_known_is_not_dealt_as_a_cold_prompt(scene:
 
 async def test_a_prompt_mostly_cold_everywhere_is_dealt_though_one_pod_holds_its_opening(scene: Scene) -> None:
     """A conversation's first turn: a system prompt one pod holds, then a long question no pod holds. Past its
-    opening the prompt is cold wherever it goes, so the deal spreads it (docs/decisions.md, 23), through Envoy
+    opening the prompt is cold wherever it goes, so the deal spreads it (docs/decisions.md), through Envoy
     too; a prompt the holder has most of is left to the prefix scorer."""
     await scene.set()
     system = " ".join(f"persona{i}" for i in range(40))

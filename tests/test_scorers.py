@@ -173,7 +173,7 @@ def test_cold_spreader_deals_out_and_stays_neutral_on_hits() -> None:
     assert spreader.score(in_session, pods) == spreader.score(ctx_for(keys=3, matched=[0, 0, 0]), pods)
     coming_back = ctx_for(keys=5, matched=[0, 0, 0])
     coming_back.home = pods[2].address  # a prefix every pod evicted goes home, busy or not (load scorers weigh)
-    assert spreader.score(coming_back, pods) == [0.0, 0.0, 0.5]  # half a deal's swing (docs/decisions.md, 22)
+    assert spreader.score(coming_back, pods) == [0.0, 0.0, 0.5]  # half a deal's swing (docs/decisions.md)
     assert ColdPrefixSpreader(home_credit=1.0).score(coming_back, pods) == [0.0, 0.0, 1.0]
     coming_back.matched = [1, 0, 0]
     assert spreader.score(coming_back, pods) == [0.0, 0.0, 0.0]  # somebody holds part of it: neutral
@@ -194,7 +194,7 @@ def test_cold_spreader_deals_a_prompt_mostly_cold_wherever_it_goes() -> None:
     mostly_cold = ctx_for(ten_blocks, keys=10, matched=[2, 0, 0])  # the holder has a fifth of it
     scores = ColdPrefixSpreader().score(mostly_cold, pods)
     assert scores[0] < scores[1] == scores[2] == 1.0
-    assert ColdPrefixSpreader(stand_aside_share=0.0).score(mostly_cold, pods) == [0.0, 0.0, 0.0]  # decision 20's
+    assert ColdPrefixSpreader(stand_aside_share=0.0).score(mostly_cold, pods) == [0.0, 0.0, 0.0]  # stands aside
     mostly_held = ctx_for(ten_blocks, keys=10, matched=[3, 0, 0])  # 30 %: the prefix scorer decides
     assert ColdPrefixSpreader().score(mostly_held, pods) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="standAsideShare"):
@@ -222,7 +222,7 @@ def test_cold_spreader_sees_a_queue_its_counts_do_not() -> None:
 def test_cold_spreader_counts_the_uncached_prefill_it_dealt() -> None:
     """A pod dealt a long cold prompt is busy prefilling it for a while: the next cold prompt goes elsewhere even
     where recency alone would send it there, while a short prompt's prefill, or a prompt the pod had cached, barely
-    counts, and the work fades (docs/decisions.md, 21)."""
+    counts, and the work fades (docs/decisions.md)."""
     spreader = ColdPrefixSpreader()  # the defaults: 128 tokens weigh as a request, half-life 0.2 s
     by_count = ColdPrefixSpreader(work_tokens=0)
     pods = [ep(1), ep(2), ep(3)]

@@ -208,13 +208,6 @@ def missing_endpoints(peer: PeerSpec, worker_urls: list[str]) -> list[str]:
     return missing
 
 
-def start(peer: PeerSpec, worker_urls: list[str], logdir: Path) -> tuple[Managed, str]:
-    """Start the peer router; returns the process and its base URL. RuntimeError when it cannot start, or when a
-    worker lacks an endpoint its routing needs."""
-    (managed,), (url,) = start_replicas(peer, worker_urls, logdir)
-    return managed, url
-
-
 def start_replicas(peer: PeerSpec, worker_urls: list[str], logdir: Path, replicas: int = 1, mesh: bool = False
                    ) -> tuple[list[Managed], list[str]]:
     """`replicas` processes of the peer, each routing over every worker; with `mesh` each joins the mesh of those

@@ -58,12 +58,12 @@ import aiohttp
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.bench import peers
 from picker.bench import vllm_engine as engine
 from picker.bench.client import SERVED_BY_HEADER, stream_request
 from picker.bench.live import predicted_ttft_config, read_counters, start_direct_envoy
 from picker.bench.membership import PoolChange, write_pool
 from picker.bench.peers import PEERS, PeerPool
-from picker.bench.peers import start as start_peer
 from picker.bench.real_analysis import (
     HASH_BASELINES,
     cold_causes,
@@ -296,22 +296,36 @@ def picker_flags(strategy: str, spec: RealSpec, logdir: Path) -> list[str]:
 def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
                  endpoints_file: Path | None = None, timing_log: Path | None = None) -> Router:
     """The router in front of `pool`; the picker strategies follow `endpoints_file` when given. Its Envoy writes
-    what it added to each request to `timing_log` (envoyconfig.add_timing_log) when given."""
-    if strategy == "round-robin":
+    what it added to each request to `timing_log` (envoyconfig.add_timing_log) when given. `NAME@N` is N replicas
+    behind one load balancer (peers.replicated): the picker's behind its Envoy sharing a Valkey, a peer's behind
+    an Envoy round-robin (whose timing and pod attribution would be the router's, so it is a peer's as for one)."""
+    name, replicas, mesh = peers.replicated(strategy)
+    if name == "round-robin":
         direct, url = start_direct_envoy(logdir, pool, served_by=SERVED_BY_HEADER, timing_log=timing_log)
         return Router(url, [direct])
-    if strategy in PEERS:
-        peer, url = start_peer(PEERS[strategy], [f"http://{address}" for address in pool], logdir)
-        return Router(url, [peer], through_envoy=False)
-    flags = picker_flags(strategy, spec, logdir)
-    replicas = 4 if strategy == "picker-4-replicas" else 1
+    if name in PEERS:
+        started, urls = peers.start_replicas(PEERS[name], [f"http://{address}" for address in pool], logdir,
+                                             replicas, mesh)
+        if replicas == 1:
+            return Router(urls[0], started, through_envoy=False)
+        try:
+            front, url = start_direct_envoy(logdir, [u.removeprefix("http://") for u in urls],
+                                            name=f"envoy-{strategy.replace('@', '-')}")
+        except BaseException:
+            for proc in started:
+                proc.stop()
+            raise
+        return Router(url, [*started, front], through_envoy=False)
+    flags = picker_flags(name, spec, logdir)
+    if name == "picker-4-replicas":
+        replicas = 4
     procs: list[Managed] = []
-    if replicas > 1:
-        valkey = start_valkey(logdir, name=f"valkey-{strategy}")
+    if replicas > 1 and name not in HASH_BASELINES:  # they share their index and load, as deployed
+        valkey = start_valkey(logdir, name=f"valkey-{name}")
         procs.append(valkey.process)
         flags += ["--index-backend", "redis", "--redis-url", valkey.url]
     try:
-        fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{strategy}",
+        fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{name}",
                                    served_by=SERVED_BY_HEADER, endpoints_file=endpoints_file,
                                    timing_log=timing_log)
     except BaseException:
@@ -590,8 +604,16 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     if spec.workload not in REAL_WORKLOADS:
         raise ValueError(f"unknown workload {spec.workload!r} for --engine vllm (known: {', '.join(REAL_WORKLOADS)})")
     for s in spec.strategies:
-        if s not in STRATEGIES:
-            raise ValueError(f"unknown strategy {s!r} for --engine vllm (known: {', '.join(STRATEGIES)})")
+        try:
+            name, replicas, _ = peers.replicated(s)
+        except ValueError as exc:
+            raise ValueError(f"--strategies {exc}") from None
+        if name not in STRATEGIES or (replicas > 1 and name in ("picker-4-replicas", "round-robin")):
+            raise ValueError(f"unknown strategy {s!r} for --engine vllm (known: {', '.join(STRATEGIES)}, each "
+                             "also as NAME@N: N replicas behind one load balancer)")
+        if spec.leave_at and replicas > 1 and name in PEERS:
+            raise ValueError(f"{s}: a pool change reaches one peer process through its API; replicated peers are "
+                             "not measured with a pod leaving")
     if ("picker-candidate" in spec.strategies) != bool(spec.candidate_args):
         raise ValueError("--candidate-args and the picker-candidate strategy go together (the candidate is the "
                          "picker with those flags)")

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from picker.bench.peers import PEERS
+from picker.bench.peers import is_peer
 from picker.bench.summary import percentile
 
 # The hash baselines: `picker serve --strategy NAME`, reading no metrics.
@@ -156,7 +156,7 @@ def routing_cost_lines(runs: list[dict[str, Any]], m: dict[str, dict[str, Any]])
             (req50, req90), (resp50, resp90) = held["request_held_ms"], held["response_held_ms"]
             rows.append(f"| {name} | {req50:.2f} / {req90:.2f} | {resp50:.2f} / {resp90:.2f} | "
                         f"{r['router_cpu_share']:.3f} | {r['server_cpu_share']:.3f} |")
-        elif name in PEERS and not math.isnan(r["router_cpu_share"]):  # no Envoy to time it: its CPU all the same
+        elif is_peer(name) and not math.isnan(r["router_cpu_share"]):  # no Envoy to time it: its CPU all the same
             rows.append(f"| {name} | (no Envoy) | (no Envoy) | {r['router_cpu_share']:.3f} | "
                         f"{r['server_cpu_share']:.3f} |")
     return _table_section(

@@ -122,14 +122,14 @@ DEFAULT_CONFIG: dict[str, Any] = {
         ]},
         {"name": "bursty-chat", "plugins": [
             *_COMMON_HEAD,
-            # prefix 3 / queue 1 / kv 1 (was 1 / 2 / 2): measured better on every workload of the sweep
+            # prefix weighed above queue and KV use: measured better on every workload of the sweep
             {"pluginRef": "prefix-cache-scorer", "weight": 3},
             {"pluginRef": "queue-scorer", "weight": 1},
             {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
             {"pluginRef": "in-flight-load-scorer", "weight": 3},
             {"pluginRef": "lora-affinity-scorer", "weight": 2},
             {"pluginRef": "session-affinity-scorer", "weight": 1},
-            # 4 (was 2): a cold prompt is not dealt onto a pod still prefilling another (docs/decisions.md, 22)
+            # above the in-flight scorer: a cold prompt is not dealt onto a pod still prefilling another
             {"pluginRef": "cold-prefix-spreader", "weight": 4},
             *_COMMON_TAIL,
         ]},

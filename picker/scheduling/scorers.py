@@ -66,7 +66,7 @@ class PrefixCacheScorer(Plugin):
     Only a pod whose cache has room takes a crowded pod's prefix (the index holds fewer blocks for it than its cache
     has): under cache pressure a copy evicts another prefix that comes back cold, and the shares it would correct
     are often a short window's noise (the simulator's mirror of two real pods under pressure at 1 req/s: 3.4 copies
-    a run, 0.013 of hit rate; docs/decisions.md, 15).
+    a run, 0.013 of hit rate; docs/decisions.md).
     """
 
     type_name = "prefix-cache-scorer"
@@ -378,12 +378,12 @@ class ColdPrefixSpreader(Plugin):
     affinity, and when the request's session has a pod among the candidates, so it never fights session
     affinity. A prompt whose opening every candidate holds alike (a system prompt all prompts share), or which
     is mostly cold wherever it goes (a short opening some pods hold before a long new question), is dealt
-    (docs/decisions.md, 20 and 23). A prefix coming back is not dealt: on another pod it would join that pod's
-    working set and evict one of its prefixes (docs/decisions.md, 19); the load scorers still weigh against a
+    (docs/decisions.md). A prefix coming back is not dealt: on another pod it would join that pod's
+    working set and evict one of its prefixes (docs/decisions.md); the load scorers still weigh against a
     busy home.
 
     The deal mixes recency (`recencyWeight`) with load: our in-flight count on the pod (or its scraped queue when
-    longer: docs/decisions.md, 22) plus, with `workTokens` > 0, the uncached prompt tokens it was dealt lately
+    longer: docs/decisions.md) plus, with `workTokens` > 0, the uncached prompt tokens it was dealt lately
     (fading with `workHalfLife`, and never more than its requests still in flight carry), `workTokens` of them
     weighing as one request in flight. A pod still prefilling a long cold prompt is skipped even when its turn has
     come; a short or cached prompt barely counts, a pod that has answered its requests not at all (docs/decisions.md,
