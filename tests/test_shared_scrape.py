@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import aiohttp
 import msgpack
@@ -13,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.endpoints.pool import EndpointPool, PoolEvent
-from picker.endpoints.scraper import Cadence, MetricsScraper
+from picker.endpoints.scraper import Cadence, MetricsScraper, started_over
 from picker.endpoints.shared_scrape import SharedSample, SharedScrapes, _decode, _encode
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
 from picker.serving.supervisor import (
@@ -74,11 +76,27 @@ async def _replicas(n: int, pods: list[FakePod], url: str, cadence: Cadence) -> 
 def test_record_round_trip() -> None:
     m = EndpointMetrics(waiting=2, running=3, kv_usage=0.5, block_size=64, num_gpu_blocks=160, prefix_queries=1000,
                         prefix_hits=500, prefill_tokens=7000, prefill_seconds=0.7, prefill_count=9, max_lora=2,
-                        running_loras=frozenset({"a"}), waiting_loras=frozenset())
+                        running_loras=frozenset({"a"}), waiting_loras=frozenset(), prompt_tokens=5200,
+                        prompt_count=26)
     back = _decode(_encode(SharedSample("r1", 12.5, 0.1, m)))
     assert back.metrics == m and (back.replica, back.at, back.interval) == ("r1", 12.5, 0.1)
     older = msgpack.packb(["r0", 1.0, 0.1, [1, 0, 0.1, 16, 8, 0, 0, 0, [], []]])  # the previous release's record
-    assert _decode(older).metrics == EndpointMetrics(waiting=1, kv_usage=0.1, block_size=16, num_gpu_blocks=8)
+    old = _decode(older).metrics
+    assert old is not None and math.isnan(old.prompt_count) and math.isnan(old.prompt_tokens)
+    assert replace(old, prompt_tokens=0.0, prompt_count=0.0) == EndpointMetrics(waiting=1, kv_usage=0.1,
+                                                                               block_size=16, num_gpu_blocks=8)
+
+
+def test_a_replica_reading_another_ones_record_after_its_own_scrape_sees_no_restart() -> None:
+    """Its own scrape of the pod, then (the lease moved, or Redis came back) a later record of another replica's:
+    every counter the restart check reads must travel in the record, or the pod looks restarted and its cache is
+    forgotten by every replica."""
+    own = EndpointMetrics(prefix_queries=1000, ttft_count=30, prompt_tokens=5200, prompt_count=26, updated_at=1.0)
+    later = replace(own, prefix_queries=1100, ttft_count=31, prompt_tokens=5400, prompt_count=27)
+    shared = _decode(_encode(SharedSample("r2", 2.0, 0.1, later))).metrics
+    assert shared is not None
+    assert started_over(own, replace(shared, updated_at=2.0)) == ""
+    assert started_over(own, replace(shared, updated_at=2.0, prompt_count=0.0)) != ""  # a real restart still shows
     assert _decode(_encode(SharedSample("r1", 1.0, 0.1, None))).metrics is None
     assert SharedSample("r", 10.0, 1.0, None).fresh(11.4) and not SharedSample("r", 10.0, 1.0, None).fresh(11.6)
 

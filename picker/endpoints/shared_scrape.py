@@ -14,6 +14,7 @@ wrong metrics.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -63,7 +64,7 @@ def _encode(sample: SharedSample) -> bytes:
     fields = None if m is None else [
         m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks, m.prefix_queries, m.prefix_hits,
         m.max_lora, sorted(m.running_loras), sorted(m.waiting_loras), m.prefill_tokens, m.prefill_seconds,
-        m.ttft_seconds, m.ttft_count, sorted(m.models), m.prefill_count]  # fmt: skip
+        m.ttft_seconds, m.ttft_count, sorted(m.models), m.prefill_count, m.prompt_tokens, m.prompt_count]  # fmt: skip
     return msgpack.packb([sample.replica, sample.at, sample.interval, fields])
 
 
@@ -76,11 +77,13 @@ def _decode(data: bytes) -> SharedSample:
         prefill_tokens, prefill_seconds, ttft_seconds, ttft_count = (*fields[10:14], 0.0, 0.0, 0.0, 0.0)[:4]
         models = fields[14] if len(fields) > 14 else ()  # and 14 before the served models were shared
         prefill_count = fields[15] if len(fields) > 15 else 0.0  # and 15 before the prefill count was
+        # and 16 before the finished prompts were: unknown (NaN), not 0, which would read as the pod restarting
+        prompt_tokens, prompt_count = (fields[16], fields[17]) if len(fields) > 17 else (math.nan, math.nan)
         metrics = EndpointMetrics(
             waiting=float(waiting), running=float(running), kv_usage=float(kv), block_size=block,
             num_gpu_blocks=blocks, prefix_queries=float(queries), prefix_hits=float(hits),
             prefill_tokens=float(prefill_tokens), prefill_seconds=float(prefill_seconds),
-            prefill_count=float(prefill_count),
+            prefill_count=float(prefill_count), prompt_tokens=float(prompt_tokens), prompt_count=float(prompt_count),
             ttft_seconds=float(ttft_seconds), ttft_count=float(ttft_count), max_lora=int(max_lora),
             running_loras=frozenset(running_loras), waiting_loras=frozenset(waiting_loras),
             models=frozenset(models))

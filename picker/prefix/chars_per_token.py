@@ -15,6 +15,7 @@ configured value in place.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from picker.endpoints.state import Endpoint
@@ -51,6 +52,8 @@ class CharsPerToken:
     def picked(self, endpoint: Endpoint, prompt_chars: int) -> None:
         """A prompt of `prompt_chars` characters went to `endpoint` (its last scraped counters are read too)."""
         m = endpoint.metrics
+        if math.isnan(m.prompt_count):  # another replica's scrape from a release that did not share the counters
+            return
         tally = self._pods.get(endpoint.address)
         if tally is None or m.prompt_count < tally.requests:  # first sight, or the counters went back
             self._pods[endpoint.address] = _Tally(m.prompt_tokens, m.prompt_count, float(prompt_chars), 1)
