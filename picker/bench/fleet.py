@@ -12,7 +12,8 @@ repeated with the routers' order reversed on every other repeat (interleaved), m
   its shared-prefix group or its conversation, was served there before the restart and not since) are counted.
 - `valkey-outage`: the Valkey the picker's replicas share killed mid-run and started again (empty) `--outage`
   later: failed requests, and how long after its return every replica has applied every other replica's picks
-  (each replica's backlog published, `picker_prefix_index_sync_*`). Only routers with a Valkey take part.
+  (each replica's backlog published, `picker_prefix_index_sync_*`), and TTFT p90 and cold prefills from the outage
+  to `after_s` past its end against the same run left alone. Only routers with a Valkey take part.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def disruptions(spec: ScenarioSpec, router: Router, pod: Managed | None, pod_rea
                 break
             await asyncio.sleep(0.1)
         log.append(Disruption("valkey killed and restarted", model(start, down), model(start, back),
-                              agreed_after_s=agreed, sync_counts=seen))
+                              model(start, back + spec.after_s), agreed_after_s=agreed, sync_counts=seen))
 
     return {"router-restart": rolling, "pod-restart": pod_restart, "valkey-outage": outage}.get(spec.scenario)
 
@@ -259,7 +260,8 @@ def run_scenario(spec: ScenarioSpec, out: Path) -> dict[str, Any]:
     longest = max(peers.replicated(r)[1] for r in routers)
     requests = max(live.requests, math.ceil(spec.wall_seconds(longest) * rate * live.time_scale))
     trace = generate(live.workload, requests, rate, live.seed, FleetSpec(profile, live.pods), **live.params)
-    undisturbed = spec.scenario == "router-restart"  # its windows are compared with the same run left alone
+    # their windows are compared with the same router's run of the same trace left alone
+    undisturbed = spec.scenario in ("router-restart", "valkey-outage")
     runs: dict[str, list[dict[str, Any]]] = {r: [] for r in routers}
     skipped: dict[str, str] = {}
     bar = ProgressBar(len(trace) * len(routers) * spec.repeats * (2 if undisturbed else 1), spec.scenario)
@@ -335,7 +337,7 @@ def _compare(spec: ScenarioSpec, trace: Trace, row: dict[str, Any]) -> dict[str,
     res: RunResult = row.pop("_disturbed")
     calm: RunResult | None = row.pop("_undisturbed", None)
     log = row["disturbed"]["disruptions"]
-    if spec.scenario == "router-restart" and calm is not None:
+    if calm is not None:
         windows = []
         for d in log:
             hit, base = window(res, d["down"], d["window_end"]), window(calm, d["down"], d["window_end"])
@@ -346,9 +348,9 @@ def _compare(spec: ScenarioSpec, trace: Trace, row: dict[str, Any]) -> dict[str,
         row["worst_window_p90_ratio"] = max((w["after"]["ttft_p90"] / w["undisturbed"]["ttft_p90"]
                                              for w in windows), default=math.nan)
         row["extra_cold"] = sum(w["after"]["cold"] - w["undisturbed"]["cold"] for w in windows)
-    elif spec.scenario == "pod-restart" and log:
+    if spec.scenario == "pod-restart" and log:
         row.update(misled(trace, res, spec.live.pods - 1, log[0]["down"]))
-    elif spec.scenario == "valkey-outage" and log:
+    if spec.scenario == "valkey-outage" and log:
         row["agreed_after_s"] = log[0]["agreed_after_s"]
     return row
 
@@ -394,7 +396,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
     extra_head = {"router-restart": ["p90 after a restart / undisturbed (median window)", "worst window",
                                      "extra cold prefills (all windows)"],
                   "pod-restart": ["sent to the restarted pod", "misled (for a prefix only its lost cache held)"],
-                  "valkey-outage": ["replicas agree after Valkey returns (s)"]}.get(scenario, [])
+                  "valkey-outage": ["p90 from the outage to 20 s after / undisturbed", "extra cold prefills",
+                                    "replicas agree after Valkey returns (s)"]}.get(scenario, [])
     head = ["router", "hit rate", "TTFT mean", "TTFT p90", "TTFT p99", "failed", "router CPU s", *extra_head]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for router, m in report["medians"].items():
@@ -407,7 +410,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
         elif scenario == "pod-restart":
             cells += [_cell(m.get("sent_to_restarted_pod"), ".0f"), _cell(m.get("misled"), ".0f")]
         elif scenario == "valkey-outage":
-            cells += [_cell(m.get("agreed_after_s"), ".2f")]
+            cells += [_cell(m.get("window_p90_ratio"), ".2f"), _cell(m.get("extra_cold"), ".0f"),
+                      _cell(m.get("agreed_after_s"), ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     for router, why in report["skipped"].items():
         lines.append(f"\n- skipped **{router}**: {why}")
