@@ -257,10 +257,8 @@ def main() -> int:
         idle = idle_cpu({"picker": picker.process.proc.pid, "floor": floor.process.proc.pid,
                          "floor on grpclib": floor_lib.process.proc.pid}, args.idle_seconds)
         # A second picker under cProfile (slower, so not used for the figures above) shows where time goes.
-        os.environ["PICKER_PROFILE"] = str(profile_path)
         profiled = start_picker(logdir, endpoints=backends.addresses, extra=["--log-level", "WARNING"],
-                                name="picker-profiled")
-        del os.environ["PICKER_PROFILE"]
+                                name="picker-profiled", profile_to=profile_path)
         started.append(profiled.process)
         envoy = start_envoy(logdir, profiled, backends.addresses, name="envoy-profiled")
         started.append(envoy.process)

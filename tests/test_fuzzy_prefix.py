@@ -11,10 +11,11 @@ import urllib.request
 import pytest
 import yaml
 
+from picker.bench.configs import with_scorer
 from picker.core.requests import InferenceRequest
 from picker.core.schema import ConfigError
 from picker.endpoints.state import Endpoint
-from picker.scheduling.config import DEFAULT_CONFIG, StrategyDeps, build_strategy, with_scorer
+from picker.scheduling.config import DEFAULT_CONFIG, StrategyDeps, build_strategy
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.fuzzy import FuzzyPrefixScorer, MinHasher
 from picker.serving.supervisor import process_scope, start_backends, start_picker_fleet

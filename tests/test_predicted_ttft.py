@@ -18,10 +18,11 @@ from prometheus_client import generate_latest
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
+from picker.bench.configs import PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling
 from picker.core.requests import InferenceRequest
 from picker.core.schema import ConfigError
 from picker.endpoints.state import Endpoint, EndpointMetrics
-from picker.scheduling.config import PREDICTED_TTFT_CONFIG, build_scheduler, predicted_ttft_scheduling
+from picker.scheduling.config import build_scheduler
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.predicted import PredictedTTFTScorer, Prediction
 from picker.serving.metrics import PickerMetrics

@@ -78,3 +78,23 @@ async def test_stop_undoes_the_parts_last_started_first_even_when_one_fails(capl
     assert stopped == ["broken", "first"]
     assert "stopping the broken part failed" in caplog.text
     assert not _listens("127.0.0.1", picker.metrics_port)  # the metrics server, registered at start, stopped too
+
+
+def test_a_picker_run_under_cprofile_writes_its_profile_when_stopped(tmp_path: object) -> None:
+    """How bench/overhead.py sees where the picker's time goes, with no hook in the product: the statistics are
+    written when `picker serve` returns from its SIGTERM."""
+    import pstats
+    from pathlib import Path
+
+    from picker.serving.supervisor import process_scope, start_backends, start_picker
+
+    assert isinstance(tmp_path, Path)
+    with process_scope("cprofile") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        picker = start_picker(logdir, endpoints=backends.addresses, profile_to=tmp_path / "picker.prof")
+        started.append(picker.process)
+        picker.process.stop()
+        assert picker.process.proc.returncode == 0
+    stats = pstats.Stats(str(tmp_path / "picker.prof"))
+    assert any("server.py" in filename for filename, _, _ in stats.stats)  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ import yaml
 from picker.bench import peers
 from picker.bench.capacity import cost_per_request, rate_for_load
 from picker.bench.client import replay
+from picker.bench.configs import predicted_ttft_scheduling
 from picker.bench.oracle import InfiniteCacheOracle
 from picker.bench.progress import ProgressBar
 from picker.bench.prompts import PromptBuilder
@@ -42,7 +43,6 @@ from picker.bench.results import RunResult
 from picker.bench.summary import ratios_to, summarize, ttft_sample
 from picker.bench.workloads import FleetSpec, generate
 from picker.endpoints.metrics import parse_metrics
-from picker.scheduling.config import predicted_ttft_scheduling
 from picker.serving.envoyconfig import EnvoySettings, envoy_binary, http_managers, instrumented, render
 from picker.serving.supervisor import (
     HOST,

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from picker.bench.configs import PREDICTED_TTFT_CONFIG
 from picker.bench.fast import FastConfig, run_fast
 from picker.bench.peers import PEERS
 from picker.bench.real import STRATEGIES, RealSpec, targets
@@ -17,7 +18,6 @@ from picker.bench.real_analysis import HASH_BASELINES
 from picker.bench.summary import percentile, summarize
 from picker.bench.workloads import FleetSpec, multi_turn, shared_prefix
 from picker.endpoints.scraper import Cadence
-from picker.scheduling.config import PREDICTED_TTFT_CONFIG
 from picker.sim.profiles import TINY_CPU
 
 # The small model alone on one core, measured: an 800-token cold prefill ~160 ms, a cached request's TTFT ~35 ms,

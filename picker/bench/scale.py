@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from picker.bench.capacity import cost_per_request, rate_for_load
+from picker.bench.configs import every_pod_scheduling
 from picker.bench.fast import FastConfig, run_fast
 from picker.bench.summary import summarize
 from picker.bench.workloads import FleetSpec, generate
@@ -41,7 +42,7 @@ from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.hashing import prefix_keys, prefix_seed
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.routing.director import Director
-from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler, every_pod_scheduling
+from picker.scheduling.config import DEFAULT_CONFIG, build_scheduler
 from picker.serving.config import ServeConfig
 from picker.sim.profiles import get_profile
 

@@ -58,7 +58,7 @@ FLAGS: tuple[ReferenceFlag, ...] = (
     _ignored("cache-info-metric", "vLLM's metric names are read as vLLM exports them"),
     _ignored("tracing", "traces go to --otlp-endpoint when it is set", boolean=True),
     _ignored("health-checking", "the gRPC health service always runs", boolean=True),
-    _ignored("enable-pprof", "a Go profiler; PICKER_PROFILE=FILE writes a Python profile", boolean=True),
+    _ignored("enable-pprof", "a Go profiler; `python -m cProfile -o FILE -m picker serve ...` profiles ours", boolean=True),
     _ignored("tls-cipher-suites", "grpcio chooses the cipher suites"),
     _ignored("metrics-endpoint-auth", "/metrics is not authenticated (README: why)", boolean=True),
     _ignored("metrics-client-ca-file", "/metrics is served plainly (README: why)"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import cProfile
 import logging
 import os
 import random
@@ -437,11 +436,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. a --redis-url the client cannot parse
         print(exit_line(f"picker serve: {exc}", config.log_format), file=sys.stderr)
         return 2
-    profile_path = os.environ.get("PICKER_PROFILE")  # bench/overhead.py: where does the picker's time go?
-    profiler = cProfile.Profile() if profile_path else None
     try:
-        if profiler is not None:
-            profiler.enable()
         asyncio.run(serve(server))
     except (BindError, ValueError) as exc:
         print(exit_line(f"picker serve: {exc}", config.log_format), file=sys.stderr)
@@ -449,10 +444,6 @@ def run(args: argparse.Namespace) -> int:
     except BackgroundFailure as exc:
         print(exit_line(f"picker serve: {exc}", config.log_format), file=sys.stderr)
         return 1
-    finally:
-        if profiler is not None and profile_path:
-            profiler.disable()
-            profiler.dump_stats(profile_path)
     return 0
 
 

@@ -284,15 +284,20 @@ class Picker:
 
 def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_file: Path | None = None,
                  extra: list[str] | None = None, name: str = "picker", grpc_port: int | None = None,
-                 health_port: int | None = None, host: str = HOST, tls: str = "plaintext") -> Picker:
-    """`host` may be another loopback address (127.0.0.x): replicas then share their ports, as pods do.
+                 health_port: int | None = None, host: str = HOST, tls: str = "plaintext",
+                 profile_to: Path | None = None) -> Picker:
+    """`host` may be another loopback address (127.0.0.x): replicas then share their ports, as pods do;
+    `profile_to`: run it under cProfile, its statistics written there when it stops.
 
     Plaintext unless asked (a same-host sidecar, what the tests and benchmarks measure); `tls="tls"` is the
     product's default (a self-signed certificate), `tls="mtls"` a throwaway CA that signs both ends."""
     grpc_port = grpc_port or free_port()
     health_port = health_port or free_port()
     metrics_port = free_port()
-    args = [*python_module("picker"), "serve", "--host", host, "--grpc-port", str(grpc_port),
+    python = python_module("picker")
+    if profile_to is not None:  # `python -m cProfile -o FILE -m picker`: cProfile writes FILE when picker exits
+        python = [*python[:-1], "cProfile", "-o", str(profile_to), "-m", "picker"]
+    args = [*python, "serve", "--host", host, "--grpc-port", str(grpc_port),
             "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port), "--seed", "7"]
     pki: Path | None = None
     if tls == "plaintext":
