@@ -53,3 +53,21 @@ def test_the_default_config_lists_only_parameters_it_sets_otherwise() -> None:
         defaults = params().model_dump(by_alias=True)
         same = {k: v for k, v in spec.get("parameters", {}).items() if defaults.get(k) == v}
         assert same == {}, f"{spec['name']}: {same} repeat the defaults"
+
+
+def test_serve_flags_take_their_defaults_from_the_config_model() -> None:
+    """`picker serve --help` states each default from ServeConfig, never as a literal of its own."""
+    import argparse
+    import re
+
+    from picker.serving import config
+
+    source = inspect.getsource(config.add_arguments)
+    literal = re.findall(r"default:? (?:[0-9][0-9a-zA-Z.]*|true|false|http|text|INFO|/metrics)\b", source)
+    assert literal == [], f"write {{default}} in the help instead of {literal}"
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    helps = {a.dest: a.help or "" for a in parser._actions}
+    assert "(default 9002)" in helps["grpc_port"] and "(default 16Mi)" in helps["max_body_bytes"]
+    assert "(default 100ms)" in helps["metrics_fast_interval"] and "default 5s" in helps["shutdown_delay"]
+    assert "(default true)" in helps["metrics_only_read_series"]

@@ -17,7 +17,6 @@ from google.protobuf import struct_pb2
 from picker.core import headers as names
 
 DESTINATION_HEADER = names.DESTINATION
-DESTINATION_SERVED_KEY = "x-gateway-destination-endpoint-served"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"

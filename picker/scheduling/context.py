@@ -11,7 +11,7 @@ from typing import Protocol
 
 from picker.core.requests import InferenceRequest
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import CHARS_PER_TOKEN
+from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_BLOCK_CHARS
 
 
 class Detail(Protocol):
@@ -31,7 +31,7 @@ class SchedulingContext:
     session: str = ""  # the request's x-session-id as remembered and shared (IndexKey.session); "" without one
     # the pod the session's last request went to, from the profile's session memory (None: no session, or new)
     session_pod: str | None = None
-    block_chars: int = 64
+    block_chars: int = DEFAULT_BLOCK_CHARS
     # how many characters make a token where the prompt's token ids are not known (prefixCache.charsPerToken):
     # plugins count a prompt's tokens with it, as the director counts them in flight
     chars_per_token: int = CHARS_PER_TOKEN

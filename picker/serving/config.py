@@ -207,42 +207,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--config-file", help="YAML file with any of these options plus `scheduling` and `admission` sections")
     a("--config-text", help="the same YAML given inline, instead of a file (default: none)")
-    a("--host", help="address every server binds (default 0.0.0.0)")
-    a("--grpc-port", type=int, help="ext_proc + picker.v1 API port (default 9002)")
+    a("--host", help="address every server binds (default {default})")
+    a("--grpc-port", type=int, help="ext_proc + picker.v1 API port (default {default})")
     a("--grpc-host", help="address the ext_proc port alone binds, e.g. 127.0.0.1 for a sidecar whose Envoy is in the "
       "same Pod while probes and Prometheus still reach the others on --host (default: --host)")
-    a("--grpc-health-port", type=int, help="gRPC health port (default 9003)")
-    a("--metrics-port", type=int, help="Prometheus /metrics port (default 9090; 0 picks a free port, -1 disables)")
+    a("--grpc-health-port", type=int, help="gRPC health port (default {default})")
+    a("--metrics-port", type=int, help="Prometheus /metrics port (default {default}; 0 picks a free port, -1 disables)")
     a("--endpoints", help="static pool: host:port,host:port, each an IP or a name (a compose service, a headless "
       "Service, localhost) resolved to every IPv4 address it has, again every 5 s")
     a("--endpoints-file", help="YAML/JSON list of endpoints, reloaded when it changes")
     a("--refresh-metrics-interval", help="scrape every endpoint's /metrics at this fixed cadence (e.g. 50ms); "
       "default: adaptive, see --metrics-fast-interval and --metrics-slow-interval")
     a("--metrics-fast-interval", help="adaptive scraping: cadence of a pod near saturation, running requests we "
-      "did not route, or failing (default 100ms)")
-    a("--metrics-slow-interval", help="adaptive scraping: cadence of a calm pod (default 1s)")
+      "did not route, or failing (default {default})")
+    a("--metrics-slow-interval", help="adaptive scraping: cadence of a calm pod (default {default})")
     a("--max-scrapes-per-second", type=float, help="scrapes of the pool's /metrics a second at most: when the pods' "
       "cadences ask for more (a large pool, many pods busy), every interval stretches by the same factor "
-      "(picker_model_server_scrape_stretch); default 500 (a calm pod's 1 s up to 500 pods), 0: no cap")
-    a("--model-server-metrics-scheme", choices=("http", "https"), help="how pods' metrics are read (default http)")
+      "(picker_model_server_scrape_stretch); default {default} (a calm pod's 1 s up to 500 pods), 0: no cap")
+    a("--model-server-metrics-scheme", choices=("http", "https"), help="how pods' metrics are read (default {default})")
     a("--model-server-metrics-port", type=int,
       help="the port every pod serves metrics on (default: each pod's own serving port)")
-    a("--model-server-metrics-path", help="where pods serve metrics (default /metrics)")
+    a("--model-server-metrics-path", help="where pods serve metrics (default {default})")
     a("--model-server-metrics-https-insecure-skip-verify", type=parse_bool, nargs="?", const=True, metavar="BOOL",
-      help="with https, accept the pods' certificates unverified (default true, as the reference picker)")
+      help="with https, accept the pods' certificates unverified (default {default}, as the reference picker)")
     a("--metrics-only-read-series", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="ask each pod for only the vLLM series the picker reads (name[] at <path>/, ~3 KB instead of ~50 KB); a "
-      "pod whose page does not take the filter is read whole (default true)")
+      "pod whose page does not take the filter is read whole (default {default})")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before a pod's serving port is tried: degraded "
       "(still routed) if it answers, unready if not (2)")
     a("--models-refresh-interval", help="how often each pod's GET /v1/models is read to learn its loaded LoRA "
-      "adapters, idle ones too (default 30s; 0s: never, the pods' metrics alone tell what they serve)")
-    a("--max-body-bytes", help="largest request body accepted (default 16Mi); larger gets 413")
+      "adapters, idle ones too (default {default}; 0s: never, the pods' metrics alone tell what they serve)")
+    a("--max-body-bytes", help="largest request body accepted (default {default}); larger gets 413")
     a("--max-buffered-bytes", help="request-body bytes all streams together may hold while they arrive (default "
-      "256Mi); beyond it a body gets 503 buffers_full with retry-after")
-    a("--stream-idle-timeout", help="an ext_proc stream silent this long before its decision is ended (default 30s)")
+      "{default}); beyond it a body gets 503 buffers_full with retry-after")
+    a("--stream-idle-timeout", help="an ext_proc stream silent this long before its decision is ended (default {default})")
     a("--request-timeout", help="longest a routed request counts in flight on its pod, should its stream stay open "
-      "(default 600s: Envoy's route timeout in our templates)")
+      "(default {default}: Envoy's route timeout in our templates)")
     a("--pool-name", help="InferencePool to discover pods from (Kubernetes; without --endpoints/--endpoints-file), "
       "also the metrics label")
     a("--pool-group", help="API group of the InferencePool: inference.networking.k8s.io (v1, default) or GIE's older "
@@ -251,7 +251,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--endpoint-selector", help="discover pods by label selector instead of an InferencePool, e.g. app=vllm")
     a("--endpoint-target-ports", help="with --endpoint-selector: the model server ports, e.g. 8000 or 8000,8001")
     a("--kubeconfig", help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG)")
-    a("--fallback-endpoints", type=int, help="ranked endpoints to return, comma-separated (default 1; Envoy's "
+    a("--fallback-endpoints", type=int, help="ranked endpoints to return, comma-separated (default {default}; Envoy's "
       "ORIGINAL_DST accepts only 1, lists are for gateways that implement GIE fallbacks)")
     a("--strategy", help="picker (default: prefix- and load-aware), round-robin, random, least-load, prefix-only, "
       "prefix-hash (hash of the prompt's first 1,000 characters: a baseline that reads no metrics), hash-ring "
@@ -260,36 +260,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "policy: the pod sent the longest shared prefix, else the one sent the least text)")
     a("--seed", type=int, help="seed for random tie-breaks and weighted model rewrites (reproducible runs)")
     a("--log-level", type=str.upper, choices=_LOG_LEVELS, metavar="LEVEL",
-      help=f"{', '.join(_LOG_LEVELS)} (default INFO; any case). DEBUG: one line per routing decision; TRACE: "
+      help=f"{', '.join(_LOG_LEVELS)} (default {{default}}; any case). DEBUG: one line per routing decision; TRACE: "
       "also the libraries' own debug lines (gRPC, asyncio, HTTP)")
-    a("--log-format", choices=("text", "json"), help="text lines, or one JSON object per line (default text)")
-    a("--drain-timeout", help="how long a stopping picker lets open streams finish (default 2s)")
+    a("--log-format", choices=("text", "json"), help="text lines, or one JSON object per line (default {default})")
+    a("--drain-timeout", help="how long a stopping picker lets open streams finish (default {default})")
     a("--shutdown-delay", help="how long a stopping picker, reporting NOT_SERVING, still takes new streams while "
       "they keep coming (until none came for 0.25 s), so a rolling restart sends none to the fail-open route "
-      "(default 5s; 0: refuse new streams at once)")
+      "(default {default}; 0: refuse new streams at once)")
     a("--enable-grpc-stream-metrics", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="export the ext_proc streams open, their durations and how they ended (llm_d_epp_extproc_*, as the "
-      "reference picker's flag; default false)")
+      "reference picker's flag; default {default})")
     a("--metrics-deprecated-names", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="also export every series under its deprecated GIE name (inference_objective_*, inference_pool_*, "
       "inference_extension_*), as the reference picker does; false: only the current llm_d_epp_* names "
-      "(default true)")
+      "(default {default})")
     a("--otlp-endpoint", help="OTLP/HTTP collector for traces (e.g. http://127.0.0.1:4318); empty disables")
     a("--index-backend", choices=("memory", "redis"),
       help="prefix index: memory (one replica) or redis (shared by every replica through --redis-url)")
     a("--redis-url", help="Redis/Valkey for --index-backend redis, e.g. redis://127.0.0.1:6379/0")
     a("--index-namespace", help="replicas with the same namespace share one index (default: pool namespace/name)")
     a("--shared-load-interval", help="with --index-backend redis: how often the replicas share their in-flight "
-      "requests per pod through Redis, so flow control admits on the whole fleet's load (default 50ms; 0: each "
+      "requests per pod through Redis, so flow control admits on the whole fleet's load (default {default}; 0: each "
       "counts only its own)")
     a("--kv-events-endpoint", metavar="tcp://HOST:PORT",
       help="precise prefix routing: bind here for the pods' vLLM KV events (their --kv-events-config endpoint, "
       "topic kv@<pod ip>:<port>@<model>); default: none, the approximate index alone")
     a("--kv-events-port", type=int, help="precise prefix routing, the other way round: every pod's vLLM binds its "
       "KV-event publisher on this port (endpoint tcp://*:PORT) and the picker connects to each pod of its pool; "
-      "every replica can (default 0: not this way)")
+      "every replica can (default {default}: not this way)")
     a("--kv-events-replay-port", type=int, help="the port of every pod's KV-event replay socket (vLLM's "
-      "replay_endpoint), asked for missed events (default 0: none; a gap then resets that pod's view)")
+      "replay_endpoint), asked for missed events (default {default}: none; a gap then resets that pod's view)")
     a("--prefix-mode", choices=("approximate", "precise", "auto"),
       help="with --kv-events-endpoint: auto (default) scores pods whose events flow from them and the rest from "
       "the approximate index; precise trusts the events alone; approximate ignores them")
@@ -297,21 +297,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "its chat template, in tokenizer_config.json or chat_template.jinja) to compute prompts' token ids here, "
       "as vLLM does (the tokenizer extra); default: ask a pod's POST /tokenize")
     a("--tokenize-timeout", help="the longest a pod's POST /tokenize may take for a prompt's token ids "
-      "(default 100ms; slower: the request is routed on the approximate index)")
+      "(default {default}; slower: the request is routed on the approximate index)")
     a("--index-hash-key-file", help="file holding a secret (16+ bytes) shared by the replicas: prefix hashes and "
       "session ids in Redis are keyed with it, so reading Redis confirms no guessed prompt (default: unkeyed, "
       "with a warning when the index is shared)")
     a("--secure-serving", type=parse_bool, nargs="?", const=True, metavar="BOOL",
-      help="serve ext_proc and picker.v1 over TLS (default true, as the reference picker; --secure-serving=false "
+      help="serve ext_proc and picker.v1 over TLS (default {default}, as the reference picker; --secure-serving=false "
       "for plaintext, e.g. a sidecar on loopback). The health port is always plaintext")
     a("--cert-path", help="directory holding tls.crt and tls.key (a mounted kubernetes.io/tls Secret); default: a "
       "self-signed pair made at start")
     a("--enable-cert-reload", type=parse_bool, nargs="?", const=True, metavar="BOOL",
-      help="re-read --cert-path when its files change (default false)")
+      help="re-read --cert-path when its files change (default {default})")
     a("--client-ca", help="PEM CA file: require every client (Envoy) to present a certificate it signed (mTLS)")
-    a("--tls-min-version", help=f"{', '.join(TLS_VERSIONS)} (default VersionTLS12; TLS 1.2 is grpcio's floor "
+    a("--tls-min-version", help=f"{', '.join(TLS_VERSIONS)} (default {{default}}; TLS 1.2 is grpcio's floor "
       "already, VersionTLS13 is refused as it cannot be enforced)")
+    for action in parser._actions:  # "{default}" in a flag's help: its ServeConfig default, written only there
+        if action.help and "{default}" in action.help:
+            action.help = action.help.replace("{default}", default_text(action.dest))
     reference_flags.add_arguments(parser)
+
+
+def default_text(name: str) -> str:
+    """A ServeConfig field's default as one would write it on the command line (2s, 100ms, 16Mi, true)."""
+    field = ServeConfig.model_fields[name]
+    value = field.default
+    parsers = {m.func for m in field.metadata if isinstance(m, BeforeValidator)}
+    if parse_duration in parsers:
+        return f"{value * 1000:g}ms" if 0 < value < 1 else f"{value:g}s"
+    if parse_size in parsers:
+        for unit, scale in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+            if value and value % scale == 0:
+                return f"{value // scale}{unit}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def decode_serve_config(data: Mapping[str, Any], source: str = "") -> ServeConfig:

@@ -24,6 +24,7 @@ from picker.core.distribution import editable_checkout
 from picker.core.headers import mutated_names
 from picker.core.schema import parse_duration
 from picker.endpoints.state import DNS_NAME, is_ip, parse_host_port
+from picker.serving.config import TEMPLATE_MESSAGE_TIMEOUT
 
 TEMPLATES = {"buffered": "envoy.yaml", "full-duplex": "envoy-full-duplex.yaml"}
 
@@ -39,7 +40,7 @@ class EnvoySettings:
     picker_host: str = "127.0.0.1"
     mode: str = "buffered"
     failure_mode_allow: bool = True
-    message_timeout: str = "5s"
+    message_timeout: str = f"{TEMPLATE_MESSAGE_TIMEOUT:g}s"
     route_timeout: str = "600s"
     buffer_bytes: int = 16 * 2**20  # the buffered template holds whole bodies; full-duplex streams them (1 MiB)
     # Several picker replicas (IPs or DNS names, e.g. compose services); empty: just `picker_host`.
@@ -333,7 +334,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "then has no endpoints)")
     a("--fail-closed", action="store_true",
       help="a picker outage gives 500 instead of round-robin (default: fail open)")
-    a("--message-timeout", default="5s",
+    a("--message-timeout", default=f"{TEMPLATE_MESSAGE_TIMEOUT:g}s",
       help="how long Envoy waits for the picker's answer to one ext_proc message before the failure mode "
       "applies; must exceed --queue-ttl (default %(default)s)")
     a("--queue-ttl", default="4s",
