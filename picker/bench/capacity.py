@@ -63,8 +63,3 @@ def smallest_fleet(measure: Callable[[int], float], target: float, lo: int = 1, 
         else:
             lo = mid + 1
     return lo
-
-
-def fleet_config(base: FastConfig, pods: int) -> FastConfig:
-    """`base` with another pod count."""
-    return replace(base, pods=pods)

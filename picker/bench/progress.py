@@ -25,10 +25,6 @@ class ProgressBar:
         self.label = label
         self._draw(force=True)
 
-    def add_total(self, extra: int) -> None:
-        """More work discovered while running (e.g. a second phase)."""
-        self.total += max(0, extra)
-
     def advance(self, n: int = 1) -> None:
         self.done = min(self.total, self.done + n)
         self._draw()

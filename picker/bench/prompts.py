@@ -61,11 +61,6 @@ class PromptBuilder:
         return out
 
 
-def full_messages(req: TraceRequest, history: Sequence[Message] | None) -> tuple[Message, ...]:
-    """A request's complete message list: the parent's history (with its answer) then its own messages."""
-    return (*history, *req.messages) if history else req.messages
-
-
 def prompt_text(messages: Sequence[Message] | None, prompt: Sequence[str] | None) -> str:
     """The canonical text the picker hashes (exactly what `picker.core.requests.build_request` computes)."""
     if prompt is not None:

@@ -7,7 +7,7 @@ follow-up names its `parent` and is completed with the parent's answer when it i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 Message = tuple[str, str]  # (role, content)
@@ -54,11 +54,3 @@ class Trace:
             if r.parent >= 0:
                 out.setdefault(r.parent, []).append(r.index)
         return out
-
-    def with_rate(self, scale: float) -> Trace:
-        """The same requests with open-loop send times divided by `scale` (follow-up think times kept)."""
-        reqs = tuple(
-            r if r.parent >= 0 else replace(r, at=r.at / scale)
-            for r in self.requests
-        )
-        return Trace(self.workload, self.seed, self.rate * scale, reqs, dict(self.params))

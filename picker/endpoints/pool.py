@@ -72,9 +72,6 @@ class EndpointPool:
             self._emit(PoolEvent.ADDED, endpoint)
         return added, removed
 
-    def set_addresses(self, addresses: Iterable[str]) -> tuple[list[Endpoint], list[Endpoint]]:
-        return self.set_endpoints(Endpoint.from_address(a) for a in addresses)
-
     def mark_unready(self, endpoint: Endpoint, reason: str = "") -> None:
         """Stop routing to `endpoint` (it cannot be reached); no-op when it already is unready or gone."""
         self._transition(endpoint, EndpointState.UNREADY, PoolEvent.UNREADY, reason)
