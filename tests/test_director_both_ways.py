@@ -12,7 +12,7 @@ from typing import Any
 from picker.bench.fast import DirectorInput, _FastRun, make_scheduler
 from picker.bench.overload import FLOW_CONFIG, MIX, admission_section, fast_capacity, fast_config, fast_trace
 from picker.core.requests import RequestError
-from picker.routing.director import Decision
+from picker.routing.decision import Decision
 
 SEQS = 4  # sequences per pod: the pods fill and flow control holds requests
 

@@ -13,7 +13,9 @@ from picker.core.requests import ApiKind, InferenceRequest
 from picker.core.schema import ConfigError
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint
+from picker.routing import plugins as request_plugins
 from picker.routing.director import Director
+from picker.routing.lifecycle import PluginDeps
 from picker.scheduling.config import build_scheduler
 from picker.scheduling.disagg import DecodeFilter, PrefillFilter, PrefixBasedPdDecider
 from tests.test_scorers import ctx_for
@@ -148,12 +150,13 @@ def test_the_director_counts_the_prefill_pod_busy_until_the_response_begins() ->
     pool.set_endpoints(pods)
     for e in pods:
         pool.mark_ready(e)
-    director = Director(pool, build_scheduler(PD))
+    scheduler = build_scheduler(PD)
+    director = Director(pool, scheduler, plugins=request_plugins.build(PluginDeps(scheduler, lambda: 0.0)))
     decision = director.place(request(2000), 0.0)
     prefill = pool.get(pods[0].address)
     assert decision.prefill is prefill and prefill is not None and prefill.in_flight == 1
     assert decision.endpoint.address == pods[1].address and decision.endpoint.in_flight == 1
-    director.prefilled(decision)
+    director.response_started(decision)
     assert prefill.in_flight == 0 and decision.endpoint.in_flight == 1
     director.release(decision)
     assert prefill.in_flight == 0 and decision.endpoint.in_flight == 0

@@ -25,7 +25,9 @@ from picker.core.schema import ConfigError
 from picker.endpoints.kube.objects import model_rewrite_rules
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.routing import plugins as request_plugins
 from picker.routing.director import Director
+from picker.routing.lifecycle import PluginDeps
 from picker.scheduling.config import build_scheduler, scheduling_config
 
 
@@ -121,8 +123,10 @@ def test_the_director_routes_a_rewritten_request_to_pods_serving_its_target() ->
     for pod, model in zip(pods, ("llama-v1", "llama-v2"), strict=True):
         pod.metrics = EndpointMetrics(models=frozenset({model}), updated_at=0.0)
     pool.set_endpoints(pods)
-    director = Director(pool, build_scheduler(), clock=lambda: 0.0,
-                        rewrites=ModelRewrites(rules(rule(["llama"], "llama-v2"))))
+    scheduler = build_scheduler()
+    rewrites = ModelRewrites(rules(rule(["llama"], "llama-v2")))
+    director = Director(pool, scheduler, clock=lambda: 0.0,
+                        plugins=request_plugins.build(PluginDeps(scheduler, lambda: 0.0, rewrites)))
     for i in range(10):
         request = build_request({":path": "/v1/completions", ":method": "POST"},
                                 json.dumps({"model": "llama", "prompt": f"p{i}"}).encode(), request_id=str(i))

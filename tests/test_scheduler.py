@@ -14,7 +14,8 @@ from picker.core.schema import ConfigError
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.prefix.memory import InMemoryPrefixIndex
-from picker.routing.director import Decision, Director, describe_decision
+from picker.routing.decision import Decision
+from picker.routing.director import Director, describe_decision
 from picker.scheduling.config import (
     DEFAULT_CONFIG,
     STRATEGIES,

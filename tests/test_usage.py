@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from picker.extproc.usage import UsageReader
+from picker.core.usage import UsageReader
 
 USAGE = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 96}}
 

@@ -61,8 +61,11 @@ from picker.prefix.hashing import PrefixHasher
 from picker.prefix.index import PrefixIndex
 from picker.prefix.memory import InMemoryPrefixIndex
 from picker.prefix.precise import PreciseIndex, PrecisePrefix
+from picker.routing import plugins as request_plugins
 from picker.routing.admission import AdmissionConfig, Hold, Priorities, Ungated
-from picker.routing.director import Decision, Director
+from picker.routing.decision import Decision
+from picker.routing.director import Director
+from picker.routing.lifecycle import PluginDeps
 from picker.scheduling.config import (
     StrategyDeps,
     build_hasher,
@@ -301,11 +304,13 @@ class _FastRun:
 
     def make_director(self, endpoints: list[Endpoint], scheduler: Scheduler,
                       clock: Callable[[], float]) -> Director:
-        """A replica's director as `picker serve` builds it: its pool, its admission gate, the same priorities."""
+        """A replica's director as `picker serve` builds it: its pool, its admission gate, the same priorities and
+        request plugins (no metrics or traces: nothing observes them here)."""
         pool = _pool_of(endpoints)
         admission = self.admission
         gate = build_gate(admission, self.chars_per_token, pool, clock=clock) if self.gated else Ungated()
-        return Director(pool, scheduler, gate=gate, priorities=Priorities(admission), clock=clock)
+        return Director(pool, scheduler, gate=gate, plugins=request_plugins.build(PluginDeps(scheduler, clock)),
+                        priorities=Priorities(admission), clock=clock)
 
     def note(self, replica: int, entry: DirectorInput) -> None:
         if self.inputs is not None and replica == 0:
@@ -528,7 +533,7 @@ class _FastRun:
         k = self.prefilling.pop(i)
         ids, _, decision, replica = self.live[i]
         if decision is not None:
-            self.directors[replica].prefilled(decision)
+            self.directors[replica].response_started(decision)
         request = SimRequest(str(i), ids, self.trace.requests[i].max_tokens, ignore_eos=True, remote_prefill=True)
         if self.hand_over(k, request, now):
             self.wake(k, now)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from enum import Enum
@@ -28,15 +27,13 @@ from google.protobuf.message import DecodeError
 
 from picker.core import headers as names
 from picker.core.memory import AllocatorTrim
-from picker.core.model_rewrite import swap_models
 from picker.core.quietlog import QuietLog
 from picker.core.requests import InferenceRequest, RequestError, route_kind
 from picker.extproc import protocol as p
 from picker.extproc.deadline import MovingDeadline
 from picker.extproc.limits import BodyBudget, StreamLimits
-from picker.extproc.usage import UsageReader
-from picker.routing.director import Decision, Director
-from picker.routing.observers import ResponseTrace
+from picker.routing.decision import Decision
+from picker.routing.director import Director
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +79,7 @@ class _Stream:
     """Per-HTTP-request state. `handle` returns the responses to send for one incoming message."""
 
     __slots__ = ("director", "max_body", "budget", "trim", "told_modes", "request_mode", "response_mode", "headers",
-                 "subset", "body", "body_len", "held", "decision", "phase", "request_id", "generated_id", "usage",
-                 "response")
+                 "subset", "body", "body_len", "held", "decision", "phase", "request_id", "generated_id")
 
     def __init__(self, director: Director, max_body: int, budget: BodyBudget, trim: AllocatorTrim) -> None:
         self.director = director
@@ -104,8 +100,6 @@ class _Stream:
         self.phase = Phase.START
         self.request_id = ""
         self.generated_id = False
-        self.usage: UsageReader | None = None  # only when Envoy sends response bodies
-        self.response: ResponseTrace | None = None  # likewise: how the response body came
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if message.HasField("protocol_config"):
@@ -124,31 +118,23 @@ class _Stream:
             return await self._on_request_trailers()
         if kind == "response_headers":
             if self.decision is not None:
-                self.director.prefilled(self.decision)
+                body_follows = self.response_mode != p.NONE and not message.response_headers.end_of_stream
+                self.director.response_started(self.decision, _headers_of(message.response_headers)
+                                               if body_follows else None, body_follows)
             if message.response_headers.end_of_stream:
                 self.release()
-            elif self.response_mode != p.NONE and self.decision is not None:
-                content_type = _headers_of(message.response_headers).get(names.CONTENT_TYPE, "")
-                self.usage = UsageReader(content_type)
-                self.response = self.director.trace_response(self.decision)
             return [p.EMPTY_RESPONSE_HEADERS]
         if kind == "response_body":
-            began = time.perf_counter()
             chunk = message.response_body
             body = chunk.body
-            if self.usage is not None:
-                self.usage.feed(body, chunk.end_of_stream)
-            swaps = self.decision.swaps if self.decision is not None else ()
+            changed = self.director.response_chunk(self.decision, body, chunk.end_of_stream) if self.decision \
+                is not None else body
             if self.response_mode == p.FULL_DUPLEX_STREAMED:
-                reply = p.passthrough_response_chunk(swap_models(body, swaps) if swaps else body,
-                                                     chunk.end_of_stream)
-            elif swaps:  # STREAMED or BUFFERED: a chunk is replaced only when it changes
-                changed = swap_models(body, swaps)
-                reply = p.replaced_response_chunk(changed) if changed is not body else p.EMPTY_RESPONSE_BODY
+                reply = p.passthrough_response_chunk(changed, chunk.end_of_stream)
+            elif changed is not body:  # STREAMED or BUFFERED: a chunk is replaced only when it changes
+                reply = p.replaced_response_chunk(changed)
             else:
                 reply = p.EMPTY_RESPONSE_BODY
-            if self.response is not None:
-                self.response.on_chunk(self.director.clock(), len(body), time.perf_counter() - began)
             if chunk.end_of_stream:
                 self.release()
             return [reply]
@@ -279,8 +265,7 @@ class _Stream:
         count (once)."""
         self._give_back()
         if self.decision is not None:
-            self.director.release(self.decision, self.usage.usage if self.usage is not None else None,
-                                  self.response)
+            self.director.release(self.decision)
 
 
 def go_code_name(code: grpc.StatusCode) -> str:

@@ -13,20 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from picker.core import headers as names
-from picker.core.model_rewrite import ModelRewrites, body_for_target, response_swaps
-from picker.core.requests import InferenceRequest, RequestError, Usage, build_request, estimated_tokens
+from picker.core.requests import InferenceRequest, RequestError, build_request, estimated_tokens
 from picker.endpoints.model_listing import MODELS_PATH
 from picker.endpoints.model_serving import ModelServing
 from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.state import Endpoint
 from picker.prefix.tokens import PromptTokenizer
 from picker.routing.admission import Gate, Hold, PostScoring, Priorities, SloShedding, Ungated
-from picker.routing.observers import DecisionRecorder, RequestObserver, ResponseTrace
+from picker.routing.decision import Decision
+from picker.routing.lifecycle import RequestPlugin
 from picker.scheduling.types import Scheduler, SchedulingResult
 
 log = logging.getLogger(__name__)
@@ -82,31 +80,6 @@ def match_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...]) -> lis
     return [e for e in candidates if e.address in wanted or e.ip in wanted]
 
 
-@dataclass(slots=True)
-class Decision:
-    """A routed request: ranked endpoints, the header value Envoy gets, and what to undo when it ends."""
-
-    request: InferenceRequest
-    ranked: list[Endpoint]
-    destination: str
-    result: SchedulingResult | None
-    tokens: int
-    started_at: float  # when the request came (its duration and TTFT are measured from here)
-    released: bool = False
-    expected_cached: int = 0  # prompt tokens the index expected the pod to have cached
-    body: bytes | None = None  # the body the pod gets, when it is not the client's (its model rewritten)
-    swaps: tuple[tuple[bytes, bytes], ...] = ()  # in response bodies: the pod's model name -> the client's
-    prefill: Endpoint | None = None  # with P/D: the pod prefilling it (None again once the response began)
-    # What the pod's request gets beyond the destination: headers set, and the client's headers removed (only
-    # those it carries: a locked-down gateway refuses the removal of an absent header as any other mutation).
-    set_headers: dict[str, str] | None = None
-    removed_headers: tuple[str, ...] = ()
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return self.ranked[0]
-
-
 class Director:
     def __init__(
         self,
@@ -114,29 +87,27 @@ class Director:
         scheduler: Scheduler,
         *,
         gate: Gate[Any] | None = None,
+        plugins: Sequence[RequestPlugin] = (),
         priorities: Priorities | None = None,
-        metrics: RequestObserver | None = None,
+        post_scoring: Sequence[PostScoring] = (SloShedding(),),
+        models: ModelServing | None = None,
+        tokenizer: PromptTokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         fallbacks: int = 1,
-        tracer: DecisionRecorder | None = None,
-        models: ModelServing | None = None,
-        rewrites: ModelRewrites | None = None,
-        tokenizer: PromptTokenizer | None = None,
-        post_scoring: Sequence[PostScoring] = (SloShedding(),),
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.gate: Gate[Any] = gate if gate is not None else Ungated()  # the bounded wait or flow control
-        self.post_scoring = tuple(post_scoring)  # admission that reads the scores (SLO shedding)
+        self.plugins = tuple(plugins)  # what acts on a request at the points of its life (picker/routing/lifecycle)
+        # whether any of them acts when a response starts: the servicer then keeps Envoy sending response headers
+        self.hears_response_start = any(p.hears_response_start for p in self.plugins)
         self.priorities = priorities if priorities is not None else Priorities()
-        self.metrics = metrics
+        self.post_scoring = tuple(post_scoring)  # admission that reads the scores (SLO shedding)
+        self.models = models if models is not None else ModelServing()  # which pods serve which model
+        self.tokenizer = tokenizer  # precise prefix routing: the prompt's token ids before it is scheduled
         self.clock = clock
         self.fallbacks = max(1, fallbacks)
-        self.tracer = tracer
         self.chars_per_token = scheduler.chars_per_token  # counts our requests' tokens as the plugins do
-        self.models = models if models is not None else ModelServing()  # which pods serve which model
-        self.rewrites = rewrites if rewrites is not None else ModelRewrites()  # requested model -> served one
-        self.tokenizer = tokenizer  # precise prefix routing: the prompt's token ids before it is scheduled
         pool.subscribe(self._pool_changed)
 
     def _pool_changed(self, event: PoolEvent, endpoint: Endpoint) -> None:
@@ -189,8 +160,8 @@ class Director:
     def resolve(self, request: InferenceRequest) -> None:
         """What the request is before any pod is looked at: its priority, and the model the pod will get."""
         request.priority = self.priorities.of(request)
-        if self.rewrites:
-            self.rewrites.apply(request)
+        for plugin in self.plugins:
+            plugin.resolve(request)
 
     def begin(self, request: InferenceRequest, go: Callable[[], bool]) -> tuple[Hold | None, Sequence[Endpoint]]:
         """Step one: resolve the request and offer it to the gate with its candidates (returned too: `place` takes
@@ -213,9 +184,11 @@ class Director:
         if refusal is not None:
             raise refusal
 
-    async def route(self, request: InferenceRequest) -> Decision:
+    async def route(self, request: InferenceRequest, received: tuple[int, float] = (0, 0.0),
+                    body: bytes = b"") -> Decision:
         """Route a parsed request in real time: the steps, with the event loop's way to wait on a hold. Its
-        duration and first token count from its arrival, time held included."""
+        duration and first token count from its arrival, time held included. `received`: when it was complete
+        (wall ns, perf_counter s), for its decision's timing; `body`: the client's, as the plugins see it placed."""
         if self.tokenizer is None:
             request.parsed = None  # nothing will tokenize it: a waiting request does not keep its parsed body
         arrived = self.clock()
@@ -233,7 +206,7 @@ class Director:
         except BaseException:
             self.gate.placed()  # given up before it was placed: the next may go
             raise
-        return self.place(request, self.clock(), arrived, at_once[0] if at_once else None)
+        return self.place(request, self.clock(), arrived, at_once[0] if at_once else None, received, body)
 
     async def _tokenize(self, request: InferenceRequest) -> None:
         """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it); then
@@ -243,11 +216,13 @@ class Director:
         request.parsed = None
 
     def place(self, request: InferenceRequest, now: float, arrived: float | None = None,
-              candidates: Sequence[Endpoint] | None = None) -> Decision:
+              candidates: Sequence[Endpoint] | None = None, received: tuple[int, float] = (0, 0.0),
+              body: bytes = b"") -> Decision:
         """Step two: schedule an admitted request and account for it: the scheduler learns the pick, the pod's
-        in-flight count moves at once (scraped metrics lag), and the gate hears it is placed (or failed to be).
-        `arrived`: when it came, if before `now`; `candidates`: `begin`'s, when it runs at once after it."""
-        start = time.perf_counter()
+        in-flight count moves at once (scraped metrics lag), the plugins see it placed, and the gate hears it is
+        placed (or failed to be). `arrived`: when it came, if before `now`; `candidates`: `begin`'s, when it runs
+        at once after it; `received`, `body`: as `route`'s."""
+        began = time.perf_counter()
         try:
             result = self.rank(request, now, candidates)
             ranked = result.ranked[: self.fallbacks]
@@ -256,106 +231,68 @@ class Director:
                 self.scheduler.on_picked(result.context, chosen, now)
             tokens = estimated_tokens(request, self.chars_per_token)
             chosen.start_request(tokens, now)
-            prefill = result.prefill
-            if prefill is not None:  # busy with the prompt until the response begins (`prefilled`)
-                prefill.start_request(tokens, now)
+            expected = (result.prefix_matched_blocks * result.context.block_chars // self.chars_per_token
+                        if result.context is not None else 0)
+            received_ns, received_s = received
+            decision = Decision(request, ranked, ",".join(e.address for e in ranked), result, tokens,
+                                now if arrived is None else arrived, expected_cached=expected,
+                                received_ns=received_ns,
+                                scheduled_s=time.perf_counter() - began,
+                                decided_s=time.perf_counter() - received_s if received_s else 0.0)
+            for plugin in self.plugins:
+                plugin.placed(decision, body)
         finally:
-            self.gate.placed()  # after its in-flight count moved: the next is let through on the new level
-        if self.metrics is not None:
-            self.metrics.observe_routed(request, time.perf_counter() - start, result.prefix_matched_blocks,
-                                        result.prefix_blocks, chosen,
-                                        result.context.block_chars if result.context is not None else 0,
-                                        result.disaggregation)
-        destination = ",".join(e.address for e in ranked)
-        expected = (result.prefix_matched_blocks * result.context.block_chars // self.chars_per_token
-                    if result.context is not None else 0)
-        return Decision(request, ranked, destination, result, tokens, now if arrived is None else arrived,
-                        expected_cached=expected, prefill=prefill)
+            self.gate.placed()  # after the in-flight counts moved: the next is let through on the new level
+        return decision
 
     async def route_http(self, headers: dict[str, str], body: bytes, *, request_id: str,
                          subset: tuple[str, ...] | None = None) -> Decision:
         """Parse, admit, schedule and account for one HTTP request; RequestError with the client's status."""
-        start_ns = time.time_ns() if self.tracer is not None else 0
-        began = time.perf_counter()
+        received = time.time_ns(), time.perf_counter()
         request: InferenceRequest | None = None
         try:
             request = build_request(headers, body, request_id=request_id, subset=subset)
-            decision = await self.route(request)
+            decision = await self.route(request, received, body)
         except RequestError as err:
             self.refused(request or InferenceRequest(request_id=request_id, model="", path=headers.get(":path", "")),
-                         err, start_ns)
+                         err, received[0])
             raise
-        target = request.target_model
-        if target is not None and target != request.model and request.has_body:
-            decision.body = body_for_target(body, target)
-            decision.swaps = response_swaps(target, request.model)
-            decision.set_headers = {names.CONTENT_LENGTH: str(len(decision.body))}  # another body, another length
-        if decision.prefill is not None:
-            decision.set_headers = {**(decision.set_headers or {}), names.PREFILLER: decision.prefill.address}
-        elif names.PREFILLER in headers and self.hears_response_start:
-            decision.removed_headers = (names.PREFILLER,)  # the picker's to set with P/D: never the client's
-        if self.metrics is not None:
-            self.metrics.observe_processing(time.perf_counter() - began)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s", describe_decision(decision, time.perf_counter() - began))
-        if self.tracer is not None:
-            result = decision.result
-            self.tracer.record(start_ns, time.time_ns(), {
-                **self._span_attributes(request), "picker.destination": decision.destination,
-                "picker.profile": result.profile if result else "",
-                "picker.prefix_blocks": result.prefix_blocks if result else 0,
-                "picker.prefix_matched_blocks": result.prefix_matched_blocks if result else 0})
+            log.debug("%s", describe_decision(decision, time.perf_counter() - received[1]))
         return decision
 
-    def refused(self, request: InferenceRequest, err: RequestError, start_ns: int = 0) -> None:
-        """Count (and trace) a refusal: the director's own, or the servicer's before any body was parsed (413,
+    def refused(self, request: InferenceRequest, err: RequestError, received_ns: int = 0) -> None:
+        """A refusal, told to the plugins: the director's own, or the servicer's before any body was parsed (413,
         buffers full, a wrong method or path), when no model is known yet."""
         if log.isEnabledFor(logging.DEBUG):
             log.debug("refused %s model=%s: %d %s: %s", request.request_id, request.model or "-", err.status,
                       err.code, err.message)
-        if self.metrics is not None:
-            self.metrics.observe_refused(request, err.code, scheduling=err.code == "no_endpoints")
-        if self.tracer is not None:
-            self.tracer.record(start_ns or time.time_ns(), time.time_ns(), {
-                **self._span_attributes(request), "picker.error.status": err.status, "picker.error.code": err.code})
+        for plugin in self.plugins:
+            plugin.refused(request, err, received_ns)
 
-    @staticmethod
-    def _span_attributes(request: InferenceRequest) -> dict[str, str | int | float]:
-        return {"picker.request_id": request.request_id, "gen_ai.request.model": request.model,
-                "picker.priority": request.priority, "http.route": request.path.split("?", 1)[0]}
+    def response_started(self, decision: Decision, headers: Mapping[str, str] | None = None,
+                         body_follows: bool = False) -> None:
+        """The response's headers came (`headers`: when its body will be shown, `body_follows`)."""
+        for plugin in self.plugins:
+            plugin.response_started(decision, headers or {}, body_follows)
 
-    def trace_response(self, decision: Decision) -> ResponseTrace:
-        """What the stream records of a response whose body Envoy shows the picker (its chunks' timing)."""
-        itl = self.metrics.itl_observer(decision.request) if self.metrics is not None else None
-        return ResponseTrace(decision.started_at, itl)
+    def response_chunk(self, decision: Decision, chunk: bytes, end: bool) -> bytes:
+        """A chunk of the response body through the plugins: it, or what replaces it."""
+        began = time.perf_counter()
+        for plugin in self.plugins:
+            chunk = plugin.response_chunk(decision, chunk, end, began)
+        return chunk
 
-    @property
-    def hears_response_start(self) -> bool:
-        """Whether a routed request's accounting changes when its response begins (a prefill pod's count, with
-        P/D), not only when it ends: the servicer then keeps Envoy sending the response headers."""
-        return self.scheduler.may_disaggregate
-
-    def prefilled(self, decision: Decision) -> None:
-        """The response has begun (its headers came), so its prefill is done: a prefill pod's count is undone."""
-        prefill = decision.prefill
-        if prefill is not None:
-            decision.prefill = None
-            prefill.finish_request(decision.tokens)
-
-    def release(self, decision: Decision, usage: Usage | None = None, response: ResponseTrace | None = None) -> None:
-        """The request finished (response end or stream closed): undo its in-flight accounting once, and
-        record the token usage the model server reported and how the response came, when its body was visible."""
+    def release(self, decision: Decision) -> None:
+        """The request finished (response end or stream closed): undo its in-flight accounting once, and tell
+        the plugins."""
         if decision.released:
             return
         decision.released = True
         decision.endpoint.finish_request(decision.tokens)
-        self.prefilled(decision)
+        for plugin in self.plugins:
+            plugin.finished(decision)
         self.gate.kick()  # room freed
-        if self.metrics is not None:
-            self.metrics.observe_finished(decision.request, self.clock() - decision.started_at, usage, response)
-            if usage is not None and usage.prompt_tokens:
-                self.metrics.observe_prefix_hit(decision.endpoint, min(decision.expected_cached, usage.prompt_tokens),
-                                                usage.cached_tokens)
 
 
 def describe_decision(decision: Decision, took_s: float) -> str:

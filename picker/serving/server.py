@@ -42,7 +42,9 @@ from picker.extproc.servicer import ExtProcServicer
 from picker.kvevents.relay import EventRelay
 from picker.prefix.precise import PreciseIndex
 from picker.prefix.tokens import LocalTokenizer, PodTokenizer, PromptTokenizer
+from picker.routing import plugins as request_plugins
 from picker.routing.director import Director
+from picker.routing.lifecycle import PluginDeps
 from picker.serving import config as cfg
 from picker.serving import reference_flags
 from picker.serving.handshakes import HandshakeWatch
@@ -168,12 +170,12 @@ class PickerServer:
             self.tokenizer = (LocalTokenizer(c.tokenizer) if c.tokenizer else
                               PodTokenizer(timeout=c.tokenize_timeout, scheme=c.model_server_metrics_scheme))
             self.on_stop("tokenizer", self.tokenizer.close)
-        self.director = Director(self.pool, self.scheduler, gate=gate,
-                                 priorities=policy.priorities, metrics=self.metrics.requests, fallbacks=c.fallback_endpoints,
-                                 tracer=self.tracer,
-                                 models=ModelServing(models.adapters),
-                                 rewrites=ModelRewrites(configured_rules(models.rewrites), rng=random.Random(c.seed)),
-                                 tokenizer=self.tokenizer)
+        rewrites = ModelRewrites(configured_rules(models.rewrites), rng=random.Random(c.seed))
+        plugins = request_plugins.build(PluginDeps(self.scheduler, time.monotonic, rewrites, self.metrics.requests,
+                                                   self.tracer))
+        self.director = Director(self.pool, self.scheduler, gate=gate, plugins=plugins, priorities=policy.priorities,
+                                 models=ModelServing(models.adapters), tokenizer=self.tokenizer,
+                                 fallbacks=c.fallback_endpoints)
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics,
                                      on_metrics=scrape_listener(gate, policy.precise_index)))
         self.shared_load = shared_load(c, self.pool, gate, policy)
@@ -191,7 +193,7 @@ class PickerServer:
                 policy.priorities.set_discovered), name="inference-objectives"))
             self.supervise(asyncio.create_task(watch_model_rewrites(
                 self.discovery.api, self.discovery.namespace, self.discovery.pool_name,
-                self.director.rewrites.set_discovered), name="inference-model-rewrites"))
+                rewrites.set_discovered), name="inference-model-rewrites"))
         try:
             await self._start_servers(c)
         except BaseException:  # a port taken: stop the scrapers, discovery and index already running
