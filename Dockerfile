@@ -1,4 +1,5 @@
-# picker: the ext_proc endpoint picker (`picker serve`) and the vLLM simulator (`picker sim`) in one image.
+# picker: the ext_proc endpoint picker (`picker serve`) and, for the demo, the lab's vLLM simulator (`picker sim`)
+# in one image.
 #
 #   docker build -t llm-picker:0.1.0 .
 #   docker run --rm -p 9002:9002 -p 9003:9003 -p 9090:9090 llm-picker:0.1.0 serve --endpoints 10.0.0.5:8000
@@ -15,11 +16,12 @@ WORKDIR /src
 COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY protos/ protos/
 COPY picker/ picker/
+COPY lab/ lab/
 # `picker envoy-config` looks for its templates in the package when there is no source checkout.
 COPY envoy/envoy.yaml envoy/envoy-full-duplex.yaml picker/envoy_templates/
 # setup.py's build step compiles our picker.v1 stubs into the wheel (grpcio-tools is a build dependency only;
-# .dockerignore keeps local stubs out); the image also runs the simulator, hence the `sim` extra.
-RUN pip install ".[sim]"
+# .dockerignore keeps local stubs out); the image also runs the simulator: the lab beside the picker.
+RUN pip install . ./lab
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/picker/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1

@@ -8,12 +8,12 @@ GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
 .PHONY: install protos demo test lint bench bench-smoke bench-replicas bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
-# Every extra the tests use: dev (tools, Envoy), sim (the simulator), bench (the benchmark). The editable
-# install compiles the protos too (setup.py's build hook).
-$(STAMP): pyproject.toml setup.py
+# The picker with the dev extra (tools, Envoy, Valkey), and the lab beside it (lab/: the simulator, the
+# benchmarks, the demo), both editable. The picker's install compiles the protos too (setup.py's build hook).
+$(STAMP): pyproject.toml setup.py lab/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,sim,bench]'
+	$(BIN)/python -m pip install -q -e '.[dev]' -e './lab[bench]'
 	touch $(STAMP)
 
 install: $(STAMP) protos
@@ -32,8 +32,8 @@ test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: install
-	$(BIN)/ruff check picker tests bench
-	$(BIN)/mypy picker tests bench
+	$(BIN)/ruff check picker lab tests bench
+	$(BIN)/mypy picker lab/picker_lab tests bench
 
 bench: install
 	$(BIN)/picker bench --mode fast
@@ -51,7 +51,7 @@ bench-replicas: install
 	  --live-workload $$w --strategies $(REPLICA_ROUTERS) --peers $(REPLICA_PEERS) --out bench/out/replicas-$$w $(ARGS) \
 	  || exit 1; done
 
-# Fleet scenarios (live mode, 8 simulated pods, 3 interleaved repeats each; picker/bench/fleet.py): the replicated
+# Fleet scenarios (live mode, 8 simulated pods, 3 interleaved repeats each; lab/picker_lab/bench/fleet.py): the replicated
 # routers under steady traffic (shared-prefix, multi-turn, pressure), a rolling restart of their replicas, a pod
 # restarting, the picker's Valkey away for 30 s (~75 min in all); reports in bench/out/fleet-<scenario>.
 FLEET_ROUTERS ?= picker@4,hash-ring@4,smg@4,smg-mesh@4

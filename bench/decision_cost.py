@@ -20,14 +20,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from picker.bench.configs import PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling  # noqa: E402
-from picker.bench.scale import simulated_pods, words_text  # noqa: E402
 from picker.core.requests import InferenceRequest  # noqa: E402
 from picker.endpoints.metrics import VLLM_READ_SERIES, only_named_samples, parse_vllm_metrics  # noqa: E402
 from picker.endpoints.state import Endpoint  # noqa: E402
 from picker.prefix.hashing import prefix_keys, prefix_seed  # noqa: E402
 from picker.prefix.memory import InMemoryPrefixIndex  # noqa: E402
 from picker.scheduling.config import build_scheduler  # noqa: E402
+from picker_lab.bench.configs import PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling  # noqa: E402
+from picker_lab.bench.scale import simulated_pods, words_text  # noqa: E402
 
 text = words_text
 endpoints = simulated_pods

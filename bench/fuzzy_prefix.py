@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replicas import _commit, _trace, oracle_ttft_cells, run_parallel, write_report  # noqa: E402
 
-from picker.bench.configs import with_scorer  # noqa: E402
-from picker.bench.fast import FastConfig, run_fast  # noqa: E402
-from picker.bench.prompts import prompt_text  # noqa: E402
-from picker.bench.suite import FastSpec, calibrate  # noqa: E402
-from picker.bench.summary import summarize  # noqa: E402
-from picker.bench.trace import Trace  # noqa: E402
 from picker.scheduling.config import DEFAULT_CONFIG  # noqa: E402
 from picker.scheduling.fuzzy import FuzzyPrefixScorer  # noqa: E402
+from picker_lab.bench.configs import with_scorer  # noqa: E402
+from picker_lab.bench.fast import FastConfig, run_fast  # noqa: E402
+from picker_lab.bench.prompts import prompt_text  # noqa: E402
+from picker_lab.bench.suite import FastSpec, calibrate  # noqa: E402
+from picker_lab.bench.summary import summarize  # noqa: E402
+from picker_lab.bench.trace import Trace  # noqa: E402
 
 WORKLOAD = "shared-prefix"
 VARIANTS = ("as generated", "differs early", "differs late")

@@ -28,11 +28,11 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from picker.bench import vllm_engine as engine  # noqa: E402
 from picker.kvevents.subscriber import KVEventSubscriber, ZmqReplayer  # noqa: E402
 from picker.prefix.precise import PreciseIndex, token_keys  # noqa: E402
 from picker.prefix.tokens import LocalTokenizer  # noqa: E402
-from picker.serving.supervisor import free_port  # noqa: E402
+from picker_lab.bench import vllm_engine as engine  # noqa: E402
+from picker_lab.supervisor import free_port  # noqa: E402
 
 BLOCK, BLOCKS = 64, 160
 

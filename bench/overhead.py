@@ -1,7 +1,7 @@
 """What the picker costs: Envoy direct (round-robin, no ext_proc) vs Envoy + picker in both body modes, with the
 Redis-shared prefix index (a local Valkey) and behind an Envoy that does not let it turn the response headers off
 (the third message per request it saves), and Envoy + the floor (a minimal grpc.aio ext_proc server that only sets
-the destination header, `picker/bench/floor.py`; and the same on grpclib), same echo backends, same run. Reports
+the destination header, `lab/picker_lab/bench/floor.py`; and the same on grpclib), same echo backends, same run. Reports
 req/s, p50/p99 latency and picker CPU µs per request for 1 KB and 32 KB bodies, then the CPU per request of direct
 Envoy, the picker and the floors (with their Envoys) open-loop at `--rate`, the idle picker's and floors' CPU, and
 profiles the picker to show where its time goes.
@@ -27,9 +27,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-from picker.bench import floor as floor_server
 from picker.serving.envoyconfig import envoy_binary
-from picker.serving.supervisor import (
+from picker_lab.bench import floor as floor_server
+from picker_lab.supervisor import (
     Envoy,
     Managed,
     cpu_seconds,

@@ -31,9 +31,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from picker.bench import vllm_engine as engine  # noqa: E402
-from picker.bench.disagg import pd_scheduling  # noqa: E402
-from picker.serving.supervisor import (  # noqa: E402
+from picker_lab.bench import vllm_engine as engine  # noqa: E402
+from picker_lab.bench.disagg import pd_scheduling  # noqa: E402
+from picker_lab.supervisor import (  # noqa: E402
     HOST,
     free_port,
     port_open,

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run_scheduling_sweep import BASELINES, VARIANTS, scheduling_spec  # noqa: E402
 
-from picker.bench.results import RunResult  # noqa: E402
-from picker.bench.suite import Cell, FastSpec, calibrate, replay  # noqa: E402
+from picker_lab.bench.results import RunResult  # noqa: E402
+from picker_lab.bench.suite import Cell, FastSpec, calibrate, replay  # noqa: E402
 
 GAPS_MS = ((0, 5), (5, 10), (10, 20), (20, math.inf))
 

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replicas import _commit, _trace, oracle_ttft_cells, run_parallel, write_report  # noqa: E402
 
-from picker.bench.fast import FastConfig, run_fast  # noqa: E402
-from picker.bench.suite import FastSpec, calibrate  # noqa: E402
-from picker.bench.summary import summarize  # noqa: E402
+from picker_lab.bench.fast import FastConfig, run_fast  # noqa: E402
+from picker_lab.bench.suite import FastSpec, calibrate  # noqa: E402
+from picker_lab.bench.summary import summarize  # noqa: E402
 
 WORKLOADS = ("shared-prefix", "multi-turn")
 

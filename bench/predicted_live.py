@@ -40,8 +40,8 @@ from pathlib import Path
 
 import yaml
 
-from picker.bench.configs import PREDICTED_TTFT_CONFIG
-from picker.bench.peers import PEERS
+from picker_lab.bench.configs import PREDICTED_TTFT_CONFIG
+from picker_lab.bench.peers import PEERS
 
 WORKLOADS = ("chat", "code", "multi-turn", "summarize", "shared-prefix", "bursty", "hot-prefix")
 PICKERS = ("prefix-hash", "picker", "picker-predicted-ttft")

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run_scheduling_sweep import predicted_ttft, sweep  # noqa: E402
 
-from picker.bench.suite import FastSpec  # noqa: E402
+from picker_lab.bench.suite import FastSpec  # noqa: E402
 
 REFERENCES = ("defaults", "GIE defaults (emulated)", "prefix-hash")
 WORKLOADS = ("chat", "code", "multi-turn", "summarize", "shared-prefix", "bursty", "hot-prefix")

@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from picker.bench.real import RealSpec, combine, report_json
-from picker.bench.real_mirror import mirror, mirror_at_rates
-from picker.bench.real_render import plot, report
+from picker_lab.bench.real import RealSpec, combine, report_json
+from picker_lab.bench.real_mirror import mirror, mirror_at_rates
+from picker_lab.bench.real_render import plot, report
 
 
 def main(argv: list[str]) -> int:

@@ -31,12 +31,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from picker.bench.fast import FastConfig, run_fast  # noqa: E402
-from picker.bench.suite import FastSpec, calibrate  # noqa: E402
-from picker.bench.summary import summarize  # noqa: E402
-from picker.bench.trace import Trace  # noqa: E402
-from picker.bench.workloads import FleetSpec, generate  # noqa: E402
 from picker.core.distribution import git_commit
+from picker_lab.bench.fast import FastConfig, run_fast  # noqa: E402
+from picker_lab.bench.suite import FastSpec, calibrate  # noqa: E402
+from picker_lab.bench.summary import summarize  # noqa: E402
+from picker_lab.bench.trace import Trace  # noqa: E402
+from picker_lab.bench.workloads import FleetSpec, generate  # noqa: E402
 
 WORKLOADS = ("shared-prefix", "multi-turn", "imbalance")
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from picker.bench.capacity import cost_per_request, rate_for_load  # noqa: E402
-from picker.bench.live import LiveSpec, _measure, _wait_pods_ready, start_router  # noqa: E402
-from picker.bench.progress import ProgressBar  # noqa: E402
-from picker.bench.results import RunResult  # noqa: E402
-from picker.bench.summary import summarize  # noqa: E402
-from picker.bench.workloads import FleetSpec, generate  # noqa: E402
-from picker.serving.supervisor import (  # noqa: E402
+from picker_lab.bench.capacity import cost_per_request, rate_for_load  # noqa: E402
+from picker_lab.bench.live import LiveSpec, _measure, _wait_pods_ready, start_router  # noqa: E402
+from picker_lab.bench.progress import ProgressBar  # noqa: E402
+from picker_lab.bench.results import RunResult  # noqa: E402
+from picker_lab.bench.summary import summarize  # noqa: E402
+from picker_lab.bench.workloads import FleetSpec, generate  # noqa: E402
+from picker_lab.supervisor import (  # noqa: E402
     Managed,
     process_scope,
     start_picker_fleet,

@@ -21,9 +21,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from picker.bench.configs import PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling, with_scorer  # noqa: E402
-from picker.bench.suite import Cell, FastSpec, calibrate, run_cell  # noqa: E402
 from picker.scheduling.config import DEFAULT_CONFIG  # noqa: E402
+from picker_lab.bench.configs import PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling, with_scorer  # noqa: E402
+from picker_lab.bench.suite import Cell, FastSpec, calibrate, run_cell  # noqa: E402
 
 
 def _with_weights(profile: str, weights: Mapping[str, float]) -> dict[str, Any]:

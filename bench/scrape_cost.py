@@ -34,10 +34,10 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from picker.bench import vllm_engine as engine  # noqa: E402
-from picker.bench.summary import percentile  # noqa: E402
 from picker.endpoints.scraper import MetricsTarget  # noqa: E402
 from picker.endpoints.state import Endpoint  # noqa: E402
+from picker_lab.bench import vllm_engine as engine  # noqa: E402
+from picker_lab.bench.summary import percentile  # noqa: E402
 
 # (label, scrapers, interval, only the series read): scrapers stand for picker replicas, each polling on its own
 # cadence, for the whole page or the filtered one

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from picker.prefix.memory import InMemoryPrefixIndex  # noqa: E402
 from picker.prefix.shared import SharedPrefixIndex  # noqa: E402
-from picker.serving.supervisor import process_scope, start_valkey  # noqa: E402
+from picker_lab.supervisor import process_scope, start_valkey  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 

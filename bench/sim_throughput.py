@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.serving.supervisor import cpu_seconds
+from picker_lab.supervisor import cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "router", "cache", "prefix", "token"]

@@ -799,7 +799,7 @@ def start_stack(args: argparse.Namespace, logdir: Path, started: list[Any], prob
                 ) -> tuple[Any, Any, Any]:
     """Sim pods, the picker (plaintext ext_proc on loopback) and Envoy in front of it, on free ports."""
     from picker.serving.envoyconfig import EnvoySettings, envoy_binary, render
-    from picker.serving.supervisor import Envoy, Picker, free_port, port_open, spawn, start_sim, wait_until
+    from picker_lab.supervisor import Envoy, Picker, free_port, port_open, spawn, start_sim, wait_until
 
     sim = start_sim(args.pods, logdir, extra=["--seed", "1"])
     started.append(sim.process)
@@ -888,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rest >= 0.2 * args.cycle:
         parser.error("--rest must be under a fifth of the cycle (the last abandoned batch runs at 80 %)")
 
-    from picker.serving.supervisor import process_scope
+    from picker_lab.supervisor import process_scope
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # unwinds through process_scope, which stops every child

@@ -35,8 +35,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from picker.bench import vllm_engine as engine  # noqa: E402
 from picker.prefix.tokens import LocalTokenizer  # noqa: E402
+from picker_lab.bench import vllm_engine as engine  # noqa: E402
 
 
 def messages(rng: random.Random, words: int) -> list[dict[str, str]]:

@@ -4,7 +4,7 @@
     make upload-memory
 
 Each round starts fresh processes (2 echo backends, `picker serve --max-buffered-bytes CAP`, Envoy in
-FULL_DUPLEX_STREAMED mode, where bodies reach the picker as clients send them) and runs `picker.bench.uploads`:
+FULL_DUPLEX_STREAMED mode, where bodies reach the picker as clients send them) and runs `picker_lab.bench.uploads`:
 N chunked uploads of --body-mib that stop before their end, until the picker has refused every one the cap cannot
 hold. Reported per round: refusals and what the clients got, the most body bytes the picker held, its RSS before,
 at the peak and after. Rounds are interleaved over N (20, 40, 80, 20, ...) so a noisy machine spreads evenly.
@@ -19,8 +19,8 @@ import json
 import statistics
 from pathlib import Path
 
-from picker.bench.uploads import MIB, UploadRun, unfinished_uploads
-from picker.serving.supervisor import process_scope, start_backends, start_envoy, start_picker
+from picker_lab.bench.uploads import MIB, UploadRun, unfinished_uploads
+from picker_lab.supervisor import process_scope, start_backends, start_envoy, start_picker
 
 
 def one_round(count: int, body_mib: int, cap_mib: int, within: float) -> UploadRun:

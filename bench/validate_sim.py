@@ -42,10 +42,10 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from picker.bench import vllm_engine as engine  # noqa: E402
-from picker.serving.supervisor import free_port  # noqa: E402
-from picker.sim.fleet import SimFleet  # noqa: E402
-from picker.sim.profiles import TINY_CPU  # noqa: E402
+from picker_lab.bench import vllm_engine as engine  # noqa: E402
+from picker_lab.sim.fleet import SimFleet  # noqa: E402
+from picker_lab.sim.profiles import TINY_CPU  # noqa: E402
+from picker_lab.supervisor import free_port  # noqa: E402
 
 OUT = engine.OUT
 MODEL_DIR = engine.MODEL_DIR

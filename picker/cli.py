@@ -9,34 +9,34 @@ import re
 import sys
 
 from picker.core.children import ProcessExited
-from picker.core.distribution import install_hint, version_line
+from picker.core.distribution import DIST_NAME, lab_install_hint, version_line
 from picker.serving import reference_flags
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("picker.serving.server", "run the ext_proc endpoint picker (gRPC), health service and metrics"),
-    "demo": ("picker.tools.demo", "start Envoy, a simulated vLLM fleet and the picker; send sample requests"),
+    "demo": ("picker_lab.demo", "start Envoy, a simulated vLLM fleet and the picker; send sample requests"),
     "envoy-config": ("picker.serving.envoyconfig", "write a checked Envoy config that uses the picker"),
     "explain": ("picker.tools.explain", "ask a running picker why a request would go where it goes"),
     "doctor": ("picker.tools.doctor", "ask Envoy whether requests reach the picker, and why not when they fail open"),
     "pd-sidecar": ("picker.serving.pd_sidecar", "run beside a decode pod: prefill on the pod the picker names, "
                    "then decode here (P/D disaggregation)"),
-    "sim": ("picker.sim.cli", "run simulated vLLM servers (OpenAI API, /metrics, KV events)"),
-    "bench": ("picker.bench.cli", "compare routing strategies on the same trace and fleet"),
+    "sim": ("picker_lab.sim.cli", "run simulated vLLM servers (OpenAI API, /metrics, KV events)"),
+    "bench": ("picker_lab.bench.cli", "compare routing strategies on the same trace and fleet"),
 }
 
-# `pip install llm-picker` is the serving picker; these subcommands need an extra (pyproject.toml's
-# optional-dependencies): subcommand -> (extra, modules the extra installs). The demo runs `picker sim`.
-EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "sim": ("sim", ("zmq",)),
-    "demo": ("sim", ("zmq",)),
-    "bench": ("bench", ("zmq", "matplotlib")),
+# `pip install llm-picker` is the serving picker; these subcommands are the lab's (lab/, the llm-picker-lab
+# distribution, installed from a checkout), some with an extra of its own: subcommand -> (extra, modules needed).
+LAB: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sim": ("", ("picker_lab", "zmq")),
+    "demo": ("", ("picker_lab", "zmq")),
+    "bench": ("bench", ("picker_lab", "zmq", "matplotlib")),
 }
 
 
-def missing_extra(command: str | None) -> str | None:
-    """The one-line reason `command` cannot run when its extra is not installed, else None."""
-    extra, modules = EXTRAS.get(command or "", ("", ()))
+def missing_lab(command: str | None) -> str | None:
+    """The one-line reason `command` cannot run when the lab (or its extra) is not installed, else None."""
+    extra, modules = LAB.get(command or "", ("", ()))
     missing = []
     for name in modules:
         try:
@@ -45,8 +45,8 @@ def missing_extra(command: str | None) -> str | None:
             missing.append(name)
     if not missing:
         return None
-    return (f"picker {command}: needs the '{extra}' extra (missing: {', '.join(missing)}); "
-            f"install it with: {install_hint(extra)}")
+    return (f"picker {command}: part of the lab, not of the {DIST_NAME} wheel (missing: {', '.join(missing)}); "
+            f"from a checkout of the repository: {lab_install_hint(extra)}")
 
 
 DESCRIPTION = (
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                         "from, when known), then exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = args_list[0] if args_list else None
-    reason = missing_extra(chosen)
+    reason = missing_lab(chosen)
     if reason:
         print(reason, file=sys.stderr)
         return 1

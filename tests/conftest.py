@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Backends,
     Envoy,
     Picker,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from picker.bench.fleet import medians, misled, prefix_of, takes_part, window
-from picker.bench.results import OK, RunResult
-from picker.bench.trace import Trace, TraceRequest
+from picker_lab.bench.fleet import medians, misled, prefix_of, takes_part, window
+from picker_lab.bench.results import OK, RunResult
+from picker_lab.bench.trace import Trace, TraceRequest
 
 
 def run(rows: list[tuple[float, int, int, int]]) -> RunResult:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from picker.bench import cli
-from picker.bench.live import LiveSpec
+from picker_lab.bench import cli
+from picker_lab.bench.live import LiveSpec
 
 
 def spec_for(*flags: str) -> LiveSpec:

@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from picker.bench.live import LiveSpec, router_cpu, start_router
-from picker.serving.supervisor import process_scope, start_backends, start_sim
+from picker_lab.bench.live import LiveSpec, router_cpu, start_router
+from picker_lab.supervisor import process_scope, start_backends, start_sim
 
 
 def test_picker_replicas_share_a_valkey_behind_their_envoy() -> None:
@@ -55,7 +55,7 @@ def test_a_bad_replica_count_is_refused_before_anything_starts() -> None:
 
 
 def test_the_live_report_shows_each_routers_own_cpu() -> None:
-    from picker.bench.report import live_markdown
+    from picker_lab.bench.report import live_markdown
 
     lines = live_markdown({"strategies": {}, "router_cpu": {"smg-mesh@4": {"cpu_s": 12.5, "wall_s": 50.0,
                                                                            "processes": 5}}})

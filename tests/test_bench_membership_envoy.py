@@ -11,9 +11,9 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 
-from picker.bench.client import SERVED_BY_HEADER
-from picker.bench.membership import PoolChange, write_pool
-from picker.serving.supervisor import (
+from picker_lab.bench.client import SERVED_BY_HEADER
+from picker_lab.bench.membership import PoolChange, write_pool
+from picker_lab.supervisor import (
     HOST,
     process_scope,
     set_echo_metrics,

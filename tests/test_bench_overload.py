@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from picker.bench.fast import run_fast
-from picker.bench.overload import (
+from picker_lab.bench.fast import run_fast
+from picker_lab.bench.overload import (
     FLOW_CONFIG,
     MIX,
     OBJECTIVES,
@@ -20,7 +20,7 @@ from picker.bench.overload import (
     fast_trace,
     run_overload,
 )
-from picker.bench.results import OK, SHED
+from picker_lab.bench.results import OK, SHED
 
 SEQS = 4  # sequences per pod: a pod queues early
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from picker.bench.peers import PEERS, PeerPool
+from picker_lab.bench.peers import PEERS, PeerPool
 
 
 class FakeAdmin:
@@ -100,7 +100,7 @@ async def test_a_worker_the_peer_does_not_know_is_a_clear_error(admin: tuple[Fak
 
 
 def test_router_names_carry_their_replicas_and_the_mesh() -> None:
-    from picker.bench.peers import is_peer, replicated
+    from picker_lab.bench.peers import is_peer, replicated
 
     assert replicated("smg") == ("smg", 1, False)
     assert replicated("smg@4") == ("smg", 4, False)
@@ -115,7 +115,7 @@ def test_router_names_carry_their_replicas_and_the_mesh() -> None:
 def test_smg_replicas_join_each_others_mesh() -> None:
     from pathlib import Path
 
-    from picker.bench.peers import command
+    from picker_lab.bench.peers import command
 
     smg = PEERS["smg"]
     first = command(smg, Path("smg"), 8001, 9001, ["http://127.0.0.1:7000"], (5001, []))

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from picker.bench.real import (
+from picker.endpoints.state import Endpoint
+from picker.serving.metrics import PickerMetrics
+from picker_lab.bench.real import (
     DETAIL_COLUMNS,
     RealSpec,
     build_trace,
@@ -24,7 +26,7 @@ from picker.bench.real import (
     scrapes_per_pod,
     targets,
 )
-from picker.bench.real_analysis import (
+from picker_lab.bench.real_analysis import (
     busier_pick_lines,
     cold_causes,
     cold_kinds,
@@ -39,7 +41,7 @@ from picker.bench.real_analysis import (
     ttft_breakdown,
     where_ttft_goes,
 )
-from picker.bench.real_mirror import (
+from picker_lab.bench.real_mirror import (
     RouterPath,
     direction_check,
     machine_slowdown,
@@ -48,10 +50,8 @@ from picker.bench.real_mirror import (
     router_paths,
     sim_mirror,
 )
-from picker.bench.real_render import report
-from picker.endpoints.state import Endpoint
-from picker.serving.metrics import PickerMetrics
-from picker.serving.supervisor import process_scope, start_backends
+from picker_lab.bench.real_render import report
+from picker_lab.supervisor import process_scope, start_backends
 
 
 def run(strategy: str, repeat: int, hit: float, mean: float, p90: float, share: float, scrapes: float) -> dict:
@@ -98,7 +98,7 @@ def test_reused_servers_replay_a_new_trace_each_repeat() -> None:
 def test_reused_servers_from_the_command_line_replay_a_trace_per_repeat() -> None:
     import argparse
 
-    from picker.bench.cli import add_arguments, real_spec
+    from picker_lab.bench.cli import add_arguments, real_spec
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -110,7 +110,7 @@ def test_reused_servers_from_the_command_line_replay_a_trace_per_repeat() -> Non
 
 
 def test_busier_picks_count_requests_sent_to_the_pod_with_more_prefills_in_progress() -> None:
-    from picker.bench.real_analysis import busier_picks
+    from picker_lab.bench.real_analysis import busier_picks
 
     rows = [[0.0, 0, 0, 100, 0, 500.0],  # pod 0 prefilling until 0.5 s
             [0.1, 0, 0, 100, 90, 100.0],  # onto pod 0 while it prefills and pod 1 is idle: busier
@@ -121,7 +121,7 @@ def test_busier_picks_count_requests_sent_to_the_pod_with_more_prefills_in_progr
 
 
 def test_routing_cost_section_gives_each_routers_median_hold_and_cpu() -> None:
-    from picker.bench.real_analysis import routing_cost_lines
+    from picker_lab.bench.real_analysis import routing_cost_lines
 
     runs = [{**run("round-robin", i, 0.8, 100, 200, 0.5, 0.0), "request_held_ms": [0.3 + i / 10, 0.6],
              "response_held_ms": [0.1, 0.2], "router_cpu_share": 0.02, "server_cpu_share": [0.96, 0.98]}
@@ -138,7 +138,7 @@ def test_routing_cost_section_gives_each_routers_median_hold_and_cpu() -> None:
 
 
 def test_paired_ratios_compare_each_repeat_with_round_robins_own() -> None:
-    from picker.bench.real_analysis import paired_ratio_lines
+    from picker_lab.bench.real_analysis import paired_ratio_lines
 
     runs = [run("round-robin", i, 0.8, mean, 2 * mean, 0.5, 0.0) for i, mean in enumerate((100, 300, 200))]
     runs += [run("picker", i, 0.8, mean, 2 * mean, 0.5, 1.0) for i, mean in enumerate((110, 240, 200))]
@@ -228,8 +228,8 @@ def test_replicated_routers_are_named_name_at_n_and_checked_before_anything_star
 
 
 def test_replicas_of_the_picker_share_a_valkey_and_of_a_hash_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from picker.bench.real import start_router
-    from picker.serving.supervisor import process_scope, start_backends
+    from picker_lab.bench.real import start_router
+    from picker_lab.supervisor import process_scope, start_backends
 
     with process_scope("real-replicas") as (logdir, started):
         backends = start_backends(2, logdir)
@@ -477,7 +477,7 @@ def test_runs_of_one_workload_combine_and_a_disturbed_repeat_is_left_out_in_view
 def test_a_scheduling_file_is_refused_with_the_real_engines_not_ignored(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """`--scheduling` configures the in-process scheduler of the fast and live modes; the real benchmark runs
     `picker serve`, which would silently run its defaults: say so before anything is installed or started."""
-    from picker.bench.cli import main as bench_main
+    from picker_lab.bench.cli import main as bench_main
 
     config = tmp_path / "scheduling.yaml"
     config.write_text("plugins: []\n")
@@ -489,8 +489,8 @@ def test_a_scheduling_file_is_refused_with_the_real_engines_not_ignored(tmp_path
 def test_the_model_shape_is_checked_and_only_taken_with_the_real_engines(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """An unknown shape is refused before anything is installed; in the other modes the flag would be silently
     ignored, so it is refused there too."""
-    from picker.bench.cli import main as bench_main
-    from picker.bench.vllm_engine import MODEL_SHAPES
+    from picker_lab.bench.cli import main as bench_main
+    from picker_lab.bench.vllm_engine import MODEL_SHAPES
 
     assert bench_main(["--engine", "vllm", "--workload", "hot", "--model-shape", "huge",
                        "--out", str(tmp_path / "out")]) == 2
@@ -505,7 +505,7 @@ def test_the_model_shape_is_checked_and_only_taken_with_the_real_engines(tmp_pat
 def test_requests_scale_a_real_workload_by_prompts_per_prefix_and_are_refused_for_conversations(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """A fast machine needs a higher rate to be loaded, and more requests to keep the same span (a leave and a join
     tens of seconds apart): --requests scales the prompts per prefix; conversations have no such knob."""
-    from picker.bench.cli import main as bench_main
+    from picker_lab.bench.cli import main as bench_main
 
     spec = RealSpec.for_workload("leave-rejoin").with_requests(700)
     assert (spec.groups, spec.prompts_per_group, spec.requests) == (12, 58, 696)
@@ -520,7 +520,7 @@ def test_requests_scale_a_real_workload_by_prompts_per_prefix_and_are_refused_fo
 def test_reused_servers_are_refused_where_a_pod_leaves_and_only_taken_with_the_real_engines(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """A pod leaving stops its server, so that workload needs fresh servers; in the simulator's modes the flag
     would be ignored, so it is refused there too. The report says which kind of servers the runs had."""
-    from picker.bench.cli import main as bench_main
+    from picker_lab.bench.cli import main as bench_main
 
     assert bench_main(["--engine", "vllm", "--workload", "leave-rejoin", "--reuse-servers",
                        "--out", str(tmp_path / "out")]) == 2
@@ -557,7 +557,7 @@ def test_a_reset_prefix_cache_is_retried_until_vllm_accepts_it() -> None:
     from pathlib import Path
     from typing import cast
 
-    from picker.bench.vllm_engine import VllmServer
+    from picker_lab.bench.vllm_engine import VllmServer
 
     answers = [False, False, True]
     calls: list[str] = []
@@ -640,7 +640,7 @@ def test_paired_ratios_fall_back_to_the_hash_ring_when_round_robin_did_not_run()
 
 
 def test_a_pool_change_is_reported_phase_by_phase_for_every_router() -> None:
-    from picker.bench.real_analysis import phase_figures, phase_lines
+    from picker_lab.bench.real_analysis import phase_figures, phase_lines
 
     detail = [[5.0, 0, -1, 800, 0, 100.0], [15.0, 0, -1, 800, 700, 200.0], [25.0, 1, -1, 800, 0, 300.0],
               [30.0, 1, -1, 800, 700, 500.0]]

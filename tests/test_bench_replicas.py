@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from picker.bench.capacity import cost_per_request, rate_for_load
-from picker.bench.fast import ExactCacheIndex, FastConfig, _FastRun, run_fast
-from picker.bench.results import OK, RunResult
-from picker.bench.summary import summarize
-from picker.bench.trace import Trace
-from picker.bench.workloads import FleetSpec, generate
-from picker.sim.engine import Engine, SimRequest
-from picker.sim.profiles import get_profile
+from picker_lab.bench.capacity import cost_per_request, rate_for_load
+from picker_lab.bench.fast import ExactCacheIndex, FastConfig, _FastRun, run_fast
+from picker_lab.bench.results import OK, RunResult
+from picker_lab.bench.summary import summarize
+from picker_lab.bench.trace import Trace
+from picker_lab.bench.workloads import FleetSpec, generate
+from picker_lab.sim.engine import Engine, SimRequest
+from picker_lab.sim.profiles import get_profile
 
 PODS = 4
 N = 240

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench import cli
-from picker.bench.report import check_complete
-from picker.bench.summary import FIGURES
+from picker_lab.bench import cli
+from picker_lab.bench.report import check_complete
+from picker_lab.bench.summary import FIGURES
 
 STRATEGIES = ["round-robin", "random", "least-load", "prefix-only", "picker"]
 
@@ -55,8 +55,8 @@ def test_reduced_smoke_report_is_complete_and_picker_beats_round_robin(tmp_path:
 async def test_the_sim_serves_every_endpoint_the_peer_routers_call() -> None:
     import asyncio
 
-    from picker.bench.peers import check_worker
-    from picker.sim.fleet import SimFleet
+    from picker_lab.bench.peers import check_worker
+    from picker_lab.sim.fleet import SimFleet
 
     async with SimFleet(1, profile="tiny-cpu") as fleet:
         result = await asyncio.to_thread(check_worker, fleet.urls[0])
@@ -70,8 +70,8 @@ async def test_a_peer_refuses_to_start_when_a_worker_lacks_what_it_routes_with(t
     a peer that forwards without routing by prefix."""
     import asyncio
 
-    from picker.bench.peers import PEERS, missing_endpoints, start_replicas
-    from picker.sim.fleet import SimFleet
+    from picker_lab.bench.peers import PEERS, missing_endpoints, start_replicas
+    from picker_lab.sim.fleet import SimFleet
 
     async with SimFleet(1, profile="tiny-cpu") as fleet:
         assert await asyncio.to_thread(missing_endpoints, PEERS["vllm-router"], fleet.urls) == []

@@ -6,14 +6,14 @@ import statistics
 
 import pytest
 
-from picker.bench.capacity import smallest_fleet
-from picker.bench.oracle import InfiniteCacheOracle
-from picker.bench.prompts import PromptBuilder, prompt_text
-from picker.bench.workloads import WORKLOADS, FleetSpec, generate, shared_prefix_groups
 from picker.core.requests import build_request
-from picker.sim.openai_api import chat_prompt
-from picker.sim.profiles import get_profile
-from picker.sim.tokenizer import Tokenizer
+from picker_lab.bench.capacity import smallest_fleet
+from picker_lab.bench.oracle import InfiniteCacheOracle
+from picker_lab.bench.prompts import PromptBuilder, prompt_text
+from picker_lab.bench.workloads import WORKLOADS, FleetSpec, generate, shared_prefix_groups
+from picker_lab.sim.openai_api import chat_prompt
+from picker_lab.sim.profiles import get_profile
+from picker_lab.sim.tokenizer import Tokenizer
 
 PROFILE = get_profile("llama3-8b-h100")
 FLEET = FleetSpec(PROFILE, 8)
@@ -173,9 +173,9 @@ def test_workload_params_reach_the_trace_and_bad_ones_are_named(tmp_path, capsys
     an unknown workload, an unknown key or a value the generator refuses stops the run with exit 2, naming it."""
     import argparse
 
-    from picker.bench.cli import add_arguments, fast_spec
-    from picker.bench.cli import main as bench_main
-    from picker.bench.suite import _trace
+    from picker_lab.bench.cli import add_arguments, fast_spec
+    from picker_lab.bench.cli import main as bench_main
+    from picker_lab.bench.suite import _trace
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -7,7 +7,7 @@ import json
 import random
 import urllib.request
 
-from picker.serving.supervisor import HOST, process_scope, start_envoy, start_picker, start_sim, wait_until
+from picker_lab.supervisor import HOST, process_scope, start_envoy, start_picker, start_sim, wait_until
 
 WORDS = ["alpha", "bo", "cider", "delta", "ex", "fox", "gamma", "hi", "iota", "jam"]
 

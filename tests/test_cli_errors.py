@@ -11,7 +11,7 @@ import pytest
 
 from picker.cli import SUBCOMMANDS, main
 from picker.core.children import ProcessExited
-from picker.serving.supervisor import free_port
+from picker_lab.supervisor import free_port
 
 BAD: dict[str, tuple[list[str], str]] = {
     # subcommand: (arguments, what the last line of stderr says)
@@ -42,7 +42,7 @@ def test_a_bad_argument_is_one_line_and_status_2(command: str) -> None:
 def test_a_dead_child_of_any_command_is_told_without_a_traceback(monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """The benchmark starts pickers, Envoys and pods as the demo does: one that dies is named with its cause."""
-    from picker.bench import cli as bench_cli
+    from picker_lab.bench import cli as bench_cli
 
     def dies(args: object) -> int:
         raise ProcessExited("envoy", 1, "starting\nerror initializing configuration: bad thing", Path("envoy.log"))

@@ -10,7 +10,7 @@ from collections import Counter
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.serving.supervisor import Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
+from picker_lab.supervisor import Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
 from tests.waiting import eventually
 
 

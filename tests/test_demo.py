@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from picker.serving.supervisor import ProcessExited, process_scope, start_picker
-from picker.tools import demo
+from picker_lab import demo
+from picker_lab.supervisor import ProcessExited, process_scope, start_picker
 
 
 def run_demo(tmp_path: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

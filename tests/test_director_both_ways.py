@@ -9,10 +9,17 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
-from picker.bench.fast import DirectorInput, _FastRun, make_scheduler
-from picker.bench.overload import FLOW_CONFIG, MIX, admission_section, fast_capacity, fast_config, fast_trace
 from picker.core.requests import RequestError
 from picker.routing.decision import Decision
+from picker_lab.bench.fast import DirectorInput, _FastRun, make_scheduler
+from picker_lab.bench.overload import (
+    FLOW_CONFIG,
+    MIX,
+    admission_section,
+    fast_capacity,
+    fast_config,
+    fast_trace,
+)
 
 SEQS = 4  # sequences per pod: the pods fill and flow control holds requests
 

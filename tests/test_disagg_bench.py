@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from picker.bench.disagg import PdSpec, PdWorkload, pd_scheduling, run_pd
-from picker.bench.fast import FastConfig, run_fast
-from picker.bench.summary import summarize
 from picker.scheduling.config import DEFAULT_CONFIG
-from picker.sim.profiles import get_profile
+from picker_lab.bench.disagg import PdSpec, PdWorkload, pd_scheduling, run_pd
+from picker_lab.bench.fast import FastConfig, run_fast
+from picker_lab.bench.summary import summarize
+from picker_lab.sim.profiles import get_profile
 
 PROFILE = get_profile("llama3-8b-h100")
 LONG = PdWorkload("long", 1.0)

@@ -11,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from picker.serving.supervisor import (
+from picker.tools import doctor
+from picker_lab.supervisor import (
     Picker,
     free_port,
     process_scope,
@@ -20,7 +21,6 @@ from picker.serving.supervisor import (
     start_picker,
     wait_until,
 )
-from picker.tools import doctor
 
 CASES: dict[str, tuple[str, str, str]] = {
     # what the picker serves, what Envoy is told it serves (or "wrong-port"), and what doctor must say

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from picker.serving.supervisor import process_scope, start_backends, start_envoy, start_picker
+from picker_lab.supervisor import process_scope, start_backends, start_envoy, start_picker
 
 
 def test_endpoints_given_by_name_route_to_their_addresses() -> None:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.endpoints.metrics import parse_metrics
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Picker,
     process_scope,
     set_echo_metrics,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from picker.serving.envoyconfig import EnvoySettings, check_typed, envoy_binary, render, validate_with_envoy
-from picker.serving.supervisor import free_port, port_open, spawn, wait_until
+from picker_lab.supervisor import free_port, port_open, spawn, wait_until
 
 
 @pytest.mark.parametrize("mode", ["buffered", "full-duplex"])

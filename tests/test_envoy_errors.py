@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 
-from picker.serving.supervisor import Envoy
+from picker_lab.supervisor import Envoy
 from tests.conftest import Stack
 
 CHAT = "/v1/chat/completions"

@@ -13,7 +13,7 @@ import pytest
 
 import picker.api  # noqa: F401
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.serving.supervisor import Envoy
+from picker_lab.supervisor import Envoy
 from tests.conftest import Stack
 
 CHAT = "/v1/chat/completions"

@@ -1,4 +1,4 @@
-"""The overhead benchmark's floor (picker/bench/floor.py), a minimal ext_proc server on grpc.aio or grpclib, routes
+"""The overhead benchmark's floor (lab/picker_lab/bench/floor.py), a minimal ext_proc server on grpc.aio or grpclib, routes
 through real Envoy as the picker does: every request answered by a pod, round-robin, with Envoy's health checks
 passing."""
 
@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from picker.bench.floor import start as start_floor
-from picker.serving.supervisor import (
+from picker_lab.bench.floor import start as start_floor
+from picker_lab.supervisor import (
     process_scope,
     start_backends,
     start_envoy,

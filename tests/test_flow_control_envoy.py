@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Backends,
     Envoy,
     Picker,

@@ -11,14 +11,14 @@ import urllib.request
 import pytest
 import yaml
 
-from picker.bench.configs import with_scorer
 from picker.core.requests import InferenceRequest
 from picker.core.schema import ConfigError
 from picker.endpoints.state import Endpoint
 from picker.scheduling.config import DEFAULT_CONFIG, StrategyDeps, build_strategy
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.fuzzy import FuzzyPrefixScorer, MinHasher
-from picker.serving.supervisor import process_scope, start_backends, start_picker_fleet
+from picker_lab.bench.configs import with_scorer
+from picker_lab.supervisor import process_scope, start_backends, start_picker_fleet
 
 WORDS = [f"{w}{i}" for i in range(40) for w in ("alpha", "beta", "gamma", "delta", "omega")]
 

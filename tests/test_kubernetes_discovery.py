@@ -55,7 +55,7 @@ from picker.endpoints.state import Endpoint
 from picker.routing.admission import AdmissionConfig, Priorities
 from picker.serving.config import ServeConfig
 from picker.serving.server import discovery_from_config
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Envoy,
     free_port,
     process_scope,
@@ -374,7 +374,7 @@ def test_envoy_routes_to_the_pods_an_inference_pool_selects(tmp_path: Path) -> N
     addresses_of = {name: f"{ip}:{port}" for name, ip in pods.items()}
     thread = FakeKubeThread()
     with thread as kube, process_scope("kube") as (logdir, started):
-        backends = spawn("pods", [sys.executable, "-m", "picker.tools.echo", *addresses_of.values()], logdir)
+        backends = spawn("pods", [sys.executable, "-m", "picker_lab.echo", *addresses_of.values()], logdir)
         started.append(backends)
         for address in addresses_of.values():
             wait_until(lambda a=address: _bound(a), 20, f"pod {address}", backends.proc)  # type: ignore[misc]
@@ -530,7 +530,7 @@ def test_envoy_sheds_by_the_priority_an_inference_objective_declares(tmp_path: P
     with thread as kube, process_scope("kube-objectives") as (logdir, started):
         port = free_port()
         address = f"127.0.0.2:{port}"
-        backends = spawn("pods", [sys.executable, "-m", "picker.tools.echo", address], logdir)
+        backends = spawn("pods", [sys.executable, "-m", "picker_lab.echo", address], logdir)
         started.append(backends)
         wait_until(lambda: _bound(address), 20, "pod", backends.proc)
         thread.run(kube.put_pool(NS, "llama", LABELS, [port]))

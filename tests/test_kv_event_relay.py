@@ -9,7 +9,7 @@ import uuid
 
 from picker.kvevents.relay import EventRelay
 from picker.prefix.precise import PreciseIndex, token_keys
-from picker.serving.supervisor import Valkey
+from picker_lab.supervisor import Valkey
 from tests.test_kv_events import message, stored, subscriber
 from tests.waiting import eventually_async
 

@@ -20,7 +20,7 @@ from picker.kvevents.events import (
 )
 from picker.kvevents.subscriber import KVEventSubscriber, topic_host
 from picker.prefix.precise import PreciseIndex, token_keys
-from picker.sim.kv_events import encode_message, encode_payload
+from picker_lab.sim.kv_events import encode_message, encode_payload
 from tests.sim.test_sim_kv_events import SAMPLES
 
 

@@ -17,9 +17,9 @@ import pytest
 from picker.kvevents.events import EventBatch
 from picker.kvevents.subscriber import KVEventSubscriber, ZmqReplayer
 from picker.prefix.precise import PreciseIndex, token_keys
-from picker.serving.supervisor import free_port, free_port_range
-from picker.sim.fleet import SimFleet
-from picker.sim.kvcache import block_hashes
+from picker_lab.sim.fleet import SimFleet
+from picker_lab.sim.kvcache import block_hashes
+from picker_lab.supervisor import free_port, free_port_range
 from tests.waiting import eventually
 
 BLOCK = 16

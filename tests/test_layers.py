@@ -16,7 +16,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"routing"}),  # the director and its admission gates
     frozenset({"extproc", "api"}),  # the protocols in front of the director
     frozenset({"serving"}),  # `picker serve` assembled from config
-    frozenset({"tools", "sim", "bench"}),  # the other commands
+    frozenset({"tools"}),  # the other commands of the serving package (explain, doctor)
     frozenset({"cli", "__main__"}),  # the command line
 )
 ROOT_MODULES_MAX = 6
@@ -80,3 +80,19 @@ def test_the_layer_check_sees_an_upward_import() -> None:
     assert imported(tree) == [(2, "picker.serving.config")]
     assert layer_of(unit_of("picker.serving.config")) > layer_of("routing")
 
+
+
+def test_the_product_never_imports_the_lab() -> None:
+    """The lab (lab/picker_lab: simulator, benchmarks, demo, supervisor) imports the picker, never the reverse;
+    the command line names the lab's commands by module only (picker.cli.SUBCOMMANDS)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for n in names if n.split(".")[0] == "picker_lab"]
+    assert found == []

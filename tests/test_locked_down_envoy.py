@@ -17,8 +17,8 @@ import pytest
 
 from picker.core.headers import MODEL_REWRITE, MUTATED, PREFILLER, REQUEST_ID, mutated_names
 from picker.serving.envoyconfig import EnvoySettings, render
-from picker.serving.supervisor import HOST, Envoy, process_scope, start_envoy
 from picker.tools import doctor
+from picker_lab.supervisor import HOST, Envoy, process_scope, start_envoy
 from tests.conftest import Stack
 
 OPERATOR_RULES = {"disallow_all": True, "disallow_is_error": True,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Backends,
     Envoy,
     process_scope,

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from picker.serving.supervisor import process_scope, start_envoy, start_picker, start_sim, wait_until
+from picker_lab.supervisor import process_scope, start_envoy, start_picker, start_sim, wait_until
 
 SIM_FLAGS = ["--profile", "tiny-cpu"]
 MODELS = ("llama", "sql-lora", "qwen", "chat-lora")

@@ -126,8 +126,15 @@ def test_wheel_has_the_stubs_and_a_lean_runtime(built: tuple[Path, Path]) -> Non
     assert not runtime & RUNTIME_FORBIDDEN, runtime
     assert {"grpcio", "protobuf", "pydantic", "xds-protos"} <= runtime
     extras = {extra: {_dist_name(r) for r in requires if f'extra == "{extra}"' in r}
-              for extra in ("sim", "bench", "kv-events")}
-    assert "pyzmq" in extras["sim"] and {"pyzmq", "matplotlib"} <= extras["bench"] and "pyzmq" in extras["kv-events"]
+              for extra in ("kv-events", "tokenizer")}
+    assert "pyzmq" in extras["kv-events"] and "tokenizers" in extras["tokenizer"]
+    # what serves, and nothing of the lab: no simulator, benchmark, demo, echo backends nor process supervisor
+    modules = {n.split("/")[1].removesuffix(".py") for n in names if n.startswith("picker/") and n.count("/") >= 1}
+    assert {"serving", "routing", "scheduling", "extproc", "tools"} <= modules
+    assert not modules & {"sim", "bench", "supervisor", "demo", "echo"}, modules
+    assert not [n for n in names if n.startswith("picker_lab") or "supervisor" in n or "/demo" in n], names
+    tools = {n for n in names if n.startswith("picker/tools/")}
+    assert tools == {"picker/tools/__init__.py", "picker/tools/doctor.py", "picker/tools/explain.py"}, tools
 
 
 def _dist_name(requirement: str) -> str:
@@ -189,7 +196,7 @@ def test_read_only_install_serves_and_explains(read_only_venv: Path, tmp_path: P
                   "print(picker.__file__); print(template_path('full-duplex'))"], cwd=tmp_path, env=env)
     assert where.returncode == 0, where.stderr
     assert all(line.startswith(str(read_only_venv)) for line in where.stdout.split()), where.stdout
-    for command in (["serve", "--help"], ["explain", "--help"]):
+    for command in (["serve", "--help"], ["explain", "--help"], ["doctor", "--help"]):
         result = _run([*ro, str(bin_dir / "picker"), *command], cwd=tmp_path, env=env)
         assert result.returncode == 0 and "usage: picker" in result.stdout, result.stderr
     version = _run([*ro, str(bin_dir / "picker"), "--version"], cwd=tmp_path, env=env)
@@ -197,6 +204,8 @@ def test_read_only_install_serves_and_explains(read_only_venv: Path, tmp_path: P
     rendered = _run([*ro, str(bin_dir / "picker"), "envoy-config", "--pool", "127.0.0.1:8001"], cwd=tmp_path,
                     env=env)
     assert rendered.returncode == 0 and "127.0.0.1" in rendered.stdout, rendered.stderr
+    lab = _run([*ro, str(bin_dir / "picker"), "sim", "--help"], cwd=tmp_path, env=env)
+    assert lab.returncode == 1 and "part of the lab" in lab.stderr and "pip install -e lab" in lab.stderr, lab
     assert _snapshot(read_only_venv) == before, "running the installed picker wrote into its venv"
 
 
@@ -230,20 +239,23 @@ def _run_blocked(blocked: tuple[str, ...], code: str, cwd: Path) -> subprocess.C
     return _run([sys.executable, "-c", BLOCKER.format(blocked=blocked) + textwrap.dedent(code)], cwd=cwd)
 
 
-@pytest.mark.parametrize(("command", "extra"), [("sim", "sim"), ("bench", "bench"), ("demo", "sim")])
-def test_subcommand_without_its_extra_says_which_to_install(command: str, extra: str, tmp_path: Path) -> None:
-    result = _run_blocked(("zmq", "matplotlib"), f"""
+@pytest.mark.parametrize(("command", "blocked", "hint"), [
+    ("sim", "picker_lab", "pip install -e lab"), ("bench", "picker_lab", "pip install -e 'lab[bench]'"),
+    ("demo", "zmq", "pip install -e lab"), ("bench", "matplotlib", "pip install -e 'lab[bench]'")])
+def test_a_lab_command_without_the_lab_says_how_to_install_it(command: str, blocked: str, hint: str,
+                                                             tmp_path: Path) -> None:
+    result = _run_blocked((blocked,), f"""
         from picker.cli import main
         sys.exit(main([{command!r}, "--help"]))
     """, tmp_path)
     assert result.returncode != 0 and result.stdout == ""
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"pip install 'llm-picker[{extra}]'" in result.stderr
+    assert hint in result.stderr and blocked in result.stderr
 
 
 def test_serving_needs_no_extra_nor_simulator(tmp_path: Path) -> None:
     """serve, explain and envoy-config import neither the simulator, the benchmark, nor any extra's package."""
-    result = _run_blocked(("picker.sim", "picker.bench", "zmq", "matplotlib", "grpc_tools", "tokenizers"), """
+    result = _run_blocked(("picker_lab", "zmq", "matplotlib", "grpc_tools", "tokenizers"), """
         import picker.serving.server, picker.tools.explain, picker.serving.envoyconfig, picker.api.service
         from picker.cli import main
         for command in ("serve", "explain", "envoy-config"):
@@ -265,16 +277,18 @@ def test_kv_events_without_their_extra_is_a_config_error_naming_it(tmp_path: Pat
     assert "kv-events-endpoint" in result.stderr and "pip install 'llm-picker[kv-events]'" in result.stderr
 
 
-def test_cli_extras_match_pyproject() -> None:
-    """picker.cli's module list of each extra names packages that pyproject's extra really installs."""
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+def test_the_lab_commands_need_what_the_lab_installs() -> None:
+    """picker.cli's modules of each lab command are installed by lab/pyproject.toml (its dependencies or the
+    named extra)."""
+    project = tomllib.loads((ROOT / "lab" / "pyproject.toml").read_text())["project"]
     owners = metadata.packages_distributions()
-    for command, (extra, modules) in cli.EXTRAS.items():
-        assert command in cli.SUBCOMMANDS and extra in extras
-        wanted = {_dist_name(r) for r in extras[extra]}
+    for command, (extra, modules) in cli.LAB.items():
+        assert command in cli.SUBCOMMANDS and cli.SUBCOMMANDS[command][0].startswith("picker_lab.")
+        wanted = {_dist_name(r) for r in project["dependencies"] + project["optional-dependencies"].get(extra, [])}
+        wanted.add(project["name"])
         for module in modules:
             dists = {d.lower().replace("_", "-") for d in owners.get(module, [])}
-            assert dists & wanted, f"{command}: {module} is not installed by the {extra!r} extra ({wanted})"
+            assert dists & wanted or module == "picker_lab", f"{command}: {module} is not installed by the lab"
 
 
 def test_the_license_is_an_spdx_string_not_a_deprecated_table() -> None:

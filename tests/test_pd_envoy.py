@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from picker.core.headers import PREFILLER
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     HOST,
     free_port,
     metric_sum,

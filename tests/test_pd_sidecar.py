@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     HOST,
     free_port,
     port_open,

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.bench.workloads import WORDS
-from picker.serving.supervisor import (
+from picker_lab.bench.workloads import WORDS
+from picker_lab.supervisor import (
     Backends,
     Envoy,
     Picker,

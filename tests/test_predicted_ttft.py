@@ -18,7 +18,6 @@ from prometheus_client import generate_latest
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.bench.configs import PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling
 from picker.core.requests import InferenceRequest
 from picker.core.schema import ConfigError
 from picker.endpoints.state import Endpoint, EndpointMetrics
@@ -26,7 +25,8 @@ from picker.scheduling.config import build_scheduler
 from picker.scheduling.context import SchedulingContext
 from picker.scheduling.predicted import PredictedTTFTScorer, Prediction
 from picker.serving.metrics import PickerMetrics
-from picker.serving.supervisor import process_scope, start_envoy, start_picker, start_sim
+from picker_lab.bench.configs import PREDICTED_TTFT_CONFIG, predicted_ttft_scheduling
+from picker_lab.supervisor import process_scope, start_envoy, start_picker, start_sim
 from tests.test_scheduling_grpc import Scene, running_scene
 from tests.waiting import eventually_async
 
@@ -412,8 +412,8 @@ def test_the_benchmarks_config_file_is_the_documented_config_and_serve_accepts_i
     """`picker bench` (live and real-engine) runs picker-predicted-ttft from this file."""
     import argparse
 
-    from picker.bench.live import predicted_ttft_config
     from picker.serving.config import add_arguments, resolve
+    from picker_lab.bench.live import predicted_ttft_config
 
     path = predicted_ttft_config(tmp_path, 0.5)
     expected = copy.deepcopy(PREDICTED_TTFT_CONFIG)

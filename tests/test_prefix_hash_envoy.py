@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from picker.serving.supervisor import process_scope, start_backends, start_envoy, start_picker
+from picker_lab.supervisor import process_scope, start_backends, start_envoy, start_picker
 
 
 @pytest.mark.parametrize("strategy", ["prefix-hash", "hash-ring", "bounded-load"])

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from picker.serving.supervisor import KEEP_LOGS_ENV, process_scope
+from picker_lab.supervisor import KEEP_LOGS_ENV, process_scope
 
 SCOPE = """
 import sys, time
-from picker.serving.supervisor import process_scope, spawn
+from picker_lab.supervisor import process_scope, spawn
 with process_scope("sigterm-test") as (logdir, started):
     started.append(spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], logdir))
     print(started[0].proc.pid, flush=True)

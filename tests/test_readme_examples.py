@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from picker.serving.supervisor import process_scope, start_picker, start_sim
+from picker_lab.supervisor import process_scope, start_picker, start_sim
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ from picker.cli import main
 from picker.scheduling.config import StrategyDeps, build_strategy
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.serving.config import ConfigError, ServeConfig, add_arguments, resolve
-from picker.serving.supervisor import free_port, process_scope, spawn, start_envoy, start_picker, wait_until
+from picker_lab.supervisor import free_port, process_scope, spawn, start_envoy, start_picker, wait_until
 from tests.kubefake import FakeKubeThread
 from tests.test_kubernetes_discovery import LABELS, NS, _bound, _served_by
 
@@ -145,7 +145,7 @@ def test_the_charts_args_and_default_config_route_through_envoy(tmp_path: Path) 
     addresses = [f"{ip}:{port}" for ip in pods.values()]
     thread = FakeKubeThread()
     with thread as kube, process_scope("reference-chart") as (logdir, started):
-        backends = spawn("pods", [sys.executable, "-m", "picker.tools.echo", *addresses], logdir)
+        backends = spawn("pods", [sys.executable, "-m", "picker_lab.echo", *addresses], logdir)
         started.append(backends)
         for address in addresses:
             wait_until(lambda a=address: _bound(a), 20, f"pod {address}", backends.proc)  # type: ignore[misc]

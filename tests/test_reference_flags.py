@@ -13,7 +13,7 @@ import pytest
 from picker.endpoints.state import Endpoint
 from picker.serving import reference_flags
 from picker.serving.config import ConfigError, add_arguments, resolve
-from picker.serving.supervisor import process_scope, start_backends, start_envoy, start_picker
+from picker_lab.supervisor import process_scope, start_backends, start_envoy, start_picker
 
 ROOT = Path(__file__).resolve().parent.parent
 # The args the issue found stopping `picker serve` with "unrecognized arguments".

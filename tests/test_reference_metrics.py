@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker import __version__
 from picker.serving.metrics import PickerMetrics
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Envoy,
     Picker,
     process_scope,

@@ -11,7 +11,7 @@ import time
 
 import aiohttp
 
-from picker.serving.supervisor import port_open, process_scope, start_backends, start_picker_fleet
+from picker_lab.supervisor import port_open, process_scope, start_backends, start_picker_fleet
 from tests.waiting import eventually
 
 CHAT = "/v1/chat/completions"

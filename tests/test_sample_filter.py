@@ -7,12 +7,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from picker.bench.configs import every_pod_scheduling
 from picker.core.requests import ApiKind, InferenceRequest
 from picker.endpoints.state import Endpoint
 from picker.scheduling.config import build_scheduler
 from picker.scheduling.filters import CandidateSampleFilter
 from picker.scheduling.scheduler import PrefixAwareScheduler
+from picker_lab.bench.configs import every_pod_scheduling
 from tests.test_scheduler import SYSTEM, route
 from tests.test_scorers import ctx_for
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from picker.bench.scale import ScaleSpec, run_scale, sizing
+from picker_lab.bench.scale import ScaleSpec, run_scale, sizing
 
 
 def test_the_scale_scenario_reports_each_pool_size(tmp_path: Path) -> None:

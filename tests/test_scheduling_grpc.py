@@ -17,7 +17,7 @@ import pytest
 
 import picker.api  # noqa: F401
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Backends,
     Envoy,
     Picker,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import yaml
 
-from picker.bench.client import SERVED_BY_HEADER
-from picker.bench.live import start_direct_envoy
-from picker.bench.real import RealSpec, routing_delays, start_router
 from picker.serving.envoyconfig import EnvoySettings, http_managers, instrumented, render
-from picker.serving.supervisor import process_scope, start_backends, start_picker_fleet
+from picker_lab.bench.client import SERVED_BY_HEADER
+from picker_lab.bench.live import start_direct_envoy
+from picker_lab.bench.real import RealSpec, routing_delays, start_router
+from picker_lab.supervisor import process_scope, start_backends, start_picker_fleet
 
 
 def post(url: str) -> tuple[str, str]:

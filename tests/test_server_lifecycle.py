@@ -86,7 +86,7 @@ def test_a_picker_run_under_cprofile_writes_its_profile_when_stopped(tmp_path: o
     import pstats
     from pathlib import Path
 
-    from picker.serving.supervisor import process_scope, start_backends, start_picker
+    from picker_lab.supervisor import process_scope, start_backends, start_picker
 
     assert isinstance(tmp_path, Path)
     with process_scope("cprofile") as (logdir, started):

@@ -28,7 +28,7 @@ from picker.prefix.shared import SharedPrefixIndex, decode_keys, encode_keys, st
 from picker.scheduling.config import SchedulingConfig
 from picker.serving.config import ServeConfig
 from picker.serving.policy import build_policy
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Backends,
     Envoy,
     Managed,

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.endpoints.shared_load import SharedLoad, decode, encode
 from picker.endpoints.state import Endpoint
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Managed,
     Picker,
     PickerFleet,

@@ -18,7 +18,7 @@ from picker.endpoints.pool import EndpointPool, PoolEvent
 from picker.endpoints.scraper import Cadence, MetricsScraper, started_over
 from picker.endpoints.shared_scrape import SharedSample, SharedScrapes, _decode, _encode
 from picker.endpoints.state import Endpoint, EndpointMetrics, EndpointState
-from picker.serving.supervisor import (
+from picker_lab.supervisor import (
     Envoy,
     Picker,
     Valkey,

@@ -21,8 +21,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from picker.bench.uploads import MIB, picker_samples, unfinished_uploads
-from picker.serving.supervisor import (
+from picker_lab.bench.uploads import MIB, picker_samples, unfinished_uploads
+from picker_lab.supervisor import (
     Backends,
     Envoy,
     Picker,

@@ -90,7 +90,7 @@ def test_log_level_is_a_choice_list(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_the_start_up_line_says_metrics_off(tmp_path: Path) -> None:
     """`--metrics-port -1`: no Prometheus server, and the start-up line says so (not "metrics on 0")."""
-    from picker.serving.supervisor import free_port
+    from picker_lab.supervisor import free_port
 
     args = [sys.executable, "-m", "picker", "serve", "--host", "127.0.0.1", "--endpoints", "127.0.0.1:1",
             "--grpc-port", str(free_port()), "--grpc-health-port", str(free_port()), "--metrics-port", "-1",

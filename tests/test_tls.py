@@ -19,7 +19,8 @@ import pytest
 
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.serving.config import ConfigError, add_arguments, resolve
-from picker.serving.supervisor import (
+from picker.serving.tls import make_pki, presented_certificate, self_signed, write_pair
+from picker_lab.supervisor import (
     Backends,
     Managed,
     Picker,
@@ -28,7 +29,6 @@ from picker.serving.supervisor import (
     start_envoy,
     start_picker,
 )
-from picker.serving.tls import make_pki, presented_certificate, self_signed, write_pair
 from tests.waiting import eventually
 
 BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "over TLS"}]}).encode()

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.serving.supervisor import Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
+from picker_lab.supervisor import Envoy, Picker, process_scope, start_backends, start_envoy, start_picker
 
 TOKEN_FAMILIES = ("inference_objective_input_tokens", "inference_objective_output_tokens")
 

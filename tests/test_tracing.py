@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from picker.serving.supervisor import HOST, free_port, process_scope, start_backends, start_picker
+from picker_lab.supervisor import HOST, free_port, process_scope, start_backends, start_picker
 from tests.test_extproc_grpc import body_msg, exchange, headers_msg
 
 

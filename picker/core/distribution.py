@@ -64,8 +64,13 @@ def build_commit() -> str:
 
 
 def install_hint(extra: str) -> str:
-    """The command that installs an extra: `pip install 'llm-picker[sim]'`."""
+    """The command that installs an extra of the picker: `pip install 'llm-picker[tokenizer]'`."""
     return f"pip install '{DIST_NAME}[{extra}]'"
+
+
+def lab_install_hint(extra: str = "") -> str:
+    """The command that installs the lab (with an extra) from a checkout: `make install` does the same."""
+    return "pip install -e lab" if not extra else f"pip install -e 'lab[{extra}]'"
 
 
 def version_line() -> str:

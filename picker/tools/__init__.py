@@ -1,5 +1,5 @@
-"""Commands around the picker: `picker demo`, `picker doctor`, `picker explain` and the echo backend the tests and
-demo use. (`picker sim` and `picker bench` are the `sim` and `bench` packages, in the same layer.)
+"""Commands around the picker that ship with it: `picker doctor` and `picker explain`. (`picker demo`, `picker sim`
+and `picker bench` are the lab's, lab/picker_lab, a distribution of its own.)
 
 May import everything; nothing but the command line imports it.
 """

@@ -24,13 +24,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from picker.sim.engine import ERROR, Engine, SimRequest
-from picker.sim.fleet import SimFleet
-from picker.sim.kvcache import NONE_HASH, block_hashes, hash_block
-from picker.sim.openai_api import ApiError, ServedModel, parse_chat, parse_completion
-from picker.sim.profiles import TINY_CPU
-from picker.sim.server import SimPod
-from picker.sim.tokenizer import Tokenizer, is_utf8, render_chat
+from picker_lab.sim.engine import ERROR, Engine, SimRequest
+from picker_lab.sim.fleet import SimFleet
+from picker_lab.sim.kvcache import NONE_HASH, block_hashes, hash_block
+from picker_lab.sim.openai_api import ApiError, ServedModel, parse_chat, parse_completion
+from picker_lab.sim.profiles import TINY_CPU
+from picker_lab.sim.server import SimPod
+from picker_lab.sim.tokenizer import Tokenizer, is_utf8, render_chat
 from tests.waiting import eventually_async
 
 CHAT = "/v1/chat/completions"
@@ -230,10 +230,10 @@ def test_a_request_failing_in_scheduling_fails_alone_and_the_engine_keeps_servin
     engine.add_request(SimRequest("after", list(range(500, 540)), 3), 0.0)
     # a bug past validation: hashing this salt raises inside the step
     engine.requests["broken"].req.cache_salt = 5  # type: ignore[assignment]
-    with caplog.at_level(logging.ERROR, logger="picker.sim.engine"):
+    with caplog.at_level(logging.ERROR, logger="picker_lab.sim.engine"):
         reasons = drain(engine)
     assert reasons == {"broken": ERROR, "before": "length", "after": "length"}
-    assert len([r for r in caplog.records if r.name == "picker.sim.engine"]) == 1  # logged once
+    assert len([r for r in caplog.records if r.name == "picker_lab.sim.engine"]) == 1  # logged once
     assert engine.stats.finished[ERROR] == 1 and engine.kv_usage() == 0.0
     engine.add_request(SimRequest("later", list(range(300, 340)), 3), 0.0)
     assert drain(engine) == {"later": "length"}

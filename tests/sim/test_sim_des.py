@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import aiohttp
 
-from picker.sim.engine import Engine, FinishedRequest, SimRequest
-from picker.sim.fleet import SimFleet
-from picker.sim.profiles import get_profile
+from picker_lab.sim.engine import Engine, FinishedRequest, SimRequest
+from picker_lab.sim.fleet import SimFleet
+from picker_lab.sim.profiles import get_profile
 
 Router = Callable[[int, int], int]  # (request index, prefix group) -> engine index
 

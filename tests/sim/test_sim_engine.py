@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from picker.kvevents.events import BlockRemoved, BlockStored
-from picker.sim.engine import Engine, FinishedRequest, SimRequest, StepResult
-from picker.sim.kvcache import NONE_HASH, block_hashes, extend_block_hashes, extra_keys_for, hash_block
-from picker.sim.profiles import TINY_CPU, get_profile
+from picker_lab.sim.engine import Engine, FinishedRequest, SimRequest, StepResult
+from picker_lab.sim.kvcache import NONE_HASH, block_hashes, extend_block_hashes, extra_keys_for, hash_block
+from picker_lab.sim.profiles import TINY_CPU, get_profile
 
 BS = 16
 

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from picker.endpoints.metrics import parse_metrics
-from picker.sim.engine import Engine, SimRequest, StepResult
-from picker.sim.metrics import DIALECTS, PROMETHEUS_TEXT, MetricDialect, SimMetrics
-from picker.sim.profiles import TINY_CPU
+from picker_lab.sim.engine import Engine, SimRequest, StepResult
+from picker_lab.sim.metrics import DIALECTS, PROMETHEUS_TEXT, MetricDialect, SimMetrics
+from picker_lab.sim.profiles import TINY_CPU
 
 PROFILE = TINY_CPU.with_overrides(max_num_seqs=2)  # two run at once: the rest of a burst waits
 PROMPT = list(range(100, 400))

@@ -14,9 +14,9 @@ import zmq
 import zmq.asyncio
 
 from picker.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
-from picker.sim.fleet import SimFleet
-from picker.sim.kv_events import encode_message, encode_payload
-from picker.sim.kvcache import block_hashes
+from picker_lab.sim.fleet import SimFleet
+from picker_lab.sim.kv_events import encode_message, encode_payload
+from picker_lab.sim.kvcache import block_hashes
 
 SAMPLES = Path(__file__).resolve().parent.parent / "data" / "vllm-kv-events"  # captured from a real vLLM 0.32
 

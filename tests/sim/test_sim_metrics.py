@@ -7,9 +7,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from picker.sim.engine import Engine, SimRequest
-from picker.sim.metrics import SimMetrics, build_1_2_5_buckets
-from picker.sim.profiles import TINY_CPU
+from picker_lab.sim.engine import Engine, SimRequest
+from picker_lab.sim.metrics import SimMetrics, build_1_2_5_buckets
+from picker_lab.sim.profiles import TINY_CPU
 
 SAMPLES = Path(__file__).resolve().parent.parent / "data"  # /metrics pages captured from a real vLLM 0.32
 

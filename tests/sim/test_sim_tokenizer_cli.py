@@ -13,8 +13,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from picker.sim.profiles import PROFILES, get_profile
-from picker.sim.tokenizer import PseudoWords, Tokenizer, render_chat
+from picker_lab.sim.profiles import PROFILES, get_profile
+from picker_lab.sim.tokenizer import PseudoWords, Tokenizer, render_chat
 
 ENGLISH = (
     "Routing quality must be measured on a simulated fleet that behaves like vLLM where routing matters. "

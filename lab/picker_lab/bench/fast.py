@@ -1,0 +1,730 @@
+"""Fast mode: a discrete-event simulation of a whole fleet routed by one scheduler, in simulated time.
+
+No network, no asyncio: simulated vLLM engines (`picker_lab.sim.engine.Engine`) are stepped from one event heap, and
+the scheduler under test is the same object `picker serve` runs. It sees endpoints the way the live picker does:
+metrics refreshed by scrapes on the scraper's cadence (`cadence`: fixed every `scrape_interval`, or adaptive per
+pod as `picker serve` does by default) and its own in-flight counts, moved at pick and at the end of the response.
+
+A scrape is not free for a real vLLM: it holds the pod's API server for `scrape_cost` seconds (bench/scrape_cost.py
+measures ~5-7 ms of CPU per scrape on vLLM 0.32), and that loop is the one that takes in requests and streams
+tokens. So each scrape delays the pod's next request intake and first token by that much (0: a free scrape).
+
+Events, in time order (ties: deliveries, placements, arrivals, intakes, steps, scrapes, samples, restarts,
+expiries, pool changes):
+- arrival: build the request (a follow-up gets its parent's answer), the director's `begin` (placed now, held or
+  refused), then its `place` (schedule), hand it to the pod;
+- intake: the pod's API server passes a request on to its engine (at once unless scrapes hold it);
+- step: the pod runs one batch; its outputs are delivered when the batch ends;
+- deliver: first tokens, finished requests (in-flight released, follow-ups scheduled);
+- scrape: refresh one pod's metrics in every replica's view and schedule its next scrape;
+- sample: every `sample_interval`, record per-pod load;
+- place: a held request its gate let go is scheduled (`Director.place`); expire: a hold's deadline has come
+  (flow control: 503; the bounded wait: it goes anyway);
+- with `leave_rejoin`: the last pod leaves every replica's pool (what it holds runs on: a drain) and later comes
+  back with an empty cache, as a restarted pod does (bench-real's leave-rejoin workload).
+
+Several picker replicas (`replicas` > 1) stand for N `picker serve` processes behind one Envoy, which round-robins
+ext_proc streams over them: the n-th arriving request goes to replica n % N. Each replica has its own scheduler
+(seed + r), admission gate and Endpoint objects (its own in-flight counts); the scrape refreshes every
+replica's copy of a pod's metrics with the same values. Each replica keeps its own prefix index, or with
+`shared_index` all share one `InMemoryPrefixIndex`: the Redis/Valkey-shared index (`--index-backend redis`) with
+zero replication lag. With `load_sync_interval` they also share their in-flight counts as `--shared-load-interval`
+does: every interval each replica's peer counts become the others' counts then, and a peer's pick counts at once in
+between (flow control admits on the fleet's count; routing scores its own).
+
+`admission_config` is the picker's `admission:` section as `picker serve` reads it: its objectives give requests their
+priority (a trace request names its objective and tenant), and with `flowControl` each replica runs the flow
+controller `picker serve` runs, on simulated time: requests wait in it, are let through as finishes and scrapes free
+room, and are refused as they would be.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from picker.core.requests import ApiKind, InferenceRequest, RequestError
+from picker.endpoints.pool import EndpointPool
+from picker.endpoints.scraper import Cadence
+from picker.endpoints.state import Endpoint, EndpointMetrics
+from picker.prefix.hashing import PrefixHasher
+from picker.prefix.index import PrefixIndex
+from picker.prefix.memory import InMemoryPrefixIndex
+from picker.prefix.precise import PreciseIndex, PrecisePrefix
+from picker.routing import plugins as request_plugins
+from picker.routing.admission import AdmissionConfig, Hold, Priorities, Ungated
+from picker.routing.decision import Decision
+from picker.routing.director import Director
+from picker.routing.lifecycle import PluginDeps
+from picker.scheduling.config import (
+    StrategyDeps,
+    build_hasher,
+    build_prefix_index,
+    build_strategy,
+    scheduling_config,
+)
+from picker.scheduling.disagg import ROLE_LABEL
+from picker.scheduling.types import Scheduler
+from picker.serving.policy import build_gate
+from picker_lab.bench.oracle import InfiniteCacheOracle
+from picker_lab.bench.prompts import PromptBuilder, prompt_text
+from picker_lab.bench.results import OK, SHED, RunResult
+from picker_lab.bench.trace import Message, Trace
+from picker_lab.sim.engine import Engine, SimRequest, StepResult
+from picker_lab.sim.kvcache import block_hashes
+from picker_lab.sim.profiles import Profile
+
+_DELIVER, _PLACE, _ARRIVE, _INTAKE, _STEP, _SCRAPE, _SAMPLE, _RESTART, _EXPIRE, _POOL, _LOAD_SYNC = range(11)
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class FastConfig:
+    """The simulated fleet and how the picker observes it."""
+
+    profile: Profile
+    pods: int
+    seed: int = 0
+    scrape_interval: float = 0.05  # picker's --refresh-metrics-interval, when `cadence` is None
+    cadence: Cadence | None = None  # per-pod adaptive scraping (picker serve's default); None: fixed interval
+    scrape_cost: float = 0.0  # seconds one scrape holds a pod's API server (0: scrapes are free)
+    # Seconds from a request's arrival to its pod taking it in: the router's own path (an ext_proc router's round
+    # trips through Envoy; the real benchmark's "request held"). The decision is made on arrival, as the picker
+    # makes it from what it knows then. Not applied to a P/D request's prefill leg.
+    path_delay: float = 0.0
+    scraping: bool = True  # the router reads the pods' metrics at all (Envoy alone does not)
+    sample_interval: float = 1.0  # per-pod load time series
+    prefix_caching: bool = True
+    admission: bool = True  # run the picker's admission check (the Envoy-only baseline has none)
+    replicas: int = 1  # picker replicas behind Envoy, requests dealt round-robin in arrival order
+    shared_index: bool = False  # replicas share one prefix index (Redis-shared index with zero replication lag)
+    peer_picks: bool = True  # with shared_index: replicas also learn each other's picks (load, stickiness), as serve does
+    # Replicas share their in-flight counts per pod (picker.endpoints.shared_load), each reading the others' as of
+    # the last sync, every `load_sync_interval` seconds (0: each counts only its own requests).
+    load_sync_interval: float = 0.0
+    exact_index: bool = False  # prefix matches read from the pods' real caches: the bound of KV-event routing
+    precise: bool = False  # the pods' KV events feed a precise view (--kv-events-endpoint, --prefix-mode auto)
+    bypass: float = 0.0  # share of requests sent to a random pod around the picker (it never sees them)
+    kv_reported: float = 1.0  # the KV cache the pods report (num_gpu_blocks) as a multiple of their real one
+    restart_every: float = 0.0  # seconds between pod restarts, one pod at a time in turn, its cache emptied
+    leave_rejoin: tuple[float, float] | None = None  # the last pod leaves the pool at the first time, rejoins empty
+    admission_config: AdmissionConfig | None = None  # the picker's admission section (None: its defaults)
+    record_inputs: bool = False  # keep what the first replica's director was given and decided (`_FastRun.inputs`)
+    roles: tuple[str, ...] = ()  # P/D: each pod's llm-d.ai/role label, in pod order (empty: no roles)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectorInput:
+    """One thing a replica's director was given or decided, in the order of the replay (`cfg.record_inputs`):
+    a request arrived (`request`, as it came), was placed (`outcome`: its destination, or the refusal's status),
+    refused at arrival, expired in the queue, or ended; a pod's metrics were scraped (`metrics`, `interval`),
+    the last pod left or joined the pool."""
+
+    kind: str
+    at: float
+    index: int = -1  # the request's index in the trace
+    pod: int = -1
+    request: InferenceRequest | None = None
+    outcome: str = ""
+    metrics: EndpointMetrics | None = None
+    interval: float = 0.0
+
+
+def make_scheduler(strategy: str, seed: int, scheduling: Mapping[str, Any] | None = None, *,
+                   index: PrefixIndex | None = None, precise: PrecisePrefix | None = None) -> Scheduler:
+    """The scheduler `picker serve --strategy` would run (scheduling config only applies to the full picker);
+    `index` replaces its own prefix index (strategies without one ignore it); `precise`: KV events correct it."""
+    config = scheduling if strategy == "picker" else None
+    return build_strategy(strategy, StrategyDeps(config, random.Random(seed), index, precise=precise))
+
+
+def shared_prefix_index(strategy: str, scheduling: Mapping[str, Any] | None = None) -> InMemoryPrefixIndex:
+    """One index for every replica, sized like the one `build_strategy` gives each scheduler. In-process and
+    updated at the pick, so it is the Redis/Valkey-shared index (picker/prefix/shared.py) with zero replication
+    lag; the real one converges within milliseconds."""
+    return build_prefix_index(scheduling if strategy == "picker" else None)
+
+
+class ExactCacheIndex:
+    """Implements `PrefixIndex` from what each simulated pod's KV cache holds at the moment of the decision.
+
+    The upper bound of precise (KV-event) routing: exact token blocks, no replication or event lag, evictions seen
+    at once. `prepare()` hands it each request's token ids before the decision; matches are converted from token
+    blocks to the scheduler's character blocks. Recording is a no-op: the caches themselves are the truth.
+    """
+
+    ttl: float | None = None
+
+    def __init__(self, engines: list[Engine], addresses: list[str]) -> None:
+        self.engines = dict(zip(addresses, engines, strict=True))
+        self._hashes: list[int] = []
+        self._max_blocks = 0
+        self._chars_per_block = 1.0  # prompt characters per token block of this request
+        self._block_chars = 1
+
+    def prepare(self, token_ids: list[int], prompt_chars: int, block_chars: int) -> None:
+        engine = next(iter(self.engines.values()))
+        self._hashes = block_hashes(token_ids, engine.block_size)
+        self._max_blocks = (len(token_ids) - 1) // engine.block_size
+        self._chars_per_block = prompt_chars / max(1, len(token_ids)) * engine.block_size
+        self._block_chars = block_chars
+
+    def match(self, keys: Sequence[int], addresses: Collection[str] | None, now: float) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for address, engine in self.engines.items():
+            if addresses is not None and address not in addresses:
+                continue
+            held = len(engine.kv.lookup(self._hashes, self._max_blocks))
+            matched = min(len(keys), int(held * self._chars_per_block // self._block_chars))
+            if matched:
+                out[address] = matched
+        return out
+
+    def record(self, keys: Sequence[int], address: str, now: float, *, prompt_chars: int = 0,
+               session_id: str = "") -> None:
+        return None
+
+    def remove_endpoint(self, address: str) -> None:
+        return None
+
+    def size(self) -> int:
+        return 0
+
+    def set_capacity(self, address: str, blocks: int) -> None:
+        return None
+
+    def has_room(self, address: str) -> bool:
+        return self.engines[address].kv.has_room()
+
+    def expire(self, now: float) -> int:
+        return 0
+
+
+def run_fast(trace: Trace, strategy: str, cfg: FastConfig, *, scheduling: Mapping[str, Any] | None = None,
+             progress: Progress | None = None) -> RunResult:
+    """Replay `trace` on a fresh simulated fleet routed by `strategy`; returns every measurement."""
+    return _FastRun(trace, strategy, cfg, scheduling, progress).run()
+
+
+class _FastRun:
+    """State of one replay; `run()` drains the event heap."""
+
+    def __init__(self, trace: Trace, strategy: str, cfg: FastConfig, scheduling: Mapping[str, Any] | None,
+                 progress: Progress | None) -> None:
+        self.trace = trace
+        self.cfg = cfg
+        self.progress = progress
+        profile = cfg.profile
+        self.res = RunResult("fast", trace.workload, strategy, cfg.pods, len(trace))
+        self.res.allocate()
+        self.engines = [Engine(profile, seed=cfg.seed, enable_prefix_caching=cfg.prefix_caching,
+                               record_kv_events=cfg.precise) for _ in range(cfg.pods)]
+        if cfg.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        # Per replica: its own Endpoint objects (same addresses), scheduler and admission controller.
+        self.replica_endpoints = [self.make_endpoints() for _ in range(cfg.replicas)]
+        self.endpoints = self.replica_endpoints[0]
+        self.pod_of = {ep.address: k for k, ep in enumerate(self.endpoints)}
+        index: PrefixIndex | None = shared_prefix_index(strategy, scheduling) if cfg.shared_index else None
+        self.exact = ExactCacheIndex(self.engines, [e.address for e in self.endpoints]) if cfg.exact_index else None
+        if self.exact is not None:
+            index = self.exact
+        # Every replica follows every pod's events (each its own subscriber), so they hold the same precise view:
+        # applied at the end of the engine step that raised them (no transport lag).
+        self.precise = PreciseIndex() if cfg.precise else None
+        prefix = PrecisePrefix(self.precise) if self.precise is not None else None
+        schedulers = [make_scheduler(strategy, cfg.seed + r, scheduling, index=index, precise=prefix)
+                      for r in range(cfg.replicas)]
+        self.bypass_rng = random.Random(f"bypass:{cfg.seed}")
+        use_admission = cfg.admission and strategy != "round-robin"
+        own_config = scheduling_config(scheduling if strategy == "picker" else None)
+        admission = cfg.admission_config if cfg.admission_config is not None else AdmissionConfig()
+        self.now = 0.0  # the simulated clock the admission gates read
+        self.admission = admission
+        self.gated = use_admission
+        self.chars_per_token = schedulers[0].chars_per_token  # how the replicas count a prompt's tokens
+        # The director `picker serve` runs, one per replica, called synchronously in simulated time.
+        self.directors = [self.make_director(endpoints, scheduler, self.simulated_time)
+                          for endpoints, scheduler in zip(self.replica_endpoints, schedulers, strict=True)]
+        # What the first replica's director was given, in order, and what it decided (cfg.record_inputs): a replay
+        # through `picker serve`'s own path must decide the same (tests/test_director_both_ways.py).
+        self.inputs: list[DirectorInput] | None = [] if cfg.record_inputs else None
+        self.hasher: PrefixHasher = build_hasher(own_config)
+        self.arrivals = 0  # requests dealt to replicas so far
+        use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks
+        self.peers: list[Callable[[str, float, str, float], None]] = (
+            [s.on_peer_picked for s in schedulers] if use_peers else [])
+        self.builder = PromptBuilder(self.engines[0].tokenizer)
+        self.oracle = InfiniteCacheOracle(profile.block_size)
+        self.children = trace.children()
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.scheduled = [False] * cfg.pods
+        self.busy = [0.0] * cfg.pods
+        self.api_busy_until = [0.0] * cfg.pods  # the pod's API server is rendering /metrics until then
+        self.cadence = cfg.cadence or Cadence.fixed(cfg.scrape_interval)
+        # Replicas sharing an index share scrapes too (one scrape per pod per cadence); otherwise each scrapes.
+        self.scrapers = 1 if cfg.shared_index else cfg.replicas
+        self.scrapes = [0] * cfg.pods
+        self.served = [0] * cfg.pods
+        # vllm:request_prefill_kv_computed_tokens_sum and _prefill_time_seconds_sum per pod (at request finish)
+        self.prefill_tokens = [0.0] * cfg.pods
+        self.prefill_seconds = [0.0] * cfg.pods
+        self.prefill_count = [0] * cfg.pods
+        self.ttft_seconds = [0.0] * cfg.pods  # vllm:time_to_first_token_seconds sum and count, engine time
+        self.ttft_count = [0] * cfg.pods
+        self.history: dict[int, tuple[Message, ...]] = {}  # full messages (+ answer) of requests with follow-ups
+        # index -> (prompt ids, oracle hashes, its decision (None: no picker routed it), replica that routed it)
+        self.live: dict[int, tuple[list[int], list[int], Decision | None, int]] = {}
+        self.prefilling: dict[int, int] = {}  # P/D: index -> its decode pod, while its prefill leg runs
+        self.first_token: dict[int, float] = {}
+        self.outstanding = len(trace)
+        self.pod_index = {e.address: k for k, e in enumerate(self.endpoints)}  # address -> pod number
+        self.unreported = 0
+        self.last_event = 0.0
+
+    def tell_peers(self, replica: int, request: InferenceRequest, address: str, now: float) -> None:
+        """What the shared index's stream tells the other replicas of a pick (picker/prefix/shared.py)."""
+        tokens = len(request.prompt_text) / self.chars_per_token  # as picker.serving.policy.peer_listener counts
+        session = request.session_id or ""
+        for r, hook in enumerate(self.peers):
+            if r != replica:
+                hook(address, tokens, session, now)
+                if self.cfg.load_sync_interval > 0:  # counted until the next sync, as SharedLoad.peer_picked does
+                    self.replica_endpoints[r][self.pod_index[address]].peer_started(tokens)
+
+    def simulated_time(self) -> float:
+        return self.now
+
+    def make_director(self, endpoints: list[Endpoint], scheduler: Scheduler,
+                      clock: Callable[[], float]) -> Director:
+        """A replica's director as `picker serve` builds it: its pool, its admission gate, the same priorities and
+        request plugins (no metrics or traces: nothing observes them here)."""
+        pool = _pool_of(endpoints)
+        admission = self.admission
+        gate = build_gate(admission, self.chars_per_token, pool, clock=clock) if self.gated else Ungated()
+        return Director(pool, scheduler, gate=gate, plugins=request_plugins.build(PluginDeps(scheduler, clock)),
+                        priorities=Priorities(admission), clock=clock)
+
+    def note(self, replica: int, entry: DirectorInput) -> None:
+        if self.inputs is not None and replica == 0:
+            self.inputs.append(entry)
+
+    def make_endpoints(self) -> list[Endpoint]:
+        """One replica's view of the pods."""
+        endpoints = [Endpoint.from_address(f"10.0.{k // 250}.{k % 250 + 1}:8000", name=f"pod-{k}")
+                     for k in range(self.cfg.pods)]
+        for k, role in enumerate(self.cfg.roles):
+            endpoints[k].labels = {ROLE_LABEL: role}
+        for ep in endpoints:
+            ep.metrics.block_size = self.cfg.profile.block_size
+            ep.metrics.num_gpu_blocks = max(2, round(self.cfg.profile.num_gpu_blocks * self.cfg.kv_reported))
+        return endpoints
+
+    def push(self, t: float, kind: int, payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, payload))
+
+    def run(self) -> RunResult:
+        wall0 = time.perf_counter()
+        for r in self.trace.requests:
+            if r.parent < 0:
+                self.push(r.at, _ARRIVE, r.index)
+        for k in range(self.cfg.pods if self.cfg.scraping else 0):
+            self.push(0.0, _SCRAPE, k)
+        self.push(0.0, _SAMPLE, 0)
+        if self.cfg.restart_every > 0:
+            self.push(self.cfg.restart_every, _RESTART, 0)
+        if self.cfg.leave_rejoin is not None:
+            leave, rejoin = self.cfg.leave_rejoin
+            self.push(leave, _POOL, False)
+            self.push(rejoin, _POOL, True)
+        if self.cfg.load_sync_interval > 0 and self.cfg.replicas > 1:
+            self.push(self.cfg.load_sync_interval, _LOAD_SYNC, 0)
+        heap = self.heap
+        pop = heapq.heappop
+        while heap:
+            now, kind, _, payload = pop(heap)
+            self.now = now
+            if kind == _STEP:
+                self.step(payload, now)
+            elif kind == _DELIVER:
+                self.deliver(payload[0], payload[1], now)
+            elif kind == _ARRIVE:
+                self.arrive(payload, now)
+            elif kind == _INTAKE:
+                self.intake(payload[0], payload[1], now)
+            elif kind == _SCRAPE:
+                self.scrape(payload, now)
+                continue
+            elif kind == _RESTART:
+                self.restart(payload, now)
+                continue
+            elif kind == _POOL:
+                self.pool_change(payload, now)
+                continue
+            elif kind == _PLACE:
+                i, request, ids, hashes, replica = payload
+                self.place(i, request, ids, hashes, replica, now)
+            elif kind == _EXPIRE:
+                self.expire(payload[0], payload[1], payload[2], now)
+            elif kind == _LOAD_SYNC:
+                self.sync_load(now)
+                continue
+            else:
+                self.sample(now)
+                continue
+            self.last_event = now
+        if self.progress is not None and self.unreported:
+            self.progress(self.unreported)
+        return self.finish_result(time.perf_counter() - wall0)
+
+    def wake(self, k: int, now: float) -> None:
+        if not self.scheduled[k]:
+            nxt = self.engines[k].next_step_time()
+            if nxt is not None:
+                self.scheduled[k] = True
+                self.push(max(nxt, now), _STEP, k)
+
+    def step(self, k: int, now: float) -> None:
+        self.scheduled[k] = False
+        result = self.engines[k].step(now)
+        self.busy[k] += result.duration
+        self.push(result.end, _DELIVER, (k, result))
+        self.wake(k, result.end)
+
+    def done(self) -> None:
+        self.outstanding -= 1
+        self.unreported += 1
+        if self.progress is not None and self.unreported >= 500:
+            self.progress(self.unreported)
+            self.unreported = 0
+
+    def arrive(self, i: int, now: float) -> None:
+        r = self.trace.requests[i]
+        res = self.res
+        messages: tuple[Message, ...] | None = None
+        if r.is_chat:
+            if r.parent >= 0:
+                messages = (*self.history[r.parent], *r.messages)
+                if len(self.children.get(r.parent, ())) <= 1:
+                    del self.history[r.parent]
+            else:
+                messages = r.messages
+            ids = self.builder.chat_ids(messages)
+            if i in self.children:
+                self.history[i] = messages
+        else:
+            ids = self.builder.completion_ids(r.prompt or ())
+        res.sent[i] = now
+        res.prompt_tokens[i] = len(ids)
+        hits_before = self.oracle.hits
+        hashes = self.oracle.on_send(ids)
+        res.oracle_cached[i] = self.oracle.hits - hits_before
+        request = InferenceRequest(
+            request_id=str(i), model=self.cfg.profile.model, api=ApiKind.CHAT if r.is_chat else ApiKind.COMPLETIONS,
+            path="/v1/chat/completions" if r.is_chat else "/v1/completions",
+            prompt_text=prompt_text(messages, r.prompt), stream=True, max_tokens=r.max_tokens, session_id=r.session,
+            objective=r.objective, fairness_id=r.tenant)
+        if self.exact is not None:
+            self.exact.prepare(ids, len(request.prompt_text), self.hasher.block_chars(self.cfg.profile.block_size))
+        if self.precise is not None:
+            request.token_ids = ids  # what `--tokenizer` or the pod's /tokenize would give
+        if self.cfg.bypass and self.bypass_rng.random() < self.cfg.bypass:
+            self.around_the_picker(i, ids, hashes, r.max_tokens, now)
+            return
+        replica = self.arrivals % self.cfg.replicas  # Envoy round-robins ext_proc streams over the replicas
+        self.arrivals += 1
+        self.offer(i, request, ids, hashes, replica, now)
+
+    def offer(self, i: int, request: InferenceRequest, ids: list[int], hashes: list[int], replica: int,
+              now: float) -> None:
+        """The director's first step, as `picker serve` runs it: placed now, refused, or held; a held request is
+        placed when its gate lets it go (an event now) and hears its deadline as an event."""
+        director = self.directors[replica]
+
+        def go() -> bool:
+            self.push(self.now, _PLACE, (i, request, ids, hashes, replica))
+            return True
+        if self.inputs is not None:
+            self.note(replica, DirectorInput("arrive", now, i, request=copy.copy(request)))
+        try:
+            hold, candidates = director.begin(request, go)
+        except RequestError as err:
+            self.note(replica, DirectorInput("refused", now, i, outcome=str(err.status)))
+            self.refused(i, err, now)
+            return
+        if hold is None:
+            self.place(i, request, ids, hashes, replica, now, candidates)
+        elif hold.queued:
+            self.push(hold.deadline, _EXPIRE, (i, hold, replica))
+
+    def place(self, i: int, request: InferenceRequest, ids: list[int], hashes: list[int], replica: int,
+              now: float, candidates: Sequence[Endpoint] | None = None) -> None:
+        """The director's second step: the request is scheduled now and sent to its pod."""
+        try:
+            decision = self.directors[replica].place(request, now, candidates=candidates)
+        except RequestError as err:
+            self.note(replica, DirectorInput("placed", now, i, outcome=str(err.status)))
+            self.refused(i, err, now)
+            return
+        self.note(replica, DirectorInput("placed", now, i, outcome=decision.destination))
+        self.send(i, decision, ids, hashes, replica, now)
+
+    def expire(self, i: int, hold: Hold, replica: int, now: float) -> None:
+        refusal = self.directors[replica].expire(hold)
+        if refusal is not None:
+            self.note(replica, DirectorInput("expired", now, i, outcome=str(refusal.status)))
+            self.refused(i, refusal, now)
+
+    def refused(self, i: int, err: RequestError, now: float) -> None:
+        """The picker answered the request itself: 429 counts as shed, anything else as failed; its e2e is the
+        time to that answer."""
+        if err.status == 429:
+            self.res.status[i] = SHED
+        self.res.e2e[i] = now - self.res.sent[i]
+        self.done()
+
+    def send(self, i: int, decision: Decision, ids: list[int], hashes: list[int], replica: int, now: float) -> None:
+        """Hand a routed request to its pod (through the pod's API server, which scrapes may hold)."""
+        chosen = decision.endpoint
+        r = self.trace.requests[i]
+        res = self.res
+        if self.peers:
+            self.tell_peers(replica, decision.request, chosen.address, now)
+        k = self.pod_of[chosen.address]
+        prefill_pod = self.prefill_leg(i, decision, ids, now) if decision.prefill is not None else None
+        sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
+        # the router's path, and scrapes holding the pod's API server, hand the request to the engine later
+        reach = max(self.api_busy_until[k], now + self.cfg.path_delay)
+        delayed = reach > now
+        if prefill_pod is None and not delayed and not self.hand_over(k, sim_request, now):
+            self.ended(i, replica, decision, now)
+            return
+        res.pod[i] = k
+        self.served[k] += 1
+        self.live[i] = (ids, hashes, decision, replica)
+        if prefill_pod is not None:  # the decode leg follows when the prefill leg ends (`decoded`)
+            self.prefilling[i] = k
+            self.wake(prefill_pod, now)
+        elif delayed:
+            self.push(reach, _INTAKE, (k, sim_request))
+        else:
+            self.wake(k, now)
+
+    def prefill_leg(self, i: int, decision: Decision, ids: list[int], now: float) -> int | None:
+        """P/D, as `picker pd-sidecar` does it: the prompt with one output token to the prefill pod first; its
+        index, or None when that pod refused it (the request is then prefilled where it decodes)."""
+        assert decision.prefill is not None
+        kp = self.pod_of[decision.prefill.address]
+        if not self.hand_over(kp, SimRequest(f"p{i}", ids, 1, ignore_eos=True), now, counts=False):
+            return None
+        return kp
+
+    def decoded(self, i: int, now: float) -> None:
+        """The prefill leg ended: the response begins (the director hears it), and the decode leg goes to the
+        decode pod, which loads the prompt's blocks instead of computing them."""
+        k = self.prefilling.pop(i)
+        ids, _, decision, replica = self.live[i]
+        if decision is not None:
+            self.directors[replica].response_started(decision)
+        request = SimRequest(str(i), ids, self.trace.requests[i].max_tokens, ignore_eos=True, remote_prefill=True)
+        if self.hand_over(k, request, now):
+            self.wake(k, now)
+            return
+        self.live.pop(i)
+        self.ended(i, replica, decision, now)
+
+    def around_the_picker(self, i: int, ids: list[int], hashes: list[int], max_tokens: int, now: float) -> None:
+        """A request sent straight to a random pod (another gateway, a batch job): no picker sees it."""
+        k = self.bypass_rng.randrange(self.cfg.pods)
+        if not self.hand_over(k, SimRequest(str(i), ids, max_tokens, ignore_eos=True), now):
+            return
+        self.res.pod[i] = k
+        self.res.bypassed.append(i)
+        self.served[k] += 1
+        self.live[i] = (ids, hashes, None, -1)  # no picker counts it in flight
+        self.wake(k, now)
+
+    def hand_over(self, k: int, request: SimRequest, now: float, counts: bool = True) -> bool:
+        """Give the request to pod k's engine; a refused one (vLLM's 400) ends at once (`counts`: it is the
+        request's last leg, so it is done)."""
+        try:
+            self.engines[k].add_request(request, now)
+        except ValueError as exc:
+            if len(self.res.notes) < 5:
+                self.res.notes.append(f"request {request.request_id} refused by pod {k}: {exc}")
+            if counts:
+                self.done()
+            return False
+        return True
+
+    def intake(self, k: int, request: SimRequest, now: float) -> None:
+        """A request held by the pod's busy API server reaches its engine."""
+        if self.hand_over(k, request, now):
+            self.wake(k, now)
+            return
+        i = int(request.request_id)
+        _, _, decision, replica = self.live.pop(i)
+        self.ended(i, replica, decision, now)
+        self.served[k] -= 1
+        self.res.pod[i] = -1
+
+    def ended(self, i: int, replica: int, decision: Decision | None, now: float) -> None:
+        """A request has ended: the director that routed it releases it (in-flight count down, room freed), as
+        `picker serve`'s does when the stream closes. None: no picker routed it."""
+        if decision is None:
+            return
+        self.note(replica, DirectorInput("ended", now, i))
+        self.directors[replica].release(decision)
+
+    def deliver(self, k: int, result: StepResult, now: float) -> None:
+        """Outputs of one batch at its end: first tokens, finished requests and their follow-ups."""
+        res = self.res
+        if self.precise is not None and result.kv_events:
+            self.precise.apply(self.endpoints[k].address, result.kv_events, now)
+        streamed = max(now, self.api_busy_until[k])  # the first token leaves through the pod's API server
+        for rid in result.first_tokens:
+            if rid[0] == "p":  # a prefill leg's token goes back to the sidecar, not to the client
+                continue
+            i = int(rid)
+            self.first_token[i] = streamed
+            res.ttft[i] = streamed - res.sent[i]
+        for fin in result.finished:
+            if fin.request_id[0] == "p":
+                self.decoded(int(fin.request_id[1:]), now)
+                continue
+            i = int(fin.request_id)
+            ids, hashes, decision, replica = self.live.pop(i)
+            if fin.first_scheduled_time is not None and fin.first_token_time is not None:
+                self.prefill_tokens[k] += fin.prompt_tokens - fin.num_cached_tokens
+                self.prefill_seconds[k] += fin.first_token_time - fin.first_scheduled_time
+                self.prefill_count[k] += 1
+            if fin.ttft is not None:
+                self.ttft_seconds[k] += fin.ttft
+                self.ttft_count[k] += 1
+            self.ended(i, replica, decision, now)
+            res.e2e[i] = now - res.sent[i]
+            out = len(fin.output_token_ids)
+            res.output_tokens[i] = out
+            res.cached_tokens[i] = fin.num_cached_tokens
+            ft = self.first_token.pop(i, None)
+            if ft is not None and out > 1:
+                res.itl[i] = (now - ft) / (out - 1)
+            res.status[i] = OK
+            self.oracle.on_finish(hashes, ids + fin.output_token_ids)
+            kids = self.children.get(i)
+            if kids:
+                if i in self.history:
+                    self.history[i] = (*self.history[i], ("assistant", self.engines[k].decode(fin.output_token_ids)))
+                for c in kids:
+                    self.push(now + self.trace.requests[c].at, _ARRIVE, c)
+            self.done()
+        self.wake(k, now)
+
+    def scrape(self, k: int, now: float) -> None:
+        """What the picker's metrics scraper would have read of pod `k` at `now`; its next scrape on the cadence
+        (read from the first replica's view: every replica reads the same values)."""
+        eng = self.engines[k]
+        waiting, running, kv_usage = eng.num_waiting, eng.num_running, eng.kv_usage()
+        for endpoints in self.replica_endpoints:
+            m = endpoints[k].metrics
+            m.waiting = waiting
+            m.running = running
+            m.kv_usage = kv_usage
+            m.prefill_tokens = self.prefill_tokens[k]
+            m.prefill_seconds = self.prefill_seconds[k]
+            m.prefill_count = self.prefill_count[k]
+            m.ttft_seconds = self.ttft_seconds[k]
+            m.ttft_count = self.ttft_count[k]
+            m.updated_at = now
+        interval = self.cadence.interval(self.endpoints[k], ok=True)
+        if self.inputs is not None:
+            self.note(0, DirectorInput("scraped", now, pod=k, metrics=copy.copy(self.endpoints[k].metrics),
+                                       interval=interval))
+        for endpoints, director in zip(self.replica_endpoints, self.directors, strict=True):
+            endpoints[k].scrape_interval = interval
+            director.gate.pod_refreshed(endpoints[k])
+        self.scrapes[k] += self.scrapers
+        if self.cfg.scrape_cost > 0:
+            self.api_busy_until[k] = max(now, self.api_busy_until[k]) + self.cfg.scrape_cost * self.scrapers
+        if self.outstanding > 0:
+            self.push(now + interval, _SCRAPE, k)
+
+    def sync_load(self, now: float) -> None:
+        """Every replica reads the others' in-flight counts as they are now (each publishes and reads once per
+        interval: a count is at most one interval old, as with picker serve's shared load)."""
+        views = self.replica_endpoints
+        for k in range(self.cfg.pods):
+            requests = sum(view[k].in_flight for view in views)
+            tokens = sum(view[k].in_flight_tokens for view in views)
+            for view in views:
+                e = view[k]
+                e.set_peer_load(requests - e.in_flight, tokens - e.in_flight_tokens)
+        for director in self.directors:
+            director.gate.load_synced(len(views) - 1)
+        if self.outstanding > 0:
+            self.push(now + self.cfg.load_sync_interval, _LOAD_SYNC, 0)
+
+    def restart(self, n: int, now: float) -> None:
+        """Pod n % pods comes back with an empty cache, too fast for a failed scrape to tell the picker (requests
+        in flight run on: a simplification). Its publisher says AllBlocksCleared."""
+        k = n % self.cfg.pods
+        kv = self.engines[k].kv
+        kv.wipe()
+        if self.precise is not None:
+            self.precise.apply(self.endpoints[k].address, kv.drain_events(), now)
+        if self.outstanding > 0:
+            self.push(now + self.cfg.restart_every, _RESTART, n + 1)
+
+    def pool_change(self, join: bool, now: float) -> None:
+        """The last pod leaves every replica's pool (its requests run on) or comes back with an empty cache."""
+        k = self.cfg.pods - 1
+        if join:
+            kv = self.engines[k].kv
+            kv.wipe()
+            if self.precise is not None:
+                self.precise.apply(self.endpoints[k].address, kv.drain_events(), now)
+        self.note(0, DirectorInput("joined" if join else "left", now, pod=k))
+        for endpoints, director in zip(self.replica_endpoints, self.directors, strict=True):
+            director.pool.set_endpoints(endpoints if join else endpoints[:k])
+
+    def sample(self, now: float) -> None:
+        if self.outstanding <= 0:
+            return
+        self.res.load_times.append(now)
+        self.res.load_per_pod.append([e.num_running + e.num_waiting for e in self.engines])
+        if self.outstanding > 0:
+            self.push(now + self.cfg.sample_interval, _SAMPLE, 0)
+
+    def finish_result(self, wall: float) -> RunResult:
+        res = self.res
+        res.pod_served = self.served
+        res.pod_busy_s = self.busy
+        for eng in self.engines:
+            s = eng.stats
+            res.prefix_queries += s.prefix_cache_queries
+            res.prefix_hits += s.prefix_cache_hits
+            res.prompt_tokens_total += s.prompt_tokens
+            res.prompt_tokens_cached += s.prompt_tokens_cached
+            res.generation_tokens += s.generation_tokens
+            res.preemptions += s.num_preemptions
+        res.oracle_queries = self.oracle.queries
+        res.oracle_hits = self.oracle.hits
+        first = min((t for t in res.sent if not math.isnan(t)), default=0.0)
+        res.duration_s = self.last_event - first
+        res.extra["scrapes_per_pod_per_s"] = max(self.scrapes) / res.duration_s if res.duration_s > 0 else 0.0
+        res.wall_s = wall
+        return res
+
+
+def _pool_of(endpoints: list[Endpoint]) -> EndpointPool:
+    pool = EndpointPool()
+    pool.set_endpoints(endpoints)
+    return pool
