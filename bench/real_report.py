@@ -13,19 +13,19 @@ disturbed in (`--why` says how; the report lists its figures apart).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from picker_lab.bench.real import RealSpec, combine, report_json
 from picker_lab.bench.real_mirror import mirror, mirror_at_rates
 from picker_lab.bench.real_render import plot, report
+from picker_lab.bench.results import read_json, stored_json, write_json_text
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="real_report.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", default="bench/out/real-uniform",
-                        help="the run's directory (holds real.json)")
+                        help="the run's directory (holds real.json, or real.json.gz as bench/results keeps it)")
     parser.add_argument("--sim", action="store_true", help="re-run the simulator's mirror at the run's speed")
     parser.add_argument("--seeds", type=int, default=3, help="with --sim: traces the mirror averages over")
     parser.add_argument("--sim-rates", type=lambda v: [float(x) for x in v.split(",")], default=[], metavar="R,...",
@@ -36,30 +36,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--why", default="", help="with --drop: why those repeats are left out")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    source = out / "real.json"
+    source = stored_json(out, "real.json")
     if args.merge:
-        sources = [Path(d) / "real.json" for d in args.merge]
+        sources = [stored_json(Path(d), "real.json") for d in args.merge]
         missing = [str(p) for p in sources if not p.is_file()]
         if missing:
             print(f"real_report: no {', '.join(missing)}", file=sys.stderr)
             return 2
         try:
-            merged = combine([json.loads(p.read_text()) for p in sources], tuple(args.drop), args.why)
+            merged = combine([read_json(p) for p in sources], tuple(args.drop), args.why)
         except ValueError as exc:
             print(f"real_report: {exc}", file=sys.stderr)
             return 2
         out.mkdir(parents=True, exist_ok=True)
-        source.write_text(report_json(merged))
+        write_json_text(source, report_json(merged))
     if not source.is_file():
         print(f"real_report: no {source} (run `make bench-real` first)", file=sys.stderr)
         return 2
-    section = json.loads(source.read_text())
+    section = read_json(source)
     if args.seeds < 1:
         print("real_report: --seeds must be at least 1", file=sys.stderr)
         return 2
     if args.sim:
         mirror(section, RealSpec.recorded(section["spec"]), seeds=args.seeds)
-        source.write_text(report_json(section))
+        write_json_text(source, report_json(section))
     text = report(section)
     (out / "real.md").write_text(text)
     plot(section, out / "real-ttft.png")

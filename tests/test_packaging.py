@@ -6,6 +6,7 @@ straight from the checkout it would carry the developer's stubs and hide a broke
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 import shutil
@@ -326,10 +327,22 @@ def test_committed_results_hold_no_machine_paths_nor_crash_logs() -> None:
     for name in files:
         if name.endswith((".png", ".svg")):
             continue
-        text = (ROOT / name).read_text(errors="replace")
+        data = (ROOT / name).read_bytes()
+        text = (gzip.decompress(data) if name.endswith(".gz") else data).decode(errors="replace")
         if machine_path.search(text) or "Traceback (most recent call last)" in text:
             found.append(name)
     assert found == []
+
+
+def test_committed_results_stay_small() -> None:
+    """bench/results keeps reports, summaries and plots (per-request rows stay in a run's bench/out; the JSON kept
+    is compressed): a clone does not carry megabytes of benchmark output."""
+    tracked = _run(["git", "ls-files", "bench/results"], cwd=ROOT)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    names = tracked.stdout.split()
+    assert sum((ROOT / n).stat().st_size for n in names if (ROOT / n).is_file()) < 2_000_000
+    assert not [n for n in names if n.endswith(".json")], "keep result JSON compressed (.json.gz)"
 
 
 def test_code_says_why_not_which_numbered_decision() -> None:

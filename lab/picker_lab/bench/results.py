@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 OK, SHED, FAILED = 0, 1, 2
@@ -64,3 +67,22 @@ class RunResult:
         self.output_tokens = [0] * n
         self.pod = [-1] * n
         self.status = [FAILED] * n
+
+
+def stored_json(directory: Path, name: str) -> Path:
+    """`name` in `directory`, or its gzip-compressed copy `name.gz` when only that exists: results kept in git
+    store their per-request rows compressed (bench/results), fresh ones in bench/out are plain."""
+    plain = directory / name
+    packed = directory / (name + ".gz")
+    return packed if packed.is_file() and not plain.is_file() else plain
+
+
+def read_json(path: Path) -> Any:
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def write_json_text(path: Path, text: str) -> None:
+    """`text` to `path`, compressed (reproducibly: no name or time in the header) when it ends in .gz."""
+    data = text.encode()
+    path.write_bytes(gzip.compress(data, compresslevel=9, mtime=0) if path.suffix == ".gz" else data)
