@@ -109,7 +109,7 @@ tokenize-cost: install
 validate-sim: install
 	$(BIN)/python bench/validate_sim.py
 
-# Memory soak of the picker (~33 min; bench/README.md "Soak"): mixed load (large bodies, idle and abandoned streams, distinct prefixes),
+# Memory soak of the picker (~33 min; bench/studies/soak.md "Soak"): mixed load (large bodies, idle and abandoned streams, distinct prefixes),
 # RSS every 30 s, bench/out/soak/soak.{json,png}; fails if RSS after the soak > 1.2 x after warm-up.
 # E.g. `make soak ARGS="--duration 5m"` or ARGS="--picker-env MALLOC_ARENA_MAX=2 --out bench/out/soak-arena2".
 soak: install

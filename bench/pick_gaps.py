@@ -6,7 +6,7 @@ Fast mode, the same seeded trace for every variant (the names of bench/run_sched
 and prefix-hash). For each request, the gap is the time since the previous request was sent to the same pod; the
 table gives the share of requests sent within 10 ms of the previous one and the mean TTFT per gap range. A short
 prefill costs an engine step whatever its length, so a request that lands on a pod just handed another one waits
-for that step: the reason the predicted-TTFT scorer prices a prefill with a fixed part (bench/README.md,
+for that step: the reason the predicted-TTFT scorer prices a prefill with a fixed part (bench/studies/predicted-ttft.md,
 "Predicted TTFT").
 """
 

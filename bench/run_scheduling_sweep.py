@@ -58,7 +58,7 @@ _NO_PREFILL = {"prefillHalfLife": 0.0}
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "defaults": None,
-    # The first defaults, and each of the two changes that replaced them (bench/README.md, "How the defaults
+    # The first defaults, and each of the two changes that replaced them (bench/studies/published-table.md, "How the defaults
     # were chosen").
     "first defaults": _combine(_with_weights("bursty-chat", _FIRST_WEIGHTS),
                                _with_params("in-flight-load-scorer", _NO_PREFILL)),
@@ -71,7 +71,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "prefix guard: in-flight 8 too": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 8}),
     "prefix guard 16/8": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 16, "loadGuardWaiting": 8}),
     "prefix guard 4/2": _with_params("prefix-cache-scorer", {"loadGuardInFlight": 4, "loadGuardWaiting": 2}),
-    # What 4 replicas hinted (bench/README.md, "Several picker replicas"): in-flight load weighed less.
+    # What 4 replicas hinted (bench/studies/replicas.md, "Several picker replicas"): in-flight load weighed less.
     "in-flight slack 4": _with_params("in-flight-load-scorer", {"slack": 4.0}),
     "in-flight slack 2": _with_params("in-flight-load-scorer", {"slack": 2.0}),
     "context-heavy: in-flight 0.5": _with_weights("context-heavy", {"in-flight-load-scorer": 0.5}),

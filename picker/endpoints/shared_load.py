@@ -8,7 +8,7 @@ one inside a routing decision. It then sets each pod's peer counts to the others
 index's stream (`peer_picked`). Flow control's dispatch level and its running slots read the fleet's count
 (`Endpoint.fleet_in_flight`), so replicas do not each fill the room they all see. Routing keeps scoring on our own
 counts: on the simulator and on live replicas the fleet's counts, a sync old for the requests that ended, routed no
-better and live worse (bench/README.md, "Several picker replicas"; docs/decisions.md).
+better and live worse (bench/studies/replicas.md, "Several picker replicas"; docs/decisions.md).
 
 A sync that takes long (thousands of pods, many replicas) makes the next one wait longer, so syncing never takes
 more than 5 % of a replica's time. A report older than `stale` seconds, or than three of its writer's periods (its

@@ -18,7 +18,7 @@ to what vLLM reports between scrapes (`vllm:request_prefill_time_seconds` sum an
 `perPodRate`), starting from the priors `prefillFixedSeconds` and `prefillTokensPerSecond`. When every request
 is alike the slope cannot be told from the data and stays near its prior, which then sets how much a cached
 prefix is worth against a wait: the defaults (7.5 ms, 25,000 tokens/s, an 8B model on one GPU) were chosen on
-the fast-mode sweep (bench/README.md, "Predicted TTFT").
+the fast-mode sweep (bench/studies/predicted-ttft.md, "Predicted TTFT").
 
 A cold prefill also costs the future: once we have had a pod prefill as many tokens as its KV cache holds, each
 uncached token it writes evicts a cached one that a later request will prefill again, so the uncached part is

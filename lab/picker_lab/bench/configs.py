@@ -46,7 +46,7 @@ PREDICTED_TTFT_CONFIG: dict[str, Any] = {
 
 def every_pod_scheduling() -> dict[str, Any]:
     """The defaults without `candidate-sample-filter`: every candidate scored, however large the pool (what the
-    sample is measured against, bench/README.md "One picker process as the pool grows")."""
+    sample is measured against, bench/studies/scale.md "One picker process as the pool grows")."""
     out = copy.deepcopy(DEFAULT_CONFIG)
     out["plugins"] = [p for p in out["plugins"] if p["type"] != filters.CandidateSampleFilter.type_name]
     for profile in out["schedulingProfiles"]:

@@ -439,7 +439,7 @@ SETTLE_CHANGE = 0.1  # ... stopping once a pass's mean TTFT is within this share
 
 def settle(spec: RealSpec, trace_fn: Any, logdir: Path, servers: list[engine.VllmServer]) -> list[float]:
     """Replay the trace through round-robin, not measured, until its mean TTFT settles: servers' first
-    minutes under load were 1.2-2x slower for every router (bench/README.md, "Servers pinned to their cores"), and
+    minutes under load were 1.2-2x slower for every router (bench/studies/real-pinned-servers.md, "Servers pinned to their cores"), and
     with --reuse-servers only the first runs would pay it. Returns each pass's mean TTFT."""
     means: list[float] = []
     for n in range(SETTLE_PASSES):
