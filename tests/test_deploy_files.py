@@ -687,7 +687,7 @@ def test_dockerfile_and_dockerignore() -> None:
     assert set(re.search(r"^EXPOSE (.+)$", text, re.M).group(1).split()) == {"9002", "9003", "9090"}  # type: ignore[union-attr]
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and users[-1].split(":")[0].isdigit() and users[-1].split(":")[0] != "0"
-    assert re.search(r'^RUN pip install "\.\[sim\]"$', text, re.M)  # setup.py compiles the stubs; sim: `picker sim`
+    assert re.search(r'^RUN pip install \. \./lab$', text, re.M)  # setup.py compiles the stubs; the lab: `picker sim`
     build_files = re.search(r"^COPY pyproject\.toml (.+) \./$", text, re.M)
     assert build_files is not None and "setup.py" in build_files.group(1)
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
