@@ -22,7 +22,6 @@ from picker.scheduling.memory import FadingTally
 from picker.scheduling.picker import MaxScorePicker
 from picker.scheduling.plugins import PeerPick
 from picker.scheduling.scorers import (
-    ColdPrefixSpreader,
     InFlightLoadScorer,
     KVCacheUtilizationScorer,
     LoraAffinityScorer,
@@ -30,6 +29,7 @@ from picker.scheduling.scorers import (
     QueueScorer,
     SessionAffinityScorer,
 )
+from picker.scheduling.spreading import ColdPrefixSpreader
 
 
 def ep(i: int, **metrics: object) -> Endpoint:

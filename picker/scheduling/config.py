@@ -55,6 +55,7 @@ from picker.scheduling import (
     profiles,
     reference_plugins,
     scorers,
+    spreading,
 )
 from picker.scheduling.disagg import DisaggPdHeadersHandler, DisaggProfileHandler
 from picker.scheduling.picker import MaxScorePicker
@@ -139,7 +140,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
 # Every plugin type a config may name, each with the factory that decodes its parameters. The prefix sources come
 # first, in the order they run.
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
-    f.type_name: f for f in (*producers.FACTORIES, *filters.FACTORIES, *scorers.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
+    f.type_name: f for f in (*producers.FACTORIES, *filters.FACTORIES, *scorers.FACTORIES, *spreading.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
                              *baselines.FACTORIES, *picker.FACTORIES, *profiles.FACTORIES,
                              *reference_plugins.FACTORIES, *disagg.FACTORIES)
 }
