@@ -39,518 +39,34 @@ import dataclasses
 import json
 import os
 import platform
-import random
-import re
 import signal
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from picker_lab.bench.memory_probe import allocator_row, tracemalloc_diff
+from picker_lab.bench.soak_load import (
+    ENVOY_BUFFER,
+    LARGE_SIZES,
+    MAX_BODY,
+    OVER_CHUNKED,
+    OVER_WITH_LENGTH,
+    Prompts,
+    Sample,
+    Soak,
+    abandoned_streams,
+    chat_load,
+    idle_streams,
+    large_round,
+    parse_duration,
+)
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "out" / "soak"
-MIB = 2**20
-MAX_BODY = 20 * MIB  # the picker's --max-body-bytes here (its default is 16Mi: most 16-20 MB bodies would be 413)
-ENVOY_BUFFER = 32 * MIB  # Envoy's per-connection buffer limit (the template's 16 MiB would 413 them before us)
-# Under the limit: buffered by Envoy, sent to the picker, parsed. 21.0 MB with content-length: 413 at the headers.
-# 21.3 MB chunked: no length to check, so buffered and sent (under the gRPC limit, max body + 1 MiB), then 413.
-LARGE_SIZES = (16_000_000, 17_500_000, 19_000_000, 20_000_000)
-OVER_WITH_LENGTH = 21_000_000
-OVER_CHUNKED = 21_300_000
 LIMIT_RATIO = 1.2
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The probe: runs inside the picker process (`soak.py probe-serve SERVE-ARGS`), never in the driver.
-
-
-def _probe_report(libc: Any, directory: Path, label: str, trim: bool) -> dict[str, Any]:
-    """What the allocators and the collector hold right now; gc.collect() and malloc_trim(0) first when `trim`."""
-    import gc
-    import tracemalloc
-
-    report: dict[str, Any] = {"label": label, "time": time.time(), "rss_before_mb": _rss_mb(os.getpid())}
-    if trim:  # what the process could give back: its cyclic garbage first, then the allocator's free memory
-        report["gc_collected"] = gc.collect()
-        report["rss_after_collect_mb"] = _rss_mb(os.getpid())
-        report["malloc_trim_returned"] = int(libc.malloc_trim(0))
-        report["rss_after_trim_mb"] = _rss_mb(os.getpid())
-    report["mallinfo2"] = _mallinfo2(libc)
-    xml_path = directory / f"malloc-info-{label}.xml"
-    stream = libc.fopen(str(xml_path).encode(), b"w")
-    if stream:
-        libc.malloc_info(0, stream)
-        libc.fclose(stream)
-        report["malloc_info"] = _parse_malloc_info(xml_path.read_text())
-    report["pymalloc"] = _pymalloc_stats(directory / f"pymalloc-{label}.txt")
-    report["smaps"] = _smaps_summary()
-    objects = gc.get_objects()
-    report["gc_objects"] = len(objects)
-    report["gc_top_types"] = Counter(type(o).__name__ for o in objects).most_common(30)
-    del objects
-    report["allocated_blocks"] = sys.getallocatedblocks()
-    with contextlib.suppress(RuntimeError):
-        report["asyncio_tasks"] = len(asyncio.all_tasks(asyncio.get_running_loop()))
-    if tracemalloc.is_tracing():
-        snapshot = tracemalloc.take_snapshot()
-        snapshot.dump(str(directory / f"tracemalloc-{label}.pickle"))
-        report["tracemalloc_traced_mb"] = round(tracemalloc.get_traced_memory()[0] / MIB, 2)
-    return report
-
-
-def _mallinfo2(libc: Any) -> dict[str, int]:
-    import ctypes
-
-    names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-             "keepcost")
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in names]
-
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
-    return {name: int(getattr(info, name)) for name in names}
-
-
-def _parse_malloc_info(xml: str) -> dict[str, Any]:
-    """Per arena: bytes taken from the system and bytes free inside it (what glibc keeps instead of returning)."""
-    import xml.etree.ElementTree as ET
-
-    root = ET.fromstring(xml)
-    heaps = []
-    for heap in root.findall("heap"):
-        system = {s.get("type"): int(s.get("size", "0")) for s in heap.findall("system")}
-        free = sum(int(t.get("size", "0")) for t in heap.findall("total") if t.get("type") in ("fast", "rest"))
-        heaps.append({"nr": int(heap.get("nr", "0")), "system_current": system.get("current", 0),
-                      "system_max": system.get("max", 0), "free": free})
-    totals = {f"{t.get('type')}": int(t.get("size", "0")) for t in root.findall("total")}
-    system = {s.get("type"): int(s.get("size", "0")) for s in root.findall("system")}
-    return {"arenas": len(heaps), "heaps": heaps, "totals": totals, "system_current": system.get("current", 0),
-            "system_max": system.get("max", 0)}
-
-
-def _pymalloc_stats(path: Path) -> dict[str, int]:
-    """sys._debugmallocstats() writes to C stderr: point fd 2 at a file for the call, then read the totals."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(path, "wb") as handle:
-            os.dup2(handle.fileno(), 2)
-            try:
-                sys._debugmallocstats()
-            finally:
-                os.dup2(saved, 2)
-    finally:
-        os.close(saved)
-    wanted = {"arenas allocated total": "arenas_allocated_total", "arenas reclaimed": "arenas_reclaimed",
-              "arenas highwater mark": "arenas_highwater", "arenas allocated current": "arenas_current",
-              "bytes in allocated blocks": "bytes_allocated_blocks", "bytes in available blocks": "bytes_available",
-              "bytes lost to pool headers": "bytes_pool_headers", "bytes lost to quantization": "bytes_quantization",
-              "bytes lost to arena alignment": "bytes_alignment", "Total": "total"}
-    out: dict[str, int] = {}
-    for line in path.read_text(errors="replace").splitlines():
-        key, _, value = line.partition("=")
-        key = key.strip().removeprefix("# ")
-        if key in wanted and wanted[key] not in out and value.strip().replace(",", "").isdigit():
-            out[wanted[key]] = int(value.strip().replace(",", ""))
-        match = re.match(r"(\d+) unused pools \* \d+ bytes", line.strip())
-        if match:
-            out["unused_pools"] = int(match.group(1))
-    return out
-
-
-def _smaps_summary() -> dict[str, Any]:
-    """Resident memory by kind of mapping: files (code, libraries), the brk heap (glibc's main arena), anonymous
-    mappings (other glibc arenas, pymalloc arenas, thread stacks, mmapped large blocks)."""
-    kinds: Counter[str] = Counter()
-    anon: list[tuple[int, int]] = []
-    size = name = ""
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split(None, 5)
-        if first and "-" in first[0] and len(first) >= 5 and ":" not in first[0]:
-            start, end = (int(x, 16) for x in first[0].split("-"))
-            size, name = str(end - start), first[5] if len(first) > 5 else ""
-        elif line.startswith("Rss:"):
-            rss = int(line.split()[1]) * 1024
-            kind = "anonymous" if not name else "files" if name.startswith("/") else name
-            kinds[kind] += rss
-            if not name:
-                anon.append((rss, int(size)))
-    anon.sort(reverse=True)
-    return {"rss_by_kind_mb": {k: round(v / MIB, 1) for k, v in kinds.most_common()},
-            "anonymous_mappings": len(anon),
-            "largest_anonymous_mb": [[round(r / MIB, 1), round(z / MIB, 1)] for r, z in anon[:10]]}
-
-
-def probe_serve(argv: list[str]) -> int:
-    """`picker serve ARGV` with a SIGUSR1 handler that writes a probe report (SOAK_PROBE_DIR/command.json says
-    which label, and whether to malloc_trim first). The picker's own code is untouched."""
-    import ctypes
-    import ctypes.util
-
-    directory = Path(os.environ["SOAK_PROBE_DIR"])
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.fopen.restype = ctypes.c_void_p
-    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    libc.fclose.argtypes = [ctypes.c_void_p]
-
-    def on_signal(signum: int, frame: object) -> None:
-        command = json.loads((directory / "command.json").read_text())
-        label = str(command["label"])
-        try:
-            report = _probe_report(libc, directory, label, bool(command.get("trim")))
-        except Exception as exc:  # a probe must never take the picker down
-            report = {"label": label, "error": repr(exc)}
-        partial = directory / f"probe-{label}.json.part"
-        partial.write_text(json.dumps(report, indent=1))
-        partial.rename(directory / f"probe-{label}.json")
-
-    signal.signal(signal.SIGUSR1, on_signal)
-    from picker.cli import main as picker_main
-
-    return picker_main(["serve", *argv])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Measuring from outside.
-
-
-def _rss_mb(pid: int) -> float:
-    return _status_kb(pid, "VmRSS") / 1024
-
-
-def _status_kb(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return float(line.split()[1])
-    return 0.0
-
-
-def parse_duration(text: str) -> float:
-    """"30m", "90s", "1h", "1h30m", "2.5m" or plain seconds."""
-    text = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", text):
-        return float(text)
-    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)", text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30m, 90s, 1h)")
-    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
-    return sum(float(n) * scale[u] for n, u in parts)
-
-
-@dataclass
-class Sample:
-    t: float
-    rss_mb: float
-    hwm_mb: float
-    index_entries: float | None = None
-    in_flight: float | None = None
-    envoy_rss_mb: float | None = None
-    sim_rss_mb: float | None = None
-    label: str = ""
-
-
-@dataclass
-class Soak:
-    """Shared state of one run: the clock, what happened when, and what the load got back."""
-
-    picker_pid: int
-    envoy_pid: int
-    sim_pid: int
-    metrics_url: str
-    t0: float = 0.0
-    samples: list[Sample] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    counts: dict[str, Counter[str]] = field(default_factory=dict)
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-    def event(self, kind: str, **detail: Any) -> None:
-        self.events.append({"t": round(self.now(), 1), "kind": kind, **detail})
-
-    def count(self, group: str, outcome: str, n: int = 1) -> None:
-        self.counts.setdefault(group, Counter())[outcome] += n
-
-    async def sample(self, session: Any, label: str = "") -> Sample:
-        entries = in_flight = None
-        with contextlib.suppress(Exception):
-            async with session.get(self.metrics_url, timeout=5) as response:
-                text = await response.text()
-            entries = _metric_sum(text, "inference_extension_prefix_indexer_size")
-            in_flight = _metric_sum(text, "picker_endpoint_in_flight_requests")
-        try:
-            rss, hwm = _rss_mb(self.picker_pid), _status_kb(self.picker_pid, "VmHWM") / 1024
-        except OSError:
-            rss = hwm = 0.0
-        if not rss:  # gone, or a zombie (no VmRSS line)
-            raise RuntimeError("the picker process is gone")
-        s = Sample(round(self.now(), 1), round(rss, 1), round(hwm, 1), entries, in_flight,
-                   _maybe_rss(self.envoy_pid), _maybe_rss(self.sim_pid), label)
-        self.samples.append(s)
-        print(f"[soak {s.t:7.0f}s] picker RSS {s.rss_mb:6.1f} MB (peak {s.hwm_mb:.1f}), index "
-              f"{s.index_entries if s.index_entries is not None else '?'} entries {label}", flush=True)
-        return s
-
-
-def _maybe_rss(pid: int) -> float | None:
-    try:
-        return round(_rss_mb(pid), 1)
-    except OSError:
-        return None
-
-
-def _metric_sum(text: str, name: str) -> float | None:
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and (line[len(name)] in " {")]
-    return sum(values) if values else None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Load.
-
-
-class Prompts:
-    """Distinct prompts behind a few shared system prompts (the shape that fills the prefix index)."""
-
-    def __init__(self, seed: int, model: str) -> None:
-        self.rng = random.Random(seed)
-        self.model = model
-        letters = "abcdefghijklmnopqrstuvwxyz"
-        self.words = ["".join(self.rng.choice(letters) for _ in range(self.rng.randint(2, 9))) for _ in range(3000)]
-        self.systems = [f"You are assistant {i}. " + self.text(1500) for i in range(16)]
-        self.seq = 0
-
-    def text(self, chars: int) -> str:
-        out: list[str] = []
-        n = 0
-        while n < chars:
-            word = self.rng.choice(self.words)
-            out.append(word)
-            n += len(word) + 1
-        return " ".join(out)
-
-    def chat(self) -> tuple[bytes, dict[str, str]]:
-        self.seq += 1
-        rng = self.rng
-        stream = rng.random() < 0.5
-        body: dict[str, Any] = {
-            "model": self.model, "max_tokens": rng.randint(4, 24), "stream": stream,
-            "messages": [{"role": "system", "content": rng.choice(self.systems)},
-                         {"role": "user", "content": f"request {self.seq}: " + self.text(rng.randint(1000, 4000))}]}
-        if stream and rng.random() < 0.5:
-            body["stream_options"] = {"include_usage": True}
-        headers = {"content-type": "application/json"}
-        if rng.random() < 0.4:
-            headers["x-session-id"] = f"s{rng.randrange(50_000)}"
-        return json.dumps(body).encode(), headers
-
-
-def large_body(size: int, tag: str, model: str, filler: bytes) -> bytes:
-    """A chat body of exactly `size` bytes. `n: 0`: the pod refuses it (400) before tokenizing 4M tokens; the
-    picker does not look at `n`, so it buffers, decodes, parses and routes the whole body all the same."""
-    head = b'{"model": "' + model.encode() + b'", "n": 0, "max_tokens": 8, "messages": [{"role": "user", ' \
-        b'"content": "' + tag.encode() + b" "
-    tail = b'"}]}'
-    return head + filler[: size - len(head) - len(tail)] + tail
-
-
-async def chat_load(soak: Soak, session: Any, url: str, prompts: Prompts, rate: float, until: float,
-                    resting: Callable[[float], bool]) -> None:
-    """Poisson arrivals at `rate`/s, none while `resting(now)`; at most 64 outstanding (a request beyond that is
-    counted, not sent)."""
-    import aiohttp
-
-    outstanding: set[asyncio.Task[None]] = set()
-    rng = random.Random(11)
-
-    async def one(body: bytes, headers: dict[str, str]) -> None:
-        try:
-            async with session.post(url, data=body, headers=headers) as response:
-                await response.read()
-                soak.count("chat", str(response.status))
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            soak.count("chat", type(exc).__name__)
-
-    while soak.now() < until and not soak.stopping.is_set():
-        await asyncio.sleep(rng.expovariate(rate))
-        if resting(soak.now()):
-            continue
-        if len(outstanding) >= 64:
-            soak.count("chat", "skipped (64 outstanding)")
-            continue
-        task = asyncio.create_task(one(*prompts.chat()))
-        outstanding.add(task)
-        task.add_done_callback(outstanding.discard)
-    if outstanding:
-        await asyncio.wait(outstanding, timeout=60)
-
-
-async def large_round(soak: Soak, session: Any, url: str, model: str, filler: bytes, round_no: int) -> None:
-    """Four bodies under the limit, one over it with content-length, one over it chunked; two at a time."""
-    import aiohttp
-
-    soak.event("large", round=round_no)
-    jobs: list[tuple[int, bool]] = [(s, True) for s in LARGE_SIZES] + [(OVER_WITH_LENGTH, True),
-                                                                          (OVER_CHUNKED, False)]
-    limit = asyncio.Semaphore(2)
-
-    async def chunks(body: bytes) -> AsyncIterator[bytes]:
-        for i in range(0, len(body), MIB):
-            yield body[i : i + MIB]
-
-    async def one(i: int, size: int, with_length: bool) -> None:
-        async with limit:
-            body = large_body(size, f"large-{round_no}-{i}", model, filler)
-            kind = f"{size / 1e6:.1f}MB{'' if with_length else ' chunked'}"
-            try:
-                data: Any = body if with_length else chunks(body)
-                async with session.post(url, data=data, headers={"content-type": "application/json"}) as response:
-                    text = await response.read()
-                    code = "picker" if b"body_too_large" in text else "pod" if response.status == 400 else ""
-                    soak.count("large", f"{kind}: {response.status}{' ' + code if code else ''}")
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                soak.count("large", f"{kind}: {type(exc).__name__}")
-            del body
-
-    await asyncio.gather(*(one(i, size, wl) for i, (size, wl) in enumerate(jobs)))
-
-
-def _headers_message(content_length: int, mode: str, request_id: str) -> Any:
-    from envoy.config.core.v3 import base_pb2
-    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
-    body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED if mode == "full-duplex" else pm.ProcessingMode.BUFFERED
-    values = {":method": "POST", ":path": "/v1/chat/completions", ":authority": "soak", "content-type":
-              "application/json", "content-length": str(content_length), "x-request-id": request_id}
-    return pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]), end_of_stream=False),
-        protocol_config=pb.ProtocolConfiguration(request_body_mode=body_mode, response_body_mode=pm.ProcessingMode.NONE))
-
-
-def _channels(port: int, count: int) -> list[Any]:
-    """Separate HTTP/2 connections (a local subchannel pool each), as several Envoy workers would hold."""
-    import grpc
-
-    return [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1),
-                                                                     ("grpc.max_send_message_length", 64 * MIB)])
-            for _ in range(count)]
-
-
-async def idle_streams(soak: Soak, port: int, count: int, hold: float, early: float, batch: int) -> None:
-    """`count` ext_proc streams that send request headers (a body announced) and then nothing, as an Envoy whose
-    clients stall would leave them. Half are cancelled by the client after `early` seconds (under the picker's
-    --stream-idle-timeout, 30 s by default), the others held for `hold` seconds, so the picker's idle timeout
-    ends them first if it is shorter; how each ended is counted."""
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
-    channels = _channels(port, 4)
-    calls: list[Any] = []
-    opened = Counter[str]()
-    limit = asyncio.Semaphore(100)
-
-    async def open_one(i: int) -> None:
-        async with limit:
-            call = pb_grpc.ExternalProcessorStub(channels[i % len(channels)]).Process()
-            calls.append(call)
-            try:
-                await call.write(_headers_message(2000, "buffered", f"idle-{batch}-{i}"))
-                await asyncio.wait_for(call.read(), 20)
-                opened["open"] += 1
-            except Exception as exc:
-                opened[type(exc).__name__] += 1
-
-    try:
-        soak.event("idle-open", batch=batch, streams=count)
-        await asyncio.gather(*(open_one(i) for i in range(count)))
-        soak.event("idle-held", batch=batch, **opened)
-        for outcome, n in opened.items():
-            soak.count("idle streams", outcome, n)
-        t_open = soak.now()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(soak.stopping.wait(), early)
-        for call in calls[::2]:
-            soak.count("idle streams", "cancelled by the client" if call.cancel() else await _ended(call))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(soak.stopping.wait(), max(0.0, hold - (soak.now() - t_open)))
-        for call in calls[1::2]:
-            soak.count("idle streams", "cancelled by the client" if call.cancel() else await _ended(call))
-    finally:
-        for call in calls:
-            call.cancel()
-        soak.event("idle-cancel", batch=batch)
-        for channel in channels:
-            await channel.close()
-
-
-async def _ended(call: Any) -> str:
-    """How a stream the client could no longer cancel had ended (the picker's status code)."""
-    try:
-        code = await asyncio.wait_for(call.code(), 5)
-    except Exception as exc:
-        return f"ended: {type(exc).__name__}"
-    return f"ended by the picker: {getattr(code, 'name', code)}"
-
-
-async def abandoned_streams(soak: Soak, port: int, envoy_port: int, direct: int, via_envoy: int, batch: int
-                            ) -> None:
-    """Direct streams: headers and part of the body (buffered or full-duplex), then the client goes away.
-    Through Envoy: an HTTP/1.1 client sends headers and part of a body, then closes its socket."""
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
-    soak.event("abandon", batch=batch)
-    rng = random.Random(batch)
-    channels = _channels(port, 2)
-    chunk = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * (256 * 1024)
-
-    async def direct_one(i: int) -> None:
-        mode = "full-duplex" if i % 2 else "buffered"
-        call = pb_grpc.ExternalProcessorStub(channels[i % 2]).Process()
-        try:
-            await call.write(_headers_message(3_000_000, mode, f"abandon-{batch}-{i}"))
-            if mode == "buffered":
-                await asyncio.wait_for(call.read(), 20)
-            for _ in range(rng.randint(1, 3)):
-                await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk, end_of_stream=False)))
-                if mode == "buffered":
-                    await asyncio.wait_for(call.read(), 20)
-            await asyncio.sleep(rng.uniform(0.2, 1.5))
-            soak.count("abandoned", f"direct {mode}")
-        except Exception as exc:
-            soak.count("abandoned", f"direct {mode}: {type(exc).__name__}")
-        finally:
-            call.cancel()
-
-    async def envoy_one(i: int) -> None:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", envoy_port)
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
-                         b"content-length: 4000000\r\n\r\n" + chunk * rng.randint(1, 4))
-            await writer.drain()
-            await asyncio.sleep(rng.uniform(0.2, 1.5))
-            writer.transport.abort()  # a reset, not a polite close
-            soak.count("abandoned", "via envoy")
-        except OSError as exc:
-            soak.count("abandoned", f"via envoy: {type(exc).__name__}")
-
-    try:
-        await asyncio.gather(*(direct_one(i) for i in range(direct)), *(envoy_one(i) for i in range(via_envoy)))
-    finally:
-        for channel in channels:
-            await channel.close()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The run.
 
 
 async def at(soak: Soak, when: float, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -678,43 +194,17 @@ async def run_load(args: argparse.Namespace, soak: Soak, envoy_url: str, envoy_p
         "index_entries_final": final.index_entries,
         "in_flight_final": final.in_flight,
     }
-    summary["allocators"] = [_allocator_row(label, report) for label, report in probes.items() if report]
+    summary["allocators"] = [allocator_row(label, report) for label, report in probes.items() if report]
     if probe_dir is not None and args.tracemalloc:
-        summary["tracemalloc_growth_warmup_to_final"] = _tracemalloc_diff(probe_dir, "warmup", "final")
-        summary["tracemalloc_growth_cycle2_to_final"] = _tracemalloc_diff(probe_dir, "cycle2", "final")
+        summary["tracemalloc_growth_warmup_to_final"] = tracemalloc_diff(probe_dir, "warmup", "final")
+        summary["tracemalloc_growth_cycle2_to_final"] = tracemalloc_diff(probe_dir, "cycle2", "final")
     return {"summary": summary, "probes": probes}
-
-
-def _allocator_row(label: str, report: dict[str, Any]) -> dict[str, Any]:
-    """One line per probe: where the RSS sits (MB) and what is in use vs merely kept."""
-    info, py = report.get("mallinfo2", {}), report.get("pymalloc", {})
-    smaps = report.get("smaps", {}).get("rss_by_kind_mb", {})
-    return {"probe": label, "rss_mb": round(report.get("rss_after_trim_mb") or report.get("rss_before_mb", 0), 1),
-            "glibc_in_use_mb": round(info.get("uordblks", 0) / MIB, 1),
-            "glibc_free_kept_mb": round(info.get("fordblks", 0) / MIB, 1),
-            "glibc_arenas": report.get("malloc_info", {}).get("arenas"),
-            "pymalloc_arenas_mb": round(py.get("total", 0) / MIB, 1),
-            "pymalloc_blocks_mb": round(py.get("bytes_allocated_blocks", 0) / MIB, 1),
-            "python_blocks": report.get("allocated_blocks"), "gc_objects": report.get("gc_objects"),
-            "rss_heap_mb": smaps.get("[heap]"), "rss_anonymous_mb": smaps.get("anonymous"),
-            "rss_files_mb": smaps.get("files")}
 
 
 def _slope(xs: list[int], ys: list[float]) -> float:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     den = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
-
-
-def _tracemalloc_diff(directory: Path, old: str, new: str) -> list[str]:
-    import tracemalloc
-
-    try:
-        before = tracemalloc.Snapshot.load(str(directory / f"tracemalloc-{old}.pickle"))
-        after = tracemalloc.Snapshot.load(str(directory / f"tracemalloc-{new}.pickle"))
-    except OSError:
-        return []
-    return [str(stat) for stat in after.compare_to(before, "lineno")[:25]]
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -814,8 +304,8 @@ def start_stack(args: argparse.Namespace, logdir: Path, started: list[Any], prob
     tls = "--secure-serving" in help_text
     if tls:  # the direct streams speak plaintext gRPC, as a sidecar Envoy on loopback would
         serve.append("--secure-serving=false")
-    command = ([sys.executable, str(Path(__file__).resolve()), "probe-serve", *serve] if probe_dir is not None
-               else [sys.executable, "-m", "picker", "serve", *serve])
+    command = ([sys.executable, "-P", "-m", "picker_lab.bench.memory_probe", *serve] if probe_dir is not None
+               else [sys.executable, "-P", "-m", "picker", "serve", *serve])
     env = dict(kv.split("=", 1) for kv in args.picker_env)
     if probe_dir is not None:
         env["SOAK_PROBE_DIR"] = str(probe_dir)
@@ -844,8 +334,6 @@ def start_stack(args: argparse.Namespace, logdir: Path, started: list[Any], prob
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["probe-serve"]:
-        return probe_serve(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=parse_duration, default=parse_duration("30m"),
                         help="load time, e.g. 30m, 5m, 90s (default 30m)")
