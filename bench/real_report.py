@@ -16,7 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from picker_lab.bench.real import RealSpec, combine, report_json
+from picker_lab.bench.real import RealSpec, report_json
+from picker_lab.bench.real_figures import combine
 from picker_lab.bench.real_mirror import mirror, mirror_at_rates
 from picker_lab.bench.real_render import plot, report
 from picker_lab.bench.results import read_json, stored_json, write_json_text

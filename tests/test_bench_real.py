@@ -13,19 +13,7 @@ from prometheus_client import generate_latest
 
 from picker.endpoints.state import Endpoint
 from picker.serving.metrics import PickerMetrics
-from picker_lab.bench.real import (
-    DETAIL_COLUMNS,
-    RealSpec,
-    build_trace,
-    chains,
-    combine,
-    medians,
-    picker_flags,
-    replay,
-    run_real,
-    scrapes_per_pod,
-    targets,
-)
+from picker_lab.bench.real import DETAIL_COLUMNS, replay, run_real
 from picker_lab.bench.real_analysis import (
     busier_pick_lines,
     cold_causes,
@@ -41,6 +29,7 @@ from picker_lab.bench.real_analysis import (
     ttft_breakdown,
     where_ttft_goes,
 )
+from picker_lab.bench.real_figures import combine, medians, targets
 from picker_lab.bench.real_mirror import (
     RouterPath,
     direction_check,
@@ -51,6 +40,8 @@ from picker_lab.bench.real_mirror import (
     sim_mirror,
 )
 from picker_lab.bench.real_render import report
+from picker_lab.bench.real_routers import picker_flags, scrapes_per_pod
+from picker_lab.bench.real_spec import RealSpec, build_trace, chains
 from picker_lab.supervisor import process_scope, start_backends
 
 
@@ -228,7 +219,7 @@ def test_replicated_routers_are_named_name_at_n_and_checked_before_anything_star
 
 
 def test_replicas_of_the_picker_share_a_valkey_and_of_a_hash_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from picker_lab.bench.real import start_router
+    from picker_lab.bench.real_routers import start_router
     from picker_lab.supervisor import process_scope, start_backends
 
     with process_scope("real-replicas") as (logdir, started):

@@ -45,323 +45,47 @@ import math
 import os
 import random
 import signal
-import statistics
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from picker_lab.bench import peers
 from picker_lab.bench import vllm_engine as engine
-from picker_lab.bench.client import SERVED_BY_HEADER, stream_request
-from picker_lab.bench.live import predicted_ttft_config, read_counters, start_direct_envoy
+from picker_lab.bench.client import stream_request
+from picker_lab.bench.live import read_counters
 from picker_lab.bench.membership import PoolChange, write_pool
 from picker_lab.bench.peers import PEERS, PeerPool
 from picker_lab.bench.real_analysis import (
-    HASH_BASELINES,
     cold_causes,
-    held_medians,
     is_cold,
     request_rows,
 )
+from picker_lab.bench.real_figures import medians, targets
+from picker_lab.bench.real_routers import Router, picker_scrapes, start_router
+from picker_lab.bench.real_spec import (
+    REAL_WORKLOADS,
+    SERVER_FLAGS,
+    STRATEGIES,
+    RealSpec,
+    Request,
+    build_trace,
+    chains,
+    tokens_per_word,
+)
 from picker_lab.bench.summary import percentile
-from picker_lab.bench.workloads import group_sizes
-from picker_lab.sim.server import NAMED_SCRAPE_SHARE
 from picker_lab.supervisor import (
-    HOST,
-    Managed,
-    cpu_seconds,
     process_scope,
-    start_picker_fleet,
-    start_valkey,
     wait_until,
 )
 
-STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "prefix-hash", "picker", "picker-predicted-ttft",
-              "picker-4-replicas", "picker-round-robin", "picker-candidate", *PEERS)
-# What `make bench-real` compares: round-robin, the two strong hash baselines and the defaults.
-DEFAULT_STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "picker")
-# What the hash baselines read: nothing but liveness, so its scrapes are kept to a health check.
-HEALTH_ONLY_INTERVAL = "5s"
-# vLLM 0.32 answers its render endpoints (prompt -> token ids, what vllm-router's cache_aware policy routes on) with
-# 403 unless started with this; it adds routes, nothing on the request path of the other routers.
-SERVER_FLAGS = ["--enable-scale-out"]
-# API-server CPU one /metrics scrape costs vLLM 0.32 on the CPU (bench/scrape_cost.py: 6.7-6.8 ms idle, 4.2-7.7 ms
-# under traffic), for the simulator's mirror of this benchmark.
-SCRAPE_COST_S = 0.006
-
-
-# Each workload's shape, as RealSpec fields; what is not named takes RealSpec's default (`uniform`). A KV block
-# holds 64 tokens: a 768-token prefix is 12 blocks, 160 blocks per server.
-REAL_WORKLOADS: dict[str, dict[str, Any]] = {
-    # 20 prefixes = 240 blocks: the fleet's caches hold them all, one server's does not
-    "uniform": {},
-    # 24 prefixes = 288 of the fleet's 320 blocks: they fit only if no prefix is held twice. Every miss is a cold
-    # 768-token prefill (4.1 s on the 2026-12-03 machine): 2 req/s overloaded both servers (hash ring 19 s mean), 1
-    # req/s keeps them busy but not past saturation
-    "pressure": {"groups": 24, "prompts_per_group": 10, "rate": 1.0},
-    # 4 prefixes (48 blocks) that every server holds easily, one of them carrying over half the traffic, at a rate
-    # one server cannot carry alone: with Envoy, router and client sharing their two cores, the two servers here
-    # were saturated at 2.4 req/s (round-robin p90 3.6 s), so one carries at most ~1.2
-    "hot": {"groups": 4, "prompts_per_group": 60, "group_weights": (0.55, 0.25, 0.1, 0.1), "rate": 1.7},
-    # 30 conversations of 6 turns, each growing to ~1,100 tokens (17 blocks), a 3 s pause between an answer and the
-    # next turn: ~6 live at a time, whose contexts fit the caches
-    "multi-turn": {"groups": 30, "turns": 6, "system_tokens": 512, "question_tokens": 64, "output_tokens": 32,
-                   "think_s": 3.0, "rate": 1.2},
-    # 12 prefixes (144 blocks: one server holds them all) at a rate one server carries alone (the hot workload's
-    # limit is ~1.2 req/s); the second server leaves at 30 % of the run and a fresh one (empty cache, a new address)
-    # joins at 60 %: a rolling restart (lab/picker_lab/bench/membership.py). Round-robin's Envoy has a static cluster that
-    # cannot follow the change; the pickers read an endpoints file, the peers get their add/remove-worker calls.
-    "leave-rejoin": {"groups": 12, "prompts_per_group": 17, "rate": 1.0, "leave_at": 0.3, "rejoin_at": 0.6,
-                     "strategies": ("hash-ring", "bounded-load", "picker")},
-}
-
-
-@dataclass(frozen=True)
-class RealSpec:
-    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
-    workload: str = "uniform"
-    repeats: int = 3
-    servers: int = 2
-    groups: int = 20
-    prompts_per_group: int = 12
-    system_tokens: int = 768
-    question_tokens: int = 64
-    output_tokens: int = 16
-    rate: float = 2.0
-    group_weights: tuple[float, ...] = ()  # popularity per group (same total); empty: all alike
-    turns: int = 0  # > 0: `groups` conversations of this many turns instead of shared prefixes
-    think_s: float = 1.0  # conversations: mean pause between an answer and the next turn
-    block_size: int = 64
-    num_blocks: int = 160
-    seed: int = 1
-    picker_args: tuple[str, ...] = ()  # extra `picker serve` flags for the picker strategies
-    candidate_args: tuple[str, ...] = ()  # and for `picker-candidate` only, after those
-    model: str = "small"  # the served model's shape: vllm_engine.MODEL_SHAPES
-    leave_at: float = 0.0  # > 0: the last server leaves at this share of the trace's span ...
-    rejoin_at: float = 0.0  # ... and a fresh server joins at this one
-    # True: one set of servers for every run, their prefix caches emptied between runs (vLLM's reset endpoint)
-    # instead of fresh servers: ~3x the runs in the same time, every router on the same processes
-    reuse_servers: bool = False
-    # True: repeat r replays the trace of seed + r. Fresh servers listen on new ports, so the hash routers throw
-    # their placement dice anew each repeat; reused ones keep their ports, and one trace would measure a hash on
-    # one placement of its prefixes however many repeats ran (set with reuse_servers by `picker bench`)
-    seed_per_repeat: bool = False
-    # True: the routers behind our Envoy asked vLLM for only the series they read (`--metrics-only-read-series`,
-    # every run since 2026-12-06), so the mirror prices their scrapes at NAMED_SCRAPE_SHARE of a whole page's;
-    # a run recorded without the key scraped whole pages (`recorded`)
-    series_filter: bool = True
-
-    @property
-    def scrape_cost_s(self) -> float:
-        """API-server CPU one of this run's scrapes cost a pod, as the mirror prices it."""
-        return SCRAPE_COST_S * (NAMED_SCRAPE_SHARE if self.series_filter else 1.0)
-
-    def trace_seed(self, repeat: int) -> int:
-        """The seed of repeat `repeat`'s trace (0-based; settling passes, numbered below 0, replay repeat 0's)."""
-        return self.seed + max(repeat, 0) if self.seed_per_repeat else self.seed
-
-    @property
-    def requests(self) -> int:
-        return self.groups * (self.turns or self.prompts_per_group)
-
-    @classmethod
-    def for_workload(cls, workload: str, **given: Any) -> RealSpec:
-        """The spec of a named workload (REAL_WORKLOADS), `given` fields on top."""
-        if workload not in REAL_WORKLOADS:
-            raise ValueError(f"unknown workload {workload!r} for --engine vllm (known: {', '.join(REAL_WORKLOADS)})")
-        return cls(workload=workload, **{**REAL_WORKLOADS[workload], **given})
-
-    def with_requests(self, requests: int) -> RealSpec:
-        """The same workload with about `requests` requests: more prompts per shared prefix at the same popularity,
-        so a faster machine can be loaded at a higher rate for as long as a slower one at the preset's."""
-        if self.turns:
-            raise ValueError(f"--requests: the {self.workload} workload is {self.groups} conversations of "
-                             f"{self.turns} turns; scale it with --rate")
-        if requests < self.groups:
-            raise ValueError(f"--requests: at least one per group ({self.groups})")
-        return replace(self, prompts_per_group=round(requests / self.groups))
-
-    @classmethod
-    def recorded(cls, spec: dict[str, Any]) -> RealSpec:
-        """The spec as a run's real.json holds it (lists back to tuples, derived keys such as `requests` dropped)."""
-        names = {f.name for f in fields(cls)}
-        given: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k in names}
-        return cls(**{"series_filter": False, **given})  # recorded before the filter: whole pages
-
-
-# --- the workload -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Request:
-    """One request. A conversation's later turns (`turn` > 0) are sent `at` seconds after the previous turn's
-    answer, their prompt appended to the conversation so far (its prompts and answers); the rest `at` seconds
-    after the start."""
-
-    at: float
-    group: int  # the shared prefix's group, or the conversation
-    prompt: str
-    turn: int = 0
-
-
-def build_trace(spec: RealSpec, tokens_per_word: float, repeat: int = 0) -> list[Request]:
-    """Shared-prefix prompts in a seeded random order with Poisson arrivals, or conversations (`turns` > 0); the
-    seed is repeat `repeat`'s (RealSpec.trace_seed)."""
-    rng = random.Random(spec.trace_seed(repeat))
-    words = engine.vocabulary()
-
-    def text(tokens: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(max(1, round(tokens / tokens_per_word))))
-
-    if spec.turns:
-        return conversations(spec, text, rng)
-    systems = [text(spec.system_tokens) for _ in range(spec.groups)]
-    sizes = group_sizes(spec.groups, spec.prompts_per_group, spec.group_weights)
-    pairs = [(g, text(spec.question_tokens)) for g in range(spec.groups) for _ in range(sizes[g])]
-    rng.shuffle(pairs)
-    at = 0.0
-    out = []
-    for g, question in pairs:
-        at += rng.expovariate(spec.rate)
-        out.append(Request(at, g, f"{systems[g]}\n\nQuestion: {question}\nAnswer:"))
-    return out
-
-
-def tokens_per_word(url: str) -> float:
-    """Calibrate word counts to token counts with the server's own tokenizer (/tokenize)."""
-    rng = random.Random(99)
-    words = engine.vocabulary()
-    sample = " ".join(rng.choice(words) for _ in range(2000))
-    body = json.dumps({"model": engine.MODEL_NAME, "prompt": sample, "add_special_tokens": False}).encode()
-    req = urllib.request.Request(url + "/tokenize", data=body, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return float(json.load(resp)["count"]) / 2000
-
-
-# --- the servers' own counters -------------------------------------------------------------------------------------
-def picker_scrapes(metrics_port: int, host: str = HOST) -> dict[str, float]:
-    """Scrapes one picker replica made, per pod address (its /metrics)."""
-    with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=10) as resp:
-        return scrapes_per_pod(resp.read().decode())
-
-
-def scrapes_per_pod(text: str) -> dict[str, float]:
-    """picker_model_server_scrapes_total of a picker's exposition, per pod, ok and failed together."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "picker_model_server_scrapes_total":
-                pod = sample.labels["model_server_pod"]
-                out[pod] = out.get(pod, 0.0) + sample.value
-    return out
-
-
-# --- routers -------------------------------------------------------------------------------------------------------
-@dataclass
-class Router:
-    url: str
-    processes: list[Managed]
-    metrics_ports: list[tuple[str, int]] = field(default_factory=list)  # (host, port) of each picker replica
-    # Behind our Envoy: it times each request and names the pod that served it (a peer router is neither)
-    through_envoy: bool = True
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the router's processes so far."""
-        return sum(cpu_seconds(p.proc.pid) for p in self.processes if p.alive())
-
-
-def picker_flags(strategy: str, spec: RealSpec, logdir: Path) -> list[str]:
-    """The `picker serve` flags of a strategy served by the picker (the hash baselines included)."""
-    if strategy in HASH_BASELINES:
-        flags = ["--strategy", strategy, "--refresh-metrics-interval", HEALTH_ONLY_INTERVAL]
-    elif strategy in ("picker", "picker-4-replicas"):
-        flags = list(spec.picker_args)
-    elif strategy == "picker-predicted-ttft":
-        flags = [*spec.picker_args, "--config-file", str(predicted_ttft_config(logdir, 1.0))]
-    elif strategy == "picker-round-robin":
-        flags = ["--strategy", "round-robin"]  # scraping at the picker's default cadence, as `picker` does
-    elif strategy == "picker-candidate":
-        flags = [*spec.picker_args, *spec.candidate_args]
-    else:
-        raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
-    return ["--log-level", "WARNING", *flags]  # first, so `--picker-args "--log-level DEBUG"` overrides it
-
-
-def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
-                 endpoints_file: Path | None = None, timing_log: Path | None = None) -> Router:
-    """The router in front of `pool`; the picker strategies follow `endpoints_file` when given. Its Envoy writes
-    what it added to each request to `timing_log` (envoyconfig.add_timing_log) when given. `NAME@N` is N replicas
-    behind one load balancer (peers.replicated): the picker's behind its Envoy sharing a Valkey, a peer's behind
-    an Envoy round-robin (whose timing and pod attribution would be the router's, so it is a peer's as for one)."""
-    name, replicas, mesh = peers.replicated(strategy)
-    if name == "round-robin":
-        direct, url = start_direct_envoy(logdir, pool, served_by=SERVED_BY_HEADER, timing_log=timing_log)
-        return Router(url, [direct])
-    if name in PEERS:
-        started, urls = peers.start_replicas(PEERS[name], [f"http://{address}" for address in pool], logdir,
-                                             replicas, mesh)
-        if replicas == 1:
-            return Router(urls[0], started, through_envoy=False)
-        try:
-            front, url = start_direct_envoy(logdir, [u.removeprefix("http://") for u in urls],
-                                            name=f"envoy-{strategy.replace('@', '-')}")
-        except BaseException:
-            for proc in started:
-                proc.stop()
-            raise
-        return Router(url, [*started, front], through_envoy=False)
-    flags = picker_flags(name, spec, logdir)
-    if name == "picker-4-replicas":
-        replicas = 4
-    procs: list[Managed] = []
-    if replicas > 1 and name not in HASH_BASELINES:  # they share their index and load, as deployed
-        valkey = start_valkey(logdir, name=f"valkey-{name}")
-        procs.append(valkey.process)
-        flags += ["--index-backend", "redis", "--redis-url", valkey.url]
-    try:
-        fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{name}",
-                                   served_by=SERVED_BY_HEADER, endpoints_file=endpoints_file,
-                                   timing_log=timing_log)
-    except BaseException:
-        for proc in procs:
-            proc.stop()
-        raise
-    return Router(fleet.envoy.url, [*procs, *fleet.processes], [(p.host, p.metrics_port) for p in fleet.pickers])
-
 
 # --- one run -------------------------------------------------------------------------------------------------------
-def conversations(spec: RealSpec, text: Callable[[int], str], rng: random.Random) -> list[Request]:
-    """`groups` conversations of `turns` turns, starting with Poisson arrivals at `rate / turns` (about `rate`
-    requests/s in all): a first message of `system_tokens` of its own, then `question_tokens` per turn, each sent
-    an exponential think time (mean `think_s`) after the previous answer. Sized so the live conversations'
-    contexts fit the caches: a working set larger than them defeats every router."""
-    out: list[Request] = []
-    start = 0.0
-    for c in range(spec.groups):
-        start += rng.expovariate(spec.rate / spec.turns)
-        out.append(Request(start, c, f"{text(spec.system_tokens)}\n\nUser: {text(spec.question_tokens)}\nAssistant:"))
-        out += [Request(rng.expovariate(1.0 / spec.think_s), c, f"\n\nUser: {text(spec.question_tokens)}\nAssistant:",
-                        turn) for turn in range(1, spec.turns)]
-    return out
-
-
-def chains(trace: list[Request]) -> list[list[Request]]:
-    """The trace as sequences sent one after another: a conversation's turns, or one request alone."""
-    out: list[list[Request]] = []
-    for r in trace:
-        if r.turn:
-            out[-1].append(r)
-        else:
-            out.append([r])
-    return out
-
-
 async def replay(url: str, trace: list[Request], spec: RealSpec) -> list[dict[str, Any]]:
     """Send every request at its time (a later turn: after the previous answer), streamed; returns the client's
     record of each."""
@@ -676,105 +400,3 @@ def run_real(spec: RealSpec, out: Path) -> dict[str, Any]:
     return section
 
 
-def combine(sections: list[dict[str, Any]], drop: tuple[int, ...] = (), why: str = "") -> dict[str, Any]:
-    """One report's section from the runs of several of the same workload (their repeats numbered on in order),
-    less the repeats in `drop` (1-based, after numbering; e.g. one the machine was disturbed in, said in `why`):
-    medians and targets computed again, the dropped runs kept aside. The simulator's mirror is left out (re-run it
-    with `mirror`)."""
-    if not sections:
-        raise ValueError("nothing to combine")
-    first = RealSpec.recorded(sections[0]["spec"])
-    runs: list[dict[str, Any]] = []
-    for section in sections:
-        spec = RealSpec.recorded(section["spec"])
-        if replace(spec, strategies=first.strategies, repeats=first.repeats) != first:
-            raise ValueError(f"runs of different workloads cannot be combined: {asdict(spec)} vs {asdict(first)}")
-        offset = 1 + max((r["repeat"] for r in runs), default=-1)
-        runs += [{**r, "repeat": r["repeat"] + offset} for r in section["runs"]]
-    kept = [r for r in runs if r["repeat"] + 1 not in drop]
-    strategies = tuple(dict.fromkeys(r["strategy"] for r in runs))
-    spec = replace(first, strategies=strategies, repeats=len({r["repeat"] for r in kept}))
-    summary = medians(kept, strategies)
-    return {"spec": asdict(spec) | {"requests": spec.requests}, "calibration": sections[0]["calibration"],
-            "runs": kept, "medians": summary, "targets": targets(summary, spec.workload),
-            "dropped": {"repeats": sorted(drop), "why": why, "runs": [r for r in runs if r["repeat"] + 1 in drop]}}
-
-
-_FIGURES = ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "failed", "warm_share",
-            "ttft_warm_p50_ms", "ttft_cold_p50_ms")
-
-
-def medians(runs: list[dict[str, Any]], strategies: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for s in strategies:
-        mine = [r for r in runs if r["strategy"] == s and "error" not in r]
-        if not mine:
-            continue
-        row: dict[str, Any] = {k: statistics.median(r[k] for r in mine) for k in _FIGURES}
-        row["runs"] = len(mine)
-        for figure in ("ttft_mean_ms", "ttft_p90_ms", "hit_rate"):
-            row[f"{figure}_range"] = [min(r[figure] for r in mine), max(r[figure] for r in mine)]
-        row["max_share"] = statistics.median(max(r["share"]) for r in mine)
-        row["server_cpu_share"] = statistics.median(sum(r["server_cpu_share"]) / len(r["server_cpu_share"])
-                                                    for r in mine)
-        row["api_server_cpu_share"] = statistics.median(
-            sum(r["api_server_cpu_share"]) / len(r["api_server_cpu_share"]) for r in mine)
-        row["metrics_requests_per_pod_per_s"] = statistics.median(
-            max(r["metrics_requests_per_pod_per_s"] or [0.0]) for r in mine)
-        measured = [r["router_cpu_share"] for r in mine if "router_cpu_share" in r]  # runs since 2026-12-05
-        row["router_cpu_share"] = statistics.median(measured) if measured else math.nan
-        row.update(held_medians(mine))
-        out[s] = row
-    return out
-
-
-# Per workload, what the picker is held to against the better hash baseline (figure by figure): at most `factor`
-# times its TTFT figures, at least its hit rate (factor unused). Hot prefixes are where hashing fails; every router
-# is warm there, so hit rates are not compared.
-HASH_TARGETS: dict[str, dict[str, float]] = {
-    "uniform": {"ttft_mean_ms": 1.0, "ttft_p90_ms": 1.0, "hit_rate": 1.0},
-    "pressure": {"ttft_mean_ms": 1.0, "ttft_p90_ms": 1.0, "hit_rate": 1.0},
-    "hot": {"ttft_mean_ms": 0.85, "ttft_p90_ms": 0.85},
-    "multi-turn": {"ttft_p90_ms": 0.85},
-    "leave-rejoin": {"ttft_p90_ms": 0.85},
-}
-_FIGURE_LABELS = {"ttft_mean_ms": "TTFT mean", "ttft_p90_ms": "TTFT p90", "hit_rate": "hit rate"}
-
-
-def targets(m: dict[str, dict[str, Any]], workload: str = "uniform") -> list[dict[str, Any]]:
-    """The workload's acceptance figures against the better of the hash baselines (the lower median, figure by
-    figure) and round-robin, each with what was measured. Noise is what the report's ranges show."""
-    out: list[dict[str, Any]] = []
-
-    def add(name: str, met: bool, measured: str) -> None:
-        out.append({"target": name, "met": bool(met), "measured": measured})
-
-    pk, rr = m.get("picker"), m.get("round-robin")
-    hashes = {name: m[name] for name in HASH_BASELINES if name in m}
-    bounds = HASH_TARGETS.get(workload, HASH_TARGETS["uniform"])
-    if pk and hashes:
-        for figure, factor in bounds.items():
-            label = _FIGURE_LABELS[figure]
-            if figure == "hit_rate":
-                best = max(hashes, key=lambda name: hashes[name][figure])
-                add(f"picker {label} >= the better hash baseline's", pk[figure] >= hashes[best][figure],
-                    f"{pk[figure]:.3f} vs {best} {hashes[best][figure]:.3f}")
-                continue
-            best = min(hashes, key=lambda name: hashes[name][figure])
-            add(f"picker {label} <= {factor:g}x the better hash baseline's", pk[figure] <= factor * hashes[best][figure],
-                f"{pk[figure]:.1f} vs {best} {hashes[best][figure]:.1f} ms ({pk[figure] / hashes[best][figure]:.2f}x)")
-    if pk and rr and workload == "hot":
-        for figure in ("ttft_mean_ms", "ttft_p90_ms"):
-            add(f"picker {_FIGURE_LABELS[figure]} <= round-robin's", pk[figure] <= rr[figure],
-                f"{pk[figure]:.1f} vs {rr[figure]:.1f} ms ({pk[figure] / rr[figure]:.2f}x)")
-    pt, ph = m.get("picker-predicted-ttft"), m.get("prefix-hash")
-    if pt and ph:
-        add("predicted-ttft picker TTFT mean < prefix-hash's", pt["ttft_mean_ms"] < ph["ttft_mean_ms"],
-            f"{pt['ttft_mean_ms']:.1f} vs {ph['ttft_mean_ms']:.1f} ms")
-    p4 = m.get("picker-4-replicas")
-    if pk and p4:
-        # 5 %: a run's scrape count over its wall time jitters by a scrape or two
-        add("/metrics requests per pod per s at 4 replicas <= at 1 replica (within 5 %)",
-            p4["metrics_requests_per_pod_per_s"] <= pk["metrics_requests_per_pod_per_s"] * 1.05,
-            f"{p4['metrics_requests_per_pod_per_s']:.2f} vs {pk['metrics_requests_per_pod_per_s']:.2f}")
-    return out
