@@ -32,29 +32,31 @@ from picker_lab.sim.engine import ERROR, Engine, FinishedRequest, SimRequest, St
 from picker_lab.sim.kv_events import DEFAULT_TOPIC, KVEventPublisher, pod_topic
 from picker_lab.sim.metrics import MetricDialect, MetricsPage, SimMetrics
 from picker_lab.sim.openai_api import (
-    SSE_DONE,
     ApiError,
-    ChoiceResult,
     GenerationPlan,
     ServedModel,
-    chat_chunk,
     chat_prompt,
-    chat_response,
     check_messages,
     check_text,
-    completion_chunk,
-    completion_response,
     internal_error,
     json_bytes,
     parse_chat,
     parse_completion,
     prompt_token_lists,
     resolve_model,
+)
+from picker_lab.sim.profiles import Profile
+from picker_lab.sim.responses import (
+    SSE_DONE,
+    ChoiceResult,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
     sse,
     usage,
     usage_chunk,
 )
-from picker_lab.sim.profiles import Profile
 
 log = logging.getLogger(__name__)
 
