@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-replicas bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-fleet bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # The picker with the dev extra (tools, Envoy, Valkey), and the lab beside it (lab/: the simulator, the
 # benchmarks, the demo), both editable. The picker's install compiles the protos too (setup.py's build hook).
@@ -40,16 +40,6 @@ bench: install
 
 bench-smoke: install
 	$(BIN)/picker bench --smoke
-
-# Routers as gateways run them (live mode, 8 simulated pods): the picker alone and four replicas sharing a Valkey,
-# four hash-ring replicas, four smg replicas with and without the mesh (smg pip-installed into bench/.venvs on first
-# use), on shared-prefix and multi-turn (~5 min each); reports in bench/out/replicas-<workload>.
-REPLICA_ROUTERS ?= picker,picker@4,hash-ring@4
-REPLICA_PEERS ?= smg@4,smg-mesh@4
-bench-replicas: install
-	for w in shared-prefix multi-turn; do $(BIN)/picker bench --mode live --live-pods 8 --live-requests 400 \
-	  --live-workload $$w --strategies $(REPLICA_ROUTERS) --peers $(REPLICA_PEERS) --out bench/out/replicas-$$w $(ARGS) \
-	  || exit 1; done
 
 # Fleet scenarios (live mode, 8 simulated pods, 3 interleaved repeats each; lab/picker_lab/bench/fleet.py): the replicated
 # routers under steady traffic (shared-prefix, multi-turn, pressure), a rolling restart of their replicas, a pod
