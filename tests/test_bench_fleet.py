@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from picker_lab.bench.fleet import medians, misled, prefix_of, takes_part, window
+from picker_lab.bench.fleet import medians, misled, prefix_of, recovery, takes_part, window
 from picker_lab.bench.results import OK, RunResult
 from picker_lab.bench.trace import Trace, TraceRequest
 
@@ -54,3 +54,11 @@ def test_only_routers_with_something_to_disrupt_take_part() -> None:
     assert takes_part("valkey-outage", "picker@4") and not takes_part("valkey-outage", "smg-mesh@4")
     assert not takes_part("valkey-outage", "picker") and not takes_part("router-restart", "round-robin")
     assert takes_part("pod-restart", "hash-ring@4") and takes_part("router-restart", "smg@2")
+
+
+def test_recovery_compares_the_restarted_pods_first_requests_with_fresh_pods() -> None:
+    # pod 1 came back at t=3: its first requests after hit 0 then 50 of 100; the pods' first requests of the run
+    # (all fresh then) hit 0 and 0 on pod 0, 0 and 100 on pod 1
+    res = run([(0.0, 0, 0, 0), (1.0, 1, 0, 0), (1.5, 0, 0, 80), (2.0, 1, 100, 100), (4.0, 1, 0, 0), (5.0, 1, 50, 80)])
+    got = recovery(res, pod=1, back=3.0, first=2)
+    assert got == {"hit_after_restart": 0.25, "hit_fresh_pods": 0.25}

@@ -212,6 +212,21 @@ def misled(trace: Trace, res: RunResult, pod: int, down: float) -> dict[str, int
     return {"misled": count, "sent_to_restarted_pod": sent_there}
 
 
+def recovery(res: RunResult, pod: int, back: float, first: int = 30) -> dict[str, float]:
+    """How fast the restarted pod's cache fills again: the share of prompt tokens served from cache over its first
+    `first` requests after it came back, against the same over every pod's first `first` requests of the run
+    (pods that start empty too, with nothing known of them)."""
+    def share(chosen: list[int]) -> float:
+        prompt = sum(res.prompt_tokens[i] for i in chosen)
+        return sum(res.cached_tokens[i] for i in chosen) / prompt if prompt else math.nan
+
+    order = sorted((i for i in range(res.n) if res.status[i] == OK), key=lambda i: res.sent[i])
+    after = [i for i in order if res.pod[i] == pod and res.sent[i] >= back][:first]
+    fresh = [share([i for i in order if res.pod[i] == k][:first]) for k in range(res.pods)]
+    fresh = [v for v in fresh if not math.isnan(v)]
+    return {"hit_after_restart": share(after), "hit_fresh_pods": statistics.mean(fresh) if fresh else math.nan}
+
+
 def figures(res: RunResult) -> dict[str, float]:
     """The run's own figures; the hit rate from the requests' usage (a restarted pod's counters start over)."""
     summary = summarize(res)
@@ -350,6 +365,7 @@ def _compare(spec: ScenarioSpec, trace: Trace, row: dict[str, Any]) -> dict[str,
         row["extra_cold"] = sum(w["after"]["cold"] - w["undisturbed"]["cold"] for w in windows)
     if spec.scenario == "pod-restart" and log:
         row.update(misled(trace, res, spec.live.pods - 1, log[0]["down"]))
+        row.update(recovery(res, spec.live.pods - 1, log[0]["back"]))
     if spec.scenario == "valkey-outage" and log:
         row["agreed_after_s"] = log[0]["agreed_after_s"]
     return row
@@ -357,7 +373,7 @@ def _compare(spec: ScenarioSpec, trace: Trace, row: dict[str, Any]) -> dict[str,
 
 # --- the report --------------------------------------------------------------------------------------------------
 SCENARIO_FIGURES = ("window_p90_ratio", "worst_window_p90_ratio", "extra_cold", "misled", "sent_to_restarted_pod",
-                    "agreed_after_s")
+                    "hit_after_restart", "hit_fresh_pods", "agreed_after_s")
 
 
 def medians(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -395,7 +411,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
     scenario = report["scenario"]
     extra_head = {"router-restart": ["p90 after a restart / undisturbed (median window)", "worst window",
                                      "extra cold prefills (all windows)"],
-                  "pod-restart": ["sent to the restarted pod", "misled (for a prefix only its lost cache held)"],
+                  "pod-restart": ["sent to the restarted pod", "misled (for a prefix only its lost cache held)",
+                                  "its hit rate, first 30 after / fresh pods' first 30"],
                   "valkey-outage": ["p90 from the outage to 20 s after / undisturbed", "extra cold prefills",
                                     "replicas agree after Valkey returns (s)"]}.get(scenario, [])
     head = ["router", "hit rate", "TTFT mean", "TTFT p90", "TTFT p99", "failed", "router CPU s", *extra_head]
@@ -408,7 +425,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
             cells += [_cell(m.get("window_p90_ratio"), ".2f"), _cell(m.get("worst_window_p90_ratio"), ".2f"),
                       _cell(m.get("extra_cold"), ".0f")]
         elif scenario == "pod-restart":
-            cells += [_cell(m.get("sent_to_restarted_pod"), ".0f"), _cell(m.get("misled"), ".0f")]
+            cells += [_cell(m.get("sent_to_restarted_pod"), ".0f"), _cell(m.get("misled"), ".0f"),
+                      f"{_cell(m.get('hit_after_restart'), '.2f')} / {_cell(m.get('hit_fresh_pods'), '.2f')}"]
         elif scenario == "valkey-outage":
             cells += [_cell(m.get("window_p90_ratio"), ".2f"), _cell(m.get("extra_cold"), ".0f"),
                       _cell(m.get("agreed_after_s"), ".2f")]
