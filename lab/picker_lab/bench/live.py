@@ -50,6 +50,7 @@ from picker_lab.supervisor import (
     HOST,
     Managed,
     Picker,
+    PickerFleet,
     Valkey,
     cpu_seconds,
     free_port,
@@ -256,18 +257,9 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
         direct, url = start_direct_envoy(logdir, pool)
         return Router([direct], url)
     if name in peers.PEERS:
-        procs, routers = peers.start_replicas(peers.PEERS[name], urls, logdir, replicas, mesh)
+        procs, url, routers = start_peer_fleet(strategy, urls, logdir)
         ready = [functools.partial(peers.ready, int(u.rsplit(":", 1)[1])) for u in routers]
-        if replicas == 1:
-            return Router(procs, routers[0], list(zip(procs, ready, strict=True)))
-        try:
-            front, url = start_direct_envoy(logdir, [u.removeprefix("http://") for u in routers],
-                                            name=f"envoy-{strategy.replace('@', '-')}")
-        except BaseException:
-            for proc in procs:
-                proc.stop()
-            raise
-        return Router([*procs, front], url, list(zip(procs, ready, strict=True)))
+        return Router(procs, url, list(zip(procs[:len(routers)], ready, strict=True)))  # the replicas, not their Envoy
     strategy = name
     if strategy == PREDICTED_TTFT:
         extra = ["--strategy", "picker", "--config-file", str(predicted_ttft_config(logdir, spec.time_scale)),
@@ -276,21 +268,47 @@ def start_router(strategy: str, spec: LiveSpec, pool: list[str], urls: list[str]
         extra = ["--strategy", strategy, "--log-level", "WARNING"]
     if spec.scheduling_file and strategy == "picker":
         extra += ["--config-file", _serve_config(spec.scheduling_file, logdir)]
-    valkey = None
-    if replicas > 1 and strategy in INDEXED:  # they share their prefix index and load, as deployed (a hash is stateless)
-        valkey = start_valkey(logdir, name=f"valkey-{strategy}")
-        extra += ["--index-backend", "redis", "--redis-url", valkey.url]
+    # replicas of a strategy with a prefix index share it and their load, as deployed (a hash is stateless)
+    procs, fleet, valkey = start_picker_replicas(logdir, pool, extra, replicas, strategy,
+                                                 shared=replicas > 1 and strategy in INDEXED)
+    ready = [functools.partial(port_open, p.grpc_port, p.host) for p in fleet.pickers]
+    return Router(procs, fleet.envoy.url, list(zip((p.process for p in fleet.pickers), ready, strict=True)),
+                  valkey, fleet.pickers)
+
+
+def start_peer_fleet(strategy: str, worker_urls: list[str], logdir: Path) -> tuple[list[Managed], str, list[str]]:
+    """A peer as `NAME[-mesh][@N]` names it (peers.replicated): its processes (and, for several, the Envoy
+    round-robin in front of them, as a load balancer in front of a Deployment), the URL clients send to, and each
+    replica's own URL."""
+    name, replicas, mesh = peers.replicated(strategy)
+    procs, routers = peers.start_replicas(peers.PEERS[name], worker_urls, logdir, replicas, mesh)
+    if replicas == 1:
+        return procs, routers[0], routers
     try:
-        fleet = start_picker_fleet(logdir, pool, flags=extra, replicas=replicas, name=f"picker-{strategy}")
+        front, url = start_direct_envoy(logdir, [u.removeprefix("http://") for u in routers],
+                                        name=f"envoy-{strategy.replace('@', '-')}")
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return [*procs, front], url, routers
+
+
+def start_picker_replicas(logdir: Path, pool: list[str], flags: list[str], replicas: int, name: str, *,
+                          shared: bool, **fleet: Any) -> tuple[list[Managed], PickerFleet, Valkey | None]:
+    """`replicas` `picker serve` processes behind their Envoy (start_picker_fleet, given `fleet`'s keywords), with
+    `shared`: sharing their prefix index and load through a fresh Valkey. Returns every process, the fleet and the
+    Valkey; whatever started is stopped again when a step fails."""
+    valkey = start_valkey(logdir, name=f"valkey-{name}") if shared else None
+    if valkey is not None:
+        flags = [*flags, "--index-backend", "redis", "--redis-url", valkey.url]
+    try:
+        started = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{name}", **fleet)
     except BaseException:
         if valkey is not None:
             valkey.process.stop()
         raise
-    ready = [functools.partial(port_open, p.grpc_port, p.host) for p in fleet.pickers]
-    shared = [valkey.process] if valkey is not None else []
-    return Router([*shared, *fleet.processes], fleet.envoy.url, list(zip((p.process for p in fleet.pickers), ready,
-                                                                          strict=True)),
-                  valkey, fleet.pickers)
+    return [*([valkey.process] if valkey is not None else []), *started.processes], started, valkey
 
 
 def predicted_ttft_config(logdir: Path, time_scale: float) -> Path:

@@ -11,11 +11,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker_lab.bench import peers
 from picker_lab.bench.client import SERVED_BY_HEADER
-from picker_lab.bench.live import predicted_ttft_config, start_direct_envoy
+from picker_lab.bench.live import (
+    predicted_ttft_config,
+    start_direct_envoy,
+    start_peer_fleet,
+    start_picker_replicas,
+)
 from picker_lab.bench.peers import PEERS
 from picker_lab.bench.real_analysis import HASH_BASELINES
 from picker_lab.bench.real_spec import HEALTH_ONLY_INTERVAL, STRATEGIES, RealSpec
-from picker_lab.supervisor import HOST, Managed, cpu_seconds, start_picker_fleet, start_valkey
+from picker_lab.supervisor import HOST, Managed, cpu_seconds
 
 
 # --- the servers' own counters -------------------------------------------------------------------------------------
@@ -77,33 +82,13 @@ def start_router(strategy: str, spec: RealSpec, pool: list[str], logdir: Path,
     if name == "round-robin":
         direct, url = start_direct_envoy(logdir, pool, served_by=SERVED_BY_HEADER, timing_log=timing_log)
         return Router(url, [direct])
-    if name in PEERS:
-        started, urls = peers.start_replicas(PEERS[name], [f"http://{address}" for address in pool], logdir,
-                                             replicas, mesh)
-        if replicas == 1:
-            return Router(urls[0], started, through_envoy=False)
-        try:
-            front, url = start_direct_envoy(logdir, [u.removeprefix("http://") for u in urls],
-                                            name=f"envoy-{strategy.replace('@', '-')}")
-        except BaseException:
-            for proc in started:
-                proc.stop()
-            raise
-        return Router(url, [*started, front], through_envoy=False)
-    flags = picker_flags(name, spec, logdir)
+    if name in PEERS:  # (its Envoy in front of several would time and attribute the router, not the pod)
+        procs, url, _ = start_peer_fleet(strategy, [f"http://{address}" for address in pool], logdir)
+        return Router(url, procs, through_envoy=False)
     if name == "picker-4-replicas":
         replicas = 4
-    procs: list[Managed] = []
-    if replicas > 1 and name not in HASH_BASELINES:  # they share their index and load, as deployed
-        valkey = start_valkey(logdir, name=f"valkey-{name}")
-        procs.append(valkey.process)
-        flags += ["--index-backend", "redis", "--redis-url", valkey.url]
-    try:
-        fleet = start_picker_fleet(logdir, pool, flags=flags, replicas=replicas, name=f"picker-{name}",
-                                   served_by=SERVED_BY_HEADER, endpoints_file=endpoints_file,
-                                   timing_log=timing_log)
-    except BaseException:
-        for proc in procs:
-            proc.stop()
-        raise
-    return Router(fleet.envoy.url, [*procs, *fleet.processes], [(p.host, p.metrics_port) for p in fleet.pickers])
+    procs, fleet, _ = start_picker_replicas(logdir, pool, picker_flags(name, spec, logdir), replicas, name,
+                                            shared=replicas > 1 and name not in HASH_BASELINES,
+                                            served_by=SERVED_BY_HEADER, endpoints_file=endpoints_file,
+                                            timing_log=timing_log)
+    return Router(fleet.envoy.url, procs, [(p.host, p.metrics_port) for p in fleet.pickers])
