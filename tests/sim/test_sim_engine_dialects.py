@@ -8,8 +8,9 @@ import json
 import pytest
 
 from picker.endpoints.metrics import parse_metrics
+from picker_lab.sim.dialects import DIALECTS, PROMETHEUS_TEXT, MetricDialect
 from picker_lab.sim.engine import Engine, SimRequest, StepResult
-from picker_lab.sim.metrics import DIALECTS, PROMETHEUS_TEXT, MetricDialect, SimMetrics
+from picker_lab.sim.metrics import SimMetrics
 from picker_lab.sim.profiles import TINY_CPU
 
 PROFILE = TINY_CPU.with_overrides(max_num_seqs=2)  # two run at once: the rest of a burst waits

@@ -11,8 +11,8 @@ import sys
 
 from picker.core.argtypes import port_or_off, positive_number, whole_number
 from picker.serving.config import parse_duration
+from picker_lab.sim.dialects import DIALECTS
 from picker_lab.sim.fleet import SimFleet
-from picker_lab.sim.metrics import DIALECTS
 from picker_lab.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from picker_lab.sim.server import PodBindError
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
+from picker_lab.sim.dialects import MetricDialect
 from picker_lab.sim.kv_events import DEFAULT_TOPIC
-from picker_lab.sim.metrics import MetricDialect
 from picker_lab.sim.profiles import Profile, get_profile
 from picker_lab.sim.server import PodConfig, SimPod
 

@@ -27,10 +27,11 @@ from typing import Any
 from aiohttp import web
 
 from picker.endpoints.metrics import only_named_samples
+from picker_lab.sim.dialects import MetricDialect, MetricsPage
 from picker_lab.sim.driver import RealtimeDriver, RequestHandle
 from picker_lab.sim.engine import ERROR, Engine, FinishedRequest, SimRequest, StepResult
 from picker_lab.sim.kv_events import DEFAULT_TOPIC, KVEventPublisher, pod_topic
-from picker_lab.sim.metrics import MetricDialect, MetricsPage, SimMetrics
+from picker_lab.sim.metrics import SimMetrics
 from picker_lab.sim.openai_api import (
     ApiError,
     GenerationPlan,
