@@ -15,7 +15,7 @@ from picker.endpoints.metrics import parse_vllm_metrics
 from picker.endpoints.scraper import MetricsTarget
 from picker.endpoints.state import Endpoint
 from picker_lab.sim.fleet import SimFleet, SimFleetThread
-from picker_lab.sim.server import NAMED_SCRAPE_SHARE
+from picker_lab.sim.info_routes import NAMED_SCRAPE_SHARE
 
 LONG_TEXT = " ".join(f"word{i % 97} and more text {i}" for i in range(300))  # ~1.8k tokens
 

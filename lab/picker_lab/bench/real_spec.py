@@ -13,7 +13,7 @@ from typing import Any
 from picker_lab.bench import vllm_engine as engine
 from picker_lab.bench.peers import PEERS
 from picker_lab.bench.workloads import group_sizes
-from picker_lab.sim.server import NAMED_SCRAPE_SHARE
+from picker_lab.sim.info_routes import NAMED_SCRAPE_SHARE
 
 STRATEGIES = ("round-robin", "hash-ring", "bounded-load", "prefix-hash", "picker", "picker-predicted-ttft",
               "picker-4-replicas", "picker-round-robin", "picker-candidate", *PEERS)
