@@ -29,6 +29,7 @@ import yaml
 
 from picker.serving.envoyconfig import envoy_binary
 from picker_lab.bench import floor as floor_server
+from picker_lab.bench.summary import nearest_rank
 from picker_lab.supervisor import (
     Envoy,
     Managed,
@@ -150,8 +151,9 @@ def body_of(size: int) -> bytes:
 
 
 def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    value = nearest_rank(values, q)
+    assert value is not None, "no latencies measured"
+    return value
 
 
 def open_loop_rows(paced: dict[str, tuple[str, int | None, int]], body: bytes, rate: float, requests: int,

@@ -208,10 +208,9 @@ def _slope(xs: list[int], ys: list[float]) -> float:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from picker_lab.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     samples = [s for s in result["samples"] if s["t"] >= 0]
     summary = result["summary"]

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from picker_lab.bench.real import RealSpec
 
 FAST_STRATEGIES = ("round-robin", "random", "least-load", "prefix-only", "picker")
-PEERS = tuple(peers.PEERS)
 # Default output root, relative to the working directory (the repository root under `make bench`).
 OUT_ROOT = Path("bench") / "out"
 
@@ -113,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--live-load", type=positive_number, default=None, help="live-mode load (default 0.8)")
     a("--live-time-scale", type=positive_number, default=None,
       help="model seconds per wall second in live mode (default 0.5: half speed keeps 2 cores ahead of the load)")
-    a("--peers", type=_csv, default=None, help=f"peer routers in live mode (default {','.join(PEERS)}; 'none'); "
+    a("--peers", type=_csv, default=None, help=f"peer routers in live mode (default {','.join(peers.PEERS)}; 'none'); "
       "NAME@N runs N replicas behind one Envoy round-robin, smg-mesh@N syncs their trees through smg's mesh, and "
       "picker@N (in --strategies) shares the index and load through a Valkey")
 

@@ -54,6 +54,7 @@ from picker.serving.config import ServeConfig
 from picker_lab.bench.capacity import saturating
 from picker_lab.bench.fast import FastConfig, run_fast
 from picker_lab.bench.results import OK, SHED
+from picker_lab.bench.summary import nearest_rank
 from picker_lab.bench.trace import Trace, TraceRequest
 from picker_lab.bench.workloads import WORDS
 from picker_lab.sim.profiles import get_profile
@@ -151,22 +152,15 @@ def arrivals(rate: float, seconds: float, kinds: Sequence[tuple[str, str, float]
         yield at, kind, tenant, prompt(rng)
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summary(shots: list[Shot]) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": len(shots), "statuses": dict(Counter(s.status for s in shots))}
     for kind in ("critical", "standard", "sheddable"):
         ttft = [s.first - s.sent for s in shots if s.kind == kind and s.status == 200 and s.first is not None]
-        out[f"{kind}_ttft_p50_s"], out[f"{kind}_ttft_p95_s"] = pct(ttft, 0.5), pct(ttft, 0.95)
+        out[f"{kind}_ttft_p50_s"], out[f"{kind}_ttft_p95_s"] = nearest_rank(ttft, 0.5), nearest_rank(ttft, 0.95)
         out[f"{kind}_served"] = len(ttft)
     for status in (429, 503):
         answer = [s.done - s.sent for s in shots if s.status == status and s.done is not None]
-        out[f"answer_{status}_p50_s"], out[f"answer_{status}_p99_s"] = pct(answer, 0.5), pct(answer, 0.99)
+        out[f"answer_{status}_p50_s"], out[f"answer_{status}_p99_s"] = nearest_rank(answer, 0.5), nearest_rank(answer, 0.99)
     out["hung_or_timed_out"] = sum(1 for s in shots if s.status in (-1, 504))
     out["reasons"] = dict(Counter(s.reason for s in shots if s.reason))
     return out

@@ -14,6 +14,11 @@ COLORS = {"round-robin": "#888888", "random": "#bbbb44", "least-load": "#4477aa"
           "picker": "#cc2222", "sglang-router": "#44aa77", "vllm-router": "#8855bb"}
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files (the Agg backend, no display), for every plot of the lab."""
+    return plt
+
+
 def _color(strategy: str) -> str:
     return COLORS.get(strategy, "#333333")
 

@@ -178,13 +178,11 @@ def workload_text(spec: dict[str, Any]) -> str:
 def plot(section: dict[str, Any], path: Path) -> None:
     """TTFT CDF per router (every repeat pooled); skipped without matplotlib (the bench extra)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from picker_lab.bench.plots import pyplot
     except ImportError:
         print(f"picker bench: matplotlib missing ({lab_install_hint('bench')}): no plot", file=sys.stderr)
         return
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for s in section["medians"]:
         values = np.sort([row[TTFT_COLUMN] for r in section["runs"] if r["strategy"] == s and "error" not in r

@@ -27,6 +27,15 @@ def percentile(values: np.ndarray | Sequence[float], q: float) -> float:
     return float(np.percentile(array, q)) if array.size else math.nan
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float | None:
+    """The value at rank q (0-1) of the sorted values, no interpolation (a latency a request really had); None for
+    none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def _mean(values: np.ndarray) -> float:
     return float(values.mean()) if values.size else math.nan
 
