@@ -5,7 +5,8 @@ back to `on_picked`, so nothing about one request is kept in the shared schedule
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +77,22 @@ class SchedulingContext:
         """The prompt's tokens the index does not place on the pod at `address`: what it would prefill there."""
         uncached = len(self.request.prompt_text) - self.matches.get(address, 0) * self.block_chars
         return self.tokens(uncached) if uncached > 0 else 0.0
+
+    def start_profile(self) -> None:
+        """A profile's run begins: what a profile's own plugins set for its run starts over (a sample filter of
+        this profile sets `sampled_from` again)."""
+        self.sampled_from = 0
+
+    @contextlib.contextmanager
+    def side_run(self) -> Iterator[None]:
+        """A second profile's run for the same request (P/D's prefill pick): what its plugins compute and keep is
+        dropped after it, so what the request's own pick learns from stays its own profile's."""
+        kept = self.matched, self.details, self.state
+        self.details, self.state = None, None
+        try:
+            yield
+        finally:
+            self.matched, self.details, self.state = kept
 
     def align(self, candidates: Sequence[Endpoint]) -> None:
         """Refresh `matched` for this candidate list (after filtering)."""

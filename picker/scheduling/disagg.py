@@ -148,10 +148,11 @@ class DisaggProfileHandler(Plugin):
             return None
         return self.prefill_profile_name
 
-    def decided(self, prefill: Endpoint | None) -> Disaggregation | None:
+    def decided(self, ctx: SchedulingContext, prefill: Endpoint | None) -> Disaggregation | None:
         limit = self.max_prefill_queue_tokens
         if prefill is not None and limit is not None and prefill.in_flight_tokens >= limit:
             prefill = None  # backlogged: a local prefill starts sooner than a place in its queue
+        ctx.prefill = prefill  # the prefill pod computes the prompt too: on_picked records it there as well
         return Disaggregation(self.name, self.type_name, prefill)
 
 

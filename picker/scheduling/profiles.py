@@ -69,8 +69,9 @@ class Classifier(Protocol):
         """The profile that picks a pod to prefill the request for `decode`, or None (prefilled where it runs)."""
         ...
 
-    def decided(self, prefill: Endpoint | None) -> Disaggregation | None:
-        """The decision to report (None: this handler does not disaggregate, nothing to count)."""
+    def decided(self, ctx: SchedulingContext, prefill: Endpoint | None) -> Disaggregation | None:
+        """The decision to report (None: this handler does not disaggregate, nothing to count); the prefill pod
+        it keeps goes in the cycle state too (`ctx.prefill`: on_picked records the prompt there as well)."""
         ...
 
 
@@ -84,7 +85,7 @@ class OneStage:
     def prefill_profile(self, ctx: SchedulingContext, decode: Endpoint) -> str | None:
         return None
 
-    def decided(self, prefill: Endpoint | None) -> Disaggregation | None:
+    def decided(self, ctx: SchedulingContext, prefill: Endpoint | None) -> Disaggregation | None:
         return None
 
 

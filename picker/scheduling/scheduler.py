@@ -114,9 +114,7 @@ class PrefixAwareScheduler:
         if ranked:
             second = handler.prefill_profile(ctx, ranked[0])
             prefill = self._prefill(self._profile(second), ctx, endpoints, timer) if second is not None else None
-            disaggregation = handler.decided(prefill)
-            if disaggregation is not None:
-                ctx.prefill = disaggregation.prefill  # what on_picked records the prompt on, besides the pick
+            disaggregation = handler.decided(ctx, prefill)
         if not self.explain:
             return SchedulingResult(ranked, profile.name, [], len(ctx.keys), matched, ctx, disaggregation)
         return ExplainedResult(ranked, profile, len(ctx.keys), matched, ctx, run, disaggregation, handler)
@@ -132,7 +130,7 @@ class PrefixAwareScheduler:
         """One profile over the endpoints: its filters, then its weighted scorers and its picker. The pool's own
         list goes to the first filter uncopied (filters return new lists; none changes the one it is given)."""
         candidates = endpoints if isinstance(endpoints, list) else list(endpoints)
-        ctx.sampled_from = 0  # a sample filter of this profile says otherwise
+        ctx.start_profile()
         steps: _Steps = []  # filters that removed someone
         for f in profile.filters:
             began = time.perf_counter() if timer is not None else 0.0
@@ -159,15 +157,10 @@ class PrefixAwareScheduler:
 
     def _prefill(self, profile: Profile, ctx: SchedulingContext, endpoints: Sequence[Endpoint],
                  timer: PluginTimer | None) -> Endpoint | None:
-        """The prefill profile's pick, or None when no pod survives its filters (decode-only, not an error). What
-        its plugins write in the cycle state is dropped: the state the decode pick learns from stays the decode
-        profile's."""
-        kept = ctx.matched, ctx.details, ctx.state
-        ctx.details, ctx.state = None, None
-        try:
+        """The prefill profile's pick, or None when no pod survives its filters (decode-only, not an error), run
+        beside the request's own (`side_run`: what its plugins keep is dropped)."""
+        with ctx.side_run():
             run = self._run(profile, ctx, endpoints, timer)
-        finally:
-            ctx.matched, ctx.details, ctx.state = kept
         return run.candidates[run.order[0]] if run.order else None
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
