@@ -60,6 +60,60 @@ def test_ten_to_one_offered_load_gets_equal_turns_while_both_are_backlogged() ->
     assert served == {"big": 10, "small": 10}
 
 
+def test_by_tokens_a_flow_of_large_prompts_gets_the_same_tokens_not_the_same_turns() -> None:
+    """Token fairness: each dispatch charges its flow (as the controller does); the flow served fewer tokens goes."""
+    q: FlowQueues[str] = FlowQueues(1000, 10**9, fairness="tokens")
+    for i in range(40):
+        push(q, f"heavy-{i}", flow="heavy", tokens=8000)
+        push(q, f"light-{i}", flow="light", tokens=200)
+    served: Counter[str] = Counter()
+    for _ in range(41):
+        w = q.pop()
+        assert w is not None
+        q.charge(w.flow, w.tokens)
+        served[w.flow] += w.tokens
+    assert served["light"] == 40 * 200 and served["heavy"] == 8000  # the light flow drained first, by tokens
+    by_turns = queues(max_requests=1000, max_tokens=10**9)
+    for i in range(40):
+        push(by_turns, f"heavy-{i}", flow="heavy", tokens=8000)
+        push(by_turns, f"light-{i}", flow="light", tokens=200)
+    assert Counter(w.flow for w in (by_turns.pop() for _ in range(40)) if w is not None) == {"heavy": 20, "light": 20}
+
+
+def test_a_flow_idle_for_a_while_cannot_spend_credit_it_banked() -> None:
+    """A flow that starts waiting is lifted to the least counter of the flows waiting: it takes turns from now on,
+    not all the service it did not use while idle."""
+    q: FlowQueues[str] = FlowQueues(1000, 10**9, fairness="tokens")
+    for i in range(10):
+        push(q, f"busy-{i}", flow="busy", tokens=1000)
+    for _ in range(5):
+        w = q.pop()
+        assert w is not None
+        q.charge(w.flow, w.tokens)  # busy: 5,000 served
+    for i in range(10):
+        push(q, f"new-{i}", flow="new", tokens=1000)  # lifted to busy's 5,000, not 0
+    order = []
+    for _ in range(6):
+        w = q.pop()
+        assert w is not None
+        q.charge(w.flow, w.tokens)
+        order.append(w.flow)
+    assert order.count("new") == 3 and order.count("busy") == 3, order
+    with pytest.raises(ValueError, match="fairness 'bytes'"):
+        FlowQueues(10, 10, fairness="bytes")  # type: ignore[arg-type]
+
+
+async def test_the_controller_charges_what_it_lets_through_at_once_too() -> None:
+    """Under token fairness a request that goes at once (room in the pool) is charged like a dispatched one."""
+    pods = [Endpoint.from_address("10.0.0.1:8000")]
+    pods[0].metrics = EndpointMetrics(waiting=0, running=0, updated_at=0.0)  # room
+    fc = FlowController(FlowSettings(fairness="tokens", output_token_weight=2.0),
+                        SaturationThresholds(queue=5, kv_cache=0.8, stale=1e9), lambda: pods, clock=lambda: 0.0)
+    r = InferenceRequest(request_id="1", model="m", prompt_text="x" * 400, max_tokens=10, fairness_id="t")
+    await through(fc, r)
+    assert fc.queues.served["t"] == fc.cost(r) == 400 / fc.settings.chars_per_token + 20
+
+
 def test_bounds_refuse_and_a_lone_large_request_still_queues() -> None:
     q = queues(max_requests=2, max_tokens=100)
     push(q, "a", tokens=60)

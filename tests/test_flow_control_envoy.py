@@ -212,3 +212,41 @@ async def test_running_slots_held_back_let_a_critical_request_past_waiting_stand
             assert status == 200 and not standard.done()
             set_pod(stack, running=0)  # the running request ended: a slot above the held one is free
             assert (await standard)[0] == 200
+
+
+async def test_by_tokens_a_light_tenant_goes_before_a_heavy_one_that_queued_first() -> None:
+    """`fairness: tokens`: queued on a full pod, 8 requests of a tenant sending ~1,000-token prompts, then 8 of one
+    sending ~10-token prompts. Once the pod shows room, the light tenant's all come among the first answers: each
+    heavy request charged its tenant a hundred light ones' tokens (by turns they would alternate)."""
+    config = "admission:\n  flowControl: {enabled: true, queueTtl: 3s, fairness: tokens}\n"
+    with process_scope("token-fairness") as (logdir, started):
+        backends = start_backends(1, logdir)
+        started.append(backends.process)
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", config])
+        started.extend(fleet.processes)
+        stack = FlowStack(backends, fleet.pickers[0], fleet.envoy)
+        await saturate(stack, 20)
+        order: list[str] = []
+
+        async def send(session: aiohttp.ClientSession, tenant: str, i: int, prompt: str) -> int:
+            async with session.post(stack.envoy.url + "/v1/completions", json={"model": "tiny", "prompt": prompt},
+                                    headers={"x-llm-d-inference-fairness-id": tenant}) as response:
+                await response.read()
+                order.append(f"{tenant} {i}")
+                return response.status
+
+        async with aiohttp.ClientSession() as session:
+            tasks = []
+            for tenant, chars in (("heavy", 4000), ("light", 40)):
+                tasks += [asyncio.create_task(send(session, tenant, i, f"{i} " + "x" * chars)) for i in range(8)]
+                size = len(tasks)
+
+                async def queued(size: int = size) -> bool:  # in this order: the heavy tenant's first
+                    return (await series(stack)).get("llm_d_epp_flow_control_queue_size", 0) == size
+                await eventually_async(queued, f"{size} queued", within=5)
+            set_pod(stack, waiting=0)
+            statuses = await asyncio.gather(*tasks)
+    assert statuses == [200] * 16
+    # a wave of dispatches may answer in any order: the light tenant's 8 among the first 10 answers (one heavy
+    # request goes first, its tenant queued first; another may share a wave)
+    assert sum(label.startswith("light") for label in order[:10]) == 8, order

@@ -15,6 +15,8 @@ refused.
   gives up on the stream first (`picker envoy-config` checks the two agree).
 - Optional per-flow budgets (`tokensPerMinutePerFlow`): a flow that has used its estimated prompt tokens of the
   last minute gets 429 `token_budget_exceeded` with the seconds until its budget holds the request.
+- Fairness between the flows of a band (`fairness`): one turn each (requests), or the flow served the fewest tokens
+  first (tokens: each request let through, queued or not, charges its flow `cost`; picker.flowcontrol.queues).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from picker.core.headers import DROPPED_REASON, RETRY_AFTER
 from picker.core.requests import InferenceRequest, RequestError, estimated_tokens
 from picker.endpoints.saturation import SaturationThresholds, dispatch_level
 from picker.endpoints.state import Endpoint
-from picker.flowcontrol.queues import FlowQueues, QueueFull, Waiter
+from picker.flowcontrol.queues import Fairness, FlowQueues, QueueFull, Waiter
 from picker.flowcontrol.slots import RunningSlots
 from picker.prefix.hashing import CHARS_PER_TOKEN
 
@@ -53,6 +55,10 @@ class FlowSettings:
     # instead of queueing inside a pod behind a full batch; critical requests, too, wait here, not in a pod.
     critical_slot_share: float = 0.0
     max_running_per_pod: int = 0  # the pods' capacity (vLLM --max-num-seqs); 0: learned from their metrics
+    # Who goes first among a band's flows: "requests" (round-robin) or "tokens" (the flow served the fewest tokens:
+    # prompt tokens, plus `output_token_weight` per output token a request asks for at most, its max_tokens)
+    fairness: Fairness = "requests"
+    output_token_weight: float = 2.0  # an output token costs a pod more than a prompt token (the VTC paper's 2)
 
 
 class FlowObserver(Protocol):
@@ -118,7 +124,8 @@ class FlowController:
         self.pool = pool  # the ready endpoints (the gate looks at the pool, not a request's subset hint)
         self.clock = clock
         self.observer = observer
-        self.queues: FlowQueues[_Ticket] = FlowQueues(settings.max_requests_per_band, settings.max_tokens_per_band)
+        self.queues: FlowQueues[_Ticket] = FlowQueues(settings.max_requests_per_band, settings.max_tokens_per_band,
+                                                      settings.fairness)
         self.budgets = TokenBudgets(settings.tokens_per_minute_per_flow) if settings.tokens_per_minute_per_flow else None
         self.unplaced = 0  # dispatched, not yet placed on a pod: load the pool's metrics cannot show yet
         # Replicas sharing their load (picker.endpoints.shared_load) see each other's requests only at each sync;
@@ -270,10 +277,20 @@ class FlowController:
             self.observer.observe_dispatch_cycle(time.perf_counter() - began)
 
     def _let_through(self, request: InferenceRequest, waited: float) -> None:
-        """A request goes to be placed: not on a pod yet, and one more let through since the last load sync."""
+        """A request goes to be placed: not on a pod yet, one more let through since the last load sync, and its
+        flow charged what it costs (token fairness)."""
         self.unplaced += 1
         self.since_sync += 1
+        self.queues.charge(request.fairness_id or DEFAULT_FLOW, self.cost(request))
         self._observe(request, "Dispatched", waited)
+
+    def cost(self, request: InferenceRequest) -> float:
+        """What a request costs its flow under token fairness: its prompt tokens and, weighed, the output tokens it
+        asks for at most (the output it will really produce is known only after the response), as the in-flight
+        estimate counts them (`estimated_tokens`: prompt plus capped output)."""
+        prompt_and_output = estimated_tokens(request, self.settings.chars_per_token)
+        output = prompt_and_output - len(request.prompt_text) // self.settings.chars_per_token
+        return prompt_and_output + (self.settings.output_token_weight - 1) * output
 
     def _refusal(self, status: int, code: str, reason: str, message: str) -> RequestError:
         return RequestError(status, code, message,

@@ -1,9 +1,13 @@
-"""Who waits and who goes next: strict priority between bands, round-robin between the flows (tenants) of a band,
-first come first served inside a flow. Bounded per band by requests and by prompt tokens.
+"""Who waits and who goes next: strict priority between bands, then between the flows (tenants) of a band either
+round-robin (`fairness="requests"`, the default: one turn per backlogged flow) or by tokens (`"tokens"`: the
+backlogged flow that has been served the fewest tokens goes first), first come first served inside a flow.
+Bounded per band by requests and by prompt tokens.
 
-Round-robin by request, not by tokens served: the picker knows a request's size only by its prompt estimate when it
-queues it, and what it costs a pod (its output) only after the response, which buffered Envoy never shows; one
-turn per flow already gives each backlogged tenant the same share of dispatches however much each offers.
+By requests, a tenant sending 8k-token prompts gets the same share of dispatches as one sending 200-token prompts,
+so it takes forty times the pods' work. By tokens (the virtual token counter of "Fairness in Serving Large Language
+Models", OSDI 2024): every request let through charges its flow what it costs (`charge`: its prompt tokens, and its
+output as far as it is known in advance); a flow that starts waiting is lifted to the least counter of the flows
+already waiting (or of the last one served), so a tenant cannot bank credit while idle and spend it in a burst.
 
 Pure and synchronous: every time is an argument, so tests drive it on an injected clock and the simulator in
 simulated time.
@@ -11,10 +15,11 @@ simulated time.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 T = TypeVar("T")
 
@@ -49,17 +54,29 @@ class QueueFull(Exception):
     """The band holds its limit of requests or prompt tokens."""
 
 
+Fairness = Literal["requests", "tokens"]
+FAIRNESS: tuple[Fairness, ...] = ("requests", "tokens")
+
+
 class FlowQueues(Generic[T]):
     """The waiting requests of every band; `pop` takes the next to dispatch."""
 
-    def __init__(self, max_requests_per_band: int, max_tokens_per_band: int) -> None:
+    def __init__(self, max_requests_per_band: int, max_tokens_per_band: int, fairness: Fairness = "requests",
+                 max_flows: int = 10_000) -> None:
         if max_requests_per_band <= 0 or max_tokens_per_band <= 0:
             raise ValueError("band limits must be positive")
+        if fairness not in FAIRNESS:
+            raise ValueError(f"fairness {fairness!r}: one of {', '.join(FAIRNESS)}")
         self.max_requests = max_requests_per_band
         self.max_tokens = max_tokens_per_band
+        self.by_tokens = fairness == "tokens"
         self._bands: dict[int, Band] = {}
         self._order: list[int] = []  # priorities with a band, highest first
         self.length = 0
+        # by tokens: each flow's tokens served (its virtual counter), least recently charged first, `max_flows` kept
+        self.served: OrderedDict[str, float] = OrderedDict()
+        self._max_flows = max_flows
+        self._floor = 0.0  # the counter of the flow served last: where a flow that starts waiting alone begins
 
     def __len__(self) -> int:
         return self.length
@@ -79,6 +96,8 @@ class FlowQueues(Generic[T]):
         if queue is None:
             queue = band.flows[flow] = deque()
         if not queue:
+            if self.by_tokens:
+                self._lift(flow)
             band.turns[flow] = None
         queue.append(waiter)
         band.length += 1
@@ -92,13 +111,36 @@ class FlowQueues(Generic[T]):
         return any(p >= priority and self._bands[p].length for p in self._order)
 
     def peek(self) -> Waiter[T] | None:
-        """The next to dispatch, without taking it: the highest band with waiters, its flow whose turn it is."""
+        """The next to dispatch, without taking it: the highest band with waiters, its flow whose turn it is (by
+        tokens: the one served least, the round's order breaking ties)."""
         for priority in self._order:
             band = self._bands[priority]
             if band.length:
-                flow = next(iter(band.turns))
+                if self.by_tokens:
+                    served = self.served
+                    flow = min(band.turns, key=lambda f: served.get(f, 0.0))
+                else:
+                    flow = next(iter(band.turns))
                 return band.flows[flow][0]
         return None
+
+    def charge(self, flow: str, tokens: float) -> None:
+        """A request of `flow` was let through (queued or not) and costs `tokens` (by tokens only)."""
+        if not self.by_tokens:
+            return
+        served = self.served.pop(flow, self._floor) + tokens
+        self.served[flow] = served
+        self._floor = served
+        if len(self.served) > self._max_flows:
+            self.served.popitem(last=False)
+
+    def _lift(self, flow: str) -> None:
+        """`flow` starts waiting: no lower than the least counter of the flows already waiting (of any band), or
+        than the last served when none waits."""
+        waiting = [self.served.get(f, 0.0) for band in self._bands.values() for f in band.turns]
+        floor = min(waiting) if waiting else self._floor
+        if self.served.get(flow, -math.inf) < floor:
+            self.served[flow] = floor
 
     def pop(self) -> Waiter[T] | None:
         """Take the next to dispatch; its flow's turn passes to the next backlogged flow of the band."""

@@ -23,6 +23,7 @@ from picker.core.schema import Duration, Section, decode
 from picker.endpoints.saturation import SaturationThresholds, pool_saturation
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.controller import FlowSettings
+from picker.flowcontrol.queues import Fairness
 
 if TYPE_CHECKING:
     from picker.scheduling.types import SchedulingResult
@@ -43,6 +44,8 @@ class FlowControlSection(Section):
     tokens_per_minute_per_flow: int = Field(_FLOW.tokens_per_minute_per_flow, ge=0)  # a flow's token budget (0: none)
     critical_slot_share: float = Field(_FLOW.critical_slot_share, ge=0, lt=1)  # slots kept free for critical ones
     max_running_per_pod: int = Field(_FLOW.max_running_per_pod, ge=0)  # pods' --max-num-seqs; 0: learned
+    fairness: Fairness = _FLOW.fairness  # between a band's flows: one turn each, or the least tokens served first
+    output_token_weight: float = Field(_FLOW.output_token_weight, ge=0)  # token fairness: an output token's cost
 
 
 class AdmissionConfig(Section):
