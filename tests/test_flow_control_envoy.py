@@ -5,6 +5,7 @@ that outwaits the queue TTL gets 503 with the reference's reason header, and not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,14 +36,21 @@ class FlowStack:
     envoy: Envoy
 
 
-@pytest.fixture(scope="module")
-def flow() -> Iterator[FlowStack]:
-    with process_scope("flow-control") as (logdir, started):
+@contextlib.contextmanager
+def flow_stack(name: str, config: str) -> Iterator[FlowStack]:
+    """An echo pod, a picker with `config` and its Envoy, stopped at the end."""
+    with process_scope(name) as (logdir, started):
         backends = start_backends(1, logdir)
         started.append(backends.process)
-        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", CONFIG])
+        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", config])
         started.extend(fleet.processes)
         yield FlowStack(backends, fleet.pickers[0], fleet.envoy)
+
+
+@pytest.fixture(scope="module")
+def flow() -> Iterator[FlowStack]:
+    with flow_stack("flow-control", CONFIG) as stack:
+        yield stack
 
 
 def set_pod(stack: FlowStack, **state: object) -> None:
@@ -165,12 +173,8 @@ async def test_waiters_go_by_priority_then_by_turns_between_tenants(flow: FlowSt
 
 async def test_a_tenant_past_its_token_budget_gets_429_and_another_tenant_does_not() -> None:
     config = "admission:\n  flowControl: {enabled: true, tokensPerMinutePerFlow: 300}\n"
-    with process_scope("token-budget") as (logdir, started):
-        backends = start_backends(1, logdir)
-        started.append(backends.process)
-        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", config])
-        started.extend(fleet.processes)
-        envoy = fleet.envoy
+    with flow_stack("token-budget", config) as stack:
+        envoy = stack.envoy
         async with aiohttp.ClientSession() as session:
 
             async def send(tenant: str) -> tuple[int, dict[str, str]]:
@@ -191,12 +195,7 @@ async def test_running_slots_held_back_let_a_critical_request_past_waiting_stand
     standard request waits (in the picker, not the pod) while a critical one goes at once."""
     config = ("admission:\n  flowControl: {enabled: true, criticalSlotShare: 0.5, maxRunningPerPod: 2}\n"
               "  objectives: [{name: interactive, priority: 5}]\n")
-    with process_scope("slots") as (logdir, started):
-        backends = start_backends(1, logdir)
-        started.append(backends.process)
-        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", config])
-        started.extend(fleet.processes)
-        stack = FlowStack(backends, fleet.pickers[0], fleet.envoy)
+    with flow_stack("slots", config) as stack:
         set_pod(stack, running=1)
 
         async def busy() -> bool:
@@ -219,12 +218,7 @@ async def test_by_tokens_a_light_tenant_goes_before_a_heavy_one_that_queued_firs
     sending ~10-token prompts. Once the pod shows room, the light tenant's all come among the first answers: each
     heavy request charged its tenant a hundred light ones' tokens (by turns they would alternate)."""
     config = "admission:\n  flowControl: {enabled: true, queueTtl: 3s, fairness: tokens}\n"
-    with process_scope("token-fairness") as (logdir, started):
-        backends = start_backends(1, logdir)
-        started.append(backends.process)
-        fleet = start_picker_fleet(logdir, backends.addresses, flags=["--config-text", config])
-        started.extend(fleet.processes)
-        stack = FlowStack(backends, fleet.pickers[0], fleet.envoy)
+    with flow_stack("token-fairness", config) as stack:
         await saturate(stack, 20)
         order: list[str] = []
 
