@@ -208,6 +208,16 @@ def missing_endpoints(peer: PeerSpec, worker_urls: list[str]) -> list[str]:
     return missing
 
 
+def distinct_free_ports(count: int) -> list[int]:
+    """`count` free ports, no two the same."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def start_replicas(peer: PeerSpec, worker_urls: list[str], logdir: Path, replicas: int = 1, mesh: bool = False
                    ) -> tuple[list[Managed], list[str]]:
     """`replicas` processes of the peer, each routing over every worker; with `mesh` each joins the mesh of those
@@ -218,15 +228,17 @@ def start_replicas(peer: PeerSpec, worker_urls: list[str], logdir: Path, replica
         raise RuntimeError(f"{peer.name} cannot route by prefix: its workers do not serve what it needs "
                            f"({'; '.join(missing)})")
     exe = ensure_installed(peer, logdir / f"{peer.name}-install.log")
-    mesh_ports = [free_port() for _ in range(replicas)] if mesh else []
+    # every listener of every replica on a port of its own: two free_port() calls may name the same free port
+    ports = distinct_free_ports(replicas * (3 if mesh else 2))
+    mesh_ports = ports[2 * replicas:]
     started: list[Managed] = []
     urls = []
     try:
         for i in range(replicas):
-            port = free_port()
+            port, prometheus_port = ports[2 * i], ports[2 * i + 1]
             joined = (mesh_ports[i], mesh_ports[:i]) if mesh else None
             name = peer.name if replicas == 1 else f"{peer.name}-{i}"
-            managed = spawn(name, command(peer, exe, port, free_port(), worker_urls, joined), logdir,
+            managed = spawn(name, command(peer, exe, port, prometheus_port, worker_urls, joined), logdir,
                             env={"HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "RUST_LOG": "warn"})
             started.append(managed)
             try:
