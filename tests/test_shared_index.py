@@ -532,3 +532,16 @@ async def test_malformed_redis_replies_leave_the_picker_serving_and_the_follower
             assert picker.process.alive()
     finally:
         await fake.stop()
+
+
+def test_pods_forgotten_long_ago_are_let_go() -> None:
+    """The map of when each pod was last forgotten stays bounded as pods come and go: forgettings older than the
+    index TTL go once it grows past its mark (entries recorded before them have expired anyway)."""
+    now = [1000.0]
+    index = SharedPrefixIndex(InMemoryPrefixIndex(100, ttl=60.0), "redis://127.0.0.1:1/0", "ns",
+                              wall_clock=lambda: now[0])
+    for i in range(5000):
+        now[0] += 1.0
+        index.remove_endpoint(f"10.0.{i // 250}.{i % 250}:8000")
+    # pruned once at 4,097 to the last minute's 61, then 903 more
+    assert len(index._forgotten) == 61 + 903 and "10.0.19.249:8000" in index._forgotten

@@ -38,6 +38,8 @@ _REPLICA, _PICKS = b"r", b"p"
 _RECORD, _REMOVE = "r", "x"
 _READ_BATCH = 200  # entries per XREAD
 _PICKS_PER_ENTRY = 256
+_FORGOTTEN_PRUNE_AT = 4096  # pods remembered as forgotten before the old ones are let go
+_FORGOTTEN_KEEP_S = 3600.0  # how long a forgetting is kept without an index TTL
 _Pick = tuple[str, str, float, bytes, int, str]
 
 
@@ -177,8 +179,16 @@ class SharedPrefixIndex:
     def remove_endpoint(self, address: str) -> None:
         self.local.remove_endpoint(address)
         wall = self.wall_clock()
-        self._forgotten[address] = wall
+        self._forget(address, wall)
         self._publish((_REMOVE, address, wall, b"", 0, ""))
+
+    def _forget(self, address: str, wall: float) -> None:
+        """Remember when `address` was last forgotten; forgettings older than the index TTL are let go (an entry
+        recorded before them has expired anyway), so pods that come and go do not grow the map without bound."""
+        self._forgotten[address] = max(wall, self._forgotten.get(address, wall))
+        if len(self._forgotten) > _FORGOTTEN_PRUNE_AT:
+            horizon = self.wall_clock() - (self.local.ttl or _FORGOTTEN_KEEP_S)
+            self._forgotten = {a: t for a, t in self._forgotten.items() if t >= horizon}
 
     def size(self) -> int:
         return self.local.size()
@@ -330,7 +340,7 @@ class SharedPrefixIndex:
         now = self.clock()
         if op == _REMOVE:
             self.local.remove_endpoint(address)
-            self._forgotten[address] = max(wall, self._forgotten.get(address, wall))
+            self._forget(address, wall)
         elif op == _RECORD:
             if wall < self._forgotten.get(address, wall):
                 self.stats.stale += 1
