@@ -23,7 +23,6 @@ class Decision:
     started_at: float  # when the request came (its duration and TTFT are measured from here)
     released: bool = False
     expected_cached: int = 0  # prompt tokens the index expected the pod to have cached
-    received_ns: int = 0  # wall clock when its headers and body were complete (a trace's start)
     scheduled_s: float = 0.0  # the picker's time scheduling and accounting for it
     decided_s: float = 0.0  # the picker's time from a complete request to this decision, waits included
     body: bytes | None = None  # the body the pod gets, when it is not the client's

@@ -184,11 +184,10 @@ class Director:
         if refusal is not None:
             raise refusal
 
-    async def route(self, request: InferenceRequest, received: tuple[int, float] = (0, 0.0),
-                    body: bytes = b"") -> Decision:
+    async def route(self, request: InferenceRequest, received: float = 0.0, body: bytes = b"") -> Decision:
         """Route a parsed request in real time: the steps, with the event loop's way to wait on a hold. Its
         duration and first token count from its arrival, time held included. `received`: when it was complete
-        (wall ns, perf_counter s), for its decision's timing; `body`: the client's, as the plugins see it placed."""
+        (perf_counter), for its decision's timing; `body`: the client's, as the plugins see it placed."""
         if self.tokenizer is None:
             request.parsed = None  # nothing will tokenize it: a waiting request does not keep its parsed body
         arrived = self.clock()
@@ -216,7 +215,7 @@ class Director:
         request.parsed = None
 
     def place(self, request: InferenceRequest, now: float, arrived: float | None = None,
-              candidates: Sequence[Endpoint] | None = None, received: tuple[int, float] = (0, 0.0),
+              candidates: Sequence[Endpoint] | None = None, received: float = 0.0,
               body: bytes = b"") -> Decision:
         """Step two: schedule an admitted request and account for it: the scheduler learns the pick, the pod's
         in-flight count moves at once (scraped metrics lag), the plugins see it placed, and the gate hears it is
@@ -233,12 +232,10 @@ class Director:
             chosen.start_request(tokens, now)
             expected = (result.prefix_matched_blocks * result.context.block_chars // self.chars_per_token
                         if result.context is not None else 0)
-            received_ns, received_s = received
             decision = Decision(request, ranked, ",".join(e.address for e in ranked), result, tokens,
                                 now if arrived is None else arrived, expected_cached=expected,
-                                received_ns=received_ns,
                                 scheduled_s=time.perf_counter() - began,
-                                decided_s=time.perf_counter() - received_s if received_s else 0.0)
+                                decided_s=time.perf_counter() - received if received else 0.0)
             for plugin in self.plugins:
                 plugin.placed(decision, body)
         finally:
@@ -248,27 +245,27 @@ class Director:
     async def route_http(self, headers: dict[str, str], body: bytes, *, request_id: str,
                          subset: tuple[str, ...] | None = None) -> Decision:
         """Parse, admit, schedule and account for one HTTP request; RequestError with the client's status."""
-        received = time.time_ns(), time.perf_counter()
+        received = time.perf_counter()
         request: InferenceRequest | None = None
         try:
             request = build_request(headers, body, request_id=request_id, subset=subset)
             decision = await self.route(request, received, body)
         except RequestError as err:
             self.refused(request or InferenceRequest(request_id=request_id, model="", path=headers.get(":path", "")),
-                         err, received[0])
+                         err, time.perf_counter() - received)
             raise
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s", describe_decision(decision, time.perf_counter() - received[1]))
+            log.debug("%s", describe_decision(decision, time.perf_counter() - received))
         return decision
 
-    def refused(self, request: InferenceRequest, err: RequestError, received_ns: int = 0) -> None:
+    def refused(self, request: InferenceRequest, err: RequestError, took_s: float = 0.0) -> None:
         """A refusal, told to the plugins: the director's own, or the servicer's before any body was parsed (413,
         buffers full, a wrong method or path), when no model is known yet."""
         if log.isEnabledFor(logging.DEBUG):
             log.debug("refused %s model=%s: %d %s: %s", request.request_id, request.model or "-", err.status,
                       err.code, err.message)
         for plugin in self.plugins:
-            plugin.refused(request, err, received_ns)
+            plugin.refused(request, err, took_s)
 
     def response_started(self, decision: Decision, headers: Mapping[str, str] | None = None,
                          body_follows: bool = False) -> None:

@@ -35,8 +35,8 @@ class RequestPlugin:
         """Scheduled and accounted for: change what the pod gets (`decision.body`, `set_header`, `remove_header`;
         `body`: the client's, empty when the caller has none, as a benchmark's)."""
 
-    def refused(self, request: InferenceRequest, err: RequestError, received_ns: int) -> None:
-        """Refused (`received_ns`: when it came, 0 when not known)."""
+    def refused(self, request: InferenceRequest, err: RequestError, took_s: float) -> None:
+        """Refused (`took_s`: the picker's time on it until then, 0 when not known)."""
 
     def response_started(self, decision: Decision, headers: Mapping[str, str], body_follows: bool) -> None:
         """The response's headers came (`headers` only when its body will be shown: `body_follows`)."""

@@ -24,16 +24,16 @@ class DecisionTraces(RequestPlugin):
 
     def placed(self, decision: Decision, body: bytes) -> None:
         result = decision.result
-        now = time.time_ns()
-        self.recorder.record(decision.received_ns or now, now, {
+        now = time.time_ns()  # the span starts when the request was complete: its decision time before now
+        self.recorder.record(now - int(decision.decided_s * 1e9), now, {
             **_attributes(decision.request), "picker.destination": decision.destination,
             "picker.profile": result.profile if result else "",
             "picker.prefix_blocks": result.prefix_blocks if result else 0,
             "picker.prefix_matched_blocks": result.prefix_matched_blocks if result else 0})
 
-    def refused(self, request: InferenceRequest, err: RequestError, received_ns: int) -> None:
+    def refused(self, request: InferenceRequest, err: RequestError, took_s: float) -> None:
         now = time.time_ns()
-        self.recorder.record(received_ns or now, now, {**_attributes(request), "picker.error.status": err.status,
+        self.recorder.record(now - int(took_s * 1e9), now, {**_attributes(request), "picker.error.status": err.status,
                                                        "picker.error.code": err.code})
 
 

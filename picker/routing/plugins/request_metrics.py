@@ -33,7 +33,7 @@ class RequestMetrics(RequestPlugin):
         if decision.decided_s:
             self.observer.observe_processing(decision.decided_s)
 
-    def refused(self, request: InferenceRequest, err: RequestError, received_ns: int) -> None:
+    def refused(self, request: InferenceRequest, err: RequestError, took_s: float) -> None:
         self.observer.observe_refused(request, err.code, scheduling=err.code == "no_endpoints")
 
     def response_started(self, decision: Decision, headers: Mapping[str, str], body_follows: bool) -> None:
