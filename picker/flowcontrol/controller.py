@@ -281,7 +281,8 @@ class FlowController:
         flow charged what it costs (token fairness)."""
         self.unplaced += 1
         self.since_sync += 1
-        self.queues.charge(request.fairness_id or DEFAULT_FLOW, self.cost(request))
+        if self.queues.by_tokens:
+            self.queues.charge(request.fairness_id or DEFAULT_FLOW, self.cost(request))
         self._observe(request, "Dispatched", waited)
 
     def cost(self, request: InferenceRequest) -> float:

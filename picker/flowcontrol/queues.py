@@ -125,9 +125,7 @@ class FlowQueues(Generic[T]):
         return None
 
     def charge(self, flow: str, tokens: float) -> None:
-        """A request of `flow` was let through (queued or not) and costs `tokens` (by tokens only)."""
-        if not self.by_tokens:
-            return
+        """A request of `flow` was let through (queued or not) and costs `tokens` (fairness by tokens)."""
         served = self.served.pop(flow, self._floor) + tokens
         self.served[flow] = served
         self._floor = served
