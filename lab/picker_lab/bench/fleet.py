@@ -19,6 +19,7 @@ repeated with the routers' order reversed on every other repeat (interleaved), m
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import statistics
@@ -33,7 +34,15 @@ import numpy as np
 
 from picker_lab.bench import peers
 from picker_lab.bench.capacity import cost_per_request, rate_for_load
-from picker_lab.bench.live import LiveSpec, Router, _measure, _wait_pods_ready, router_cpu, start_router
+from picker_lab.bench.live import (
+    LiveSpec,
+    Router,
+    _measure,
+    _wait_pods_ready,
+    pod_healthy,
+    router_cpu,
+    start_router,
+)
 from picker_lab.bench.progress import ProgressBar
 from picker_lab.bench.results import FAILED, OK, RunResult
 from picker_lab.bench.summary import percentile, summarize
@@ -287,7 +296,7 @@ def run_scenario(spec: ScenarioSpec, out: Path) -> dict[str, Any]:
             started += [p for p in (sim, alone) if p is not None]
             urls = [f"http://{a}" for a in addresses]
             _wait_pods_ready(urls)
-            pod_ready = _health(urls[-1])
+            pod_ready = functools.partial(pod_healthy, urls[-1])
             for repeat in range(spec.repeats):
                 for name in routers if repeat % 2 == 0 else routers[::-1]:
                     if name in skipped:
@@ -309,16 +318,6 @@ def run_scenario(spec: ScenarioSpec, out: Path) -> dict[str, Any]:
     (out / "fleet.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "fleet.md").write_text("\n".join(markdown(report)) + "\n")
     return report
-
-
-def _health(url: str) -> Callable[[], bool]:
-    def check() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                return int(resp.status) == 200
-        except OSError:
-            return False
-    return check
 
 
 def _one_router(spec: ScenarioSpec, name: str, trace: Trace, addresses: list[str], urls: list[str], logdir: Path,

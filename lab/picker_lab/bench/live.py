@@ -337,15 +337,17 @@ def _serve_config(path: str, logdir: Path) -> str:
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
-def _wait_pods_ready(urls: list[str]) -> None:
-    def ok() -> bool:
-        for u in urls:
-            with urllib.request.urlopen(u + "/health", timeout=1) as resp:
-                if resp.status != 200:
-                    return False
-        return True
+def pod_healthy(url: str) -> bool:
+    """Whether the pod at `url` answers GET /health with 200."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return int(resp.status) == 200
+    except OSError:
+        return False
 
-    wait_until(ok, 30, "sim pods healthy")
+
+def _wait_pods_ready(urls: list[str]) -> None:
+    wait_until(lambda: all(pod_healthy(u) for u in urls), 30, "sim pods healthy")
 
 
 async def _measure(strategy: str, url: str, spec: LiveSpec, trace: Any, urls: list[str], model: str,
