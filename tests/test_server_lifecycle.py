@@ -84,6 +84,7 @@ def test_a_picker_run_under_cprofile_writes_its_profile_when_stopped(tmp_path: o
     """How bench/overhead.py sees where the picker's time goes, with no hook in the product: the statistics are
     written when `picker serve` returns from its SIGTERM."""
     import pstats
+    import signal
     from pathlib import Path
 
     from picker_lab.supervisor import process_scope, start_backends, start_picker
@@ -94,7 +95,7 @@ def test_a_picker_run_under_cprofile_writes_its_profile_when_stopped(tmp_path: o
         started.append(backends.process)
         picker = start_picker(logdir, endpoints=backends.addresses, profile_to=tmp_path / "picker.prof")
         started.append(picker.process)
-        picker.process.stop()
+        picker.process.stop(signal.SIGTERM)
         assert picker.process.proc.returncode == 0
     stats = pstats.Stats(str(tmp_path / "picker.prof"))
     assert any("server.py" in filename for filename, _, _ in stats.stats)  # type: ignore[attr-defined]

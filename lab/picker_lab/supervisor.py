@@ -103,12 +103,15 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str,
 
 @dataclass
 class Managed:
-    """One child process with its log file; `stop()` ends it (SIGTERM, then SIGKILL) by PID."""
+    """One child process with its log file; `stop()` ends it (`stop_signal`, then SIGKILL) by PID."""
 
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
     env: dict[str, str] | None = None  # what spawn added to the environment, for a restart
+    # A picker is torn down by SIGINT, which skips the wait for its load balancers (SIGTERM's, as an orchestrator
+    # sends it: `restart` below).
+    stop_signal: int = signal.SIGTERM
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -118,9 +121,9 @@ class Managed:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(5)
 
-    def stop(self) -> None:
+    def stop(self, sig: int | None = None) -> None:
         if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(self.stop_signal if sig is None else sig)
             try:
                 self.proc.wait(10)  # a picker under traffic takes up to its shutdown delay and drain timeout (7 s)
             except subprocess.TimeoutExpired:
@@ -129,8 +132,8 @@ class Managed:
 
     def restart(self) -> None:
         """Stop the process and start the same command again (same environment, its log continued): a pod or a
-        replica restarted in place, as an orchestrator does. Readiness is the caller's to wait for."""
-        self.stop()
+        replica restarted in place, as an orchestrator does (SIGTERM). Readiness is the caller's to wait for."""
+        self.stop(signal.SIGTERM)
         with open(self.log_path, "ab") as handle:
             self.proc = subprocess.Popen(self.proc.args, stdout=handle, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(self.env or {})})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as extproc_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from picker.api.service import PickerService, picker_pb2_grpc
@@ -48,6 +48,7 @@ from picker.routing.lifecycle import PluginDeps
 from picker.serving import config as cfg
 from picker.serving import reference_flags
 from picker.serving.handshakes import HandshakeWatch
+from picker.serving.health import CheckedHealth
 from picker.serving.metrics import PickerMetrics
 from picker.serving.metrics.tracing import DecisionTracer
 from picker.serving.policy import (
@@ -61,7 +62,8 @@ from picker.serving.policy import (
 from picker.serving.tls import certificate_hosts, server_credentials
 
 log = logging.getLogger("picker")
-# A stopping picker stops taking streams once none has come for this long: the load balancer has moved away.
+# A stopping picker stops taking streams once none has come for this long after its health checkers heard
+# NOT_SERVING: what they had already routed here has arrived.
 QUIET_BEFORE_STOP = 0.25
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -310,7 +312,7 @@ class PickerServer:
         extproc_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.director, c.stream_limits,
                                                                              self.metrics.streams), self.server)
         picker_pb2_grpc.add_PickerServicer_to_server(PickerService(self.director), self.server)
-        self.health = health.aio.HealthServicer()
+        self.health = CheckedHealth()
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
 
@@ -374,17 +376,25 @@ class PickerServer:
                 ready = now
 
     async def stop(self, grace: float = 2.0, delay: float = 0.0) -> None:
-        """Report NOT_SERVING first so Envoy's health check moves away, keep taking new streams while they still
-        come (at most `delay` seconds: a stream refused now would take the fail-open route), then drain them."""
+        """Report NOT_SERVING first so Envoy's health check moves away, keep taking new streams until every health
+        checker has read that and then none came for QUIET_BEFORE_STOP (at most `delay` seconds: a stream refused
+        before would take the fail-open route), then drain them."""
         self._stopping = True
+        began = time.monotonic()
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = time.monotonic() + delay
-        while True:  # sleep until the quiet would be long enough if no stream came meanwhile, then look again
-            wait = min(deadline, self.metrics.streams.last_opened + QUIET_BEFORE_STOP) - time.monotonic()
+        deadline = began + delay
+        while (now := time.monotonic()) < deadline:
+            told = self.health.all_told_since(began)
+            if told is None:  # a checker still routes here: wait for its next check
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(deadline - now):
+                        await self.health.next_answer()
+                continue
+            wait = max(told, self.metrics.streams.last_opened) + QUIET_BEFORE_STOP - now
             if wait <= 0:
                 break
-            await asyncio.sleep(wait)
+            await asyncio.sleep(min(wait, deadline - now))
         await cancel_all(self._tasks)
         await self.server.stop(grace)
         await self.health_server.stop(0)
@@ -398,17 +408,24 @@ class PickerServer:
 
 async def serve(server: PickerServer) -> None:
     # Handlers go in before any port opens: a supervisor may send SIGTERM as soon as it sees us listening.
+    # SIGTERM (an orchestrator's stop) waits for the load balancers to move away; SIGINT (Ctrl-C) stops at once.
     stop = asyncio.Event()
+    graceful = True
     loop = asyncio.get_running_loop()
+
+    def stop_on(sig: signal.Signals) -> None:
+        nonlocal graceful
+        graceful = graceful and sig == signal.SIGTERM
+        stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_on, sig)
     await server.start()
     stopped = asyncio.create_task(stop.wait())
     failed = asyncio.create_task(server.failed.wait())
     await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     failed.cancel()
-    await server.stop(server.config.drain_timeout, server.config.shutdown_delay)
+    await server.stop(server.config.drain_timeout, server.config.shutdown_delay if graceful else 0.0)
     if server.failed.is_set():
         raise BackgroundFailure("a background task failed (see the log above)")
 
