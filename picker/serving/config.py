@@ -264,9 +264,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "also the libraries' own debug lines (gRPC, asyncio, HTTP)")
     a("--log-format", choices=("text", "json"), help="text lines, or one JSON object per line (default {default})")
     a("--drain-timeout", help="how long a stopping picker lets open streams finish (default {default})")
-    a("--shutdown-delay", help="how long a stopping picker, reporting NOT_SERVING, still takes new streams while "
-      "they keep coming (until none came for 0.25 s), so a rolling restart sends none to the fail-open route "
-      "(default {default}; 0: refuse new streams at once)")
+    a("--shutdown-delay", help="how long at most a picker stopped by SIGTERM, reporting NOT_SERVING, still takes "
+      "new streams: until every host that health-checks it has heard NOT_SERVING and none came for 0.25 s after, "
+      "so a rolling restart sends none to the fail-open route (default {default}; 0: refuse new streams at once; "
+      "SIGINT: at once)")
     a("--enable-grpc-stream-metrics", type=parse_bool, nargs="?", const=True, metavar="BOOL",
       help="export the ext_proc streams open, their durations and how they ended (llm_d_epp_extproc_*, as the "
       "reference picker's flag; default {default})")
