@@ -69,6 +69,15 @@ async def series(stack: FlowStack) -> dict[str, float]:
     return out
 
 
+async def charged_tokens(stack: FlowStack) -> dict[str, float]:
+    """picker_flow_control_tokens_charged_total by fairness id."""
+    async with aiohttp.ClientSession() as session, \
+            session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+        text = await response.text()
+    return {s.labels["fairness_id"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "picker_flow_control_tokens_charged_total"}
+
+
 async def post(session: aiohttp.ClientSession, stack: FlowStack, objective: str | None,
                prompt: str) -> tuple[int, dict[str, str], float]:
     headers = {"x-gateway-inference-objective": objective} if objective else {}
@@ -240,7 +249,10 @@ async def test_by_tokens_a_light_tenant_goes_before_a_heavy_one_that_queued_firs
                 await eventually_async(queued, f"{size} queued", within=5)
             set_pod(stack, waiting=0)
             statuses = await asyncio.gather(*tasks)
+        charged = await charged_tokens(stack)
     assert statuses == [200] * 16
+    # what each flow was charged, as its metric says: its prompts' tokens (characters / 4; no max_tokens asked)
+    assert charged == {"heavy": 8 * 1000, "light": 8 * 10}
     # a wave of dispatches may answer in any order: the light tenant's 8 among the first 10 answers (one heavy
     # request goes first, its tenant queued first; another may share a wave)
     assert sum(label.startswith("light") for label in order[:10]) == 8, order

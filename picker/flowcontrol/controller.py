@@ -75,6 +75,10 @@ class FlowObserver(Protocol):
         """Time taken to queue a request (`outcome`: Enqueued or RejectedCapacity)."""
         ...
 
+    def observe_charge(self, request: InferenceRequest, tokens: float) -> None:
+        """Token fairness charged `request`'s flow `tokens` as it was let through."""
+        ...
+
 
 class TokenBudgets:
     """Each flow's tokens-per-minute budget as a bucket: full at the start, refilled continuously, a request
@@ -282,7 +286,10 @@ class FlowController:
         self.unplaced += 1
         self.since_sync += 1
         if self.queues.by_tokens:
-            self.queues.charge(request.fairness_id or DEFAULT_FLOW, self.cost(request))
+            tokens = self.cost(request)
+            self.queues.charge(request.fairness_id or DEFAULT_FLOW, tokens)
+            if self.observer is not None:
+                self.observer.observe_charge(request, tokens)
         self._observe(request, "Dispatched", waited)
 
     def cost(self, request: InferenceRequest) -> float:

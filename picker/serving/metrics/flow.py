@@ -38,6 +38,10 @@ class FlowSeries(Collector):
         self.enqueue = Histogram("llm_d_epp_flow_control_request_enqueue_duration_seconds",
                                  "Time to queue a request, by outcome.", ["fairness_id", "priority", "outcome"],
                                  buckets=SCHEDULER_BUCKETS, registry=r)
+        self.charged = Counter("picker_flow_control_tokens_charged",
+                               "Tokens each flow was charged as its requests were let through (fairness: tokens; "
+                               "prompt plus weighed output, the turns go to the flow charged least).",
+                               ["fairness_id", "priority", "inference_pool"], registry=r)
         r.register(self)
         add_twins([
             Twin("inference_extension_flow_control_request_queue_duration_seconds", self.queue_duration,
@@ -64,6 +68,10 @@ class FlowSeries(Collector):
     def observe_enqueue(self, request: InferenceRequest, outcome: str, seconds: float) -> None:
         _, _, fairness = self.labels.of(request)
         self.enqueue.labels(fairness, str(request.priority), outcome).observe(seconds)
+
+    def observe_charge(self, request: InferenceRequest, tokens: float) -> None:
+        _, _, fairness = self.labels.of(request)
+        self.charged.labels(fairness, str(request.priority), self.pool).inc(tokens)
 
     def collect(self) -> Iterator[Metric]:
         sizes = GaugeMetricFamily("llm_d_epp_flow_control_queue_size", "Requests waiting in flow control.",
