@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-fleet bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-fleet bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload token-fairness scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
 
 # The picker with the dev extra (tools, Envoy, Valkey), and the lab beside it (lab/: the simulator, the
 # benchmarks, the demo), both editable. The picker's install compiles the protos too (setup.py's build hook).
@@ -112,6 +112,11 @@ upload-memory: install
 # Flow control under overload, fast (seconds) then live (~20 min): 5 pickers x 3 phases on 2 sim pods.
 overload: install
 	$(BIN)/picker bench --scenario overload --mode both --out bench/out/overload $(ARGS)
+
+# Flow control's fairness by requests against by tokens: three light tenants beside a heavy one sending 10x their
+# tokens, at 2x the fleet's capacity (fast mode and live sim pods, 3 seeds, ~20 min).
+token-fairness: install
+	$(BIN)/picker bench --scenario token-fairness --mode both --out bench/out/token-fairness $(ARGS)
 
 # One picker process as the pool grows: decision time, decisions/s, scrape and index cost at 64-4,000 pods, what the
 # default profiles' sampling of large pools costs in routing, the round trip through Envoy at 8 and 1,000 pods (~6 min).

@@ -42,12 +42,16 @@ def _floats(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `picker bench`."""
     a = parser.add_argument
-    a("--scenario", choices=("routing", "mixed-models", "overload", "pd", "scale", *FLEET_SCENARIOS),
+    a("--scenario", choices=("routing", "mixed-models", "overload", "token-fairness", "pd", "scale",
+                             *FLEET_SCENARIOS),
       default="routing",
       help="routing: the workloads and strategies below (default); mixed-models: two base models on disjoint sim "
       "pods plus adapters, round-robin vs the picker per model (~12 min; --repeats, --rate, --profile apply); "
       "overload: flow control at 0.5x, 2x and 6.6x the fleet's capacity (--mode fast: seconds, live: ~20 min; "
-      "--strategies picks the pickers, --phase, --pods, --max-num-seqs, --seed and --repeats apply); pd: prefill/"
+      "--strategies picks the pickers, --phase, --pods, --max-num-seqs, --seed and --repeats apply); token-fairness: "
+      "flow control sharing turns by requests vs by tokens while a heavy tenant sends 10x the tokens of three light "
+      "ones at 2x capacity (--mode fast: a minute, live: ~6 min per repeat; --phase, --pods, --max-num-seqs, --seed, "
+      "--repeats); pd: prefill/"
       "decode disaggregation against aggregated serving at equal pod count (fast mode, ~12 min; --pods, --requests, "
       "--profile, --seed and --repeats apply); scale: one picker process's decision time, decisions/s, scrape and "
       "index cost at 64-4,000 pods, and what sampling pods costs in routing (~8 min; --requests: timed decisions per "
@@ -224,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
         return run_mixed_models(args, out)
     if args.scenario == "overload":
         return run_overload(args, mode, out)
+    if args.scenario == "token-fairness":
+        return run_token_fairness(args, mode, out)
     if args.scenario == "pd":
         return run_disaggregation(args, out)
     if args.scenario == "scale":
@@ -324,6 +330,17 @@ def run_overload(args: argparse.Namespace, mode: str, out: Path) -> int:
         print(f"picker bench: {exc}", file=sys.stderr)
         return 2
     print((out / "overload.md").read_text())
+    return 0
+
+
+def run_token_fairness(args: argparse.Namespace, mode: str, out: Path) -> int:
+    """`--scenario token-fairness` (picker_lab.bench.token_fairness)."""
+    from picker_lab.bench.token_fairness import TokenFairnessSpec, run_token_fairness
+
+    spec = TokenFairnessSpec(pods=args.pods or 2, phase_s=args.phase or 40.0, seed=args.seed,
+                             repeats=args.repeats or 3, max_num_seqs=args.max_num_seqs or 64)
+    run_token_fairness(spec, ("fast", "live") if mode == "both" else (mode,), out)
+    print((out / "token-fairness.md").read_text())
     return 0
 
 

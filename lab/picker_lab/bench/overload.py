@@ -297,14 +297,14 @@ def served_at_2x(phases: dict[str, Any]) -> int:
 
 # --- live mode --------------------------------------------------------------------------------------------------
 
-async def one(session: aiohttp.ClientSession, url: str, shot: Shot, text: str) -> None:
+async def one(session: aiohttp.ClientSession, url: str, shot: Shot, text: str, max_tokens: int = MAX_TOKENS) -> None:
     headers = {}
     objective = PRIORITY_OBJECTIVE[shot.kind]
     if objective:
         headers["x-gateway-inference-objective"] = objective
     if shot.tenant:
         headers[FAIRNESS_ID] = shot.tenant
-    body = {"model": get_profile(PROFILE).model, "stream": True, "max_tokens": MAX_TOKENS,
+    body = {"model": get_profile(PROFILE).model, "stream": True, "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": text}]}
     try:
         async with session.post(url, json=body, headers=headers) as response:
