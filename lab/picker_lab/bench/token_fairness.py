@@ -12,7 +12,8 @@ batch full), then each picker gets, on the same pods:
 Pickers: flow control sharing turns by requests (`fairness: requests`, the default), by tokens (`fairness:
 tokens`), and by tokens with requests waiting in the picker for a free running slot instead of in the pods'
 first-come queues (`criticalSlotShare` 0.02 with the pods' capacity given: a standard request goes only to a pod
-with a free slot). By turns, a round lets one request of each waiting tenant through, so the heavy tenant takes
+with a free slot); and, as a bound no fairness rule can beat, the light tenants' requests critical with a tenth
+of the running slots kept free for them (what they still lose under load is the pods' batch, not the order). By turns, a round lets one request of each waiting tenant through, so the heavy tenant takes
 ten thirteenths of the pods and the light ones, each offered two thirteenths, are backlogged; by tokens each
 tenant is owed a quarter. Reported per picker: the light tenants' TTFT p90 loaded over unloaded (the target:
 <= 1.5x with token fairness), the share of their requests served, and the heavy tenant's. `--repeats` seeds, the
@@ -40,24 +41,42 @@ import aiohttp
 
 from picker_lab.bench.capacity import saturating
 from picker_lab.bench.fast import run_fast
-from picker_lab.bench.overload import DRAIN_S, TIME_SCALE, Shot, fast_config, fast_shots, one
+from picker_lab.bench.overload import (
+    DRAIN_S,
+    PRIORITY_OBJECTIVE,
+    TIME_SCALE,
+    Shot,
+    fast_config,
+    fast_shots,
+    one,
+)
 from picker_lab.bench.results import OK
 from picker_lab.bench.summary import nearest_rank
 from picker_lab.bench.trace import Trace, TraceRequest
 from picker_lab.bench.workloads import WORDS
 
 LIGHT_TENANTS = ("light-1", "light-2", "light-3")
+# Not a fairness rule but what none can beat: the light tenants' requests critical, a tenth of the running slots
+# kept free for them. What the light tenants lose under load beyond it is the pods' batch, not the order.
+BOUND = "bound: light critical, slots kept"
+OBJECTIVES = "  objectives: [{name: critical, priority: 5}]\n"
 HEAVY_TENANT = "heavy"
 # (prompt words, output tokens): the heavy tenant's requests are ten times the light ones' in both
 SIZES = {"light": (100, 32), "heavy": (1000, 320)}
 # name -> flow control settings ({seqs}: the pods' --max-num-seqs)
 PICKERS = {"requests": "fairness: requests", "tokens": "fairness: tokens",
-           "tokens, slots": "fairness: tokens, criticalSlotShare: 0.02, maxRunningPerPod: {seqs}"}
+           "tokens, slots": "fairness: tokens, criticalSlotShare: 0.02, maxRunningPerPod: {seqs}",
+           BOUND: "fairness: tokens, criticalSlotShare: 0.1, maxRunningPerPod: {seqs}"}
 
 
 def picker_config(name: str, max_num_seqs: int) -> str:
     settings = PICKERS[name].format(seqs=max_num_seqs)
-    return f"admission:\n  flowControl: {{enabled: true, {settings}}}\n"
+    return f"admission:\n{OBJECTIVES}  flowControl: {{enabled: true, {settings}}}\n"
+
+
+def kind_of(tenant: str, picker: str) -> str:
+    """The light tenants' requests are critical for the bound, standard otherwise."""
+    return "critical" if picker == BOUND and tenant != HEAVY_TENANT else "standard"
 
 
 @dataclass(frozen=True)
@@ -89,7 +108,7 @@ def arrivals(rate: float, seconds: float, seed: int) -> Iterator[tuple[float, st
         yield at, tenant, " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def open_loop(url: str, rate: float, seconds: float, seed: int, with_heavy: bool) -> list[Shot]:
+async def open_loop(url: str, rate: float, seconds: float, seed: int, with_heavy: bool, picker: str) -> list[Shot]:
     """Send the phase's arrivals (without the heavy tenant's when not `with_heavy`) and wait for every answer."""
     shots: list[Shot] = []
     tasks = []
@@ -100,7 +119,7 @@ async def open_loop(url: str, rate: float, seconds: float, seed: int, with_heavy
             if tenant == HEAVY_TENANT and not with_heavy:
                 continue
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-            shot = Shot("standard", tenant, time.monotonic())
+            shot = Shot(kind_of(tenant, picker), tenant, time.monotonic())
             shots.append(shot)
             tasks.append(asyncio.create_task(one(session, url, shot, text, max_tokens=size_of(tenant)[1])))
         await asyncio.gather(*tasks)
@@ -165,7 +184,7 @@ async def one_seed(spec: TokenFairnessSpec, seed: int, order: tuple[str, ...]) -
             for phase, with_heavy in (("unloaded", False), ("loaded", True)):
                 print(f"token-fairness seed {seed}: {name}: {phase} ({rate:.1f} req/s offered over the four "
                       f"tenants{'' if with_heavy else ', the light ones sent'})", flush=True)
-                phases[phase] = phase_figures(await open_loop(url, rate, spec.phase_s, seed, with_heavy))
+                phases[phase] = phase_figures(await open_loop(url, rate, spec.phase_s, seed, with_heavy, name))
                 await asyncio.sleep(DRAIN_S)
             result[name] = with_ratio(phases)
             for process in reversed(fleet.processes):
@@ -176,13 +195,14 @@ async def one_seed(spec: TokenFairnessSpec, seed: int, order: tuple[str, ...]) -
 
 # --- fast mode --------------------------------------------------------------------------------------------------
 
-def fast_trace(rate: float, seconds: float, seed: int, with_heavy: bool) -> Trace:
-    """The phase's arrivals in model time (`rate` and `seconds` on the reported clock)."""
+def fast_trace(rate: float, seconds: float, seed: int, with_heavy: bool, picker: str = "") -> Trace:
+    """The phase's arrivals in model time (`rate` and `seconds` on the reported clock), as sent to `picker`."""
     requests: list[TraceRequest] = []
     for at, tenant, text in arrivals(rate, seconds, seed):
         if tenant != HEAVY_TENANT or with_heavy:
             requests.append(TraceRequest(len(requests), at * TIME_SCALE, size_of(tenant)[1],
-                                         messages=(("user", text),), tenant=tenant))
+                                         messages=(("user", text),), tenant=tenant,
+                                         objective=PRIORITY_OBJECTIVE[kind_of(tenant, picker)]))
     return Trace("token-fairness", seed, rate / TIME_SCALE, tuple(requests))
 
 
@@ -194,7 +214,7 @@ def fast_seed(spec: TokenFairnessSpec, seed: int) -> dict[str, Any]:
     for name in PICKERS:
         config = picker_config(name, spec.max_num_seqs)
         result[name] = with_ratio({phase: phase_figures(fast_shots(
-            fast_trace(spec.load * capacity, spec.phase_s, seed, with_heavy), config, spec.pods, seed,
+            fast_trace(spec.load * capacity, spec.phase_s, seed, with_heavy, name), config, spec.pods, seed,
             spec.max_num_seqs)) for phase, with_heavy in (("unloaded", False), ("loaded", True))})
     return result
 
