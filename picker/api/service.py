@@ -6,6 +6,7 @@ import grpc
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
+from picker.core.media import media_in
 from picker.core.requests import RequestError, build_request
 from picker.routing.director import Director
 
@@ -18,7 +19,7 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
     subset = tuple(message.subset) if message.subset else None
     response = picker_pb2.ExplainResponse()
     try:
-        request = build_request(headers, message.body, request_id="explain", subset=subset)
+        request = build_request(headers, message.body, request_id="explain", subset=subset, media=director.media)
         now = director.clock()
         director.screen(request, now)  # a request admission would refuse at once is explained as its refusal
         response.priority = request.priority
@@ -31,6 +32,8 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
     response.profile_reason = result.profile_reason
     for name, weight in result.weights.items():
         response.weights[name] = weight
+    for item in media_in(request.prompt_text):
+        response.media.add(kind=item.kind, digest=item.digest, tokens=item.tokens)
     response.prefix_blocks = result.prefix_blocks
     response.prefix_matched_blocks = result.prefix_matched_blocks
     for candidate in result.candidates:

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from picker.core import headers as names
+from picker.core.media import DEFAULT_MEDIA, MediaTokens, MultimodalConfig, render_part
+
+# Characters per token where nothing better is known: the prompt's text stands for its tokens at this rate (the
+# prefix index's blocks, media markers, token estimates).
+CHARS_PER_TOKEN = 4
 
 
 class ApiKind(enum.Enum):
@@ -119,8 +124,9 @@ def route_kind(headers: dict[str, str], has_body: bool) -> ApiKind | None:
     return api
 
 
-def _text_of_content(content: Any) -> str:
-    """Text of an OpenAI message `content`: a string, or the text parts of a multi-part list."""
+def _text_of_content(content: Any, media: MediaTokens) -> str:
+    """Text of an OpenAI message `content`: a string, or the text and media parts of a multi-part list (a media
+    part as its marker: picker.core.media)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -130,8 +136,13 @@ def _text_of_content(content: Any) -> str:
                 text = part.get("text")
                 if isinstance(text, str):
                     parts.append(text)
-                elif part.get("type") in ("image_url", "input_image", "input_audio"):
-                    parts.append(json.dumps(part, sort_keys=True, separators=(",", ":")))
+                    continue
+                try:
+                    marker = render_part(part, media, CHARS_PER_TOKEN)
+                except ValueError as exc:
+                    raise RequestError(400, "invalid_media", f"a {part.get('type')} part: {exc}") from None
+                if marker is not None:
+                    parts.append(marker)
             elif isinstance(part, str):
                 parts.append(part)
         return "".join(parts)
@@ -140,7 +151,7 @@ def _text_of_content(content: Any) -> str:
     return json.dumps(content, sort_keys=True, separators=(",", ":"))
 
 
-def render_messages(messages: list[Any], tools: Any = None) -> str:
+def render_messages(messages: list[Any], tools: Any = None, media: MediaTokens = DEFAULT_MEDIA) -> str:
     """Render chat messages into one canonical text so equal conversation prefixes give equal text prefixes.
 
     The layout mimics a chat template (role header, content, end marker) so its length tracks the
@@ -153,7 +164,7 @@ def render_messages(messages: list[Any], tools: Any = None) -> str:
         if not isinstance(message, dict):
             raise RequestError(400, "invalid_messages", "every entry of 'messages' must be an object")
         role = message.get("role", "user")
-        out.append(f"<|{role}|>\n{_text_of_content(message.get('content'))}<|end|>\n")
+        out.append(f"<|{role}|>\n{_text_of_content(message.get('content'), media)}<|end|>\n")
     return "".join(out)
 
 
@@ -253,10 +264,10 @@ def _messages(data: dict[str, Any], kind: str) -> list[Any]:
     return messages
 
 
-def prompt_of(data: dict[str, Any], api: ApiKind) -> str:
-    """The canonical prompt text of a validated body for its API family."""
+def prompt_of(data: dict[str, Any], api: ApiKind, media: MediaTokens = DEFAULT_MEDIA) -> str:
+    """The canonical prompt text of a validated body for its API family (media parts as `media` counts them)."""
     if api is ApiKind.CHAT:
-        return render_messages(_messages(data, "chat completions"), data.get("tools"))
+        return render_messages(_messages(data, "chat completions"), data.get("tools"), media)
     if api is ApiKind.COMPLETIONS:
         if "prompt" not in data:
             raise RequestError(400, "missing_prompt", "completions request has no 'prompt'")
@@ -267,7 +278,7 @@ def prompt_of(data: dict[str, Any], api: ApiKind) -> str:
             raise RequestError(400, "missing_input", "responses request has no 'input'")
         instructions = data.get("instructions") or ""
         if isinstance(item, list):
-            return str(instructions) + render_messages([m for m in item if isinstance(m, dict)])
+            return str(instructions) + render_messages([m for m in item if isinstance(m, dict)], media=media)
         return str(instructions) + _prompt_text(item)
     if api is ApiKind.EMBEDDINGS:
         if "input" not in data:
@@ -277,7 +288,7 @@ def prompt_of(data: dict[str, Any], api: ApiKind) -> str:
         messages = _messages(data, "messages")
         system = data.get("system")  # a string or text blocks, ahead of the turns as a chat template puts it
         turns = [{"role": "system", "content": system}, *messages] if system else messages
-        return render_messages(turns, data.get("tools"))
+        return render_messages(turns, data.get("tools"), media)
     # Conversations carry items, not a prompt: route on the model alone.
     return ""
 
@@ -288,8 +299,10 @@ def build_request(
     *,
     request_id: str,
     subset: tuple[str, ...] | None = None,
+    media: MultimodalConfig = DEFAULT_MEDIA,
 ) -> InferenceRequest:
     """Turn request headers (+ body, when the API has one) into an InferenceRequest; RequestError on bad input.
+    Media parts count as many tokens as `media` says the request's model counts them.
 
     With no body, the request is a header-only pass-through (`api` None) or refused by `route_kind`.
     """
@@ -314,7 +327,7 @@ def build_request(
     data = parse_body(body, api)
     request.model = data["model"]
     try:
-        request.prompt_text = prompt_of(data, api)
+        request.prompt_text = prompt_of(data, api, media.for_model(request.model))
     except RecursionError:  # a prompt that parsed, close to the limit, but is too deep to re-encode
         raise _too_deep() from None
     request.stream = bool(data.get("stream"))

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from picker.core.headers import DROPPED_REASON, RETRY_AFTER
-from picker.core.requests import InferenceRequest, RequestError, estimated_tokens
+from picker.core.requests import CHARS_PER_TOKEN, InferenceRequest, RequestError, estimated_tokens
 from picker.endpoints.saturation import SaturationThresholds, dispatch_level
 from picker.endpoints.state import Endpoint
 from picker.flowcontrol.queues import Fairness, FlowQueues, QueueFull, Waiter
 from picker.flowcontrol.slots import RunningSlots
-from picker.prefix.hashing import CHARS_PER_TOKEN
 
 DEFAULT_FLOW = "default"  # the flow of requests that name no fairness id
 

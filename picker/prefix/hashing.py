@@ -12,7 +12,8 @@ from pathlib import Path
 
 from xxhash import xxh3_64_intdigest
 
-CHARS_PER_TOKEN = 4
+from picker.core.requests import CHARS_PER_TOKEN
+
 DEFAULT_BLOCK_CHARS = 16 * CHARS_PER_TOKEN  # vLLM GPU block size 16 tokens (GIE's 64 characters)
 DEFAULT_MAX_PREFIX_BLOCKS = 256
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from picker.core.media import DEFAULT_MEDIA, MultimodalConfig
 from picker.core.requests import InferenceRequest, RequestError, build_request, estimated_tokens
 from picker.endpoints.model_listing import MODELS_PATH
 from picker.endpoints.model_serving import ModelServing
@@ -94,6 +95,7 @@ class Director:
         tokenizer: PromptTokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
         fallbacks: int = 1,
+        media: MultimodalConfig = DEFAULT_MEDIA,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
@@ -105,6 +107,7 @@ class Director:
         self.post_scoring = tuple(post_scoring)  # admission that reads the scores (SLO shedding)
         self.models = models if models is not None else ModelServing()  # which pods serve which model
         self.tokenizer = tokenizer  # precise prefix routing: the prompt's token ids before it is scheduled
+        self.media = media  # what each model counts an image, audio or video part as
         self.clock = clock
         self.fallbacks = max(1, fallbacks)
         self.chars_per_token = scheduler.chars_per_token  # counts our requests' tokens as the plugins do
@@ -248,7 +251,7 @@ class Director:
         received = time.perf_counter()
         request: InferenceRequest | None = None
         try:
-            request = build_request(headers, body, request_id=request_id, subset=subset)
+            request = build_request(headers, body, request_id=request_id, subset=subset, media=self.media)
             decision = await self.route(request, received, body)
         except RequestError as err:
             self.refused(request or InferenceRequest(request_id=request_id, model="", path=headers.get(":path", "")),

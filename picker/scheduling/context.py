@@ -10,9 +10,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from picker.core.requests import InferenceRequest
+from picker.core.requests import CHARS_PER_TOKEN, InferenceRequest
 from picker.endpoints.state import Endpoint
-from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_BLOCK_CHARS
+from picker.prefix.hashing import DEFAULT_BLOCK_CHARS
 
 
 class Detail(Protocol):

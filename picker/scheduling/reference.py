@@ -29,8 +29,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from picker.core.requests import CHARS_PER_TOKEN
 from picker.core.schema import ConfigError, Duration, Section, decode
-from picker.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_BLOCK_CHARS
+from picker.prefix.hashing import DEFAULT_BLOCK_CHARS
 
 API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")
 KIND = "EndpointPickerConfig"

@@ -1,7 +1,7 @@
 """Server options: defaults, then `--config-file` (YAML), then command-line flags, in that order of strength.
 
-Decoded strictly (picker.core.schema): an unknown key or a wrong type at the top level or in the `admission` and
-`scheduling` sections is a ConfigError naming the key's path, and `picker serve` exits non-zero with it.
+Decoded strictly (picker.core.schema): an unknown key or a wrong type at the top level or in the `admission`,
+`scheduling` and `multimodal` sections is a ConfigError naming the key's path, and `picker serve` exits non-zero with it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 
 from picker.core.distribution import install_hint
+from picker.core.media import MultimodalConfig
 from picker.core.schema import ConfigError, Duration, Section, describe, load_yaml, parse_duration
 from picker.endpoints.discovery import load_endpoints_file
 from picker.endpoints.scraper import MetricsTarget
@@ -134,6 +135,7 @@ class ServeConfig(Section):
     # Policy sections (GIE-like camelCase keys inside).
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    multimodal: MultimodalConfig = Field(default_factory=MultimodalConfig)
 
     @property
     def pool_label(self) -> str:
@@ -205,7 +207,8 @@ def load_config_text(text: str, source: str) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags named as GIE's endpoint picker names them, so users can carry their manifests over."""
     a = parser.add_argument
-    a("--config-file", help="YAML file with any of these options plus `scheduling` and `admission` sections")
+    a("--config-file", help="YAML file with any of these options plus `scheduling`, `admission` and `multimodal` "
+      "sections")
     a("--config-text", help="the same YAML given inline, instead of a file (default: none)")
     a("--host", help="address every server binds (default {default})")
     a("--grpc-port", type=int, help="ext_proc + picker.v1 API port (default {default})")

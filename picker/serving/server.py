@@ -177,7 +177,7 @@ class PickerServer:
                                                    self.tracer))
         self.director = Director(self.pool, self.scheduler, gate=gate, plugins=plugins, priorities=policy.priorities,
                                  models=ModelServing(models.adapters), tokenizer=self.tokenizer,
-                                 fallbacks=c.fallback_endpoints)
+                                 fallbacks=c.fallback_endpoints, media=c.multimodal)
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics,
                                      on_metrics=scrape_listener(gate, policy.precise_index)))
         self.shared_load = shared_load(c, self.pool, gate, policy)

@@ -1,0 +1,245 @@
+"""Images, audio and video in a prompt: what each stands for in the prompt's text, so media take part in prefix keys
+and in every token estimate as the model server will count them.
+
+A media part of a chat message is rendered as a marker naming its kind, a content hash and its estimated tokens,
+padded to that many tokens' worth of characters (`CHARS_PER_TOKEN`, 4, each): `<|image:3fa2c4...:391|>.....`. Equal
+media at equal positions after equal text give equal blocks, so a request with an image already sent lands where
+it was served; a different image breaks the chain at its first block, as it breaks the model server's. The hash is
+of the decoded bytes for a data URL (two encodings of one file match; the model server hashes the bytes too), of
+the URL for a remote one (the picker never fetches what a client names) and of the client's `uuid` when a part
+carries one (vLLM then uses it as the item's identity). Before, a part rendered as its JSON: a 100 KB data URL
+counted as 25,000 tokens in every estimate (P/D thresholds, in-flight work, predicted TTFT).
+
+Token estimates per model (`multimodal:` section, with `models:` overrides): an image costs a fixed count
+(`imageTokens`, LLaVA-1.5: 576) or, by default, what a Qwen2-VL-style processor makes of its size (rounded to
+`imagePatchPixels`-pixel squares, one token each, between `minImageTokens` and `maxImageTokens`), the size read
+from the PNG, JPEG, GIF or WebP header of a data URL; an image whose size cannot be read (a remote URL) costs
+`unsizedImageTokens`. Audio: `audioTokensPerSecond` of a WAV's duration, else `unsizedAudioTokens`; video:
+`videoTokens`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import math
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+
+from picker.core.schema import Section, decode
+
+MEDIA_KINDS = ("image", "audio", "video")
+MARKER = re.compile(r"<\|(image|audio|video):([0-9a-f]{16}):(\d+)\|>")
+
+
+class MediaTokens(Section):
+    """How many tokens a model counts for a media item (camelCase keys in YAML)."""
+
+    image_tokens: int = Field(0, ge=0)  # a fixed count per image (LLaVA-1.5: 576); 0: from the image's size
+    image_patch_pixels: int = Field(28, gt=0)  # side of the pixel square one token covers (Qwen2-VL: 14 x 2)
+    min_image_tokens: int = Field(4, gt=0)
+    max_image_tokens: int = Field(1280, gt=0)
+    unsized_image_tokens: int = Field(391, gt=0)  # size unknown (a remote URL): Qwen2-VL's count for 640 x 480
+    audio_tokens_per_second: float = Field(25.0, gt=0)  # Whisper-style encoders (Qwen2-Audio): 25 per second
+    unsized_audio_tokens: int = Field(750, gt=0)  # duration unknown (remote or compressed audio): 30 s
+    video_tokens: int = Field(1024, gt=0)
+
+
+class MultimodalConfig(MediaTokens):
+    """The `multimodal:` config section: the defaults above, and per served model name its own."""
+
+    models: dict[str, MediaTokens] = Field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> MultimodalConfig:
+        return decode(cls, data, "multimodal")
+
+    def for_model(self, model: str) -> MediaTokens:
+        return self.models.get(model, self)
+
+
+DEFAULT_MEDIA = MultimodalConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    kind: str  # image, audio or video
+    digest: str  # 16 hex digits of the content hash
+    tokens: int
+    source: str  # "data" (bytes in the request), "url" (named by the client), "uuid" (the client's identity)
+
+
+def media_in(text: str) -> list[MediaItem]:
+    """The media items a rendered prompt holds, in order (`picker explain`)."""
+    return [MediaItem(kind, digest, int(tokens), "") for kind, digest, tokens in MARKER.findall(text)]
+
+
+def render_part(part: Mapping[str, Any], tokens: MediaTokens, chars_per_token: int) -> str | None:
+    """A content part's text if it is a media part (see the module docstring), else None. ValueError with the
+    reason for a media part that cannot be read (an invalid data URL): the client's 400."""
+    item = media_of(part, tokens)
+    if item is None:
+        return None
+    marker = f"<|{item.kind}:{item.digest}:{item.tokens}|>"
+    return marker + "." * max(0, item.tokens * chars_per_token - len(marker))
+
+
+def media_of(part: Mapping[str, Any], tokens: MediaTokens) -> MediaItem | None:
+    kind, reference = _reference(part)
+    if kind is None:
+        return None
+    uuid = part.get("uuid")
+    if isinstance(reference, str) and reference.startswith("data:"):
+        payload = _data_url_bytes(reference)
+    elif isinstance(reference, tuple):  # (base64 data, format) of input_audio / an Anthropic base64 source
+        payload = _base64(reference[0])
+    else:
+        payload = None
+    if isinstance(uuid, str) and uuid:
+        digest, source = _digest(b"uuid:" + uuid.encode()), "uuid"
+    elif payload is not None:
+        digest, source = _digest(payload), "data"
+    else:
+        digest, source = _digest(b"url:" + str(reference).encode()), "url"
+    return MediaItem(kind, digest, _tokens(kind, payload, tokens), source)
+
+
+def _reference(part: Mapping[str, Any]) -> tuple[str | None, Any]:
+    """(kind, a URL or (base64, format)) of a media part in the OpenAI, vLLM, Responses or Anthropic shape."""
+    kind = part.get("type")
+    if kind in ("image_url", "video_url", "audio_url"):
+        value = part.get(kind)
+        url = value.get("url") if isinstance(value, Mapping) else value
+        return kind.removesuffix("_url"), url if isinstance(url, str) else ""
+    if kind == "input_image":
+        url = part.get("image_url") or part.get("file_id") or ""
+        return "image", url.get("url", "") if isinstance(url, Mapping) else str(url)
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if isinstance(audio, Mapping) and isinstance(audio.get("data"), str):
+            return "audio", (audio["data"], str(audio.get("format", "")))
+        return "audio", ""
+    if kind == "image" and isinstance(part.get("source"), Mapping):  # Anthropic's Messages API
+        source = part["source"]
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            return "image", (source["data"], str(source.get("media_type", "")))
+        return "image", str(source.get("url", ""))
+    return None, None
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _data_url_bytes(url: str) -> bytes:
+    header, sep, data = url.partition(",")
+    if not sep:
+        raise ValueError("a data URL needs a ',' before its data")
+    return _base64(data) if header.endswith(";base64") else data.encode()
+
+
+def _base64(data: str) -> bytes:
+    """Standard or URL-safe base64, line breaks and missing padding forgiven (what clients send and servers
+    accept); ValueError for anything else."""
+    compact = re.sub(r"\s+", "", data).translate(_URLSAFE)
+    try:
+        return base64.b64decode(compact + "=" * (-len(compact) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("media data is not valid base64") from None
+
+
+_URLSAFE = str.maketrans("-_", "+/")
+
+
+def _tokens(kind: str, payload: bytes | None, tokens: MediaTokens) -> int:
+    if kind == "image":
+        if tokens.image_tokens:
+            return tokens.image_tokens
+        size = image_size(payload) if payload else None
+        return image_tokens(*size, tokens) if size else tokens.unsized_image_tokens
+    if kind == "audio":
+        seconds = wav_seconds(payload) if payload else None
+        return max(1, round(seconds * tokens.audio_tokens_per_second)) if seconds else tokens.unsized_audio_tokens
+    return tokens.video_tokens
+
+
+def image_tokens(width: int, height: int, tokens: MediaTokens) -> int:
+    """Qwen2-VL's arithmetic (transformers' smart_resize): each side rounded to the patch square, the area kept
+    between the min and max token counts' pixels, one token per square."""
+    side = tokens.image_patch_pixels
+    area = side * side
+    low, high = tokens.min_image_tokens * area, tokens.max_image_tokens * area
+    h, w = max(side, round(height / side) * side), max(side, round(width / side) * side)
+    if h * w > high:
+        beta = math.sqrt(height * width / high)
+        h, w = max(side, math.floor(height / beta / side) * side), max(side, math.floor(width / beta / side) * side)
+    elif h * w < low:
+        beta = math.sqrt(low / (height * width))
+        h, w = math.ceil(height * beta / side) * side, math.ceil(width * beta / side) * side
+    return h * w // area
+
+
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG, GIF, JPEG or WebP header; None for anything else."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24:
+        width, height = struct.unpack(">II", data[16:24])
+        return width, height
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        width, height = struct.unpack("<HH", data[6:10])
+        return width, height
+    if data[:2] == b"\xff\xd8":
+        return _jpeg_size(data)
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return _webp_size(data)
+    return None
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    i = 2
+    while i + 9 < len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
+            i += 2
+            continue
+        length = struct.unpack(">H", data[i + 2:i + 4])[0]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame
+            height, width = struct.unpack(">HH", data[i + 5:i + 9])
+            return width, height
+        i += 2 + length
+    return None
+
+
+def _webp_size(data: bytes) -> tuple[int, int] | None:
+    chunk = data[12:16]
+    if chunk == b"VP8X" and len(data) >= 30:
+        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    if chunk == b"VP8 " and len(data) >= 30:
+        width, height = struct.unpack("<HH", data[26:30])
+        return width & 0x3FFF, height & 0x3FFF
+    if chunk == b"VP8L" and len(data) >= 25:
+        bits = int.from_bytes(data[21:25], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    return None
+
+
+def wav_seconds(data: bytes) -> float | None:
+    """A WAV's duration from its header (the data chunk's size over the byte rate); None for other formats."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    i, byte_rate = 12, 0
+    while i + 8 <= len(data):
+        name, size = data[i:i + 4], struct.unpack("<I", data[i + 4:i + 8])[0]
+        if name == b"fmt " and i + 20 <= len(data):
+            byte_rate = struct.unpack("<I", data[i + 16:i + 20])[0]
+        elif name == b"data":
+            return min(size, len(data) - i - 8) / byte_rate if byte_rate else None
+        i += 8 + size + (size & 1)
+    return None

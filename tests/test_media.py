@@ -1,0 +1,143 @@
+"""Images, audio and video in prompts (picker/core/media.py): a content hash and a token estimate in the prompt's
+text instead of the part's JSON."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import zlib
+from collections.abc import Mapping
+
+import pytest
+
+from picker.core.media import (
+    DEFAULT_MEDIA,
+    MediaTokens,
+    MultimodalConfig,
+    image_size,
+    image_tokens,
+    media_in,
+    wav_seconds,
+)
+from picker.core.requests import ApiKind, InferenceRequest, RequestError, build_request, estimated_tokens
+from picker.core.schema import ConfigError
+
+
+def png(width: int, height: int, shade: int = 0) -> bytes:
+    """A real PNG (one grey row repeated), small on the wire whatever its size."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = b"".join(b"\x00" + bytes([shade]) * width for _ in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    frames = b"\x00\x00" * int(seconds * rate)
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
+    return (b"RIFF" + struct.pack("<I", 36 + len(frames)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", len(frames)) + frames)
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat(*parts: Mapping[str, object], model: str = "m") -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": list(parts)}]}).encode()
+
+
+def parse(body: bytes, media: MultimodalConfig = DEFAULT_MEDIA) -> InferenceRequest:
+    return build_request({":path": "/v1/chat/completions", ":method": "POST"}, body, request_id="r", media=media)
+
+
+def image(url: str) -> dict[str, object]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+TEXT = {"type": "text", "text": "What is in this picture?"}
+
+
+def test_equal_images_match_and_different_ones_do_not() -> None:
+    one, same, other = (parse(chat(TEXT, image(data_url(png(640, 480, s))))) for s in (0, 0, 9))
+    assert one.prompt_text == same.prompt_text != other.prompt_text
+    assert [i.tokens for i in media_in(one.prompt_text)] == [391]  # Qwen2-VL: 644 x 476 -> 23 x 17
+
+
+def test_the_hash_is_of_the_bytes_not_of_their_encoding() -> None:
+    raw = png(64, 64)
+    wrapped = base64.encodebytes(raw).decode()  # line breaks every 76 characters, as some clients send
+    assert parse(chat(image(data_url(raw)))).prompt_text == \
+        parse(chat(image(f"data:image/png;base64,{wrapped}"))).prompt_text
+
+
+def test_a_100_kb_image_counts_as_its_tokens_not_as_its_characters() -> None:
+    request = parse(chat(TEXT, image(data_url(png(1024, 1024) + b"\x00" * 100_000))))
+    tokens = estimated_tokens(request, 4)
+    assert 1024 <= tokens <= 1400  # 1,296 tokens (36 x 36 squares) and the text; its JSON would be ~34,000
+
+
+def test_a_remote_image_is_hashed_by_its_url_and_never_fetched() -> None:
+    a, b = (parse(chat(image(f"https://images.example/{n}.png"))) for n in ("cat", "dog"))
+    assert a.prompt_text != b.prompt_text
+    assert media_in(a.prompt_text)[0].tokens == 391  # size unknown: unsizedImageTokens
+
+
+def test_a_client_uuid_is_the_items_identity() -> None:
+    a = parse(chat({**image(data_url(png(8, 8, 1))), "uuid": "img-1"}))
+    b = parse(chat({**image("https://elsewhere.example/x.png"), "uuid": "img-1"}))
+    assert media_in(a.prompt_text)[0].digest == media_in(b.prompt_text)[0].digest
+
+
+def test_per_model_counts_and_fixed_counts() -> None:
+    config = MultimodalConfig.from_dict({"models": {"llava": {"imageTokens": 576}}})
+    assert media_in(parse(chat(image(data_url(png(64, 64))), model="llava"), config).prompt_text)[0].tokens == 576
+    assert media_in(parse(chat(image(data_url(png(64, 64))), model="qwen"), config).prompt_text)[0].tokens == 4  # 2 x 2 squares
+    with pytest.raises(ConfigError, match="multimodal.models.llava.imageTokns"):
+        MultimodalConfig.from_dict({"models": {"llava": {"imageTokns": 576}}})
+
+
+def test_qwen2_vl_arithmetic() -> None:
+    tokens = MediaTokens()
+    assert image_tokens(640, 480, tokens) == 391
+    assert image_tokens(28, 28, tokens) == 4  # raised to min_pixels
+    assert image_tokens(4000, 3000, tokens) <= 1280  # scaled down to max_pixels
+
+
+def test_audio_counts_its_seconds_and_other_formats_a_default() -> None:
+    assert wav_seconds(wav(2.0)) == pytest.approx(2.0)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(2.0)).decode(), "format": "wav"}}
+    assert media_in(parse(chat(part)).prompt_text)[0].tokens == 50
+    mp3 = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"ID3" + b"\x00" * 64).decode(),
+                                                  "format": "mp3"}}
+    assert media_in(parse(chat(mp3)).prompt_text)[0].tokens == 750
+
+
+def test_headers_of_other_formats() -> None:
+    gif = b"GIF89a" + struct.pack("<HH", 300, 200) + b"\x00" * 8
+    assert image_size(gif) == (300, 200)
+    jpeg = b"\xff\xd8" + b"\xff\xe0" + struct.pack(">H", 16) + b"\x00" * 14 + b"\xff\xc0" + struct.pack(">H", 17) \
+        + b"\x08" + struct.pack(">HH", 480, 640) + b"\x00" * 10
+    assert image_size(jpeg) == (640, 480)
+    assert image_size(b"not an image") is None
+
+
+def test_an_invalid_data_url_is_the_clients_400() -> None:
+    with pytest.raises(RequestError) as caught:
+        parse(chat(image("data:image/png;base64,@@@not-base64@@@")))
+    assert caught.value.status == 400 and caught.value.code == "invalid_media"
+
+
+def test_other_apis_render_their_media_too() -> None:
+    anthropic = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(png(64, 64)).decode()}}]}]}
+    request = build_request({":path": "/v1/messages", ":method": "POST"}, json.dumps(anthropic).encode(),
+                            request_id="r")
+    assert request.api is ApiKind.MESSAGES and [i.kind for i in media_in(request.prompt_text)] == ["image"]
+    responses = {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://images.example/a.png"}]}]}
+    request = build_request({":path": "/v1/responses", ":method": "POST"}, json.dumps(responses).encode(),
+                            request_id="r")
+    assert [i.kind for i in media_in(request.prompt_text)] == ["image"]
