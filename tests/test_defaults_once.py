@@ -20,6 +20,7 @@ MAPPED_BY_THEIR_FACTORY = {
     "disagg-profile-handler": "nested or flat keys, unset meaning not given",
     "pd-profile-handler": "keys the reference declares but does not read (unset), and primaryPort (0 only)",
     "disagg-headers-handler": "encodeProfile is only named", "prefill-header-handler": "encodeProfile is only named",
+    "mm-embeddings-cache-scorer": "producerName is only named",
 }
 
 

@@ -141,3 +141,26 @@ def test_other_apis_render_their_media_too() -> None:
     request = build_request({":path": "/v1/responses", ":method": "POST"}, json.dumps(responses).encode(),
                             request_id="r")
     assert [i.kind for i in media_in(request.prompt_text)] == ["image"]
+
+
+def test_the_media_scorer_follows_the_images_sent_to_each_pod() -> None:
+    """A pod scores the share of the request's distinct images it was sent (any position, any text around)."""
+    from picker.endpoints.state import Endpoint
+    from picker.scheduling.context import SchedulingContext
+    from picker.scheduling.media import MediaAffinityScorer
+
+    pods = [Endpoint(f"10.0.0.{i}:8000", f"10.0.0.{i}", 8000) for i in (1, 2)]
+    scorer = MediaAffinityScorer("media", entries_per_pod=2)
+    cat, dog, fish = (image(data_url(png(32, 32, shade))) for shade in (1, 2, 3))
+
+    def ctx(*parts: Mapping[str, object]) -> SchedulingContext:
+        return SchedulingContext(request=parse(chat(*parts)), now=0.0, model="m")
+
+    assert scorer.score(ctx(cat), pods) == [0.0, 0.0]
+    scorer.on_picked(ctx(TEXT, cat), pods[0], 0.0)
+    assert scorer.score(ctx({"type": "text", "text": "another question"}, cat, dog), pods) == [0.5, 0.0]
+    scorer.on_picked(ctx(dog, fish), pods[0], 1.0)  # two entries a pod: the cat is forgotten
+    assert scorer.score(ctx(cat), pods) == [0.0, 0.0]
+    scorer.on_endpoint_removed(pods[0])
+    assert scorer.score(ctx(dog), pods) == [0.0, 0.0]
+

@@ -56,12 +56,25 @@ def profiles_of(config: ServeConfig) -> dict[str, Any]:
     ("disaggregated.yaml", {
         "prefill": (["prefill-filter"], {"prefix-cache-scorer": 2, "queue-scorer": 1}, "MaxScorePicker"),
         "decode": (["decode-filter"], {"prefix-cache-scorer": 2, "queue-scorer": 1}, "MaxScorePicker")}),
+    ("mm-embeddings-cache.yaml", {"default": ([], {"prefix-cache-scorer": 3, "mm-embeddings-cache-scorer": 2,
+                                                   "queue-scorer": 1}, "MaxScorePicker")}),
     ("openai-parser-lora.yaml", {"default": ([], {"queue-scorer": 1, "kv-cache-utilization-scorer": 1,
                                                   "prefix-cache-scorer": 1, "lora-affinity-scorer": 1},
                                              "MaxScorePicker")}),
 ])
 def test_each_reference_config_gives_the_profile_it_describes(name: str, profiles: dict[str, Any]) -> None:
     assert profiles_of(load(name)) == profiles
+
+
+def test_the_multimodal_producers_cache_size_sizes_the_media_scorer() -> None:
+    from picker.scheduling.media import MediaAffinityScorer
+
+    config = load("mm-embeddings-cache.yaml")
+    scheduler = build_strategy(config.strategy, StrategyDeps(config.scheduling))
+    assert isinstance(scheduler, PrefixAwareScheduler)
+    media = [w.scorer for p in scheduler.profiles.values() for w in p.scorers
+             if isinstance(w.scorer, MediaAffinityScorer)]
+    assert [m.entries_per_pod for m in media] == [512]  # 1024 MiB at the reference's 2 MiB an image
 
 
 def test_settings_of_non_scheduling_plugins_land_where_ours_live() -> None:

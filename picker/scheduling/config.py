@@ -49,6 +49,7 @@ from picker.scheduling import (
     disagg,
     filters,
     fuzzy,
+    media,
     picker,
     predicted,
     producers,
@@ -142,7 +143,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
 PLUGIN_FACTORIES: dict[str, PluginFactory[Any]] = {
     f.type_name: f for f in (*producers.FACTORIES, *filters.FACTORIES, *scorers.FACTORIES, *spreading.FACTORIES, *predicted.FACTORIES, *fuzzy.FACTORIES,
                              *baselines.FACTORIES, *picker.FACTORIES, *profiles.FACTORIES,
-                             *reference_plugins.FACTORIES, *disagg.FACTORIES)
+                             *reference_plugins.FACTORIES, *disagg.FACTORIES, *media.FACTORIES)
 }
 
 

@@ -32,6 +32,7 @@ from pydantic import Field
 from picker.core.requests import CHARS_PER_TOKEN
 from picker.core.schema import ConfigError, Duration, Section, decode
 from picker.prefix.hashing import DEFAULT_BLOCK_CHARS
+from picker.scheduling.media import REFERENCE_PRODUCER, REFERENCE_TYPE, ReferenceProducerParams
 
 API_VERSIONS = ("llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1")
 KIND = "EndpointPickerConfig"
@@ -42,7 +43,7 @@ DOCUMENT_FIELDS = ("apiVersion", "kind", "featureGates", "plugins", "schedulingP
 # references to them in profiles, which the reference allows for non-scheduling plugins).
 CONFIGURED_ELSEWHERE = frozenset({
     "metrics-data-source", "core-metrics-extractor", "utilization-detector",
-    "openai-parser", "token-producer", "inflight-load-producer",
+    "openai-parser", "token-producer", "inflight-load-producer", REFERENCE_PRODUCER,
 })
 
 # The reference's plugin types we do not implement, and why (the error a config naming one gets).
@@ -78,8 +79,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "endpoint-attribute-filter": "pod attributes beyond vLLM's metrics are not read",
     "endpoint-attribute-scorer": "pod attributes beyond vLLM's metrics are not read",
     "header-label-affinity-scorer": "pod labels are not matched against headers",
-    "mm-embeddings-cache-producer": "multimodal encoder-cache affinity is not implemented",
-    "mm-embeddings-cache-scorer": "multimodal encoder-cache affinity is not implemented",
     "models-data-source": "served models are read from the pods' metrics",
     "models-data-extractor": "served models are read from the pods' metrics",
     "dcgm-data-source": "GPU utilization (DCGM) is not read",
@@ -218,6 +217,7 @@ def _adapt_plugins(scheduling: dict[str, Any], prefix: str, adapted: Adapted) ->
     if not isinstance(plugins, list):
         return
     prefix_cache: dict[str, Any] = {}
+    media_entries = 0
     for i, spec in enumerate(plugins):
         if not isinstance(spec, dict):
             continue
@@ -235,6 +235,9 @@ def _adapt_plugins(scheduling: dict[str, Any], prefix: str, adapted: Adapted) ->
             spec["parameters"] = _prefix_scoring(ours, f"{where}.parameters")
         elif kind == "approx-prefix-cache-producer":
             _prefix_hashing(params, f"{where}.parameters", prefix_cache)
+            spec["parameters"] = {}
+        elif kind == REFERENCE_PRODUCER:  # its cache size goes to the media scorers, which remember on their own
+            media_entries = decode(ReferenceProducerParams, params, f"{where}.parameters").entries_per_pod()
             spec["parameters"] = {}
         elif kind == "metrics-data-source":
             p = decode(MetricsSourceParams, params, f"{where}.parameters")
@@ -257,6 +260,11 @@ def _adapt_plugins(scheduling: dict[str, Any], prefix: str, adapted: Adapted) ->
             spec["parameters"] = {}
         elif kind in ("openai-parser", "inflight-load-producer") and params:
             raise ConfigError(f"{where}.parameters: {kind} takes none here")
+    for spec in plugins:
+        if media_entries and isinstance(spec, dict) and spec.get("type") == REFERENCE_TYPE:
+            params = spec.setdefault("parameters", {})
+            if isinstance(params, dict):
+                params.setdefault("entriesPerPod", media_entries)
     if prefix_cache:
         given = scheduling.get("prefixCache")
         if isinstance(given, Mapping):
