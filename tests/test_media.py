@@ -75,7 +75,7 @@ def test_the_hash_is_of_the_bytes_not_of_their_encoding() -> None:
 def test_a_100_kb_image_counts_as_its_tokens_not_as_its_characters() -> None:
     request = parse(chat(TEXT, image(data_url(png(1024, 1024) + b"\x00" * 100_000))))
     tokens = estimated_tokens(request, 4)
-    assert 1024 <= tokens <= 1400  # 1,296 tokens (36 x 36 squares) and the text; its JSON would be ~34,000
+    assert 1225 <= tokens <= 1260  # 1,225 tokens (35 x 35 squares, scaled to max_pixels) and the text; its JSON ~34,000
 
 
 def test_a_remote_image_is_hashed_by_its_url_and_never_fetched() -> None:
