@@ -139,9 +139,10 @@ mixed-models: install
 # scheduling weights beside the defaults and round-robin (fast mode); predicted-priors, predicted-live: the
 # predicted-TTFT picker against the defaults and prefix-hash (fast, then live); replicas, replicas-live: picker
 # replicas behind one Envoy with and without the shared index (fast, then real processes); shared-index: replication
-# lag and per-pick cost on a local Valkey; sim-throughput: requests/s one `picker sim` process sustains (<= ~60 s).
+# lag and per-pick cost on a local Valkey; sim-throughput: requests/s one `picker sim` process sustains (<= ~60 s);
+# media-tokens: the picker's image token estimate against Qwen2-VL's processor (transformers, in bench/.venvs/vllm).
 BENCH_SCRIPTS := decision-cost metrics-cost exact-index pick-gaps run-scheduling-sweep predicted-priors \
-	predicted-live replicas replicas-live shared-index sim-throughput
+	predicted-live replicas replicas-live shared-index sim-throughput media-tokens
 .PHONY: $(BENCH_SCRIPTS)
 $(BENCH_SCRIPTS): install
 	$(BIN)/python bench/$(subst -,_,$@).py $(ARGS)
