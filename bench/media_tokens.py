@@ -11,6 +11,7 @@ its `image_grid_thw` giving the tokens (t x h x w patches / merge 2 x 2). The pi
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from pathlib import Path
@@ -34,6 +35,7 @@ print(json.dumps(counts))
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     install()
     out = subprocess.run([str(venv_python()), "-c", PROCESSOR, json.dumps(SIZES)], check=True, capture_output=True,
                          text=True).stdout
