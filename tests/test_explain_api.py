@@ -59,3 +59,13 @@ def test_explain_over_tls_to_a_plaintext_picker_says_so(stack: Stack) -> None:
                              f"127.0.0.1:{stack.picker.grpc_port}", "--endpoints"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and "--secure-serving=false needs --plaintext" in result.stderr, result.stderr
+
+
+def test_explain_lists_a_prompts_media(stack: Stack) -> None:
+    image = {"type": "image_url", "image_url": {"url": "https://images.example/vase.png"}}
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [image]}]})
+    table = cli(stack, "--body", body)
+    assert table.returncode == 0, table.stderr
+    assert "media: image " in table.stdout and "(391 tokens)" in table.stdout
+    data = json.loads(cli(stack, "--body", body, "--json").stdout)
+    assert [(m["kind"], m["tokens"]) for m in data["media"]] == [("image", 391)]

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker_lab.supervisor import (
     Backends,
     Envoy,
@@ -250,7 +251,12 @@ async def test_by_tokens_a_light_tenant_goes_before_a_heavy_one_that_queued_firs
             set_pod(stack, waiting=0)
             statuses = await asyncio.gather(*tasks)
         charged = await charged_tokens(stack)
+        async with stack.picker.aio_channel() as channel:  # Explain shows what a next heavy request would weigh
+            explained = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
+                path="/v1/completions", body=b'{"model": "tiny", "prompt": "' + b"x" * 4000 + b'"}',
+                headers={"x-llm-d-inference-fairness-id": "heavy"}))
     assert statuses == [200] * 16
+    assert dict(explained.admission) == {"flow_cost_tokens": 1000, "flow_charged_tokens": 8000}
     # what each flow was charged, as its metric says: its prompts' tokens (characters / 4; no max_tokens asked)
     assert charged == {"heavy": 8 * 1000, "light": 8 * 10}
     # a wave of dispatches may answer in any order: the light tenant's 8 among the first 10 answers (one heavy

@@ -21,7 +21,8 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
     try:
         request = build_request(headers, message.body, request_id="explain", subset=subset, media=director.media)
         now = director.clock()
-        director.screen(request, now)  # a request admission would refuse at once is explained as its refusal
+        for name, value in director.screen(request, now).items():  # a request refused at once: its refusal
+            response.admission[name] = value
         response.priority = request.priority
         result = director.rank(request, now)
     except RequestError as err:

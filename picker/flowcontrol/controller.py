@@ -191,6 +191,14 @@ class FlowController:
             return None
         return self._shed(request.priority)
 
+    def weighs(self, request: InferenceRequest) -> dict[str, float]:
+        """Under fairness by tokens: what letting `request` through would charge its flow, and what its flow has
+        been charged (the least-charged waiting flow goes first)."""
+        if not self.queues.by_tokens:
+            return {}
+        return {"flow_cost_tokens": self.cost(request),
+                "flow_charged_tokens": self.queues.charged(request.fairness_id or DEFAULT_FLOW)}
+
     def _may_go(self, now: float, priority: int) -> bool:
         """Nobody of this priority or higher waits, and the pool has room for it."""
         return not self.queues.has_waiting_at_or_above(priority) and self.has_room(now, priority)

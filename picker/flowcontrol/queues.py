@@ -124,6 +124,10 @@ class FlowQueues(Generic[T]):
                 return band.flows[flow][0]
         return None
 
+    def charged(self, flow: str) -> float:
+        """`flow`'s counter (tokens charged, lifted as it started waiting), or where a new flow would start."""
+        return self.served.get(flow, self._floor)
+
     def charge(self, flow: str, tokens: float) -> None:
         """A request of `flow` was let through (queued or not) and costs `tokens` (fairness by tokens)."""
         served = self.served.pop(flow, self._floor) + tokens

@@ -172,6 +172,11 @@ class Gate(Protocol[H]):
         """The refusal `offer` would give at once, without taking a place or a budget (Explain)."""
         ...
 
+    def weighs(self, request: InferenceRequest) -> dict[str, float]:
+        """What admission weighs for `request` beside its priority, by name (Explain): flow control's token cost
+        and its flow's count under fairness by tokens; nothing for the other gates."""
+        ...
+
 
 class PostScoring(Protocol):
     """Admission that needs the scores: raises RequestError to refuse a request once it is scheduled."""
@@ -219,6 +224,9 @@ class Ungated:
     def with_room(self, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
         return candidates
 
+    def weighs(self, request: InferenceRequest) -> dict[str, float]:
+        return {}
+
     def refusal(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> None:
         return None
 
@@ -245,6 +253,9 @@ class BoundedWait:
 
     def saturated(self, candidates: Sequence[Endpoint], now: float) -> bool:
         return pool_saturation(candidates, now, self.config.thresholds) >= self.config.saturation_limit
+
+    def weighs(self, request: InferenceRequest) -> dict[str, float]:
+        return {}
 
     def refusal(self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float) -> RequestError | None:
         if request.priority >= 0 or not request.has_body or not candidates:

@@ -179,13 +179,14 @@ class Director:
         """A hold's deadline has come: its refusal, or None (let go: its `go` has been called)."""
         return self.gate.expire(hold)
 
-    def screen(self, request: InferenceRequest, now: float) -> None:
+    def screen(self, request: InferenceRequest, now: float) -> dict[str, float]:
         """Explain's admission: resolve the request and raise the refusal the gate would give it at once, taking
-        no place in a queue and no token budget."""
+        no place in a queue and no token budget; else what the gate weighs for it."""
         self.resolve(request)
         refusal = self.gate.refusal(request, self.candidates(request), now)
         if refusal is not None:
             raise refusal
+        return self.gate.weighs(request)
 
     async def route(self, request: InferenceRequest, received: float = 0.0, body: bytes = b"") -> Decision:
         """Route a parsed request in real time: the steps, with the event loop's way to wait on a hold. Its

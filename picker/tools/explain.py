@@ -62,6 +62,10 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
              f"{response.prefix_matched_blocks}/{response.prefix_blocks}"]
     if response.profile_reason:
         lines.append(f"why {response.profile}: {response.profile_reason}")
+    if response.media:
+        lines.append("media: " + ", ".join(f"{m.kind} {m.digest} ({m.tokens} tokens)" for m in response.media))
+    if response.admission:
+        lines.append("admission: " + "  ".join(f"{k}={v:g}" for k, v in sorted(response.admission.items())))
     names = sorted({name for c in response.candidates for name in c.scores})
     labels = [n.removesuffix("-scorer") for n in names]
     widths = [max(6, len(label)) for label in labels]
@@ -113,7 +117,10 @@ async def _call(args: argparse.Namespace) -> tuple[str, bool]:
                                "candidates": [{"address": c.address, "scores": dict(c.scores),
                                                "details": dict(c.details), "total": c.total,
                                                "filtered_by": c.filtered_by or None}
-                                              for c in response.candidates]}, indent=2), refused
+                                              for c in response.candidates],
+                               "media": [{"kind": m.kind, "digest": m.digest, "tokens": m.tokens}
+                                         for m in response.media],
+                               "admission": dict(response.admission)}, indent=2), refused
         return format_explain(response), refused
 
 
