@@ -34,7 +34,6 @@ from xxhash import xxh3_64_hexdigest
 
 from picker.core.schema import Section, decode
 
-MEDIA_KINDS = ("image", "audio", "video")
 MARKER = re.compile(r"<\|(image|audio|video):([0-9a-f]{16}):(\d+)\|>")
 
 
