@@ -318,6 +318,7 @@ def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_
         args += ["--endpoints-file", str(endpoints_file)]
     args += extra or []
     process = spawn(name, args, logdir)
+    process.stop_signal = signal.SIGINT
     wait_until(lambda: port_open(health_port, host) and port_open(grpc_port, host), 30, "picker", process)
     return Picker(grpc_port, health_port, metrics_port, process, endpoints_file, host, tls, pki)
 
