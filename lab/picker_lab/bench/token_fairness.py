@@ -13,9 +13,9 @@ Pickers: flow control sharing turns by requests (`fairness: requests`, the defau
 tokens`), and by tokens with requests waiting in the picker for a free running slot instead of in the pods'
 first-come queues (`criticalSlotShare` 0.02 with the pods' capacity given: a standard request goes only to a pod
 with a free slot); and, as a bound no fairness rule can beat, the light tenants' requests critical with a tenth
-of the running slots kept free for them (what they still lose under load is the pods' batch, not the order). By turns, a round lets one request of each waiting tenant through, so the heavy tenant takes
-ten thirteenths of the pods and the light ones, each offered two thirteenths, are backlogged; by tokens each
-tenant is owed a quarter. Reported per picker: the light tenants' TTFT p90 loaded over unloaded (the target:
+of the running slots kept free for them (what they still lose under load is the pods' batch, not the order). By
+turns, a round lets one request of each waiting tenant through, so the heavy tenant takes ten thirteenths of the
+pods and the light ones, each offered two thirteenths, are backlogged; by tokens each tenant is owed a quarter. Reported per picker: the light tenants' TTFT p90 loaded over unloaded (the target:
 <= 1.5x with token fairness), the share of their requests served, and the heavy tenant's. `--repeats` seeds, the
 pickers' order reversed every other seed; medians and ranges.
 
