@@ -164,3 +164,9 @@ def test_the_media_scorer_follows_the_images_sent_to_each_pod() -> None:
     scorer.on_endpoint_removed(pods[0])
     assert scorer.score(ctx(dog), pods) == [0.0, 0.0]
 
+
+
+def test_the_request_carries_its_media_even_a_marker_longer_than_its_tokens() -> None:
+    request = parse(chat(TEXT, image(data_url(png(28, 28))), image("https://images.example/a.png")))
+    assert [(m.kind, m.tokens) for m in request.media] == [("image", 4), ("image", 391)]
+    assert parse(chat(TEXT)).media == ()

@@ -7,6 +7,9 @@ from __future__ import annotations
 import base64
 import json
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker_lab.supervisor import Envoy
 from tests.conftest import Stack
@@ -43,6 +46,23 @@ async def test_requests_sharing_an_image_land_where_the_first_was_served(envoy: 
             status, body = await post(envoy, "/v1/chat/completions", asking(url, f"question {i} about it", system))
             assert status == 200, body
             assert body["served_by"] == home, (name, i)
+
+
+async def test_routed_media_are_counted_with_their_tokens(envoy: Envoy, stack: Stack) -> None:
+    async def counted() -> tuple[float, float]:
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
+            text = await response.text()
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.labels.get("kind") == "image" and s.labels.get("model_name") == "tiny"}
+        return values.get("picker_request_media_items_total", 0.0), values.get("picker_request_media_tokens_total", 0.0)
+
+    items, tokens = await counted()
+    raw = png(640, 480, shade=envoy.port % 199)
+    status, _ = await post(envoy, "/v1/chat/completions",
+                           asking("data:image/png;base64," + base64.b64encode(raw).decode(), "Count me."))
+    assert status == 200
+    assert await counted() == (items + 1, tokens + 391)
 
 
 async def test_explain_lists_the_media_and_their_tokens(stack: Stack) -> None:

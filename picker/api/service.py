@@ -6,7 +6,6 @@ import grpc
 
 import picker.api  # noqa: F401 - says how to build the stubs when they are missing
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
-from picker.core.media import media_in
 from picker.core.requests import RequestError, build_request
 from picker.routing.director import Director
 
@@ -33,7 +32,7 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
     response.profile_reason = result.profile_reason
     for name, weight in result.weights.items():
         response.weights[name] = weight
-    for item in media_in(request.prompt_text):
+    for item in request.media:
         response.media.add(kind=item.kind, digest=item.digest, tokens=item.tokens)
     response.prefix_blocks = result.prefix_blocks
     response.prefix_matched_blocks = result.prefix_matched_blocks

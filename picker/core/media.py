@@ -74,6 +74,11 @@ class MediaItem:
     source: str  # "data" (bytes in the request), "url" (named by the client), "uuid" (the client's identity)
 
 
+def has_media(text: str) -> bool:
+    """Whether a rendered prompt may hold a media marker: substring tests, cheap on every request."""
+    return "<|image:" in text or "<|audio:" in text or "<|video:" in text
+
+
 def media_in(text: str) -> list[MediaItem]:
     """The media items a rendered prompt holds, in order (`picker explain`)."""
     return [MediaItem(kind, digest, int(tokens), "") for kind, digest, tokens in MARKER.findall(text)]

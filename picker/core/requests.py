@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from picker.core import headers as names
-from picker.core.media import DEFAULT_MEDIA, MediaTokens, MultimodalConfig, render_part
+from picker.core.media import (
+    DEFAULT_MEDIA,
+    MediaItem,
+    MediaTokens,
+    MultimodalConfig,
+    has_media,
+    media_in,
+    render_part,
+)
 
 # Characters per token where nothing better is known: the prompt's text stands for its tokens at this rate (the
 # prefix index's blocks, media markers, token estimates).
@@ -93,6 +101,7 @@ class InferenceRequest:
     # not be: precise prefix routing renders its messages or prompt as the pod will (`tokenize_input`)
     parsed: dict[str, Any] | None = None
     token_ids: list[int] | None = None  # the prompt's tokens, when a tokenizer gave them
+    media: tuple[MediaItem, ...] = ()  # the prompt's images, audio and video, as its text holds them
 
     @property
     def has_body(self) -> bool:
@@ -328,6 +337,8 @@ def build_request(
     request.model = data["model"]
     try:
         request.prompt_text = prompt_of(data, api, media.for_model(request.model))
+        if has_media(request.prompt_text):
+            request.media = tuple(media_in(request.prompt_text))
     except RecursionError:  # a prompt that parsed, close to the limit, but is too deep to re-encode
         raise _too_deep() from None
     request.stream = bool(data.get("stream"))

@@ -16,7 +16,6 @@ from typing import Any
 
 from pydantic import Field
 
-from picker.core.media import media_in
 from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
@@ -28,7 +27,7 @@ MIB_PER_ITEM = 2  # the reference's estimate of one encoded image's size
 
 
 def digests(ctx: SchedulingContext) -> set[str]:
-    return {item.digest for item in media_in(ctx.request.prompt_text)}
+    return {item.digest for item in ctx.request.media}
 
 
 class MediaAffinityScorer(Plugin):

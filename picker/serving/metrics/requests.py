@@ -132,6 +132,10 @@ class RequestMetrics:
                                          indexer, buckets=SIZE_BUCKETS, registry=r)
         self._hit_ratio = self.index_hit_ratio.labels(*PREFIX_SCORER)
         self._hit_bytes = self.index_hit_bytes.labels(*PREFIX_SCORER)
+        self.media_items = Counter("picker_request_media_items", "Images, audio and video in routed requests' prompts.",
+                                   ["model_name", "kind"], registry=r)
+        self.media_tokens = Counter("picker_request_media_tokens", "Their estimated tokens (the multimodal config).",
+                                    ["model_name", "kind"], registry=r)
         self.prompt_tokens = Counter("picker_response_prompt_tokens", "Prompt tokens in responses' usage.",
                                      ["model_name"], registry=r)
         self.cached_tokens = Counter("picker_response_cached_tokens",
@@ -208,6 +212,10 @@ class RequestMetrics:
         if request.target_model:
             self.rewrites.labels(request.rewrite_rule or "header", self.labels.models.label(request.model),
                                  self.labels.models.label(request.target_model)).inc()
+        for item in request.media:
+            model = self.labels.models.label(request.model)
+            self.media_items.labels(model, item.kind).inc()
+            self.media_tokens.labels(model, item.kind).inc(item.tokens)
 
     def observe_refused(self, request: InferenceRequest, code: str, scheduling: bool = False) -> None:
         """A refusal; `scheduling`: the scheduler found no endpoint for it (a failed scheduling attempt)."""
