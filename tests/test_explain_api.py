@@ -66,6 +66,6 @@ def test_explain_lists_a_prompts_media(stack: Stack) -> None:
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [image]}]})
     table = cli(stack, "--body", body)
     assert table.returncode == 0, table.stderr
-    assert "media: image " in table.stdout and "(391 tokens)" in table.stdout
+    assert "media: image " in table.stdout and "(391 tokens, by url)" in table.stdout
     data = json.loads(cli(stack, "--body", body, "--json").stdout)
     assert [(m["kind"], m["tokens"]) for m in data["media"]] == [("image", 391)]

@@ -17,7 +17,6 @@ from picker.core.media import (
     MultimodalConfig,
     image_size,
     image_tokens,
-    media_in,
     wav_seconds,
 )
 from picker.core.requests import ApiKind, InferenceRequest, RequestError, build_request, estimated_tokens
@@ -62,7 +61,7 @@ TEXT = {"type": "text", "text": "What is in this picture?"}
 def test_equal_images_match_and_different_ones_do_not() -> None:
     one, same, other = (parse(chat(TEXT, image(data_url(png(640, 480, s))))) for s in (0, 0, 9))
     assert one.prompt_text == same.prompt_text != other.prompt_text
-    assert [i.tokens for i in media_in(one.prompt_text)] == [391]  # Qwen2-VL: 644 x 476 -> 23 x 17
+    assert [i.tokens for i in one.media] == [391]  # Qwen2-VL: 644 x 476 -> 23 x 17
 
 
 def test_the_hash_is_of_the_bytes_not_of_their_encoding() -> None:
@@ -81,19 +80,19 @@ def test_a_100_kb_image_counts_as_its_tokens_not_as_its_characters() -> None:
 def test_a_remote_image_is_hashed_by_its_url_and_never_fetched() -> None:
     a, b = (parse(chat(image(f"https://images.example/{n}.png"))) for n in ("cat", "dog"))
     assert a.prompt_text != b.prompt_text
-    assert media_in(a.prompt_text)[0].tokens == 391  # size unknown: unsizedImageTokens
+    assert a.media[0].tokens == 391  # size unknown: unsizedImageTokens
 
 
 def test_a_client_uuid_is_the_items_identity() -> None:
     a = parse(chat({**image(data_url(png(8, 8, 1))), "uuid": "img-1"}))
     b = parse(chat({**image("https://elsewhere.example/x.png"), "uuid": "img-1"}))
-    assert media_in(a.prompt_text)[0].digest == media_in(b.prompt_text)[0].digest
+    assert a.media[0].digest == b.media[0].digest
 
 
 def test_per_model_counts_and_fixed_counts() -> None:
     config = MultimodalConfig.from_dict({"models": {"llava": {"imageTokens": 576}}})
-    assert media_in(parse(chat(image(data_url(png(64, 64))), model="llava"), config).prompt_text)[0].tokens == 576
-    assert media_in(parse(chat(image(data_url(png(64, 64))), model="qwen"), config).prompt_text)[0].tokens == 4  # 2 x 2 squares
+    assert parse(chat(image(data_url(png(64, 64))), model="llava"), config).media[0].tokens == 576
+    assert parse(chat(image(data_url(png(64, 64))), model="qwen"), config).media[0].tokens == 4  # 2 x 2 squares
     with pytest.raises(ConfigError, match="multimodal.models.llava.imageTokns"):
         MultimodalConfig.from_dict({"models": {"llava": {"imageTokns": 576}}})
 
@@ -108,10 +107,10 @@ def test_qwen2_vl_arithmetic() -> None:
 def test_audio_counts_its_seconds_and_other_formats_a_default() -> None:
     assert wav_seconds(wav(2.0)) == pytest.approx(2.0)
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(2.0)).decode(), "format": "wav"}}
-    assert media_in(parse(chat(part)).prompt_text)[0].tokens == 50
+    assert parse(chat(part)).media[0].tokens == 50
     mp3 = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"ID3" + b"\x00" * 64).decode(),
                                                   "format": "mp3"}}
-    assert media_in(parse(chat(mp3)).prompt_text)[0].tokens == 750
+    assert parse(chat(mp3)).media[0].tokens == 750
 
 
 def test_headers_of_other_formats() -> None:
@@ -135,12 +134,12 @@ def test_other_apis_render_their_media_too() -> None:
                                      "data": base64.b64encode(png(64, 64)).decode()}}]}]}
     request = build_request({":path": "/v1/messages", ":method": "POST"}, json.dumps(anthropic).encode(),
                             request_id="r")
-    assert request.api is ApiKind.MESSAGES and [i.kind for i in media_in(request.prompt_text)] == ["image"]
+    assert request.api is ApiKind.MESSAGES and [i.kind for i in request.media] == ["image"]
     responses = {"model": "m", "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "https://images.example/a.png"}]}]}
     request = build_request({":path": "/v1/responses", ":method": "POST"}, json.dumps(responses).encode(),
                             request_id="r")
-    assert [i.kind for i in media_in(request.prompt_text)] == ["image"]
+    assert [i.kind for i in request.media] == ["image"]
 
 
 def test_the_media_scorer_follows_the_images_sent_to_each_pod() -> None:

@@ -71,7 +71,7 @@ async def test_explain_lists_the_media_and_their_tokens(stack: Stack) -> None:
     async with stack.picker.aio_channel() as channel:
         answer = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
             path="/v1/chat/completions", body=json.dumps(body).encode()))
-    assert [(m.kind, m.tokens, len(m.digest)) for m in answer.media] == [("image", 391, 16)]
+    assert [(m.kind, m.tokens, len(m.digest), m.source) for m in answer.media] == [("image", 391, 16, "data")]
 
 
 async def test_an_unreadable_data_url_is_a_400_with_its_reason(envoy: Envoy) -> None:

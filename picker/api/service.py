@@ -33,7 +33,7 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
     for name, weight in result.weights.items():
         response.weights[name] = weight
     for item in request.media:
-        response.media.add(kind=item.kind, digest=item.digest, tokens=item.tokens)
+        response.media.add(kind=item.kind, digest=item.digest, tokens=item.tokens, source=item.source)
     response.prefix_blocks = result.prefix_blocks
     response.prefix_matched_blocks = result.prefix_matched_blocks
     for candidate in result.candidates:

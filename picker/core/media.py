@@ -34,8 +34,6 @@ from xxhash import xxh3_64_hexdigest
 
 from picker.core.schema import Section, decode
 
-MARKER = re.compile(r"<\|(image|audio|video):([0-9a-f]{16}):(\d+)\|>")
-
 
 class MediaTokens(Section):
     """How many tokens a model counts for a media item (camelCase keys in YAML)."""
@@ -74,27 +72,15 @@ class MediaItem:
     source: str  # "data" (bytes in the request), "url" (named by the client), "uuid" (the client's identity)
 
 
-def has_media(text: str) -> bool:
-    """Whether a rendered prompt may hold a media marker: substring tests, cheap on every request."""
-    return "<|image:" in text or "<|audio:" in text or "<|video:" in text
-
-
-def media_in(text: str) -> list[MediaItem]:
-    """The media items a rendered prompt holds, in order (`picker explain`)."""
-    return [MediaItem(kind, digest, int(tokens), "") for kind, digest, tokens in MARKER.findall(text)]
-
-
-def render_part(part: Mapping[str, Any], tokens: MediaTokens, chars_per_token: int) -> str | None:
-    """A content part's text if it is a media part (see the module docstring), else None. ValueError with the
-    reason for a media part that cannot be read (an invalid data URL): the client's 400."""
-    item = media_of(part, tokens)
-    if item is None:
-        return None
-    marker = f"<|{item.kind}:{item.digest}:{item.tokens}|>"
-    return marker + "." * max(0, item.tokens * chars_per_token - len(marker))
+def marker(item: MediaItem, chars_per_token: int) -> str:
+    """What `item` stands as in the prompt's text (see the module docstring)."""
+    text = f"<|{item.kind}:{item.digest}:{item.tokens}|>"
+    return text + "." * max(0, item.tokens * chars_per_token - len(text))
 
 
 def media_of(part: Mapping[str, Any], tokens: MediaTokens) -> MediaItem | None:
+    """The media item a content part is, else None. ValueError with the reason for a media part that cannot be
+    read (an invalid data URL): the client's 400."""
     kind, reference = _reference(part)
     if kind is None:
         return None

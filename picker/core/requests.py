@@ -14,15 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from picker.core import headers as names
-from picker.core.media import (
-    DEFAULT_MEDIA,
-    MediaItem,
-    MediaTokens,
-    MultimodalConfig,
-    has_media,
-    media_in,
-    render_part,
-)
+from picker.core.media import DEFAULT_MEDIA, MediaItem, MediaTokens, MultimodalConfig, marker, media_of
 
 # Characters per token where nothing better is known: the prompt's text stands for its tokens at this rate (the
 # prefix index's blocks, media markers, token estimates).
@@ -133,9 +125,9 @@ def route_kind(headers: dict[str, str], has_body: bool) -> ApiKind | None:
     return api
 
 
-def _text_of_content(content: Any, media: MediaTokens) -> str:
+def _text_of_content(content: Any, media: MediaTokens, found: list[MediaItem]) -> str:
     """Text of an OpenAI message `content`: a string, or the text and media parts of a multi-part list (a media
-    part as its marker: picker.core.media)."""
+    part as its marker, picker.core.media, and added to `found`)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -147,11 +139,12 @@ def _text_of_content(content: Any, media: MediaTokens) -> str:
                     parts.append(text)
                     continue
                 try:
-                    marker = render_part(part, media, CHARS_PER_TOKEN)
+                    item = media_of(part, media)
                 except ValueError as exc:
                     raise RequestError(400, "invalid_media", f"a {part.get('type')} part: {exc}") from None
-                if marker is not None:
-                    parts.append(marker)
+                if item is not None:
+                    found.append(item)
+                    parts.append(marker(item, CHARS_PER_TOKEN))
             elif isinstance(part, str):
                 parts.append(part)
         return "".join(parts)
@@ -160,7 +153,8 @@ def _text_of_content(content: Any, media: MediaTokens) -> str:
     return json.dumps(content, sort_keys=True, separators=(",", ":"))
 
 
-def render_messages(messages: list[Any], tools: Any = None, media: MediaTokens = DEFAULT_MEDIA) -> str:
+def render_messages(messages: list[Any], tools: Any = None, media: MediaTokens = DEFAULT_MEDIA,
+                    found: list[MediaItem] | None = None) -> str:
     """Render chat messages into one canonical text so equal conversation prefixes give equal text prefixes.
 
     The layout mimics a chat template (role header, content, end marker) so its length tracks the
@@ -173,7 +167,8 @@ def render_messages(messages: list[Any], tools: Any = None, media: MediaTokens =
         if not isinstance(message, dict):
             raise RequestError(400, "invalid_messages", "every entry of 'messages' must be an object")
         role = message.get("role", "user")
-        out.append(f"<|{role}|>\n{_text_of_content(message.get('content'), media)}<|end|>\n")
+        out.append(f"<|{role}|>\n{_text_of_content(message.get('content'), media, found if found is not None else [])}"
+                   "<|end|>\n")
     return "".join(out)
 
 
@@ -273,10 +268,12 @@ def _messages(data: dict[str, Any], kind: str) -> list[Any]:
     return messages
 
 
-def prompt_of(data: dict[str, Any], api: ApiKind, media: MediaTokens = DEFAULT_MEDIA) -> str:
-    """The canonical prompt text of a validated body for its API family (media parts as `media` counts them)."""
+def prompt_of(data: dict[str, Any], api: ApiKind, media: MediaTokens = DEFAULT_MEDIA,
+              found: list[MediaItem] | None = None) -> str:
+    """The canonical prompt text of a validated body for its API family (media parts as `media` counts them, each
+    added to `found`)."""
     if api is ApiKind.CHAT:
-        return render_messages(_messages(data, "chat completions"), data.get("tools"), media)
+        return render_messages(_messages(data, "chat completions"), data.get("tools"), media, found)
     if api is ApiKind.COMPLETIONS:
         if "prompt" not in data:
             raise RequestError(400, "missing_prompt", "completions request has no 'prompt'")
@@ -287,7 +284,8 @@ def prompt_of(data: dict[str, Any], api: ApiKind, media: MediaTokens = DEFAULT_M
             raise RequestError(400, "missing_input", "responses request has no 'input'")
         instructions = data.get("instructions") or ""
         if isinstance(item, list):
-            return str(instructions) + render_messages([m for m in item if isinstance(m, dict)], media=media)
+            return str(instructions) + render_messages([m for m in item if isinstance(m, dict)], media=media,
+                                                       found=found)
         return str(instructions) + _prompt_text(item)
     if api is ApiKind.EMBEDDINGS:
         if "input" not in data:
@@ -297,7 +295,7 @@ def prompt_of(data: dict[str, Any], api: ApiKind, media: MediaTokens = DEFAULT_M
         messages = _messages(data, "messages")
         system = data.get("system")  # a string or text blocks, ahead of the turns as a chat template puts it
         turns = [{"role": "system", "content": system}, *messages] if system else messages
-        return render_messages(turns, data.get("tools"), media)
+        return render_messages(turns, data.get("tools"), media, found)
     # Conversations carry items, not a prompt: route on the model alone.
     return ""
 
@@ -336,9 +334,9 @@ def build_request(
     data = parse_body(body, api)
     request.model = data["model"]
     try:
-        request.prompt_text = prompt_of(data, api, media.for_model(request.model))
-        if has_media(request.prompt_text):
-            request.media = tuple(media_in(request.prompt_text))
+        found: list[MediaItem] = []
+        request.prompt_text = prompt_of(data, api, media.for_model(request.model), found)
+        request.media = tuple(found)
     except RecursionError:  # a prompt that parsed, close to the limit, but is too deep to re-encode
         raise _too_deep() from None
     request.stream = bool(data.get("stream"))

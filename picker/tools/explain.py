@@ -63,7 +63,8 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
     if response.profile_reason:
         lines.append(f"why {response.profile}: {response.profile_reason}")
     if response.media:
-        lines.append("media: " + ", ".join(f"{m.kind} {m.digest} ({m.tokens} tokens)" for m in response.media))
+        lines.append("media: " + ", ".join(f"{m.kind} {m.digest} ({m.tokens} tokens, by {m.source})"
+                                           for m in response.media))
     if response.admission:
         lines.append("admission: " + "  ".join(f"{k}={v:g}" for k, v in sorted(response.admission.items())))
     names = sorted({name for c in response.candidates for name in c.scores})
@@ -118,7 +119,7 @@ async def _call(args: argparse.Namespace) -> tuple[str, bool]:
                                                "details": dict(c.details), "total": c.total,
                                                "filtered_by": c.filtered_by or None}
                                               for c in response.candidates],
-                               "media": [{"kind": m.kind, "digest": m.digest, "tokens": m.tokens}
+                               "media": [{"kind": m.kind, "digest": m.digest, "tokens": m.tokens, "source": m.source}
                                          for m in response.media],
                                "admission": dict(response.admission)}, indent=2), refused
         return format_explain(response), refused
