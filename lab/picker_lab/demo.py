@@ -37,7 +37,7 @@ from picker_lab.supervisor import (
     Managed,
     Picker,
     ProcessExited,
-    free_port,
+    free_ports,
     process_scope,
     set_echo_metrics,
     start_backends,
@@ -198,7 +198,7 @@ def _start_pickers(replicas: int, pool: list[str], logdir: Path, started: list[M
     valkey = start_valkey(logdir)
     started.append(valkey.process)
     print(f"  valkey: {valkey.url} (the prefix index shared by {replicas} picker replicas)")
-    grpc_port, health_port = free_port(), free_port()
+    grpc_port, health_port = free_ports(2)
     key = logdir / "index-key"  # the replicas' shared secret: what they write to Valkey is keyed with it
     key.write_text(secrets.token_hex(32))
     pickers = []

@@ -40,6 +40,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` free ports, no two the same (two free_port() calls may name the same port, free both times)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def free_port_range(count: int) -> int:
     """A base port with `count` consecutive free ports (for `picker sim --base-port`)."""
     for _ in range(200):
@@ -419,7 +429,7 @@ def start_picker_fleet(logdir: Path, pool: list[str], *, flags: list[str] | None
     HOST; several bind 127.0.0.<first_host + i> and share their ports, as pods behind a Service do. With
     `endpoints_file` the pickers follow that file (`pool` is then only Envoy's fail-open route). Whatever
     started is stopped again if a later step fails. `served_by`, `timing_log`: as `start_envoy`'s."""
-    grpc_port, health_port = free_port(), free_port()
+    grpc_port, health_port = free_ports(2)
     pickers: list[Picker] = []
     try:
         for i in range(replicas):

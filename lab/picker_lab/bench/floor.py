@@ -27,7 +27,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.extproc import protocol as p
-from picker_lab.supervisor import Managed, Picker, free_port, port_open, python_module, spawn, wait_until
+from picker_lab.supervisor import (
+    Managed,
+    Picker,
+    free_ports,
+    port_open,
+    python_module,
+    spawn,
+    wait_until,
+)
 
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 SERVERS = ("grpcio", "grpclib")
@@ -130,7 +138,7 @@ async def serve_grpclib(host: str, grpc_port: int, health_port: int, pool: Seque
 def start(logdir: Path, pool: Sequence[str], started: list[Managed], server: str = "grpcio") -> Picker:
     """This floor in its own process on `server`'s library (appended to `started`), shaped as the Picker an Envoy
     config needs (its ports, plaintext)."""
-    grpc_port, health_port = free_port(), free_port()
+    grpc_port, health_port = free_ports(2)
     process = spawn(f"floor-{server}", [*python_module("picker_lab.bench.floor"), "--grpc-port", str(grpc_port),
                                         "--health-port", str(health_port), "--pool", ",".join(pool),
                                         "--server", server], logdir)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from picker_lab.supervisor import HOST, Managed, free_port, port_open, spawn, wait_until
+from picker_lab.supervisor import HOST, Managed, free_ports, port_open, spawn, wait_until
 
 # The peers' venvs, relative to the working directory (the repository root under `make`); resolved when used.
 VENVS = Path("bench") / ".venvs"
@@ -208,16 +208,6 @@ def missing_endpoints(peer: PeerSpec, worker_urls: list[str]) -> list[str]:
     return missing
 
 
-def distinct_free_ports(count: int) -> list[int]:
-    """`count` free ports, no two the same."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 def start_replicas(peer: PeerSpec, worker_urls: list[str], logdir: Path, replicas: int = 1, mesh: bool = False
                    ) -> tuple[list[Managed], list[str]]:
     """`replicas` processes of the peer, each routing over every worker; with `mesh` each joins the mesh of those
@@ -228,8 +218,8 @@ def start_replicas(peer: PeerSpec, worker_urls: list[str], logdir: Path, replica
         raise RuntimeError(f"{peer.name} cannot route by prefix: its workers do not serve what it needs "
                            f"({'; '.join(missing)})")
     exe = ensure_installed(peer, logdir / f"{peer.name}-install.log")
-    # every listener of every replica on a port of its own: two free_port() calls may name the same free port
-    ports = distinct_free_ports(replicas * (3 if mesh else 2))
+    # every listener of every replica on a port of its own
+    ports = free_ports(replicas * (3 if mesh else 2))
     mesh_ports = ports[2 * replicas:]
     started: list[Managed] = []
     urls = []
