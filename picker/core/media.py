@@ -81,46 +81,45 @@ def marker(item: MediaItem, chars_per_token: int) -> str:
 def media_of(part: Mapping[str, Any], tokens: MediaTokens) -> MediaItem | None:
     """The media item a content part is, else None. ValueError with the reason for a media part that cannot be
     read (an invalid data URL): the client's 400."""
-    kind, reference = _reference(part)
+    kind, url, inline = _reference(part)
     if kind is None:
         return None
-    uuid = part.get("uuid")
-    if isinstance(reference, str) and reference.startswith("data:"):
-        payload = _data_url_bytes(reference)
-    elif isinstance(reference, tuple):  # (base64 data, format) of input_audio / an Anthropic base64 source
-        payload = _base64(reference[0])
+    if inline is not None:  # base64 data of input_audio / an Anthropic base64 source
+        payload: bytes | None = _base64(inline)
+    elif url.startswith("data:"):
+        payload = _data_url_bytes(url)
     else:
         payload = None
+    uuid = part.get("uuid")
     if isinstance(uuid, str) and uuid:
         digest, source = _digest(b"uuid:" + uuid.encode()), "uuid"
     elif payload is not None:
         digest, source = _digest(payload), "data"
     else:
-        digest, source = _digest(b"url:" + str(reference).encode()), "url"
+        digest, source = _digest(b"url:" + url.encode()), "url"
     return MediaItem(kind, digest, _tokens(kind, payload, tokens), source)
 
 
-def _reference(part: Mapping[str, Any]) -> tuple[str | None, Any]:
-    """(kind, a URL or (base64, format)) of a media part in the OpenAI, vLLM, Responses or Anthropic shape."""
+def _reference(part: Mapping[str, Any]) -> tuple[str | None, str, str | None]:
+    """(kind, its URL, its inline base64 data) of a media part in the OpenAI, vLLM, Responses or Anthropic shape;
+    kind None for another part."""
     kind = part.get("type")
     if kind in ("image_url", "video_url", "audio_url"):
         value = part.get(kind)
         url = value.get("url") if isinstance(value, Mapping) else value
-        return kind.removesuffix("_url"), url if isinstance(url, str) else ""
+        return kind.removesuffix("_url"), url if isinstance(url, str) else "", None
     if kind == "input_image":
         url = part.get("image_url") or part.get("file_id") or ""
-        return "image", url.get("url", "") if isinstance(url, Mapping) else str(url)
+        return "image", str(url.get("url", "") if isinstance(url, Mapping) else url), None
     if kind == "input_audio":
         audio = part.get("input_audio")
-        if isinstance(audio, Mapping) and isinstance(audio.get("data"), str):
-            return "audio", (audio["data"], str(audio.get("format", "")))
-        return "audio", ""
+        data = audio.get("data") if isinstance(audio, Mapping) else None
+        return "audio", "", data if isinstance(data, str) else None
     if kind == "image" and isinstance(part.get("source"), Mapping):  # Anthropic's Messages API
         source = part["source"]
-        if source.get("type") == "base64" and isinstance(source.get("data"), str):
-            return "image", (source["data"], str(source.get("media_type", "")))
-        return "image", str(source.get("url", ""))
-    return None, None
+        data = source.get("data") if source.get("type") == "base64" else None
+        return "image", str(source.get("url", "")), data if isinstance(data, str) else None
+    return None, "", None
 
 
 def _digest(data: bytes) -> str:
