@@ -16,6 +16,7 @@ from typing import Any, TypeGuard
 import msgpack
 
 BlockHash = int | bytes
+GPU = "GPU"  # vLLM's medium of device memory; offloading tiers name theirs (CPU, STORAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +30,21 @@ class BlockStored:
     lora_id: int | None
     lora_name: str | None
     extra_keys: list[list[Any] | None]
+    medium: str = GPU  # where the blocks are kept: GPU, or an offloading tier (CPU, STORAGE, ...)
+
+    @property
+    def placeholder(self) -> bool:
+        """A tier's store that names blocks by hash only (vLLM's offloading connector without
+        `self_describing_kv_events`): it can only add a tier to blocks already known from their GPU store."""
+        return not self.block_size
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Cached blocks evicted to make room (vLLM sends one event per evicted block)."""
+    """Cached blocks evicted from one medium to make room (vLLM sends one event per evicted block)."""
 
     block_hashes: list[BlockHash]
+    medium: str = GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +110,11 @@ def decode_event(raw: Any) -> KVEvent:
         raise MalformedEvent(f"an event is a map or a tagged array, not {type(raw).__name__}")
     if kind == "BlockStored":
         hashes, tokens, size = fields.get("block_hashes"), fields.get("token_ids"), fields.get("block_size")
-        if not _hash_list(hashes) or not isinstance(tokens, list) or not isinstance(size, int) or size <= 0:
-            raise MalformedEvent("BlockStored needs block_hashes, token_ids and a positive block_size")
+        medium = _medium(fields)
+        if not _hash_list(hashes) or not isinstance(tokens, list) or not isinstance(size, int) or size < 0:
+            raise MalformedEvent("BlockStored needs block_hashes, token_ids and a block_size")
+        if not size and (tokens or medium == GPU):
+            raise MalformedEvent("BlockStored: a block_size of 0 is an offloading tier's placeholder, without tokens")
         if not all(isinstance(t, int) for t in tokens) or len(tokens) != size * len(hashes):
             raise MalformedEvent(f"BlockStored: {len(tokens)} token ids for {len(hashes)} blocks of {size}")
         parent = fields.get("parent_block_hash")
@@ -112,15 +124,25 @@ def decode_event(raw: Any) -> KVEvent:
         extra = fields.get("extra_keys")
         return BlockStored(list(hashes), parent, tokens, size, lora_id if isinstance(lora_id, int) else None,
                            lora_name if isinstance(lora_name, str) else None,
-                           list(extra) if isinstance(extra, list) else [None] * len(hashes))
+                           list(extra) if isinstance(extra, list) else [None] * len(hashes), medium)
     if kind == "BlockRemoved":
         hashes = fields.get("block_hashes")
         if not _hash_list(hashes):
             raise MalformedEvent("BlockRemoved needs block_hashes")
-        return BlockRemoved(list(hashes))
+        return BlockRemoved(list(hashes), _medium(fields))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise MalformedEvent(f"unknown event type {kind!r}")
+
+
+def _medium(fields: dict[str, Any]) -> str:
+    """The event's medium, upper-cased (absent or null: device memory, as before vLLM reported tiers)."""
+    medium = fields.get("medium")
+    if medium is None:
+        return GPU
+    if not isinstance(medium, str) or not medium:
+        raise MalformedEvent("the medium is not a name")
+    return medium.upper()
 
 
 def _hash_list(value: Any) -> TypeGuard[list[BlockHash]]:

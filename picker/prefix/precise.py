@@ -16,14 +16,14 @@ from the approximate index instead.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
 from picker.endpoints.state import Endpoint
-from picker.kvevents.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from picker.kvevents.events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 
 def root_key(adapter: str | None, salt: str | None = None) -> int:
@@ -65,13 +65,40 @@ def _salt_of(event: BlockStored) -> str | None:
     return extra[-1] if extra else None
 
 
+# What a block found only in an offloading tier is worth against one in device memory (1.0): the share of its
+# recompute a load saves. vLLM loads an offloaded prefix into device memory before the request runs; from host
+# memory that costs ~0.1 of recomputing it on an 8B model (KV bytes per token over PCIe against prefill FLOPs per
+# token), from storage more. A medium not listed weighs as the least of the listed offloading tiers.
+DEFAULT_MEDIUM_WEIGHTS: dict[str, float] = {GPU: 1.0, "CPU": 0.8, "STORAGE": 0.5}
+
+
+def medium_weight(weights: Mapping[str, float], medium: str) -> float:
+    weight = weights.get(medium)
+    if weight is None:
+        weight = min((w for m, w in weights.items() if m != GPU), default=0.0)
+    return weight
+
+
+class Match(NamedTuple):
+    """The leading blocks of a prompt a pod holds."""
+
+    device: int  # in device memory (or believed to be computing)
+    offloaded: int  # after those, held only by an offloading tier
+    worth: float  # device blocks + each offloaded one weighed by its fastest medium
+
+
 @dataclass(slots=True)
 class PodCache:
-    """One pod's blocks: engine hash -> our key, and how many engine blocks hold each key."""
+    """One pod's blocks: engine hash -> our key, and how many engine blocks of each medium hold each key.
 
-    keys: dict[BlockHash, int] = field(default_factory=dict)
-    refs: dict[BlockHash, int] = field(default_factory=dict)  # stores of each engine hash not yet removed
-    held: dict[int, int] = field(default_factory=dict)  # our key -> engine hashes that hold it
+    A block lives in device memory (GPU) and, with KV offloading, also in host memory or storage: vLLM reports
+    each medium's stores and evictions apart, under the same block hash, so a block evicted from the GPU may still
+    be held by a slower tier."""
+
+    keys: dict[BlockHash, int] = field(default_factory=dict)  # while any medium holds the engine hash
+    refs: dict[str, dict[BlockHash, int]] = field(default_factory=dict)  # medium -> stores not yet removed
+    held: dict[int, int] = field(default_factory=dict)  # our key -> GPU engine hashes that hold it
+    offloaded: dict[str, dict[int, int]] = field(default_factory=dict)  # other medium -> our key -> hashes
     block_size: int = 0
     speculative: dict[int, float] = field(default_factory=dict)  # our key -> until when it is believed
     events_at: float = -1.0  # when its last batch was applied (-1: never)
@@ -79,56 +106,112 @@ class PodCache:
     misses_at_event: float | None = None  # its scraped prefix-cache misses (tokens) as of its last batch
     lagging: bool = False  # its scrapes show work its events never told of
 
+    def _holders(self, medium: str) -> dict[int, int]:
+        if medium == GPU:
+            return self.held
+        holders = self.offloaded.get(medium)
+        if holders is None:
+            holders = self.offloaded[medium] = {}
+        return holders
+
+    def _refs(self, medium: str) -> dict[BlockHash, int]:
+        refs = self.refs.get(medium)
+        if refs is None:
+            refs = self.refs[medium] = {}
+        return refs
+
     def store(self, event: BlockStored) -> None:
-        """Apply a BlockStored (a parent we never heard of leaves that chain unknown: its blocks are not keyed)."""
+        """Apply a BlockStored (a parent we never heard of leaves that chain unknown: its blocks are not keyed; a
+        tier's placeholder keys only blocks already known)."""
+        medium = event.medium
+        if event.placeholder:
+            known = self.keys
+            self._hold(medium, [(h, k) for h in event.block_hashes if (k := known.get(h)) is not None])
+            return
         self.block_size = event.block_size
         if event.parent_block_hash is None:
             parent = root_key(event.lora_name, _salt_of(event))
         else:
-            known = self.keys.get(event.parent_block_hash)
-            if known is None:
+            known_parent = self.keys.get(event.parent_block_hash)
+            if known_parent is None:
                 return
-            parent = known
-        for engine_hash, key in zip(event.block_hashes, chain(event.token_ids, event.block_size, parent),
-                                    strict=True):
-            refs = self.refs.get(engine_hash, 0)
-            if not refs:
-                self.keys[engine_hash] = key
-                self.held[key] = self.held.get(key, 0) + 1
-            self.refs[engine_hash] = refs + 1  # a second physical block of the same hash: removed once per block
-            self.speculative.pop(key, None)
+            parent = known_parent
+        self._hold(medium, zip(event.block_hashes, chain(event.token_ids, event.block_size, parent), strict=True))
+
+    def _hold(self, medium: str, blocks: Iterable[tuple[BlockHash, int]]) -> None:
+        refs, holders, keys, speculative = self._refs(medium), self._holders(medium), self.keys, self.speculative
+        for engine_hash, key in blocks:
+            count = refs.get(engine_hash, 0)
+            if not count:
+                keys[engine_hash] = key
+                holders[key] = holders.get(key, 0) + 1
+            refs[engine_hash] = count + 1  # a second physical block of the same hash: removed once per block
+            if medium == GPU:
+                speculative.pop(key, None)
 
     def remove(self, event: BlockRemoved) -> None:
+        refs = self.refs.get(event.medium)
+        if refs is None:
+            return
+        holders = self._holders(event.medium)
         for engine_hash in event.block_hashes:
-            refs = self.refs.get(engine_hash, 0)
-            if refs > 1:
-                self.refs[engine_hash] = refs - 1
+            count = refs.get(engine_hash, 0)
+            if count > 1:
+                refs[engine_hash] = count - 1
                 continue
-            self.refs.pop(engine_hash, None)
-            key = self.keys.pop(engine_hash, None)
-            if key is not None:
-                left = self.held[key] - 1
-                if left:
-                    self.held[key] = left
-                else:
-                    del self.held[key]
+            if refs.pop(engine_hash, None) is None:
+                continue
+            key = self.keys.get(engine_hash)
+            if key is None:
+                continue
+            left = holders[key] - 1
+            if left:
+                holders[key] = left
+            else:
+                del holders[key]
+            if not any(engine_hash in other for other in self.refs.values()):
+                del self.keys[engine_hash]
+
+    def medium_blocks(self) -> dict[str, int]:
+        """How many of our keys each medium holds (a block in device memory and host memory counts in both)."""
+        return {GPU: len(self.held), **{medium: len(holders) for medium, holders in self.offloaded.items()}}
 
     def clear(self) -> None:
         self.keys.clear()
         self.refs.clear()
         self.held.clear()
+        self.offloaded.clear()
         self.speculative.clear()
 
     def matched(self, keys: Sequence[int], now: float) -> int:
-        """Leading keys the pod holds (or is believed to be computing)."""
+        """Leading keys the pod holds in any medium."""
+        match = self.match(keys, now)
+        return match.device + match.offloaded
+
+    def match(self, keys: Sequence[int], now: float, weights: Mapping[str, float] = DEFAULT_MEDIUM_WEIGHTS) -> Match:
+        """Leading keys the pod holds: first those in device memory (or believed to be computing), then, as vLLM
+        loads what follows from an offloading tier, those a tier holds."""
         n = 0
+        held, speculative = self.held, self.speculative
         for key in keys:
-            if key not in self.held:
-                until = self.speculative.get(key)
+            if key not in held:
+                until = speculative.get(key)
                 if until is None or until < now:
                     break
             n += 1
-        return n
+        if not self.offloaded or n == len(keys):
+            return Match(n, 0, float(n))
+        tiers = [(medium_weight(weights, m), holders) for m, holders in self.offloaded.items() if holders]
+        worth = float(n)
+        offloaded = 0
+        for i in range(n, len(keys)):
+            key = keys[i]
+            best = max((w for w, holders in tiers if key in holders), default=-1.0)
+            if best < 0:
+                break
+            worth += best
+            offloaded += 1
+        return Match(n, offloaded, worth)
 
 
 class PreciseIndex:
@@ -217,8 +300,11 @@ class PrecisePrefix:
         self.mode = mode
 
     def matches(self, tokens: Sequence[int], model: str, endpoints: Sequence[Endpoint], now: float,
-                salt: str | None = None) -> tuple[list[int], dict[str, int]]:
-        """The prompt's block keys and {address: tokens held} of the pods vouched for (nothing: no keys)."""
+                salt: str | None = None, weights: Mapping[str, float] = DEFAULT_MEDIUM_WEIGHTS,
+                ) -> tuple[list[int], dict[str, int], dict[str, int] | None]:
+        """The prompt's block keys, {address: tokens held} of the pods vouched for (nothing: no keys), a token held
+        only by an offloading tier counting as its medium's weight of one, and {address: such tokens} of the pods
+        holding any (None: none does)."""
         pods = self.index.pods
         if self.mode == "auto":
             vouched = [e for e in endpoints if self.index.fresh(e.address, now)]
@@ -227,15 +313,24 @@ class PrecisePrefix:
         block_size = next((c.block_size for e in vouched if (c := pods.get(e.address)) is not None and c.block_size),
                           0) or next((e.metrics.block_size for e in vouched if e.metrics.block_size), 0)
         if not vouched or not block_size:
-            return [], {}
+            return [], {}, None
         first = vouched[0].metrics
         adapter = None if not first.models or model in first.models else model  # not a base model: an adapter
         keys = token_keys(tokens, block_size, adapter, limit=MAX_PRECISE_BLOCKS, salt=salt)
         held = {}
+        offloaded: dict[str, int] | None = None
         for e in vouched:
             cache = pods.get(e.address)
-            held[e.address] = cache.matched(keys, now) * block_size if cache is not None else 0
-        return keys, held
+            if cache is None:
+                held[e.address] = 0
+                continue
+            _, tier_blocks, worth = cache.match(keys, now, weights)
+            held[e.address] = round(worth * block_size)
+            if tier_blocks:
+                if offloaded is None:
+                    offloaded = {}
+                offloaded[e.address] = tier_blocks * block_size
+        return keys, held, offloaded
 
     def picked(self, keys: Sequence[int], address: str, now: float) -> None:
         self.index.picked(address, keys, now)

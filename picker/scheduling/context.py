@@ -43,6 +43,8 @@ class SchedulingContext:
     home: str | None = None
     precise_keys: list[int] = field(default_factory=list)  # the prompt's token-block keys (precise prefix mode)
     precise_pods: frozenset[str] = frozenset()  # the pods whose match came from their KV events
+    # address -> tokens of the match held only by an offloading tier (host memory, storage); None: no pod has any
+    precise_offloaded: dict[str, int] | None = None
     # With a TTFT objective (request.slo_ttft_s): whether some candidate is predicted to meet it (None: not
     # predicted); the director sheds a sheddable request none can serve in time
     slo_attainable: bool | None = None

@@ -12,18 +12,22 @@ director tokenizes before it schedules (`picker.prefix.tokens.PromptTokenizer`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+from pydantic import Field, field_validator
+
 from picker.core.requests import InferenceRequest
+from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.prefix.chars_per_token import CharsPerToken
 from picker.prefix.hashing import PrefixHasher, prefix_keys
 from picker.prefix.index import PrefixIndex
-from picker.prefix.precise import PrecisePrefix
+from picker.prefix.precise import DEFAULT_MEDIUM_WEIGHTS, PrecisePrefix
 from picker.scheduling.context import SchedulingContext, effective_model
 from picker.scheduling.memory import PodMemory
-from picker.scheduling.plugins import NoParams, Plugin, PluginDeps, PluginFactory
+from picker.scheduling.plugins import NoParams, Plugin, PluginDeps, PluginFactory, default_of
 
 
 @runtime_checkable
@@ -145,20 +149,24 @@ class PreciseOverlay(Plugin):
 
     type_name = "precise-prefix-cache-producer"
 
-    def __init__(self, precise: PrecisePrefix, hasher: PrefixHasher, name: str | None = None) -> None:
+    def __init__(self, precise: PrecisePrefix, hasher: PrefixHasher, name: str | None = None,
+                 medium_weights: Mapping[str, float] = DEFAULT_MEDIUM_WEIGHTS) -> None:
         super().__init__(name)
         self.precise = precise
         self.hasher = hasher
+        self.medium_weights = medium_weights  # what a block held only by an offloading tier counts for
 
     def produce(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint], now: float) -> None:
         tokens = ctx.request.token_ids
         if not tokens:
             return
-        keys, held = self.precise.matches(tokens, ctx.model, endpoints, now, ctx.request.cache_salt)
+        keys, held, offloaded = self.precise.matches(tokens, ctx.model, endpoints, now, ctx.request.cache_salt,
+                                                     self.medium_weights)
         if not keys:
             return
         ctx.precise_keys = keys
         ctx.precise_pods = frozenset(held)
+        ctx.precise_offloaded = offloaded
         chars_per_token, width, most = self.hasher.chars_per_token, ctx.block_chars, len(ctx.keys)
         matches = ctx.matches
         for address, n in held.items():
@@ -185,15 +193,29 @@ def _approximate(name: str, params: NoParams, deps: PluginDeps) -> Plugin:
     return ApproximatePrefix(deps.prefix_index, deps.hasher, name)
 
 
-def _precise(name: str, params: NoParams, deps: PluginDeps) -> Plugin:
+class PreciseParams(Section):
+    # medium (vLLM's name: GPU, CPU, STORAGE) -> what a block held only there is worth against device memory
+    medium_weights: dict[str, float] = Field(default_of(PreciseOverlay, "medium_weights"))
+
+    @field_validator("medium_weights")
+    @classmethod
+    def _weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        named = {medium.strip().upper(): weight for medium, weight in weights.items()}
+        bad = [m for m, w in named.items() if not m or not 0 <= w <= 1]
+        if bad:
+            raise ValueError(f"each medium is a name with a weight in [0, 1] (not {', '.join(bad) or 'empty'})")
+        return {**DEFAULT_MEDIUM_WEIGHTS, **named}
+
+
+def _precise(name: str, params: PreciseParams, deps: PluginDeps) -> Plugin:
     if deps.precise is None or deps.hasher is None:
         raise ValueError("the precise view needs the pods' KV events: set kvEventsEndpoint or kvEventsPort "
                          "(--kv-events-endpoint / --kv-events-port), prefixMode not approximate")
-    return PreciseOverlay(deps.precise, deps.hasher, name)
+    return PreciseOverlay(deps.precise, deps.hasher, name, MappingProxyType(params.medium_weights))
 
 
 # In the order the scheduler runs them: the approximate match first, the precise view over it.
 FACTORIES: tuple[PluginFactory[Any], ...] = (
     PluginFactory(ApproximatePrefix.type_name, NoParams, _approximate, implied=lambda d: d.prefix_index is not None),
-    PluginFactory(PreciseOverlay.type_name, NoParams, _precise, implied=lambda d: d.precise is not None),
+    PluginFactory(PreciseOverlay.type_name, PreciseParams, _precise, implied=lambda d: d.precise is not None),
 )

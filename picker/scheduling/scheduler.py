@@ -276,6 +276,8 @@ class ExplainedResult(SchedulingResult):
                     address = candidate.endpoint.address
                     candidate.details["prefix.expected_chars"] = float(ctx.matches.get(address, 0) * ctx.block_chars)
                     candidate.details["prefix.precise"] = 1.0 if address in ctx.precise_pods else 0.0
+                    if ctx.precise_offloaded:
+                        candidate.details["prefix.offloaded_tokens"] = float(ctx.precise_offloaded.get(address, 0))
             notes = ctx.details if ctx is not None else None
             for plugin, per_candidate in (notes or {}).items():
                 for candidate, detail in zip(built, per_candidate, strict=True):

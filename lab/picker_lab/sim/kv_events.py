@@ -28,7 +28,7 @@ def pod_topic(host: str, port: int, model: str) -> str:
     return f"kv@{host}:{port}@{model}"
 
 
-def event_to_wire(event: KVEvent, medium: str = "GPU") -> dict[str, Any]:
+def event_to_wire(event: KVEvent) -> dict[str, Any]:
     """The map vLLM puts on the wire for one event (key order matters to strict decoders)."""
     if isinstance(event, BlockStored):
         return {
@@ -38,14 +38,15 @@ def event_to_wire(event: KVEvent, medium: str = "GPU") -> dict[str, Any]:
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
             "lora_id": event.lora_id,
-            "medium": medium,
+            "medium": event.medium,
             "lora_name": event.lora_name,
             "extra_keys": list(event.extra_keys),
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": medium, "group_idx": 0}
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium,
+                "group_idx": 0}
     return {"type": "AllBlocksCleared"}
 
 

@@ -88,12 +88,18 @@ class KVEventsCollector(Collector):
                                    labels=["model_server_endpoint"])
         fresh = GaugeMetricFamily("picker_precise_fresh", "1 while a pod's precise view is trusted (its events "
                                   "flow and account for its work), else 0.", labels=["model_server_endpoint"])
+        tiers = GaugeMetricFamily("picker_precise_medium_blocks", "Blocks a pod holds in each medium (GPU, and the "
+                                  "offloading tiers' CPU, STORAGE) as its KV events tell.",
+                                  labels=["model_server_endpoint", "medium"])
         now = self.clock()
         for address, cache in sorted(self.index.pods.items()):
             blocks.add_metric([address], len(cache.keys))
             fresh.add_metric([address], 1.0 if self.index.fresh(address, now) else 0.0)
+            for medium, count in cache.medium_blocks().items():
+                tiers.add_metric([address, medium], count)
         yield blocks
         yield fresh
+        yield tiers
 
 
 class KVRelayCollector(Collector):
