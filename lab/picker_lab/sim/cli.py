@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-events-replay-port-base", type=port_or_off, default=0, metavar="PORT",
       help="pod i serves KV-event replays on PORT + i, as vLLM's replay_endpoint (default: none)")
     a("--num-gpu-blocks", type=whole_number(1), default=None, help="override the KV cache size (default: the profile's)")
+    a("--num-cpu-blocks", type=whole_number(0), default=None,
+      help="KV offloading to host memory: this many blocks (vLLM's OffloadingConnector, CPU tier; its KV events "
+      "carry medium CPU; default: the profile's, none)")
     a("--block-size", type=whole_number(1), default=None, help="override the KV block size (default: the profile's)")
     a("--max-num-seqs", type=whole_number(1), default=None,
       help="override the most sequences a pod runs at once (default: the profile's)")
@@ -74,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile).with_overrides(
         num_gpu_blocks=args.num_gpu_blocks,
+        num_cpu_blocks=args.num_cpu_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -82,6 +82,7 @@ class _State:
         "num_preemptions",
         "lora_id",
         "loading",
+        "load_cost",
         "num_external",
     )
 
@@ -103,7 +104,8 @@ class _State:
         self.last_token: float | None = None
         self.num_preemptions = 0
         self.lora_id = lora_id
-        self.loading = 0  # tokens of the step being scheduled that are loaded from a prefill pod, not computed
+        self.loading = 0  # tokens of the step being scheduled loaded (from a prefill pod, host memory), not computed
+        self.load_cost = 0.0  # loading a token of them, as a fraction of computing it
         self.num_external = 0  # of its cached prompt tokens, those loaded from a prefill pod
 
 
@@ -122,7 +124,8 @@ class Engine:
         self.profile = profile
         self.seed = seed
         self.block_size = profile.block_size
-        self.kv = KVCache(profile.num_gpu_blocks, profile.block_size, enable_prefix_caching)
+        self.kv = KVCache(profile.num_gpu_blocks, profile.block_size, enable_prefix_caching,
+                          host_blocks=profile.num_cpu_blocks if enable_prefix_caching else 0)
         self.kv.record_events = record_kv_events
         self.tokenizer = Tokenizer(profile.vocab_size)
         self.words = PseudoWords(self.tokenizer)
@@ -347,9 +350,15 @@ class Engine:
                 hits = self.kv.lookup(st.hashes, (len(st.tokens) - 1) // bs)
             num_hit_tokens = len(hits) * bs
             remote = 0
+            load_cost = 0.0
             if st.req.remote_prefill and st.num_computed == 0 and st.num_preemptions == 0:
                 # the prompt's full blocks the pod lacks come from the prefill pod (the last token is computed)
                 remote = max(0, (len(st.tokens) - 1) // bs * bs - num_hit_tokens)
+                load_cost = self.profile.kv_transfer_cost
+            elif st.num_computed == 0 and self.kv.host_blocks:
+                # what follows the device's prefix and host memory holds is loaded, not computed
+                remote = self.kv.lookup_host(st.hashes, len(hits), (len(st.tokens) - 1) // bs) * bs
+                load_cost = self.profile.host_load_cost
             # vLLM 0.32 (scheduler_reserve_full_isl) admits a request only if its whole sequence fits, not just
             # the first chunk
             full_blocks = -(-min(len(st.tokens), self.profile.max_model_len) // bs)
@@ -364,11 +373,12 @@ class Engine:
                 break
             self.waiting.popleft()
             st.loading = remote
+            st.load_cost = load_cost
             # counted at admission, and not for re-admitted preempted requests (vLLM's PrefixCacheStats)
             if st.num_preemptions == 0:
                 self.stats.prefix_cache_queries += len(st.tokens)
                 self.stats.prefix_cache_hits += num_hit_tokens
-                if st.req.remote_prefill:
+                if st.req.remote_prefill or self.kv.host_blocks:  # what vLLM asks of its KV connector
                     self.stats.external_queries += len(st.tokens) - num_hit_tokens
                     self.stats.external_hits += remote
             if st.num_cached_tokens < 0:
@@ -421,6 +431,9 @@ class Engine:
             kv.cache_blocks(
                 st.blocks, st.hashes, st.num_cached_blocks, full, st.tokens, st.lora_id, req.lora_name, req.cache_salt
             )
+            prompt_blocks = min(full, st.num_prompt // bs)  # the connector offloads prompt blocks only (its default)
+            if kv.host_blocks and prompt_blocks > st.num_cached_blocks:
+                kv.offload(st.hashes[st.num_cached_blocks:prompt_blocks])
             st.num_cached_blocks = full
         return True
 
@@ -443,10 +456,10 @@ class Engine:
         attn_pairs = 0.0
         decode_seqs = 0
         decode_ctx = 0
-        loaded = 0
+        loaded = 0.0  # loaded tokens, in computed tokens' worth
         for st, n, ctx in scheduled:
-            if st.loading:  # moved from a prefill pod: a transfer, then only the rest is computed
-                loaded += st.loading
+            if st.loading:  # moved from a prefill pod or host memory: a transfer, then only the rest is computed
+                loaded += st.loading * st.load_cost
                 n -= st.loading
                 ctx += st.loading
             if n == 1 and ctx >= st.num_prompt:
@@ -464,7 +477,7 @@ class Engine:
             + decode_seqs * p.decode_seq_s
             + decode_ctx * p.decode_ctx_token_s
             + num_lora_loads * p.lora_load_s
-            + loaded * p.prefill_token_s * p.kv_transfer_cost
+            + loaded * p.prefill_token_s
         )
 
     def _execute(self, scheduled: list[tuple[_State, int, int]], end: float, result: StepResult) -> None:

@@ -11,6 +11,11 @@ What is modelled, because routing quality depends on it:
   the head and evicts the block's cached hash if it has one (emitting BlockRemoved); a prefix-cache hit on a free
   block takes it out of the queue. (Checked against vLLM 0.32's v1/core/block_pool.py and a real CPU server:
   bench/validate_sim.py.)
+- KV offloading to host memory (vLLM's OffloadingConnector with a CPU tier, `host_blocks` > 0): each prompt block
+  is copied to the tier when computed (write-through, as the connector stores a request's new blocks after its
+  step); the tier is an LRU of `host_blocks` hashes, so a block the device evicted may still be loaded from it.
+  Events as the connector sends them by default (no `self_describing_kv_events`): a BlockStored naming the hashes
+  only, medium CPU, and a BlockRemoved of medium CPU when the tier evicts.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from collections.abc import Sequence
 
 import xxhash
 
-from picker.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from picker.kvevents.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
+HOST_MEDIUM = "CPU"  # vLLM's name for the host-memory tier in KV events
 NONE_HASH = xxhash.xxh3_64_intdigest(b"vllm-none-hash")
 
 
@@ -89,7 +95,8 @@ def block_hashes(
 class KVCache:
     """Physical blocks, reference counts, the prefix-cache map and the free-block queue."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_blocks: int = 0) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
@@ -101,6 +108,8 @@ class KVCache:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.events: list[KVEvent] = []
         self.record_events = False
+        self.host_blocks = host_blocks
+        self.host: OrderedDict[int, None] = OrderedDict()  # hashes in host memory, least recently used first
 
     # --- queries -------------------------------------------------------------------------------------------
     @property
@@ -134,6 +143,41 @@ class KVCache:
                 break
             found.append(next(iter(blocks)))
         return found
+
+    def lookup_host(self, hashes: Sequence[int], start: int, max_blocks: int) -> int:
+        """How many of `hashes[start:max_blocks]`, in a row, host memory holds (marked recently used)."""
+        host = self.host
+        n = 0
+        for h in hashes[start:max_blocks]:
+            if h not in host:
+                break
+            host.move_to_end(h)
+            n += 1
+        return n
+
+    def offload(self, hashes: Sequence[int]) -> None:
+        """Copy these computed blocks to host memory (those already there just become recently used)."""
+        if not self.host_blocks:
+            return
+        host = self.host
+        new: list[int] = []
+        for h in hashes:
+            if h in host:
+                host.move_to_end(h)
+                continue
+            host[h] = None
+            new.append(h)
+        evicted: list[int] = []
+        while len(host) > self.host_blocks:
+            evicted.append(host.popitem(last=False)[0])
+        if self.record_events:  # a block both copied and evicted within this call is never announced
+            kept: list[BlockHash] = [h for h in new if h in host]
+            if kept:
+                self.events.append(BlockStored(kept, None, [], 0, None, None, [None] * len(kept), HOST_MEDIUM))
+            fresh = set(new)
+            removed: list[BlockHash] = [h for h in evicted if h not in fresh]
+            if removed:
+                self.events.append(BlockRemoved(removed, HOST_MEDIUM))
 
     # --- allocation ----------------------------------------------------------------------------------------
     def can_allocate(self, num_new: int, hit_blocks: Sequence[int] = ()) -> bool:
@@ -237,10 +281,12 @@ class KVCache:
             )
 
     def reset(self) -> bool:
-        """Drop every cached hash (vLLM's /reset_prefix_cache); refused while blocks are in use."""
+        """Drop every cached hash (vLLM's /reset_prefix_cache, here with its `reset_connector`: host memory too,
+        as the picker forgets every medium on AllBlocksCleared); refused while blocks are in use."""
         if len(self.free_queue) != self.num_blocks - 1:
             return False
         self.cached.clear()
+        self.host.clear()
         self.block_hash = [None] * self.num_blocks
         if self.record_events:
             self.events.append(AllBlocksCleared())
@@ -249,6 +295,7 @@ class KVCache:
     def wipe(self) -> None:
         """A restart's empty cache: every cached hash forgotten, also of blocks in use (they free uncached)."""
         self.cached.clear()
+        self.host.clear()
         self.block_hash = [None] * self.num_blocks
         if self.record_events:
             self.events.append(AllBlocksCleared())

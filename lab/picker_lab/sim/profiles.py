@@ -46,6 +46,12 @@ class Profile:
     scrape_cost_s: float = 0.0
     # P/D: loading one prompt token's KV from a prefill pod, as a fraction of computing it (prefill_token_s)
     kv_transfer_cost: float = 0.05
+    # KV offloading to host memory (vLLM's OffloadingConnector, CPU tier): its size in blocks (0: none), and
+    # loading one token's KV from it as a fraction of computing it. Llama-3-8B keeps 128 KiB of KV per token
+    # (32 layers x 8 KV heads x 128 x 2 x fp16); at ~32 GB/s host-to-device over PCIe Gen5 that is ~4 us,
+    # against ~40 us of prefill compute per token on an H100 (prefill_token_s): 0.1.
+    num_cpu_blocks: int = 0
+    host_load_cost: float = 0.1
 
     def usable_blocks(self) -> int:
         """Blocks requests can use (vLLM keeps block 0 as the null block)."""
