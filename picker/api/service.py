@@ -10,8 +10,9 @@ from picker.core.requests import RequestError, build_request
 from picker.routing.director import Director
 
 
-def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb2.ExplainResponse:
-    """Run the director's ranking on a request without routing it: nothing is recorded."""
+async def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb2.ExplainResponse:
+    """Run the director's ranking on a request without routing it: nothing is recorded. The prompt is tokenized
+    as a routed one is, so the precise view (the pods' KV events) is part of the answer."""
     headers = {k.lower(): v for k, v in message.headers.items()}
     headers[":path"] = message.path or "/v1/chat/completions"
     headers.setdefault(":method", "POST")
@@ -23,7 +24,8 @@ def explain(director: Director, message: picker_pb2.ExplainRequest) -> picker_pb
         for name, value in director.screen(request, now).items():  # a request refused at once: its refusal
             response.admission[name] = value
         response.priority = request.priority
-        result = director.rank(request, now)
+        await director.tokenize(request)
+        result = director.rank(request, director.clock())
     except RequestError as err:
         response.error_status, response.error_code, response.error_message = err.status, err.code, err.message
         return response
@@ -52,7 +54,7 @@ class PickerService(picker_pb2_grpc.PickerServicer):
 
     async def Explain(self, request: picker_pb2.ExplainRequest, context: grpc.aio.ServicerContext  # noqa: N802
                       ) -> picker_pb2.ExplainResponse:
-        return explain(self.director, request)
+        return await explain(self.director, request)
 
     async def ListEndpoints(self, request: picker_pb2.ListEndpointsRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> picker_pb2.ListEndpointsResponse:

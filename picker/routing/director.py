@@ -205,13 +205,13 @@ class Director:
 
         await through_gate(self.gate, offer, self.clock)
         try:
-            await self._tokenize(request)
+            await self.tokenize(request)
         except BaseException:
             self.gate.placed()  # given up before it was placed: the next may go
             raise
         return self.place(request, self.clock(), arrived, at_once[0] if at_once else None, received, body)
 
-    async def _tokenize(self, request: InferenceRequest) -> None:
+    async def tokenize(self, request: InferenceRequest) -> None:
         """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it); then
         the parsed body is let go, so a request in flight does not keep it."""
         if self.tokenizer is not None and request.has_body and request.token_ids is None:
