@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-fleet bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload token-fairness scale pd pd-real mixed-models precise-scenarios fuzzy-prefix kv-events-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-fleet bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload token-fairness scale pd pd-real mixed-models precise-scenarios cache-tiers fuzzy-prefix kv-events-real clean
 
 # The picker with the dev extra (tools, Envoy, Valkey), and the lab beside it (lab/: the simulator, the
 # benchmarks, the demo), both editable. The picker's install compiles the protos too (setup.py's build hook).
@@ -79,6 +79,10 @@ scrape-cost: install
 # Where the approximate prefix index is wrong (bypass, two pickers, misreported KV) and what KV events buy (fast, ~3 min).
 precise-scenarios: install
 	$(BIN)/python bench/precise_scenarios.py $(ARGS)
+
+# Routing by cache tier (host-memory offloading) against counting every tier the same (fast mode, 3 seeds, ~5 min).
+cache-tiers: install
+	$(BIN)/python bench/cache_tiers.py $(ARGS)
 
 # Fuzzy prefix matching (MinHash-LSH) with and without, prompts differing early and late (fast mode, ~20 s).
 fuzzy-prefix: install
