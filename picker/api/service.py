@@ -58,7 +58,7 @@ class PickerService(picker_pb2_grpc.PickerServicer):
                             context: grpc.aio.ServicerContext) -> picker_pb2.ListEndpointsResponse:
         now = self.director.clock()
         response = picker_pb2.ListEndpointsResponse()
-        for e in self.director.pool.all():
+        for e in self.director.pool.targets():
             age = e.metrics_age(now)
             response.endpoints.add(
                 address=e.address, name=e.name, healthy=e.healthy, waiting=e.metrics.waiting,

@@ -178,7 +178,7 @@ class PoolMonitor:
             await self.scraper.start()
             index = self.scheduler.index
             while True:
-                self.metrics.pool.observe_pool(self.pool.all(), self.scraper.stretch)
+                self.metrics.pool.observe_pool(self.pool.targets(), self.scraper.stretch)
                 self.metrics.scheduling.index_size_value.set(index.size())
                 chars_per_token = self.scheduler.learned_chars_per_token
                 if chars_per_token is not None:
