@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker_lab.supervisor import (
@@ -46,6 +47,14 @@ def rank_counters(address: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(f"http://{address}/sim/ranks", timeout=5) as response:
         ranks: list[dict[str, Any]] = json.loads(response.read())["ranks"]
     return ranks
+
+
+def picks_by_target(picker: Picker) -> dict[str, float]:
+    """llm_d_epp_scheduler_attempts{status="success"} by endpoint_name: what the picker routed to each target."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{picker.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {s.labels["endpoint_name"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "llm_d_epp_scheduler_attempts_total" and s.labels.get("status") == "success"}
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +103,16 @@ async def test_requests_sharing_a_prefix_reach_the_same_rank(dp: DpStack) -> Non
                                                                           for r in before[a])
     steered = sum(r["steered"] for a in after for r in after[a]) - sum(r["steered"] for a in before for r in before[a])
     assert requests == steered == sent  # every request named its rank: none was balanced by the server
+    # The picker's own counters name each rank (its identity "ip:port#rank"), and Explain says where a prompt goes
+    picks = picks_by_target(dp.picker)
+    assert set(picks) <= {f"{a}#{r}" for a in dp.sim.addresses for r in (0, 1)} and len(picks) >= 3, picks
+    first_pod, first_rank = home[systems[0]]
+    server = dp.sim.addresses[int(first_pod.removeprefix("sim-"))]
+    async with dp.picker.aio_channel() as channel:
+        explained = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
+            path="/v1/completions", body=json.dumps({"model": "tiny", "prompt": systems[0] + "later"}).encode()))
+    assert (explained.ranked[0], explained.destination, explained.data_parallel_rank) \
+        == (f"{server}#{first_rank}", server, int(first_rank))
     homes = {(pod, int(rank)) for pod, rank in home.values()}
     for address in dp.sim.addresses:
         for rank in after[address]:
