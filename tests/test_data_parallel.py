@@ -55,6 +55,15 @@ def test_a_page_of_two_engines_gives_each_its_own_series_and_their_sum() -> None
     assert m.engines[1].models == frozenset({"tiny"}) and m.engines[1].updated_at == 7.0
 
 
+def test_a_real_vllm_page_of_two_data_parallel_ranks() -> None:
+    """Captured from vLLM 0.32 CPU run with --data-parallel-size 2 (the tiny local model, blocks of 128 tokens)."""
+    page = (Path(__file__).resolve().parent / "data" / "vllm-0.32-cpu-dp2-idle.txt").read_text()
+    m = parse_metrics(page)
+    assert m.engines is not None and sorted(m.engines) == [0, 1] and m.num_gpu_blocks == 256
+    assert [(e.num_gpu_blocks, e.block_size, e.models) for e in m.engines.values()] \
+        == [(128, 128, frozenset({"tiny"}))] * 2
+
+
 def test_one_engine_or_engines_without_their_cache_described_are_not_split() -> None:
     assert parse_metrics(IDLE).engines is None
     partial = IDLE + 'vllm:num_requests_waiting{engine="1",model_name="tiny"} 4\n'  # no cache_config_info for 1
