@@ -2,7 +2,8 @@
 (`picker sim --data-parallel-size 2`) are four targets to the picker. Requests sharing a prefix reach the same rank
 of the same server (the server's per-rank counters show every request named its rank, and the cache hits on the
 rank that holds the prefix); a client's own rank header is overwritten; cold requests avoid the one rank that
-traffic around the picker has queued up, and keep using its sibling behind the same port."""
+traffic around the picker has queued up, and keep using its sibling behind the same port; the reference's
+data-parallel config starts and routes the same servers rank by rank."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,6 +23,7 @@ from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker_lab.supervisor import (
     Backends,
     Envoy,
+    Managed,
     Picker,
     process_scope,
     start_envoy,
@@ -29,12 +32,16 @@ from picker_lab.supervisor import (
     wait_until,
 )
 
+REFERENCE_CONFIG = Path(__file__).resolve().parent / "data" / "reference_configs" / "data-parallel.yaml"
+
 
 @dataclass
 class DpStack:
     sim: Backends
     picker: Picker
     envoy: Envoy
+    logdir: Path
+    started: list[Managed]
 
 
 def targets(picker: Picker) -> dict[str, picker_pb2.EndpointInfo]:
@@ -69,7 +76,7 @@ def dp() -> Iterator[DpStack]:
         wait_until(lambda: set(targets(picker)) == wanted, 20, "the picker routes each rank", picker.process)
         envoy = start_envoy(logdir, picker, sim.addresses)
         started.append(envoy.process)
-        yield DpStack(sim, picker, envoy)
+        yield DpStack(sim, picker, envoy, logdir, started)
 
 
 async def complete(session: aiohttp.ClientSession, envoy: Envoy, prompt: str, max_tokens: int = 2,
@@ -144,3 +151,19 @@ async def test_cold_requests_avoid_the_rank_queued_up_around_the_picker(dp: DpSt
             await asyncio.gather(*background, return_exceptions=True)
     assert ("sim-0", "0") not in served, served
     assert ("sim-0", "1") in served, served  # the same server, the other rank: still used
+
+
+async def test_the_reference_data_parallel_config_starts_and_routes_ranks(dp: DpStack) -> None:
+    """The reference's deprecated data-parallel handler, its sample config unchanged: the picker starts, says what it
+    runs instead, and routes the same servers rank by rank."""
+    picker = start_picker(dp.logdir, endpoints=dp.sim.addresses, extra=["--config-file", str(REFERENCE_CONFIG)],
+                          name="picker-reference")
+    dp.started.append(picker.process)
+    wanted = {f"{a}#{r}" for a in dp.sim.addresses for r in (0, 1)}
+    await asyncio.to_thread(wait_until, lambda: set(targets(picker)) == wanted, 20, "ranks", picker.process)
+    assert "data-parallel-profile-handler runs as single-profile-handler" in picker.process.log()
+    envoy = start_envoy(dp.logdir, picker, dp.sim.addresses, name="envoy-reference")
+    dp.started.append(envoy.process)
+    async with aiohttp.ClientSession() as session:
+        pod, rank = await complete(session, envoy, "a request under the reference's config")
+    assert pod in ("sim-0", "sim-1") and rank in ("0", "1")
