@@ -8,7 +8,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from picker.core.requests import ApiKind, InferenceRequest
 from picker.endpoints.metrics import parse_metrics
+from picker.endpoints.model_listing import ModelListings
+from picker.endpoints.state import Endpoint
+from picker.prefix.tokens import PodTokenizer
 from picker_lab.sim.data_parallel import DataParallelPod
 from picker_lab.sim.fleet import SimFleet
 
@@ -57,3 +61,20 @@ async def test_requests_without_the_header_are_spread_and_the_page_labels_each_e
     m = parse_metrics(page)
     assert m.engines is not None and sorted(m.engines) == [0, 1, 2]
     assert page.count("# TYPE vllm:num_requests_waiting gauge") == 1  # each family once
+
+
+async def test_a_ranks_model_listing_and_token_ids_are_its_servers(server: tuple[DataParallelPod, str]) -> None:
+    """What the picker asks a rank's server for (GET /v1/models, POST /tokenize) goes to the server's ip:port."""
+    _, url = server
+    rank = Endpoint.rank_of(Endpoint.from_address(url.removeprefix("http://")), 1)
+    async with aiohttp.ClientSession() as session:
+        assert await ModelListings(lambda: [rank], session=session).read(rank)
+    assert "tiny" in rank.listed_models
+    tokenizer = PodTokenizer(timeout=5.0)
+    try:
+        request = InferenceRequest(request_id="t", model="tiny", api=ApiKind.COMPLETIONS, path="/v1/completions",
+                                   prompt_text="hello there", parsed={"model": "tiny", "prompt": "hello there"})
+        ids = await tokenizer.token_ids(request, lambda: [rank])
+    finally:
+        await tokenizer.close()
+    assert ids
