@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from picker.cli import main
 from picker.core.requests import ApiKind, InferenceRequest
 from picker.endpoints.metrics import parse_metrics
 from picker.endpoints.model_listing import ModelListings
@@ -78,3 +79,10 @@ async def test_a_ranks_model_listing_and_token_ids_are_its_servers(server: tuple
     finally:
         await tokenizer.close()
     assert ids
+
+
+@pytest.mark.parametrize("flags", [["--engine", "sglang"], ["--kv-events-endpoint", "tcp://127.0.0.1:5557"]])
+def test_a_data_parallel_pod_speaks_vllms_metrics_without_kv_events(capsys: pytest.CaptureFixture[str],
+                                                                     flags: list[str]) -> None:
+    assert main(["sim", "--data-parallel-size", "2", "--base-port", "0", *flags]) == 2
+    assert "--data-parallel-size" in capsys.readouterr().err
