@@ -58,6 +58,8 @@ def profiles_of(config: ServeConfig) -> dict[str, Any]:
         "decode": (["decode-filter"], {"prefix-cache-scorer": 2, "queue-scorer": 1}, "MaxScorePicker")}),
     ("mm-embeddings-cache.yaml", {"default": ([], {"prefix-cache-scorer": 3, "mm-embeddings-cache-scorer": 2,
                                                    "queue-scorer": 1}, "MaxScorePicker")}),
+    ("data-parallel.yaml", {"default": ([], {"queue-scorer": 2, "kv-cache-utilization-scorer": 2,
+                                             "prefix-cache-scorer": 3}, "MaxScorePicker")}),
     ("openai-parser-lora.yaml", {"default": ([], {"queue-scorer": 1, "kv-cache-utilization-scorer": 1,
                                                   "prefix-cache-scorer": 1, "lora-affinity-scorer": 1},
                                              "MaxScorePicker")}),
@@ -95,6 +97,13 @@ def test_settings_of_non_scheduling_plugins_land_where_ours_live() -> None:
     assert flagged.model_server_metrics_path == "/stats"  # a flag beats what the file's plugins imply
 
 
+def test_the_data_parallel_handler_runs_as_the_single_profile_handler_and_says_so() -> None:
+    notes: list[str] = []
+    load("data-parallel.yaml", notes=notes)
+    assert len(notes) == 1 and "data-parallel-profile-handler runs as single-profile-handler" in notes[0] \
+        and "primaryPort 8000" in notes[0] and "x-data-parallel-rank" in notes[0], notes
+
+
 @pytest.mark.parametrize("name,message", [
     ("refused-encode.yaml", r"plugins\[0\]\.type: 'encode-filter' .* encode disaggregation"),
     ("refused-payload-agnostic.yaml", r"plugins\[0\]\.type: 'passthrough-parser' .* OpenAI-style body"),
@@ -121,6 +130,8 @@ def test_plugins_we_do_not_implement_are_named(name: str, message: str) -> None:
     ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: single-profile-handler\n"
      "- type: queue-scorer\nschedulingProfiles:\n- {name: a, plugins: [{pluginRef: queue-scorer}]}\n"
      "- {name: b, plugins: [{pluginRef: queue-scorer}]}\n", "single-profile-handler runs one profile, not 2"),
+    ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: data-parallel-profile-handler\n"
+     "  parameters: {primaryPort: 70000}\n", r"plugins\[0\]\.parameters\.primaryPort"),
     ("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\ndataLayer: {discovery: {pluginRef: x}}\n",
      "dataLayer.discovery: not supported"),
 ])

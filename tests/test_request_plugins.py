@@ -56,7 +56,7 @@ async def test_a_plugin_added_to_the_table_acts_at_each_point_of_a_request() -> 
     scheduler = build_scheduler(rng=random.Random(0))
     table = {**plugins.REQUEST_PLUGINS, counter.name: lambda deps: counter}
     director = Director(pool, scheduler, plugins=plugins.build(PluginDeps(scheduler, lambda: 0.0), table))
-    assert [p.name for p in director.plugins] == ["model-rewrite", "chunk-counter"]  # no P/D, metrics or tracer
+    assert [p.name for p in director.plugins] == ["model-rewrite", "data-parallel", "chunk-counter"]  # no P/D, metrics, tracer
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(director, StreamLimits()), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -30,6 +30,9 @@ async def explain(director: Director, message: picker_pb2.ExplainRequest) -> pic
         response.error_status, response.error_code, response.error_message = err.status, err.code, err.message
         return response
     response.ranked.extend(e.address for e in result.ranked)
+    if result.ranked:
+        response.destination = result.ranked[0].destination
+        response.data_parallel_rank = result.ranked[0].rank
     response.profile = result.profile
     response.profile_reason = result.profile_reason
     for name, weight in result.weights.items():
@@ -60,7 +63,7 @@ class PickerService(picker_pb2_grpc.PickerServicer):
                             context: grpc.aio.ServicerContext) -> picker_pb2.ListEndpointsResponse:
         now = self.director.clock()
         response = picker_pb2.ListEndpointsResponse()
-        for e in self.director.pool.all():
+        for e in self.director.pool.targets():
             age = e.metrics_age(now)
             response.endpoints.add(
                 address=e.address, name=e.name, healthy=e.healthy, waiting=e.metrics.waiting,
@@ -68,5 +71,6 @@ class PickerService(picker_pb2_grpc.PickerServicer):
                 in_flight_tokens=e.in_flight_tokens, metrics_age_seconds=age if age != float("inf") else -1.0,
                 block_size=e.metrics.block_size or 0, num_gpu_blocks=e.metrics.num_gpu_blocks or 0,
                 running_lora_adapters=sorted(e.metrics.running_loras), state=e.state.value,
+                data_parallel_rank=e.rank, destination=e.destination,
             )
         return response

@@ -4,7 +4,8 @@ page itself (a JSON list, or the `vllm:` / `sglang:` / `trtllm_` prefixes).
 
 Hand-rolled because it runs on every scrape of every pod (down to 100 ms apart): one regex pass finds only the sample lines of the few series
 we use (the name is followed by `{` or a space, and the match must start a line, which drops `# HELP`/`# TYPE`),
-so the histogram buckets that make up most of the text are never split into lines or labels. Series of several engines (data-parallel ranks) add up; KV usage is their mean.
+so the histogram buckets that make up most of the text are never split into lines or labels. Series of several engines
+(data-parallel ranks, label `engine`) add up, KV usage is their mean, and each engine's own are kept beside them.
 """
 
 from __future__ import annotations
@@ -101,60 +102,89 @@ def _adapters(text: str) -> frozenset[str]:
     return frozenset(a for a in (s.strip() for s in text.split(",")) if a)
 
 
-def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
-    """Parse a vLLM exposition; missing series leave the EndpointMetrics defaults."""
-    m = EndpointMetrics(updated_at=updated_at)
-    sums = dict.fromkeys(_SUMMED.values(), 0.0)
-    kv_total = 0.0
-    kv_count = 0
-    block_size: int | None = None
-    gpu_blocks = 0
-    newest_lora = -math.inf
-    lora_labels: str | None = None
-    models: set[str] = set()
-    for name, labels, value in _samples(_SAMPLE, text):
+class _Engine:
+    """The samples of one engine (or of the whole page) added up as they are read."""
+
+    __slots__ = ("sums", "kv_total", "kv_count", "block_size", "gpu_blocks", "models", "described")
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(_SUMMED.values(), 0.0)
+        self.kv_total = 0.0
+        self.kv_count = 0
+        self.block_size: int | None = None
+        self.gpu_blocks = 0
+        self.models: set[str] = set()
+        self.described = False  # its cache geometry was read (vLLM gives every engine it runs a cache_config_info)
+
+    def add(self, name: str, info: dict[str, str] | None, value: float) -> None:
         field = _SUMMED.get(name)
         if field is not None:
             if not math.isnan(value):
-                sums[field] += value
-            if field == "running":  # one series per engine: which model it serves
-                model = parse_labels(labels).get("model_name")
+                self.sums[field] += value
+            if field == "running" and info is not None:  # one series per engine: which model it serves
+                model = info.get("model_name")
                 if model:
-                    models.add(model)
+                    self.models.add(model)
         elif name in _KV:
             if not math.isnan(value):
-                kv_total += value
-                kv_count += 1
-        elif name == "cache_config_info":
-            info = parse_labels(labels)
+                self.kv_total += value
+                self.kv_count += 1
+        elif info is not None:  # cache_config_info
+            self.described = True
             size = _int(info.get("block_size"))
-            if size and block_size is None:
-                block_size = size
-            gpu_blocks += _int(info.get("num_gpu_blocks")) or 0
-        elif value > newest_lora:  # lora_requests_info: the value is a timestamp, newest series wins
-            newest_lora = value
-            lora_labels = labels
-    m.waiting = sums["waiting"]
-    m.running = sums["running"]
-    m.prefix_queries = sums["prefix_queries"]
-    m.prefix_hits = sums["prefix_hits"]
-    m.prefill_tokens = sums["prefill_tokens"]
-    m.prefill_seconds = sums["prefill_seconds"]
-    m.prefill_count = sums["prefill_count"]
-    m.ttft_seconds = sums["ttft_seconds"]
-    m.ttft_count = sums["ttft_count"]
-    m.prompt_tokens = sums["prompt_tokens"]
-    m.prompt_count = sums["prompt_count"]
-    if kv_count:
-        m.kv_usage = kv_total / kv_count
-    m.block_size = block_size
-    m.num_gpu_blocks = gpu_blocks or None
-    m.models = frozenset(models)
+            if size and self.block_size is None:
+                self.block_size = size
+            self.gpu_blocks += _int(info.get("num_gpu_blocks")) or 0
+
+    def metrics(self, updated_at: float) -> EndpointMetrics:
+        sums = self.sums
+        m = EndpointMetrics(
+            waiting=sums["waiting"], running=sums["running"], prefix_queries=sums["prefix_queries"],
+            prefix_hits=sums["prefix_hits"], prefill_tokens=sums["prefill_tokens"],
+            prefill_seconds=sums["prefill_seconds"], prefill_count=sums["prefill_count"],
+            ttft_seconds=sums["ttft_seconds"], ttft_count=sums["ttft_count"], prompt_tokens=sums["prompt_tokens"],
+            prompt_count=sums["prompt_count"], block_size=self.block_size, num_gpu_blocks=self.gpu_blocks or None,
+            models=frozenset(self.models), updated_at=updated_at)
+        if self.kv_count:
+            m.kv_usage = self.kv_total / self.kv_count
+        return m
+
+
+def parse_vllm_metrics(text: str, updated_at: float = -1.0) -> EndpointMetrics:
+    """Parse a vLLM exposition; missing series leave the EndpointMetrics defaults. A page of two or more engines
+    (label `engine`, as vLLM labels its data-parallel ranks) that describes each one's cache (vLLM writes a
+    `cache_config_info` for every engine it runs) also gives each engine's own series (`engines`)."""
+    total = _Engine()
+    engines: dict[str, _Engine] = {}
+    newest_lora = -math.inf
+    lora_labels: str | None = None
+    for name, labels, value in _samples(_SAMPLE, text):
+        if name == "lora_requests_info":
+            if value > newest_lora:  # the value is a timestamp, newest series wins
+                newest_lora = value
+                lora_labels = labels
+            continue
+        info = parse_labels(labels) if labels else None
+        total.add(name, info, value)
+        engine = info.get("engine") if info is not None else None
+        if engine:
+            own = engines.get(engine)
+            if own is None:
+                own = engines[engine] = _Engine()
+            own.add(name, info, value)
+    m = total.metrics(updated_at)
+    if len(engines) > 1:  # ranks: the engines whose cache the page describes (a rank's index needs its bound)
+        split = {int(key): own.metrics(updated_at) for key, own in engines.items() if key.isdigit() and own.described}
+        if len(split) > 1:
+            m.engines = split
     if lora_labels is not None:
         info = parse_labels(lora_labels)
         m.max_lora = _int(info.get("max_lora")) or 0
         m.running_loras = _adapters(info.get("running_lora_adapters", ""))
         m.waiting_loras = _adapters(info.get("waiting_lora_adapters", ""))
+        for own_metrics in (m.engines or {}).values():  # vLLM labels adapter slots per server, not per engine
+            own_metrics.max_lora, own_metrics.running_loras = m.max_lora, m.running_loras
+            own_metrics.waiting_loras = m.waiting_loras
     return m
 
 

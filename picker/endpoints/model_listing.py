@@ -102,7 +102,7 @@ class ModelListings:
         """One read of one pod's listing; True when it was read and understood."""
         assert self._session is not None, "run() opens the session"
         self._read_at[endpoint.address] = asyncio.get_running_loop().time()
-        url = f"{self.scheme}://{endpoint.address}{MODELS_PATH}"
+        url = f"{self.scheme}://{endpoint.destination}{MODELS_PATH}"  # a rank: its server's listing
         try:
             async with self._session.get(url, timeout=self.timeout) as response:
                 body = await response.read() if response.status == 200 else b""

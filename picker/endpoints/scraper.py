@@ -51,6 +51,9 @@ class HealthTransitions(Protocol):
 
     def mark_restarted(self, endpoint: Endpoint, reason: str = "") -> None: ...
 
+    def metrics_read(self, endpoint: Endpoint) -> None:
+        """`endpoint.metrics` was just replaced: the owner may split it among the server's data-parallel ranks."""
+
 
 Reachable = Callable[[Endpoint], Awaitable[bool]]
 
@@ -446,6 +449,8 @@ class MetricsScraper:
     def _succeeded(self, endpoint: Endpoint, metrics: EndpointMetrics) -> None:
         restart = started_over(endpoint.metrics, metrics)
         endpoint.metrics = metrics
+        if self.health is not None:
+            self.health.metrics_read(endpoint)
         if restart and self.health is not None:
             self.health.mark_restarted(endpoint, restart)
         endpoint.consecutive_failures = 0

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
@@ -59,34 +60,43 @@ def grace(interval: float) -> float:
     return max(0.05, 0.5 * interval)
 
 
-def _encode(sample: SharedSample) -> bytes:
-    m = sample.metrics
-    fields = None if m is None else [
+def _fields(m: EndpointMetrics) -> list[Any]:
+    fields: list[Any] = [
         m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks, m.prefix_queries, m.prefix_hits,
         m.max_lora, sorted(m.running_loras), sorted(m.waiting_loras), m.prefill_tokens, m.prefill_seconds,
         m.ttft_seconds, m.ttft_count, sorted(m.models), m.prefill_count, m.prompt_tokens, m.prompt_count]  # fmt: skip
-    return msgpack.packb([sample.replica, sample.at, sample.interval, fields])
+    if m.engines:  # a data-parallel server's engines, each as its own fields
+        fields.append([[index, *_fields(own)] for index, own in sorted(m.engines.items())])
+    return fields
+
+
+def _encode(sample: SharedSample) -> bytes:
+    m = sample.metrics
+    return msgpack.packb([sample.replica, sample.at, sample.interval, None if m is None else _fields(m)])
+
+
+def _metrics(fields: list[Any]) -> EndpointMetrics:
+    waiting, running, kv, block, blocks, queries, hits, max_lora, running_loras, waiting_loras = fields[:10]
+    # a replica of an earlier release writes 10 fields (no prefill or TTFT counters): read as zeros
+    prefill_tokens, prefill_seconds, ttft_seconds, ttft_count = (*fields[10:14], 0.0, 0.0, 0.0, 0.0)[:4]
+    models = fields[14] if len(fields) > 14 else ()  # and 14 before the served models were shared
+    prefill_count = fields[15] if len(fields) > 15 else 0.0  # and 15 before the prefill count was
+    # and 16 before the finished prompts were: unknown (NaN), not 0, which would read as the pod restarting
+    prompt_tokens, prompt_count = (fields[16], fields[17]) if len(fields) > 17 else (math.nan, math.nan)
+    engines = {int(e[0]): _metrics(e[1:]) for e in fields[18]} if len(fields) > 18 and fields[18] else None
+    return EndpointMetrics(
+        waiting=float(waiting), running=float(running), kv_usage=float(kv), block_size=block,
+        num_gpu_blocks=blocks, prefix_queries=float(queries), prefix_hits=float(hits),
+        prefill_tokens=float(prefill_tokens), prefill_seconds=float(prefill_seconds),
+        prefill_count=float(prefill_count), prompt_tokens=float(prompt_tokens), prompt_count=float(prompt_count),
+        ttft_seconds=float(ttft_seconds), ttft_count=float(ttft_count), max_lora=int(max_lora),
+        running_loras=frozenset(running_loras), waiting_loras=frozenset(waiting_loras),
+        models=frozenset(models), engines=engines)
 
 
 def _decode(data: bytes) -> SharedSample:
     replica, at, interval, fields = msgpack.unpackb(data, raw=False)
-    metrics = None
-    if fields is not None:
-        waiting, running, kv, block, blocks, queries, hits, max_lora, running_loras, waiting_loras = fields[:10]
-        # a replica of an earlier release writes 10 fields (no prefill or TTFT counters): read as zeros
-        prefill_tokens, prefill_seconds, ttft_seconds, ttft_count = (*fields[10:14], 0.0, 0.0, 0.0, 0.0)[:4]
-        models = fields[14] if len(fields) > 14 else ()  # and 14 before the served models were shared
-        prefill_count = fields[15] if len(fields) > 15 else 0.0  # and 15 before the prefill count was
-        # and 16 before the finished prompts were: unknown (NaN), not 0, which would read as the pod restarting
-        prompt_tokens, prompt_count = (fields[16], fields[17]) if len(fields) > 17 else (math.nan, math.nan)
-        metrics = EndpointMetrics(
-            waiting=float(waiting), running=float(running), kv_usage=float(kv), block_size=block,
-            num_gpu_blocks=blocks, prefix_queries=float(queries), prefix_hits=float(hits),
-            prefill_tokens=float(prefill_tokens), prefill_seconds=float(prefill_seconds),
-            prefill_count=float(prefill_count), prompt_tokens=float(prompt_tokens), prompt_count=float(prompt_count),
-            ttft_seconds=float(ttft_seconds), ttft_count=float(ttft_count), max_lora=int(max_lora),
-            running_loras=frozenset(running_loras), waiting_loras=frozenset(waiting_loras),
-            models=frozenset(models))
+    metrics = None if fields is None else _metrics(fields)
     return SharedSample(str(replica), float(at), float(interval), metrics)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from picker.endpoints.load_column import LoadColumn
 
+RANK_MARK = "#"  # between a server's address and a rank's index in the rank's identity
 DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
@@ -77,6 +78,9 @@ class EndpointMetrics:
     waiting_loras: frozenset[str] = frozenset()
     models: frozenset[str] = frozenset()  # the `model_name` label of its series: the base model(s) it serves
     updated_at: float = -1.0  # never scraped
+    # A page of several engines (vLLM's data-parallel ranks, label `engine`): each engine's own series, by its
+    # index; the fields above are then their sum (KV use their mean). None: one engine, or no engine label.
+    engines: dict[int, EndpointMetrics] | None = None
 
 
 class EndpointState(enum.Enum):
@@ -87,7 +91,9 @@ class EndpointState(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Endpoint:
-    """One model-server pod. Identity is its "ip:port" address; the same object lives as long as the pod."""
+    """One model-server pod, or one data-parallel rank of it. Identity is its address: "ip:port" for a server,
+    "ip:port#rank" for a rank (a `#` is in no IP, host name or port, so the two never collide). The same object
+    lives as long as the pod (the rank)."""
 
     address: str
     ip: str
@@ -112,12 +118,28 @@ class Endpoint:
     # The pool's column of ready pods' counts this pod writes its own into (picker.endpoints.load_column), and its row
     column: LoadColumn | None = field(default=None, repr=False, compare=False)
     row: int = field(default=0, repr=False, compare=False)
+    # A data-parallel rank: its index (what `x-data-parallel-rank` carries) and the server it runs in, which is
+    # scraped, health-checked and routed to for it (picker.endpoints.ranks). -1 and None: a whole server.
+    rank: int = -1
+    server: Endpoint | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_address(cls, address: str, name: str = "", labels: dict[str, str] | None = None) -> Endpoint:
         ip, port = parse_address(address)
         canonical = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
         return cls(address=canonical, ip=ip, port=port, name=name or canonical, labels=labels or {})
+
+    @classmethod
+    def rank_of(cls, server: Endpoint, rank: int) -> Endpoint:
+        """Rank `rank` of `server`: its own identity, counts and metrics; the server's address, name and labels."""
+        return cls(address=f"{server.address}{RANK_MARK}{rank}", ip=server.ip, port=server.port,
+                   name=f"{server.name}{RANK_MARK}{rank}", labels=server.labels, state=server.state, rank=rank,
+                   server=server)
+
+    @property
+    def destination(self) -> str:
+        """The "ip:port" Envoy sends its requests to: its server's for a rank."""
+        return self.address if self.server is None else self.server.address
 
     @property
     def healthy(self) -> bool:
@@ -143,6 +165,8 @@ class Endpoint:
         self.last_picked_at = now
         if self.column is not None:
             self.column.update(self)
+        if self.server is not None:  # the scraper compares the server's page with what we sent it in all
+            self.server.start_request(tokens, now)
 
     def finish_request(self, tokens: int) -> None:
         self.finished += 1
@@ -150,6 +174,8 @@ class Endpoint:
         self.in_flight_tokens = max(0, self.in_flight_tokens - tokens)
         if self.column is not None:
             self.column.update(self)
+        if self.server is not None:
+            self.server.finish_request(tokens)
 
     @property
     def fleet_in_flight(self) -> int:

@@ -119,7 +119,7 @@ class PodTokenizer:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         pod = min(pods, key=lambda e: e.in_flight)
         try:
-            async with self._session.post(f"{self.scheme}://{pod.address}/tokenize", data=body, timeout=self.timeout,
+            async with self._session.post(f"{self.scheme}://{pod.destination}/tokenize", data=body, timeout=self.timeout,
                                           headers={"content-type": "application/json"}) as response:
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")

@@ -78,7 +78,7 @@ class _Release:
 def match_subset(candidates: Sequence[Endpoint], subset: tuple[str, ...]) -> list[Endpoint]:
     """Endpoints named by Envoy's subset hint, by "ip:port" or by "ip"."""
     wanted = set(subset)
-    return [e for e in candidates if e.address in wanted or e.ip in wanted]
+    return [e for e in candidates if e.destination in wanted or e.ip in wanted]
 
 
 class Director:
@@ -236,7 +236,7 @@ class Director:
             chosen.start_request(tokens, now)
             expected = (result.prefix_matched_blocks * result.context.block_chars // self.chars_per_token
                         if result.context is not None else 0)
-            decision = Decision(request, ranked, ",".join(e.address for e in ranked), result, tokens,
+            decision = Decision(request, ranked, ",".join(e.destination for e in ranked), result, tokens,
                                 now if arrived is None else arrived, expected_cached=expected,
                                 scheduled_s=time.perf_counter() - began,
                                 decided_s=time.perf_counter() - received if received else 0.0)

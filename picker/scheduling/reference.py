@@ -59,7 +59,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
                      "burst-prefix-cache-producer"), _PRECISE),
     **dict.fromkeys(("predicted-latency-producer", "latency-scorer", "slo-headroom-tier-filter",
                      "latency-slo-admitter", "prefix-cache-affinity-filter"), _LATENCY),
-    "data-parallel-profile-handler": "data-parallel ranks are separate endpoints here (list each port)",
     "header-profile-handler": "profiles are chosen by picker's request-classifier",
     "passthrough-parser": "picker routes on the OpenAI-style body it parses; a pass-through parser cannot feed it",
     "anthropic-parser": "picker parses OpenAI-style bodies only",
@@ -135,6 +134,14 @@ class MetricsSourceParams(_Params):
 class MetricsExtractorParams(_Params):
     default_engine: Literal["vllm"] = "vllm"  # other engines: not yet
     engine_label_key: str = "llm-d.ai/engine-type"
+
+
+class DataParallelParams(_Params):
+    """The reference's deprecated `data-parallel-profile-handler`: its pool lists one port per rank (the sidecar
+    listens on each), and it sent every request to `primaryPort` naming the rank's ip:port in
+    `X-Data-Parallel-Endpoint`. Here each listed port is an endpoint and gets its requests itself."""
+
+    primary_port: int = Field(8000, ge=0, le=65535)  # 0: its default, as the reference reads it
 
 
 class TokenProducerParams(_Params):
@@ -255,6 +262,14 @@ def _adapt_plugins(scheduling: dict[str, Any], prefix: str, adapted: Adapted) ->
         elif kind == "token-producer":
             decode(TokenProducerParams, params, f"{where}.parameters")
             spec["parameters"] = {}
+        elif kind == "data-parallel-profile-handler":
+            port = decode(DataParallelParams, params, f"{where}.parameters").primary_port or 8000
+            spec["type"], spec["parameters"] = "single-profile-handler", {}
+            adapted.warnings.append(
+                f"{where}: data-parallel-profile-handler runs as single-profile-handler: each rank port the pool "
+                f"lists is an endpoint and is sent its requests directly (the reference's own migration), not "
+                f"through primaryPort {port} with X-Data-Parallel-Endpoint; a server whose ranks share one port is "
+                "routed rank by rank with x-data-parallel-rank")
         elif kind == "utilization-detector":
             adapted.config["admission"] = _utilization(params, f"{where}.parameters")
             spec["parameters"] = {}

@@ -81,6 +81,9 @@ class ServeConfig(Section):
     metrics_slow_interval: Duration = Field(1.0, gt=0)  # cadence of a calm pod
     max_scrapes_per_second: float = Field(500.0, ge=0)  # the pool's scrapes a second at most (intervals stretch); 0: any
     unhealthy_after_failures: int = Field(2, ge=1)
+    # data-parallel ranks behind every server's port (vLLM's --data-parallel-size); 0: as each server's metrics
+    # label them (engine="0", engine="1"...); 1: never split a server
+    data_parallel_ranks: int = Field(0, ge=0, le=1024)
     models_refresh_interval: Duration = Field(30.0, ge=0)  # how often a pod's GET /v1/models is read; 0: never
     # Where pods' metrics are read (the reference picker's flags): scheme, one port for every pod (0: its own), path
     model_server_metrics_scheme: Literal["http", "https"] = "http"
@@ -238,6 +241,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "pod whose page does not take the filter is read whole (default {default})")
     a("--unhealthy-after-failures", type=int, help="failed scrapes before a pod's serving port is tried: degraded "
       "(still routed) if it answers, unready if not (2)")
+    a("--data-parallel-ranks", type=int, help="data-parallel ranks behind every model server's port (vLLM's "
+      "--data-parallel-size): each routed as a target of its own, the pick named in x-data-parallel-rank (default "
+      "{default}: as each server's metrics label their engines; 1: route every server as one)")
     a("--models-refresh-interval", help="how often each pod's GET /v1/models is read to learn its loaded LoRA "
       "adapters, idle ones too (default {default}; 0s: never, the pods' metrics alone tell what they serve)")
     a("--max-body-bytes", help="largest request body accepted (default {default}); larger gets 413")

@@ -135,7 +135,7 @@ def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any], policy
     admission hears of each sync, and the other replicas' picks count at once (heard through the shared index)."""
     if policy.shared_index is None or not config.shared_load_interval:
         return None
-    load = SharedLoad(config.redis_url, index_namespace(config), pool.all, find=pool.get,
+    load = SharedLoad(config.redis_url, index_namespace(config), pool.targets, find=pool.get,
                       interval=config.shared_load_interval, on_change=gate.load_synced)
     policy.shared_index.peer_listener = peer_listener(policy.scheduler, load, policy.shared_index.clock)
     return load
@@ -178,7 +178,7 @@ class PoolMonitor:
             await self.scraper.start()
             index = self.scheduler.index
             while True:
-                self.metrics.pool.observe_pool(self.pool.all(), self.scraper.stretch)
+                self.metrics.pool.observe_pool(self.pool.targets(), self.scraper.stretch)
                 self.metrics.scheduling.index_size_value.set(index.size())
                 chars_per_token = self.scheduler.learned_chars_per_token
                 if chars_per_token is not None:

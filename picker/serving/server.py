@@ -137,6 +137,7 @@ class PickerServer:
         """The metrics and the policy (the scheduler, built here and only here) before anything starts: a plugin
         graph the config cannot build is a ConfigError naming its key before any port opens."""
         c = self.config
+        self.pool.configured_ranks = c.data_parallel_ranks
         models = c.scheduling.models
         rewrite_targets = (t.model_rewrite for rule in models.rewrites for t in rule.targets)
         self.metrics = PickerMetrics(c.pool_label, models=(*models.base, *models.adapters, *rewrite_targets),
@@ -266,6 +267,8 @@ class PickerServer:
         self.on_stop("kv-event subscriber", events.stop)
 
         def pool_changed(event: PoolEvent, endpoint: Endpoint) -> None:
+            if endpoint.server is not None:  # a data-parallel rank: its server publishes the events
+                return
             learn_hosts()
             if event is PoolEvent.REMOVED:
                 index.forget(endpoint.address)

@@ -60,6 +60,8 @@ def format_explain(response: picker_pb2.ExplainResponse) -> str:
     lines = [f"pick: {response.ranked[0] if response.ranked else '-'}   profile: {response.profile}   "
              f"priority: {response.priority}   prefix blocks matched: "
              f"{response.prefix_matched_blocks}/{response.prefix_blocks}"]
+    if response.data_parallel_rank >= 0:
+        lines.append(f"sent to: {response.destination} with x-data-parallel-rank: {response.data_parallel_rank}")
     if response.profile_reason:
         lines.append(f"why {response.profile}: {response.profile_reason}")
     if response.media:
@@ -112,7 +114,9 @@ async def _call(args: argparse.Namespace) -> tuple[str, bool]:
         response = await stub.Explain(request, timeout=5)
         refused = bool(response.error_status)
         if args.json:
-            return json.dumps({"ranked": list(response.ranked), "profile": response.profile,
+            return json.dumps({"ranked": list(response.ranked), "destination": response.destination or None,
+                               "data_parallel_rank": response.data_parallel_rank if response.ranked else None,
+                               "profile": response.profile,
                                "profile_reason": response.profile_reason, "weights": dict(response.weights),
                                "error": response.error_code or None,
                                "candidates": [{"address": c.address, "scores": dict(c.scores),

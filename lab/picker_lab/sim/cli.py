@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "e.g. 6ms as measured on a real vLLM (default: 0, free)")
     a("--eos-mean-tokens", type=whole_number(1), default=None,
       help="mean output length before a pseudo-EOS (default: the profile's)")
+    a("--data-parallel-size", type=whole_number(1), default=1, metavar="N",
+      help="each pod is a server of N data-parallel ranks behind its one port, as vLLM's --data-parallel-size: N "
+      "engines, each its own KV cache, a request going to the rank its X-data-parallel-rank names or else balanced "
+      "as vLLM does; one metrics page with each engine's series labelled engine=\"0\".. (vLLM's metrics, no KV "
+      "events); GET /sim/ranks counts each rank's requests and cache hits (default %(default)s)")
     a("--engine", default="vllm", choices=DIALECTS,
       help="whose metric names the pods serve: vllm or sglang on /metrics; trtllm on /prometheus/metrics as "
       "trtllm-serve does (its gauges as of the last finished request) and its JSON iteration stats on /metrics "
@@ -75,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1 and (args.engine != "vllm" or args.kv_events_endpoint or args.kv_events_endpoint_base
+                                        or args.kv_events_bind_port):
+        print("picker sim: --data-parallel-size: a data-parallel pod serves vLLM's metrics (--engine vllm) and "
+              "publishes no KV events", file=sys.stderr)
+        return 2
     profile = get_profile(args.profile).with_overrides(
         num_gpu_blocks=args.num_gpu_blocks,
         num_cpu_blocks=args.num_cpu_blocks,
@@ -101,6 +111,7 @@ async def _serve(args: argparse.Namespace) -> int:
         kv_events_bind_port=args.kv_events_bind_port,
         engine=args.engine,
         first_index=args.first_pod,
+        data_parallel_size=args.data_parallel_size,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -110,7 +121,8 @@ async def _serve(args: argparse.Namespace) -> int:
     async with fleet:
         for pod in fleet.pods:
             kv = f" kv-events={pod.config.kv_events_endpoint}" if pod.config.kv_events_endpoint else ""
-            print(f"{pod.name} {pod.url} model={pod.model_name} profile={profile.name} engine={args.engine}{kv}",
+            dp = f" data-parallel-size={args.data_parallel_size}" if args.data_parallel_size > 1 else ""
+            print(f"{pod.name} {pod.url} model={pod.model_name} profile={profile.name} engine={args.engine}{kv}{dp}",
                   flush=True)
         await stop.wait()
     return 0

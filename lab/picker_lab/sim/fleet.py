@@ -29,6 +29,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
+from picker_lab.sim.data_parallel import DataParallelPod
 from picker_lab.sim.dialects import MetricDialect
 from picker_lab.sim.kv_events import DEFAULT_TOPIC
 from picker_lab.sim.profiles import Profile, get_profile
@@ -70,6 +71,7 @@ class SimFleet:
         process_metrics: bool = True,
         profile_overrides: dict[str, object] | None = None,
         engine: MetricDialect = "vllm",
+        data_parallel_size: int = 1,
     ) -> None:
         if n < 1:
             raise ValueError("a fleet needs at least one pod")
@@ -77,28 +79,29 @@ class SimFleet:
         if profile_overrides:
             prof = prof.with_overrides(**profile_overrides)
         self.profile = prof
-        self.pods = [
-            SimPod(
-                PodConfig(
-                    name=f"{name_prefix}-{first_index + i}",
-                    profile=prof,
-                    model=model,
-                    host=host,
-                    port=base_port + i if base_port else 0,
-                    time_scale=time_scale,
-                    seed=seed,
-                    lora_modules=dict(lora_modules or {}),
-                    kv_events_endpoint=kv_events_endpoint or kv_endpoint_for(kv_events_endpoint_base, i),
-                    kv_events_topic=None if kv_events_endpoint else DEFAULT_TOPIC,
-                    kv_events_replay=(f"tcp://{host}:{kv_events_replay_port_base + i}"
-                                      if kv_events_replay_port_base else None),
-                    kv_events_bind_port=kv_events_bind_port,
-                    process_metrics=process_metrics,
-                    engine=engine,
-                )
+        configs = [
+            PodConfig(
+                name=f"{name_prefix}-{first_index + i}",
+                profile=prof,
+                model=model,
+                host=host,
+                port=base_port + i if base_port else 0,
+                time_scale=time_scale,
+                seed=seed,
+                lora_modules=dict(lora_modules or {}),
+                kv_events_endpoint=kv_events_endpoint or kv_endpoint_for(kv_events_endpoint_base, i),
+                kv_events_topic=None if kv_events_endpoint else DEFAULT_TOPIC,
+                kv_events_replay=(f"tcp://{host}:{kv_events_replay_port_base + i}"
+                                  if kv_events_replay_port_base else None),
+                kv_events_bind_port=kv_events_bind_port,
+                process_metrics=process_metrics,
+                engine=engine,
             )
             for i in range(n)
         ]
+        # data-parallel servers: each pod N engines behind its port (picker_lab.sim.data_parallel)
+        self.pods: list[SimPod] = [DataParallelPod(c, data_parallel_size) if data_parallel_size > 1 else SimPod(c)
+                                   for c in configs]
 
     @property
     def urls(self) -> list[str]:

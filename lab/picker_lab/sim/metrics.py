@@ -87,12 +87,14 @@ class SimMetrics(Collector):
         prefix_caching_hash_algo: str = "sha256",
         process_metrics: bool = True,
         dialect: MetricDialect = "vllm",
+        engine_index: int = 0,
     ) -> None:
         self.engine = engine
+        self.engine_index = str(engine_index)  # the `engine` label: a data-parallel server's rank
         self.model_name = model_name
         self.lora_enabled = lora_enabled
         self.hash_algo = prefix_caching_hash_algo
-        self.base = {"engine": "0", "model_name": model_name}
+        self.base = {"engine": self.engine_index, "model_name": model_name}
         p = engine.profile
         tok = build_1_2_5_buckets(p.max_model_len)
         self.created = time.time()
@@ -307,7 +309,7 @@ class SimMetrics(Collector):
             "effective_attention_block_size": str(p.block_size),
             "enable_mamba_shared_prefix_checkpoint": "False",
             "enable_prefix_caching": str(self.engine.kv.enable_prefix_caching),
-            "engine": "0",
+            "engine": self.engine_index,
             "gpu_memory_utilization": str(p.gpu_memory_utilization),
             "hash_block_size": "None",
             "is_attention_free": "False",

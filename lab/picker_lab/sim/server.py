@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from picker_lab.sim.dialects import MetricDialect
+from picker_lab.sim.dialects import MetricDialect, MetricsPage
 from picker_lab.sim.driver import RealtimeDriver, RequestHandle
 from picker_lab.sim.engine import ERROR, Engine, FinishedRequest, SimRequest, StepResult
 from picker_lab.sim.info_routes import VLLM_VERSION, InfoRoutes
@@ -89,6 +89,7 @@ class PodConfig:
     prefix_caching_hash_algo: str = "sha256"
     process_metrics: bool = True
     engine: MetricDialect = "vllm"  # whose metric names (and pages) the pod serves; the rest stays vLLM's API
+    rank: int = 0  # its engine's index (the `engine` label): a data-parallel server's rank (data_parallel.py)
 
 
 class SimPod(InfoRoutes):
@@ -112,6 +113,7 @@ class SimPod(InfoRoutes):
             prefix_caching_hash_algo=config.prefix_caching_hash_algo,
             process_metrics=config.process_metrics,
             dialect=config.engine,
+            engine_index=config.rank,
         )
         self.served = ServedModel(
             name=self.model_name,
@@ -139,11 +141,15 @@ class SimPod(InfoRoutes):
         return f"http://{self.config.host}:{self.port}"
 
     # --- lifecycle -------------------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Start the engine driver, the KV-event publisher and the HTTP listener."""
+    def start_engine(self) -> None:
+        """Start stepping the engine in real time (what a rank of a data-parallel server runs without a port)."""
         self.driver = RealtimeDriver(self.engine, self.config.time_scale, self._on_step)
         self.driver.start()
         self._watch_driver(self.driver)
+
+    async def start(self) -> None:
+        """Start the engine driver, the KV-event publisher and the HTTP listener."""
+        self.start_engine()
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the engine request
         # (vLLM aborts requests of disconnected clients, streaming or not)
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False, handler_cancellation=True)
@@ -228,7 +234,7 @@ class SimPod(InfoRoutes):
         r.add_get("/health", self.health)
         r.add_get("/ping", self.health)
         r.add_get("/version", self.version)
-        for page in self.metrics.pages():
+        for page in self.metric_pages():
             r.add_get(page.path, self.metrics_handler(page))
             if page.takes_names:
                 r.add_get(page.path + "/", self.metrics_handler(page, names=True))
@@ -239,6 +245,10 @@ class SimPod(InfoRoutes):
         r.add_get("/get_model_info", self.model_info)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
+
+    def metric_pages(self) -> list[MetricsPage]:
+        """The routes its metrics are served on (a data-parallel server: every rank's engine on one page)."""
+        return self.metrics.pages()
 
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers[POD_HEADER] = self.name

@@ -5,11 +5,18 @@ here and a line of the table."""
 from __future__ import annotations
 
 from picker.routing.lifecycle import PluginDeps, PluginFactory, RequestPlugin
-from picker.routing.plugins import decision_traces, disaggregation, model_rewrite, request_metrics
+from picker.routing.plugins import (
+    data_parallel,
+    decision_traces,
+    disaggregation,
+    model_rewrite,
+    request_metrics,
+)
 
 REQUEST_PLUGINS: dict[str, PluginFactory] = {
     "model-rewrite": model_rewrite.factory,  # first: the metrics and traces see the pod's body and model
     "disaggregation": disaggregation.factory,
+    "data-parallel": data_parallel.factory,
     "request-metrics": request_metrics.factory,
     "decision-traces": decision_traces.factory,
 }

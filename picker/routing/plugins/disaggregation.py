@@ -23,7 +23,7 @@ class Disaggregation(RequestPlugin):
         if prefill is not None:
             prefill.start_request(decision.tokens, self.clock())
             decision.keep(self.name, prefill)
-            decision.set_header(names.PREFILLER, prefill.address)
+            decision.set_header(names.PREFILLER, prefill.destination)
         elif names.PREFILLER in decision.request.headers:
             decision.remove_header(names.PREFILLER)
 
