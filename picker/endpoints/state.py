@@ -119,7 +119,7 @@ class Endpoint:
     column: LoadColumn | None = field(default=None, repr=False, compare=False)
     row: int = field(default=0, repr=False, compare=False)
     # A data-parallel rank: its index (what `x-data-parallel-rank` carries) and the server it runs in, which is
-    # scraped, health-checked and routed to for it (picker.endpoints.ranks). -1 and None: a whole server.
+    # scraped, health-checked and routed to for it (picker.endpoints.pool). -1 and None: a whole server.
     rank: int = -1
     server: Endpoint | None = field(default=None, repr=False, compare=False)
 
