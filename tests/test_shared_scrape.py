@@ -128,6 +128,29 @@ async def test_four_replicas_cost_each_pod_one_scrape_per_cadence(valkey: Valkey
             await r.stop()
 
 
+async def test_the_scraping_replica_renews_its_lease_without_reading_and_readers_read_once_a_cadence(
+        valkey: Valkey, pods: list[FakePod]) -> None:
+    """Every read and claim is a Redis round trip each replica pays for each pod at the pods' cadence: the replica
+    that scrapes a pod does not read back the record it wrote, and the others read each record about once."""
+    replicas = await _replicas(4, pods, valkey.url, Cadence.fixed(INTERVAL))
+    try:
+        await eventually(lambda: all(e.metrics.updated_at > 0 for r in replicas for e in r.endpoints), 5.0)
+        before = [(r.shared.reads, r.shared.claims, r.scrapes) for r in replicas]
+        hits = sum(p.hits for p in pods)
+        start = time.monotonic()
+        await eventually(lambda: sum(p.hits for p in pods) >= hits + 2 * 20, 10.0)
+        cadences = (time.monotonic() - start) / INTERVAL * len(pods)  # each pod's cadences, summed over pods
+        for replica, (reads, claims, scrapes) in zip(replicas, before, strict=True):
+            own = replica.scrapes - scrapes  # the pods it scraped, a claim each
+            read = replica.shared.reads - reads
+            assert replica.shared.claims - claims <= own + 0.2 * cadences
+            # the records of the pods it does not scrape, about once a cadence; none of its own
+            assert read <= 1.3 * (cadences - own) + 0.1 * cadences, (read, own, cadences)
+    finally:
+        for r in replicas:
+            await r.stop()
+
+
 async def test_a_pod_with_failing_metrics_is_degraded_on_every_replica(valkey: Valkey, pods: list[FakePod]) -> None:
     replicas = await _replicas(3, pods, valkey.url, Cadence.fixed(INTERVAL))
     try:

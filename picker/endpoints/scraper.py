@@ -194,6 +194,9 @@ class MetricsScraper:
         self.on_metrics = on_metrics
         self.reachable = reachable if reachable is not None else functools.partial(serving_port_open, connect_s=timeout)
         self._applied: dict[str, float] = {}  # address -> time of the last shared record applied
+        # address -> loop time until which this replica holds the pod's shared-scrape lease (it scrapes the pod,
+        # so it renews the lease without reading the record it wrote itself)
+        self._leased: dict[str, float] = {}
         self._session = session
         self._owns_session = session is None
         self._inflight: dict[str, asyncio.Task[bool]] = {}
@@ -287,6 +290,7 @@ class MetricsScraper:
         for address in self._known.keys() - known.keys():
             self._due.pop(address, None)
             self._applied.pop(address, None)
+            self._leased.pop(address, None)
             self._set_rate(address, None)
             self._urls.pop(address, None)
             self._whole_page.discard(address)
@@ -356,21 +360,33 @@ class MetricsScraper:
 
     async def _refresh_shared(self, endpoint: Endpoint, shared: SharedScrapes) -> tuple[bool, float]:
         """Read the pod's shared record; scrape it only when no other replica is keeping it fresh. Returns
-        (ok, seconds until this pod's next refresh)."""
+        (ok, seconds until this pod's next refresh). Each read and claim is a Redis round trip, paid by every
+        replica for every pod at the pods' cadence: the replica holding the lease renews it without reading, and
+        a reader looks for the next record a quarter of a cadence after it is due (the scrape behind it takes a
+        while, longer on a busy pod or replica), and again a quarter later if it is not there yet."""
         address = endpoint.address
-        record = await shared.read(address)
-        wall = shared.wall_clock()
-        if record is not None and record.replica != shared.replica_id and record.fresh(wall):
-            self._set_rate(address, None)  # another replica scrapes it: not ours to count against max_rate
-            ok = True
-            if self._applied.get(address) != record.at:  # each record counts once, for health too
-                self._applied[address] = record.at
-                ok = await self._apply(endpoint, record.metrics, record.at - wall)
-            endpoint.scrape_interval = record.interval
-            return ok, max(0.01, record.at + record.interval + 0.01 - wall)
+        now = asyncio.get_running_loop().time()
+        if self._leased.get(address, -math.inf) <= now:
+            record = await shared.read(address)
+            wall = shared.wall_clock()
+            if record is not None and record.replica != shared.replica_id and record.fresh(wall):
+                self._set_rate(address, None)  # another replica scrapes it: not ours to count against max_rate
+                ok = True
+                settle = max(0.01, record.interval / 4)
+                next_due = record.at + record.interval + settle - wall
+                if self._applied.get(address) != record.at:  # each record counts once, for health too
+                    self._applied[address] = record.at
+                    ok = await self._apply(endpoint, record.metrics, record.at - wall)
+                else:  # the next one is late: not every 10 ms until it comes
+                    next_due = max(next_due, settle)
+                endpoint.scrape_interval = record.interval
+                return ok, max(0.01, next_due)
         hold = max(endpoint.scrape_interval, self.cadence.fast)
         if not await shared.claim(address, hold + grace(hold)):
+            self._leased.pop(address, None)
             return True, min(0.02, self.cadence.fast)  # another replica took it just now: read its record soon
+        # the lease lasts hold + grace from the claim: the next refresh (a cadence on, +-5 %) renews it in time
+        self._leased[address] = now + hold + grace(hold) / 2
         ok = await self.scrape(endpoint)
         interval = self._paced(endpoint, ok)
         await shared.publish(address, endpoint.metrics if ok else None, interval)

@@ -110,11 +110,12 @@ class SharedScrapes:
         self._prefix = f"picker:{{{namespace}}}:scrape"  # one Redis Cluster slot per pool, like the index
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
         self._claim = self._redis.register_script(_CLAIM)
-        self.errors = 0
+        self.reads = self.claims = self.errors = 0  # calls made, and those Redis failed
         self._warned = False
 
     async def read(self, address: str) -> SharedSample | None:
         """The newest record of `address`; None when there is none, it is garbled or Redis is away."""
+        self.reads += 1
         try:
             data = await self._redis.get(f"{self._prefix}:record:{address}")
         except (RedisError, OSError) as exc:
@@ -132,6 +133,7 @@ class SharedScrapes:
     async def claim(self, address: str, hold: float) -> bool:
         """Become (or stay) the replica that scrapes `address` for `hold` seconds. True also when Redis is away:
         then every replica scrapes for itself."""
+        self.claims += 1
         try:
             won = await self._claim(keys=[f"{self._prefix}:lease:{address}"],
                                     args=[self.replica_id, max(1, int(hold * 1000))])
