@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from picker.core.replicas import ReplicaPosition
 from picker.core.requests import InferenceRequest
 from picker.core.schema import ConfigError
 from picker.endpoints.saturation import SaturationThresholds
@@ -47,6 +48,26 @@ def ctx_for(request: InferenceRequest | None = None, *, keys: int = 0, matched: 
     ctx.block_chars = block_chars
     ctx.matched = matched or []
     return ctx
+
+
+def test_replicas_sharing_a_pool_deal_concurrent_cold_prompts_to_different_pods() -> None:
+    """The same view (shared scrapes, each other's picks): replica i of n deals its i-th best pod first, so n
+    replicas dealing at once take n different pods; alone, or in a pool too small for it, a replica deals its best."""
+    pods = [ep(i) for i in range(1, 9)]
+    for i, pod in enumerate(pods):
+        pod.in_flight = i % 3  # the same loads every replica sees
+    cold = ctx_for(keys=3, matched=[0] * 8)
+
+    def best(spreader: ColdPrefixSpreader, candidates: list[Endpoint]) -> int:
+        scores = spreader.score(cold, candidates)
+        return scores.index(max(scores))
+
+    alone = best(ColdPrefixSpreader(), pods)
+    picks = [best(ColdPrefixSpreader(replicas=ReplicaPosition(i, 4)), pods) for i in range(4)]
+    assert picks[0] == alone and len(set(picks)) == 4
+    assert best(ColdPrefixSpreader(replicas=ReplicaPosition(0, 1)), pods) == alone
+    few = pods[:6]  # fewer than two pods per replica: each deals its best
+    assert best(ColdPrefixSpreader(replicas=ReplicaPosition(3, 4)), few) == best(ColdPrefixSpreader(), few)
 
 
 def test_prefix_score_blends_ratio_and_absolute_length() -> None:

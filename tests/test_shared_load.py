@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.core.replicas import ReplicaPosition
 from picker.endpoints.shared_load import SharedLoad, decode, encode
 from picker.endpoints.state import Endpoint
 from picker_lab.supervisor import (
@@ -75,6 +76,10 @@ async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
         assert [(e.fleet_in_flight, e.peer_in_flight_tokens, e.in_flight) for e in pods_b] == [(2, 500, 0), (1, 0, 1)]
         assert [(e.fleet_in_flight, e.peer_in_flight_tokens, e.in_flight) for e in pods_a] == [(2, 0, 2), (1, 50, 0)]
         assert b.stats.peers == 1 and changes[-1] == 1
+        # each knows its place among the replicas reporting (ordered by id: both agree)
+        a.position, b.position = ReplicaPosition(), ReplicaPosition()
+        assert await a.sync_once() and await b.sync_once()
+        assert (a.position.index, a.position.count, b.position.index, b.position.count) == (0, 2, 1, 2)
         pods_a[0].finish_request(400)
         pods_b[1].start_request(70, 0.0)  # counted at once by its own replica, by the other at the next sync
         assert pods_b[1].fleet_in_flight == 2 and pods_a[1].fleet_in_flight == 1
@@ -83,6 +88,7 @@ async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
         await a.close()  # a stopping replica takes its report with it
         assert await b.sync_once()
         assert [e.fleet_in_flight for e in pods_b] == [0, 2] and b.stats.peers == 0
+        assert (b.position.index, b.position.count) == (0, 1)  # alone again
     finally:
         await b.close()
 

@@ -32,6 +32,7 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from picker.core.replicas import ReplicaPosition
 from picker.endpoints.state import Endpoint
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class SharedLoad:
     def __init__(self, redis_url: str, namespace: str, pool: Callable[[], Sequence[Endpoint]], *,
                  find: Callable[[str], Endpoint | None] | None = None,
                  interval: float, stale: float | None = None, replica_id: str | None = None,
-                 wall_clock: Callable[[], float] = time.time, on_change: Callable[[int], None] | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, on_change: Callable[[int], None] | None = None,
+                 position: ReplicaPosition | None = None) -> None:
         if interval <= 0:
             raise ValueError("the shared load's interval must be positive")
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -90,6 +92,7 @@ class SharedLoad:
         self.stale = stale if stale is not None else max(1.0, 10 * interval)
         self.wall_clock = wall_clock
         self.on_change = on_change
+        self.position = position  # kept current: this replica's index among those reporting
         self.key = f"picker:{{{namespace}}}:load"  # one Redis Cluster slot per pool, like the index
         self.stats = LoadSyncStats()
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
@@ -151,6 +154,7 @@ class SharedLoad:
         requests: dict[str, int] = {}
         tokens: dict[str, int] = {}
         peers = 0
+        live: list[str] = []
         abandoned = []
         for replica, data in reports.items():
             if replica == own:
@@ -166,6 +170,7 @@ class SharedLoad:
                     abandoned.append(replica)
                 continue
             peers += 1
+            live.append(replica.decode(errors="replace"))
             for address, n, t in counts:
                 requests[address] = requests.get(address, 0) + n
                 tokens[address] = tokens.get(address, 0) + t
@@ -173,6 +178,8 @@ class SharedLoad:
             e.set_peer_load(requests.get(e.address, 0), tokens.get(e.address, 0))
         self.stats.peers = peers
         self._peers_applied = peers > 0
+        if self.position is not None:
+            self.position.update(self.replica_id, live)
         if abandoned:
             asyncio.get_running_loop().create_task(self._forget(abandoned))
         if self.on_change is not None:
@@ -192,6 +199,8 @@ class SharedLoad:
             for e in pods:  # the peers' last counts are too old to trust: ours alone, as without sharing
                 e.set_peer_load(0, 0)
             self._peers_applied = False
+            if self.position is not None:
+                self.position.update(self.replica_id, ())
             self.stats.peers = 0
             if self.on_change is not None:
                 self.on_change(0)

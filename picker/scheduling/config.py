@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from picker.core.model_rewrite import RewriteRuleSpec
+from picker.core.replicas import ReplicaPosition
 from picker.core.schema import ConfigError, Section, decode
 from picker.endpoints.saturation import SaturationThresholds
 from picker.prefix.hashing import (
@@ -239,6 +240,7 @@ def build_scheduler(
     index_key: IndexKey | None = None,
     timer: PluginTimer | None = None,
     precise: PrecisePrefix | None = None,
+    replicas: ReplicaPosition | None = None,
 ) -> PrefixAwareScheduler:
     """The full scheduler from its config (None = defaults). `index` swaps in a shared backend; `saturation`
     is the admission section's definition of a full pod (the saturation filter's default); `observer` hears how
@@ -250,7 +252,8 @@ def build_scheduler(
     hasher = build_hasher(cfg, index_key)
     deps = PluginDeps(rng=rng, base_models=tuple(cfg.models.base), adapters=tuple(cfg.models.adapters),
                       saturation=saturation if saturation is not None else SaturationThresholds(),
-                      observer=observer, cache_room=index, prefix_index=index, hasher=hasher, precise=precise)
+                      observer=observer, cache_room=index, prefix_index=index, hasher=hasher, precise=precise,
+                      replicas=replicas)
     plugins: dict[str, Plugin] = {}
     positions: dict[str, int] = {}  # plugin name -> its place in scheduling.plugins (for errors)
     elsewhere: set[str] = set()  # names of plugins whose settings live in other sections (reference configs)
@@ -366,6 +369,7 @@ class StrategyDeps:
     index_key: IndexKey | None = None  # keys what a prefix index stores
     timer: PluginTimer | None = None
     precise: PrecisePrefix | None = None  # KV events: correct the picker's prefix matches
+    replicas: ReplicaPosition | None = None  # this replica's index among those sharing the pool
 
 
 def _plugin(plugin_type: str, name: str | None = None, **parameters: Any) -> dict[str, Any]:
@@ -428,4 +432,5 @@ def build_strategy(name: str, deps: StrategyDeps | None = None) -> PrefixAwareSc
     """A scheduler by strategy name (benchmarks compare them), built with `deps`."""
     d = deps if deps is not None else StrategyDeps()
     return build_scheduler(strategy_config(name, d.config), rng=d.rng, index=d.index, saturation=d.saturation,
-                           observer=d.observer, index_key=d.index_key, timer=d.timer, precise=d.precise)
+                           observer=d.observer, index_key=d.index_key, timer=d.timer, precise=d.precise,
+                           replicas=d.replicas)

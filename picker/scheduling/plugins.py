@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from picker.core.replicas import ReplicaPosition
 from picker.core.schema import Section
 from picker.endpoints.saturation import SaturationThresholds
 from picker.endpoints.state import Endpoint
@@ -139,6 +140,8 @@ class PluginDeps:
     prefix_index: PrefixIndex | None = None
     hasher: PrefixHasher | None = None
     precise: PrecisePrefix | None = None
+    # this replica's index among the replicas sharing the pool (None: it routes alone)
+    replicas: ReplicaPosition | None = None
 
 
 class NoParams(Section):

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
+from picker.core.replicas import ReplicaPosition
 from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
@@ -18,10 +19,10 @@ from picker.scheduling.memory import FadingTally
 from picker.scheduling.plugins import (
     PeerPick,
     Plugin,
+    PluginDeps,
     PluginFactory,
     default_of,
     min_max_inverse,
-    with_params,
 )
 
 
@@ -62,8 +63,9 @@ class ColdPrefixSpreader(Plugin):
 
     def __init__(self, name: str | None = None, *, recency_weight: float = 0.25, work_tokens: float = 128.0,
                  work_half_life: float = 0.2, home_credit: float = 0.5,
-                 stand_aside_share: float = 0.3) -> None:
+                 stand_aside_share: float = 0.3, replicas: ReplicaPosition | None = None) -> None:
         super().__init__(name)
+        self.replicas = replicas
         if not 0.0 <= recency_weight <= 1.0 or not 0.0 <= home_credit <= 1.0 or not 0.0 <= stand_aside_share <= 1.0:
             raise ValueError("recencyWeight, homeCredit and standAsideShare must be within [0, 1]")
         if work_tokens < 0 or work_half_life <= 0:
@@ -108,7 +110,11 @@ class ColdPrefixSpreader(Plugin):
         lo = min(loads)
         span = max(loads) - lo + 1
         w = self.recency_weight
-        return [w * r + (1.0 - w) * (1.0 - (f - lo) / span) for r, f in zip(recency, loads, strict=True)]
+        scores = [w * r + (1.0 - w) * (1.0 - (f - lo) / span) for r, f in zip(recency, loads, strict=True)]
+        replicas = self.replicas
+        if replicas is not None and replicas.count > 1 and len(candidates) >= 2 * replicas.count:
+            return _dealt_from(scores, replicas.index)
+        return scores
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         self._note(endpoint.address)
@@ -130,6 +136,19 @@ class ColdPrefixSpreader(Plugin):
 
 
 
+def _dealt_from(scores: list[float], index: int) -> list[float]:
+    """Replicas sharing a pool see nearly the same pods (shared scrapes, each other's picks within milliseconds),
+    so each dealing its best pod would send concurrent cold prompts of different replicas to the same one. Replica
+    `index` takes the `index`-th best first: its scores are rotated so that pod ranks first, the better ones after
+    the rest (n replicas dealing at once take n different pods)."""
+    n = len(scores)
+    order = sorted(range(n), key=scores.__getitem__, reverse=True)
+    out = [0.0] * n
+    for rank, i in enumerate(order):
+        out[i] = 1.0 - ((rank - index) % n) / n
+    return out
+
+
 # Config factories: each decodes its own parameters (camelCase in YAML) and takes what it needs from the deps.
 
 class ColdPrefixSpreaderParams(Section):
@@ -140,6 +159,10 @@ class ColdPrefixSpreaderParams(Section):
     stand_aside_share: float = Field(default_of(ColdPrefixSpreader, "stand_aside_share"), ge=0, le=1)
 
 
+def _spreader(name: str, p: ColdPrefixSpreaderParams, deps: PluginDeps) -> Plugin:
+    return ColdPrefixSpreader(name, **p.model_dump(), replicas=deps.replicas)
+
+
 FACTORIES: tuple[PluginFactory[Any], ...] = (
-    PluginFactory(ColdPrefixSpreader.type_name, ColdPrefixSpreaderParams, with_params(ColdPrefixSpreader)),
+    PluginFactory(ColdPrefixSpreader.type_name, ColdPrefixSpreaderParams, _spreader),
 )

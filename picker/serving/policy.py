@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from picker.core.replicas import ReplicaPosition
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.shared_load import SharedLoad
@@ -38,6 +39,7 @@ class Policy:
     priorities: Priorities
     shared_index: SharedPrefixIndex | None  # with --index-backend redis: start() it, stop() it
     precise_index: PreciseIndex | None = None  # with --kv-events-endpoint: fed by the KV-event subscriber
+    replicas: ReplicaPosition | None = None  # with a shared index: this replica's place, kept by the shared load
 
 
 def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> Policy:
@@ -54,12 +56,13 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
     precise = (PrecisePrefix(precise_index, config.prefix_mode)
                if precise_index is not None and config.prefix_mode != "approximate" else None)
     observer = metrics.scheduling if metrics is not None else None  # plugin timings and TTFT predictions
+    replicas = ReplicaPosition() if shared is not None else None
     scheduler = build_strategy(config.strategy, StrategyDeps(
         config.scheduling, random.Random(config.seed), shared, config.admission.thresholds, observer=observer,
-        index_key=key, timer=observer, precise=precise))
+        index_key=key, timer=observer, precise=precise, replicas=replicas))
     if shared is not None:
         shared.peer_listener = peer_listener(scheduler)
-    return Policy(scheduler, Priorities(config.admission), shared, precise_index)
+    return Policy(scheduler, Priorities(config.admission), shared, precise_index, replicas)
 
 
 def shared_index(config: ServeConfig) -> SharedPrefixIndex | None:
@@ -136,7 +139,7 @@ def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any], policy
     if policy.shared_index is None or not config.shared_load_interval:
         return None
     load = SharedLoad(config.redis_url, index_namespace(config), pool.targets, find=pool.get,
-                      interval=config.shared_load_interval, on_change=gate.load_synced)
+                      interval=config.shared_load_interval, on_change=gate.load_synced, position=policy.replicas)
     policy.shared_index.peer_listener = peer_listener(policy.scheduler, load, policy.shared_index.clock)
     return load
 
