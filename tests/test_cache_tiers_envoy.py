@@ -21,13 +21,12 @@ from picker_lab.supervisor import (
     Backends,
     Envoy,
     Picker,
-    free_port,
     process_scope,
     start_envoy,
     start_picker,
-    start_sim,
     wait_until,
 )
+from tests.test_precise_envoy import start_publishing_pods
 
 # 79 usable device blocks of 16 tokens, 512 in host memory: three ~40-block prompts push a fourth out of the device
 SERVED_BY = "x-served-by"  # the pod that answered, as Envoy names it
@@ -49,13 +48,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     with process_scope("cache-tiers") as (logdir, started):
-        endpoint, replay = f"tcp://127.0.0.1:{free_port()}", free_port()
-        pods = []
-        for i in range(2):
-            sim = start_sim(1, logdir, host=f"127.0.0.{30 + i}", name=f"sim-{i}", extra=[
-                *SIM_FLAGS, "--kv-events-endpoint", endpoint, "--kv-events-replay-port-base", str(replay)])
-            started.append(sim.process)
-            pods.append(sim)
+        pods, endpoint, replay = start_publishing_pods(logdir, started, SIM_FLAGS, first_host=30)
         addresses = [a for p in pods for a in p.addresses]
         picker = start_picker(logdir, endpoints=addresses, extra=[
             "--kv-events-endpoint", endpoint, "--kv-events-replay-port", str(replay)])

@@ -13,6 +13,7 @@ import random
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +22,7 @@ from picker_lab.bench.workloads import WORDS
 from picker_lab.supervisor import (
     Backends,
     Envoy,
+    Managed,
     Picker,
     Valkey,
     free_port,
@@ -47,16 +49,25 @@ class Stack:
         return [a for p in self.pods for a in p.addresses]
 
 
+def start_publishing_pods(logdir: Path, started: list[Managed], flags: list[str], first_host: int,
+                          count: int = 2) -> tuple[list[Backends], str, int]:
+    """`count` sim pods, each on its own loopback address, publishing their KV events to one endpoint (the picker
+    binds it) with a replay socket each: the pods, the endpoint and the replay port. Pods first: the static pool
+    names their addresses."""
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", free_port()
+    pods = []
+    for i in range(count):
+        sim = start_sim(1, logdir, host=f"127.0.0.{first_host + i}", name=f"sim-{i}", extra=[
+            *flags, "--kv-events-endpoint", endpoint, "--kv-events-replay-port-base", str(replay)])
+        started.append(sim.process)
+        pods.append(sim)
+    return pods, endpoint, replay
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     with process_scope("precise") as (logdir, started):
-        endpoint, replay = f"tcp://127.0.0.1:{free_port()}", free_port()
-        pods = []
-        for i in range(2):  # pods first: the static pool names their addresses
-            sim = start_sim(1, logdir, host=f"127.0.0.{20 + i}", name=f"sim-{i}", extra=[
-                *SIM_FLAGS, "--kv-events-endpoint", endpoint, "--kv-events-replay-port-base", str(replay)])
-            started.append(sim.process)
-            pods.append(sim)
+        pods, endpoint, replay = start_publishing_pods(logdir, started, SIM_FLAGS, first_host=20)
         addresses = [a for p in pods for a in p.addresses]
         precise = start_picker(logdir, endpoints=addresses, name="picker-precise", extra=[
             "--kv-events-endpoint", endpoint, "--kv-events-replay-port", str(replay)])
