@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from picker_lab.sim import engine as engine_module
 from picker_lab.sim.engine import ERROR, Engine, SimRequest
 from picker_lab.sim.fleet import SimFleet
 from picker_lab.sim.kvcache import NONE_HASH, block_hashes, hash_block
@@ -261,7 +262,7 @@ def test_a_failure_outside_any_request_fails_those_in_flight_not_the_engine(
 ) -> None:
     engine = small_engine()
     engine.add_request(SimRequest("a", list(range(300, 340)), 3), 0.0)
-    real = engine._step_duration
+    real = engine_module.step_duration
     calls = {"n": 0}
 
     def flaky(*args: Any) -> float:
@@ -270,7 +271,7 @@ def test_a_failure_outside_any_request_fails_those_in_flight_not_the_engine(
             raise RuntimeError("injected cost-model bug")
         return real(*args)
 
-    monkeypatch.setattr(engine, "_step_duration", flaky)
+    monkeypatch.setattr(engine_module, "step_duration", flaky)  # the cost model the engine steps with
     assert drain(engine) == {"a": ERROR}
     engine.add_request(SimRequest("b", list(range(300, 340)), 3), 0.0)
     assert drain(engine) == {"b": "length"}

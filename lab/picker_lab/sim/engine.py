@@ -50,6 +50,7 @@ from collections import OrderedDict, deque
 
 import xxhash
 
+from picker_lab.sim.batch import RequestState, step_duration
 from picker_lab.sim.engine_types import EngineStats, FinishedRequest, SimRequest, StepResult
 from picker_lab.sim.kvcache import KVCache, extend_block_hashes
 from picker_lab.sim.profiles import Profile
@@ -58,55 +59,6 @@ from picker_lab.sim.tokenizer import PseudoWords, Tokenizer, is_utf8
 log = logging.getLogger(__name__)
 
 ERROR = "error"  # finish_reason of a request that failed inside the engine (vLLM's FinishReason.ERROR)
-
-
-class _State:
-    """Mutable per-request engine state."""
-
-    __slots__ = (
-        "req",
-        "tokens",
-        "num_prompt",
-        "output",
-        "num_computed",
-        "blocks",
-        "hashes",
-        "num_cached_blocks",
-        "num_cached_tokens",
-        "stream_key",
-        "stop_at",
-        "arrival",
-        "first_scheduled",
-        "first_token",
-        "last_token",
-        "num_preemptions",
-        "lora_id",
-        "loading",
-        "load_cost",
-        "num_external",
-    )
-
-    def __init__(self, req: SimRequest, arrival: float, stream_key: int, stop_at: int | None, lora_id: int | None):
-        self.req = req
-        self.tokens = list(req.prompt_token_ids)
-        self.num_prompt = len(req.prompt_token_ids)
-        self.output: list[int] = []
-        self.num_computed = 0
-        self.blocks: list[int] = []
-        self.hashes: list[int] = []
-        self.num_cached_blocks = 0  # blocks of self.blocks already registered in the prefix cache
-        self.num_cached_tokens = -1  # prefix-cache hit at first admission (usage.prompt_tokens_details)
-        self.stream_key = stream_key
-        self.stop_at = stop_at
-        self.arrival = arrival
-        self.first_scheduled: float | None = None
-        self.first_token: float | None = None
-        self.last_token: float | None = None
-        self.num_preemptions = 0
-        self.lora_id = lora_id
-        self.loading = 0  # tokens of the step being scheduled loaded (from a prefill pod, host memory), not computed
-        self.load_cost = 0.0  # loading a token of them, as a fraction of computing it
-        self.num_external = 0  # of its cached prompt tokens, those loaded from a prefill pod
 
 
 class Engine:
@@ -133,12 +85,12 @@ class Engine:
         self.lora_modules: dict[str, str] = dict(lora_modules or {})
         self.lora_ids: dict[str, int] = {name: i + 1 for i, name in enumerate(self.lora_modules)}
         self.loaded_loras: OrderedDict[str, None] = OrderedDict()
-        self.waiting: deque[_State] = deque()
-        self.running: list[_State] = []
-        self.requests: dict[str, _State] = {}
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self.busy_until = -math.inf
-        self._culprit: _State | None = None  # the request being scheduled: failed alone if scheduling raises
+        self._culprit: RequestState | None = None  # the request being scheduled: failed alone if scheduling raises
 
     # --- inputs ----------------------------------------------------------------------------------------------
     def add_request(self, req: SimRequest, now: float) -> None:
@@ -158,7 +110,7 @@ class Engine:
             raise ValueError(f"unknown LoRA adapter {req.lora_name!r}")
         if req.cache_salt is not None and not is_utf8(req.cache_salt):
             raise ValueError("cache_salt must be valid UTF-8 text (it contains a lone surrogate)")
-        state = _State(req, now, self._stream_key(req), self._stop_at(req), self.lora_ids.get(req.lora_name or ""))
+        state = RequestState(req, now, self._stream_key(req), self._stop_at(req), self.lora_ids.get(req.lora_name or ""))
         self.requests[req.request_id] = state
         self.waiting.append(state)
 
@@ -265,7 +217,7 @@ class Engine:
                       ", ".join(changed), exc_info=exc)  # fmt: skip
         return bool(changed)
 
-    def _fail(self, st: _State, now: float, into: list[FinishedRequest]) -> bool:
+    def _fail(self, st: RequestState, now: float, into: list[FinishedRequest]) -> bool:
         """Take `st` out of the engine and finish it with "error" (appended to `into`, blocks freed if the
         cache allows); False if it was no longer in the engine."""
         rid = st.req.request_id
@@ -288,7 +240,7 @@ class Engine:
     def _schedule_and_run(self, now: float) -> StepResult:
         """One step: schedule running requests, admit waiting ones, run the batch."""
         budget = self.profile.max_num_batched_tokens
-        scheduled: list[tuple[_State, int, int]] = []  # (state, new tokens, context before them)
+        scheduled: list[tuple[RequestState, int, int]] = []  # (state, new tokens, context before them)
         preempted: list[str] = []
         loaded: list[str] = []
 
@@ -317,7 +269,7 @@ class Engine:
             budget = self._admit_waiting(now, budget, scheduled, loaded)
         self._culprit = None
 
-        duration = self._step_duration(scheduled, len(loaded))
+        duration = step_duration(self.profile, scheduled, len(loaded))
         end = now + duration
         self.busy_until = end
         result = StepResult(start=now, duration=duration, end=end, preempted=preempted, loaded_loras=loaded)
@@ -328,10 +280,10 @@ class Engine:
         return result
 
     def _admit_waiting(
-        self, now: float, budget: int, scheduled: list[tuple[_State, int, int]], loaded: list[str]
+        self, now: float, budget: int, scheduled: list[tuple[RequestState, int, int]], loaded: list[str]
     ) -> int:
         """FIFO admission of waiting requests into the running batch; returns the remaining token budget."""
-        skipped: list[_State] = []
+        skipped: list[RequestState] = []
         active_loras = {st.req.lora_name for st in self.running if st.req.lora_name}
         max_seqs = self.profile.max_num_seqs
         bs = self.block_size
@@ -405,7 +357,7 @@ class Engine:
             self.waiting.appendleft(st)
         return budget
 
-    def _allocate(self, st: _State, n: int, hits: list[int] | tuple[int, ...], num_hit_tokens: int = 0) -> bool:
+    def _allocate(self, st: RequestState, n: int, hits: list[int] | tuple[int, ...], num_hit_tokens: int = 0) -> bool:
         """Give `st` blocks for `n` more tokens (after `hits`); False when the free queue is too short."""
         kv = self.kv
         bs = self.block_size
@@ -437,7 +389,7 @@ class Engine:
             st.num_cached_blocks = full
         return True
 
-    def _preempt(self, st: _State) -> None:
+    def _preempt(self, st: RequestState) -> None:
         """Recompute-style preemption: free everything, keep the generated tokens, requeue at the front."""
         self.kv.free(st.blocks)
         st.blocks = []
@@ -447,40 +399,7 @@ class Engine:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(st)
 
-    def _step_duration(self, scheduled: list[tuple[_State, int, int]], num_lora_loads: int) -> float:
-        """Linear cost model: overhead + prefills (per sequence, per token, per attention pair) + decodes (per
-        sequence, per context token) + LoRA loads."""
-        p = self.profile
-        prefill_seqs = 0
-        prefill_tokens = 0
-        attn_pairs = 0.0
-        decode_seqs = 0
-        decode_ctx = 0
-        loaded = 0.0  # loaded tokens, in computed tokens' worth
-        for st, n, ctx in scheduled:
-            if st.loading:  # moved from a prefill pod or host memory: a transfer, then only the rest is computed
-                loaded += st.loading * st.load_cost
-                n -= st.loading
-                ctx += st.loading
-            if n == 1 and ctx >= st.num_prompt:
-                decode_seqs += 1
-                decode_ctx += ctx + 1
-            else:
-                prefill_seqs += 1
-                prefill_tokens += n
-                attn_pairs += n * (ctx + (n + 1) / 2)
-        return (
-            p.step_overhead_s
-            + prefill_seqs * p.prefill_seq_s
-            + prefill_tokens * p.prefill_token_s
-            + attn_pairs * p.prefill_attn_s
-            + decode_seqs * p.decode_seq_s
-            + decode_ctx * p.decode_ctx_token_s
-            + num_lora_loads * p.lora_load_s
-            + loaded * p.prefill_token_s
-        )
-
-    def _execute(self, scheduled: list[tuple[_State, int, int]], end: float, result: StepResult) -> None:
+    def _execute(self, scheduled: list[tuple[RequestState, int, int]], end: float, result: StepResult) -> None:
         """Apply the batch: advance computed tokens, sample tokens, finish requests. A request whose update
         raises is finished with "error" alone (logged once); the batch's other outputs still come out."""
         for st, n, ctx in scheduled:
@@ -491,7 +410,7 @@ class Engine:
                               "keeps serving", st.req.request_id)  # fmt: skip
                 self._fail(st, end, result.finished)
 
-    def _execute_one(self, st: _State, n: int, ctx: int, end: float, result: StepResult) -> None:
+    def _execute_one(self, st: RequestState, n: int, ctx: int, end: float, result: StepResult) -> None:
         """Apply one scheduled request's share of the batch: computed tokens, sampled token, finish."""
         st.loading = 0
         result.num_scheduled_tokens += n
@@ -529,7 +448,7 @@ class Engine:
             self.running.remove(st)
             result.finished.append(self._finish(st, reason, end))
 
-    def _finish(self, st: _State, reason: str, now: float) -> FinishedRequest:
+    def _finish(self, st: RequestState, reason: str, now: float) -> FinishedRequest:
         """Free the request's blocks, forget it, count it."""
         self.kv.free(st.blocks)
         st.blocks = []
@@ -538,7 +457,7 @@ class Engine:
         return self._record(st, reason, now)
 
     @staticmethod
-    def _record(st: _State, reason: str, now: float) -> FinishedRequest:
+    def _record(st: RequestState, reason: str, now: float) -> FinishedRequest:
         """The FinishedRequest of `st` (no side effects, so failing a request cannot fail again here)."""
         return FinishedRequest(
             request_id=st.req.request_id,

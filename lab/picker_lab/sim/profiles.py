@@ -27,7 +27,7 @@ class Profile:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
-    # --- step time model, seconds (see engine.Engine._step_duration) ---
+    # --- step time model, seconds (see batch.step_duration) ---
     step_overhead_s: float  # fixed cost of one forward pass (weights read once per step)
     prefill_seq_s: float  # per sequence with a prefill chunk in the step (input preparation, sampler setup)
     prefill_token_s: float  # per prefill token: dense matmuls
