@@ -93,6 +93,10 @@ def test_a_prefix_only_host_memory_holds_goes_to_that_pod_and_is_loaded(stack: S
     rng = random.Random(11)
     home = stack.addresses[0]
     prefix = text(rng, 600)  # ~40 blocks
+    # until the home pod's publisher reached the picker (its events before that are lost, and a tier's hash-only
+    # stores key only blocks the picker heard stored on the device)
+    wait_until(lambda: bool(complete(f"http://{home}", text(rng, 40))) and medium_blocks(stack.picker).get(
+        (home, "GPU"), 0) > 0, 20, "the home pod's KV events in the picker's view", stack.picker.process.proc)
     complete(f"http://{home}", prefix + " warm-up")
     for i in range(3):  # other long prompts push all of it out of the device; host memory keeps it
         complete(f"http://{home}", text(rng, 600) + f" other {i}")
