@@ -15,6 +15,7 @@ from picker.core.metric_twins import Twin
 from picker.core.requests import InferenceRequest, Usage
 from picker.endpoints.saturation import SaturationThresholds
 from picker.endpoints.shared_load import LoadSyncStats
+from picker.endpoints.shared_scrape import SharedScrapes
 from picker.endpoints.state import Endpoint, EndpointMetrics
 from picker.flowcontrol.controller import FlowController, FlowSettings
 from picker.kvevents.relay import RelayStats
@@ -62,6 +63,7 @@ def exercised(deprecated_names: bool) -> tuple[PickerMetrics, str]:
     metrics.watch_kv_events(events, precise, clock=lambda: 1.0)
     metrics.watch_kv_relay(RelayStats(sent=1))
     metrics.watch_load_sync(LoadSyncStats(syncs=1, bytes_sent=10, bytes_received=20, peers=1, connected=True))
+    metrics.watch_shared_scrapes(SharedScrapes("redis://127.0.0.1:1/0", "pool"))  # never called: counts at 0
     return metrics, asyncio.run(_scraped_while_one_waits(flow, metrics))
 
 

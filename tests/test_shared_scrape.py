@@ -177,13 +177,17 @@ async def test_without_redis_each_replica_scrapes_for_itself(pods: list[FakePod]
             await r.stop()
 
 
-def _scrapes(picker: Picker, pod: str) -> float:
-    """picker_model_server_scrapes_total of one replica for one pod (ok and error)."""
+def _sampled(picker: Picker, name: str, **labels: str) -> float:
+    """The sum of one replica's samples of series `name` whose labels include `labels`."""
     url = f"http://{picker.host}:{picker.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=2) as response:
         return sum(s.value for family in text_string_to_metric_families(response.read().decode())
-                   for s in family.samples
-                   if s.name == "picker_model_server_scrapes_total" and s.labels.get("model_server_pod") == pod)
+                   for s in family.samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def _scrapes(picker: Picker, pod: str) -> float:
+    """picker_model_server_scrapes_total of one replica for one pod (ok and error)."""
+    return _sampled(picker, "picker_model_server_scrapes_total", model_server_pod=pod)
 
 
 async def _chat_through(envoy: Envoy, n: int) -> list[int]:
@@ -237,4 +241,9 @@ async def test_through_envoy_three_replicas_scrape_each_pod_as_often_as_one() ->
         elapsed = time.monotonic() - start
         # one scrape per 200 ms for the whole fleet: 6 take >= ~1.2 s; three replicas each scraping: ~0.4 s
         assert elapsed >= 6 * 0.2 * 0.7, f"6 scrapes of {pod} in {elapsed:.2f}s"
+        # what it cost Redis, on each replica's /metrics: the others' records read, leases, our records published
+        calls = {call: [_sampled(p, "picker_shared_scrape_calls_total", call=call) for p in pickers]
+                 for call in ("read", "claim", "publish")}
+        assert all(n > 0 for n in calls["read"]) and sum(calls["claim"]) > 0
+        assert sum(calls["publish"]) >= 6 and [_sampled(p, "picker_shared_scrape_errors_total") for p in pickers] == [0] * 3
 

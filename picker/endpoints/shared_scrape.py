@@ -110,7 +110,8 @@ class SharedScrapes:
         self._prefix = f"picker:{{{namespace}}}:scrape"  # one Redis Cluster slot per pool, like the index
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
         self._claim = self._redis.register_script(_CLAIM)
-        self.reads = self.claims = self.errors = 0  # calls made, and those Redis failed
+        # Redis calls made (picker_shared_scrape_calls), and those that failed
+        self.reads = self.claims = self.publishes = self.errors = 0
         self._warned = False
 
     async def read(self, address: str) -> SharedSample | None:
@@ -143,6 +144,7 @@ class SharedScrapes:
         return bool(won)
 
     async def publish(self, address: str, metrics: EndpointMetrics | None, interval: float) -> None:
+        self.publishes += 1
         sample = SharedSample(self.replica_id, self.wall_clock(), interval, metrics)
         ttl_ms = int(max(_RECORD_TTL_MIN, 3 * interval) * 1000)
         try:

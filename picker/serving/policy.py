@@ -169,6 +169,8 @@ class PoolMonitor:
         self.metrics = metrics
         cadence = scrape_cadence(config)
         self.shared = shared_scrapes(config)
+        if self.shared is not None:
+            metrics.watch_shared_scrapes(self.shared)
         self.scraper = MetricsScraper(pool.all, cadence=cadence, failure_threshold=config.unhealthy_after_failures,
                                       timeout=max(0.2, min(2.0, cadence.fast * 10)), health=pool,
                                       on_scrape=metrics.pool.observe_scrape, shared=self.shared,

@@ -23,6 +23,7 @@ from picker.serving.metrics.collectors import (
     KVEventsCollector,
     KVRelayCollector,
     LoadSyncCollector,
+    SharedScrapeCollector,
 )
 from picker.serving.metrics.flow import FlowSeries
 from picker.serving.metrics.labels import FirstSeenLabels, ModelLabels, RequestLabels
@@ -33,6 +34,7 @@ from picker.serving.metrics.streams import StreamMetrics
 
 if TYPE_CHECKING:  # annotations only: the KV-event modules import zmq, an extra `picker serve` may lack
     from picker.endpoints.shared_load import LoadSyncStats
+    from picker.endpoints.shared_scrape import SharedScrapes
     from picker.kvevents.relay import RelayStats
     from picker.kvevents.subscriber import SubscriberStats
     from picker.prefix.precise import PreciseIndex
@@ -82,6 +84,10 @@ class PickerMetrics:
     def watch_load_sync(self, stats: LoadSyncStats) -> None:
         """Export the shared load's counters (what it costs Redis, whether it works), read at scrape time."""
         self.registry.register(LoadSyncCollector(stats))
+
+    def watch_shared_scrapes(self, scrapes: SharedScrapes) -> None:
+        """Export what the replicas' turns at scraping each pod cost Redis, read at scrape time."""
+        self.registry.register(SharedScrapeCollector(scrapes))
 
     def watch_kv_events(self, stats: SubscriberStats, index: PreciseIndex, clock: Callable[[], float]) -> None:
         """Export the KV-event subscriber's counters and each pod's precise view, read at scrape time."""

@@ -1,5 +1,5 @@
-"""Series read at scrape time from the shared index's replication, the shared load, the KV-event subscriber and
-relay."""
+"""Series read at scrape time from the shared index's replication, the shared load, the shared scrapes, the
+KV-event subscriber and relay."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # annotations only: the KV-event modules import zmq, an extra `picker serve` may lack
     from picker.endpoints.shared_load import LoadSyncStats
+    from picker.endpoints.shared_scrape import SharedScrapes
     from picker.kvevents.relay import RelayStats
     from picker.kvevents.subscriber import SubscriberStats
     from picker.prefix.precise import PreciseIndex
@@ -64,6 +65,22 @@ class LoadSyncCollector(Collector):
                                 value=s.peers)
         yield GaugeMetricFamily("picker_shared_load_connected", "1 while Redis answers the shared load, else 0.",
                                 value=1.0 if s.connected else 0.0)
+
+
+class SharedScrapeCollector(Collector):
+    def __init__(self, scrapes: SharedScrapes) -> None:
+        self.scrapes = scrapes
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.scrapes
+        calls = CounterMetricFamily("picker_shared_scrape_calls", "Redis calls of the shared scrapes: records read "
+                                    "(another replica's scrape of a pod), leases claimed or renewed, records "
+                                    "published (our scrape, for the others).", labels=["call"])
+        for call, value in (("read", s.reads), ("claim", s.claims), ("publish", s.publishes)):
+            calls.add_metric([call], value)
+        yield calls
+        yield CounterMetricFamily("picker_shared_scrape_errors", "Failed Redis calls of the shared scrapes (the pod "
+                                  "is then scraped directly).", value=s.errors)
 
 
 class KVEventsCollector(Collector):
