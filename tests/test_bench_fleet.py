@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
-from picker_lab.bench.fleet import medians, misled, prefix_of, recovery, takes_part, window
+import pytest
+
+from picker_lab.bench.fleet import medians, misled, noise, prefix_of, recovery, takes_part, window
 from picker_lab.bench.results import OK, RunResult
 from picker_lab.bench.trace import Trace, TraceRequest
 
@@ -48,6 +50,18 @@ def test_medians_carry_the_range_of_the_repeats() -> None:
                                                                                           (2.0, 2))]
     table = medians(rows)
     assert table["ttft_p90"] == [2.0, 1.0, 3.0] and table["extra_cold"] == [2.0, 1.0, 5.0]
+
+
+def test_noise_compares_the_undisturbed_runs_of_two_repeats_window_by_window() -> None:
+    def row(*windows: tuple[float, int]) -> dict[str, object]:
+        return {"windows": [{"undisturbed": {"ttft_p90": p90, "cold": cold}} for p90, cold in windows]}
+
+    rows = [row((0.10, 2), (0.20, 1)), row((0.11, 2), (0.16, 4))]
+    floor = noise(rows)
+    # pairs (a, b): ratios 0.909, 1.25 (median 1.08, worst 1.25), colds -3; (b, a): 1.1, 0.8, +3
+    assert floor["worst_window_p90_ratio"] == pytest.approx([1.175, 1.1, 1.25])
+    assert floor["extra_cold"] == [0.0, -3.0, 3.0]
+    assert noise(rows[:1]) == {} and noise([{}, {}]) == {}
 
 
 def test_only_routers_with_something_to_disrupt_take_part() -> None:

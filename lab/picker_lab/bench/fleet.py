@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import math
 import statistics
@@ -313,7 +314,8 @@ def run_scenario(spec: ScenarioSpec, out: Path) -> dict[str, Any]:
         bar.close()
     report = {"scenario": spec.scenario, "spec": {**asdict(spec), "live": asdict(live)}, "requests": requests,
               "rate_rps": rate, "wall_rate_rps": rate * live.time_scale, "runs": runs, "skipped": skipped,
-              "medians": {r: medians(rows) for r, rows in runs.items() if rows}}
+              "medians": {r: medians(rows) for r, rows in runs.items() if rows},
+              "noise": {r: noise(rows) for r, rows in runs.items() if len(rows) > 1}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "fleet.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "fleet.md").write_text("\n".join(markdown(report)) + "\n")
@@ -392,6 +394,23 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     return table
 
 
+def noise(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """What the scenario's window figures read with nothing done: the same windows of two undisturbed runs of one
+    router (every ordered pair of repeats), as [median, min, max] over the pairs. A restart or an outage costs
+    something only where its figures lie beyond these."""
+    values: dict[str, list[float]] = {"window_p90_ratio": [], "worst_window_p90_ratio": [], "extra_cold": []}
+    for a, b in itertools.permutations(rows, 2):
+        if "windows" not in a or "windows" not in b or len(a["windows"]) != len(b["windows"]):
+            continue
+        pairs = [(x["undisturbed"], y["undisturbed"]) for x, y in zip(a["windows"], b["windows"], strict=True)]
+        ratios = [x["ttft_p90"] / y["ttft_p90"] for x, y in pairs if y["ttft_p90"] > 0]
+        if ratios:
+            values["window_p90_ratio"].append(statistics.median(ratios))
+            values["worst_window_p90_ratio"].append(max(ratios))
+        values["extra_cold"].append(float(sum(x["cold"] - y["cold"] for x, y in pairs)))
+    return {k: [float(np.median(v)), min(v), max(v)] for k, v in values.items() if v}
+
+
 def _cell(figure: list[float] | None, fmt: str, scale: float = 1.0) -> str:
     if not figure or math.isnan(figure[0]):
         return "-"
@@ -430,6 +449,15 @@ def markdown(report: dict[str, Any]) -> list[str]:
             cells += [_cell(m.get("window_p90_ratio"), ".2f"), _cell(m.get("extra_cold"), ".0f"),
                       _cell(m.get("agreed_after_s"), ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
+    floor = report.get("noise", {})
+    if floor and scenario in ("router-restart", "valkey-outage"):
+        lines += ["", "Nothing done (noise): the same windows of two undisturbed runs of each router, every ordered "
+                  "pair of repeats, medians [range].", "",
+                  "| router | p90 / undisturbed (median window) | worst window | extra cold prefills |",
+                  "|---|---|---|---|"]
+        lines += [f"| {router} | {_cell(n.get('window_p90_ratio'), '.2f')} | "
+                  f"{_cell(n.get('worst_window_p90_ratio'), '.2f')} | {_cell(n.get('extra_cold'), '.0f')} |"
+                  for router, n in floor.items()]
     for router, why in report["skipped"].items():
         lines.append(f"\n- skipped **{router}**: {why}")
     return lines
