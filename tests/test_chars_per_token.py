@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from picker.core.replicas import ReplicaView
 from picker.core.requests import InferenceRequest
 from picker.endpoints.metrics import parse_metrics
 from picker.endpoints.state import Endpoint, EndpointMetrics
@@ -47,6 +48,51 @@ def test_replicas_each_sending_part_of_the_traffic_read_the_same_ratio() -> None
     e.metrics.prompt_count += 32
     learner.picked(e, 270)
     assert learner.value == pytest.approx(2.7, rel=0.02)
+
+
+def test_other_replicas_picks_count_with_ours() -> None:
+    """Picks heard from the other replicas fill the same tally: a replica sending a quarter of a pod's traffic
+    takes its sample after the pod's first few requests, not after sixteen of its own."""
+    learner = CharsPerToken(4.0, min_requests=4, smoothing=1.0)
+    e = pod()
+    learner.picked(e, 270)
+    learner.peer_picked(e.address, 270)
+    learner.peer_picked(e.address, 270)
+    learner.peer_picked("10.0.0.9:8000", 270)  # a pod we never sent to: nothing to count against
+    e.metrics.prompt_tokens += 4 * 100
+    e.metrics.prompt_count += 4
+    learner.picked(e, 270)
+    assert learner.samples == 1 and learner.value == pytest.approx(2.7, rel=0.02)
+
+
+def test_a_replica_that_just_started_routes_on_the_other_replicas_figure_until_it_has_its_own() -> None:
+    replicas = ReplicaView()
+    learner = CharsPerToken(4.0, min_requests=4, smoothing=0.5, replicas=replicas)
+    learner.follow_peers()
+    assert learner.value == 4.0  # no other replica reports one: the configured guess
+    replicas.heard([2.6, 2.8, 3.5])
+    learner.follow_peers()
+    assert learner.value == 2.8 and replicas.chars_per_token is None  # theirs, not reported back as ours
+    e = pod()
+    learner.picked(e, 200)
+    serve(learner, e, 8, 200, 100)
+    learner.picked(e, 200)  # its own sample (2.0) moves it from the fleet's figure, and is reported
+    assert learner.value == pytest.approx(2.4) and replicas.chars_per_token == pytest.approx(2.4)
+    replicas.heard([3.5])
+    learner.follow_peers()
+    assert learner.value == pytest.approx(2.4)  # once it has learned, its own
+
+
+def test_a_replica_that_just_started_sizes_each_pod_at_the_other_replicas_figure() -> None:
+    """The index shares a replica matches its first prompts on are sized at what the fleet learned (2 characters
+    per token: half the configured 4's blocks), not at the configured guess."""
+    replicas = ReplicaView()
+    replicas.heard([2.0])
+    scheduler = build_scheduler(replicas=replicas)
+    e = pod()
+    scheduler.schedule(InferenceRequest(request_id="r", model="m", prompt_text="x" * 200), [e], 0.0)
+    index = scheduler.index
+    assert isinstance(index, InMemoryPrefixIndex) and index.capacity(e.address) == 500
 
 
 def test_no_counters_or_a_reset_leave_the_configured_value() -> None:
@@ -95,4 +141,6 @@ def test_index_capacity_follows_the_learned_ratio() -> None:
     e.metrics.prompt_tokens += 8 * 100  # 200 characters were 100 tokens each
     e.metrics.prompt_count += 8
     route("z" * 200)
-    assert learner.value == pytest.approx(2.0) and index.capacity(e.address) == 500
+    assert learner.value == pytest.approx(2.0)
+    route("w" * 200)  # matched on the share the new ratio gives, not the old one
+    assert index.capacity(e.address) == 500

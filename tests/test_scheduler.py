@@ -24,6 +24,7 @@ from picker.scheduling.config import (
     build_strategy,
     strategy_config,
 )
+from picker.scheduling.plugins import PeerPick
 from picker.scheduling.scheduler import PrefixAwareScheduler
 from picker.scheduling.types import Scheduler
 
@@ -280,6 +281,52 @@ def test_a_prefix_every_pod_evicted_comes_back_to_its_home() -> None:
     assert other.context is not None and other.context.home is None and other.ranked[0] is not home
     dealt_line = describe_decision(Decision(other.context.request, other.ranked, "x", other, 0, 10.0), 0.001)
     assert "home=" not in dealt_line
+
+
+def test_a_prefix_goes_home_to_where_another_replica_sent_it() -> None:
+    """Replicas share their picks: a prefix one replica sent to a pod, evicted since on every pod, goes back there
+    when it reaches another replica (which learned its home from the peer's pick, keys and all), not to the pod
+    next in that replica's deal."""
+    endpoints = pods(4)
+    sender, other = build_scheduler(rng=random.Random(3)), build_scheduler(rng=random.Random(3))
+    prompt = SYSTEM + "first question"
+    result = sender.schedule(req(prompt), endpoints, 0.0)
+    assert result.context is not None
+    home = endpoints[2]
+    sender.on_picked(result.context, home, 0.0)
+    later = other.schedule(req(SYSTEM + "a later question"), endpoints, 10.0)
+    assert later.context is not None and later.context.home is None  # not heard: dealt like any cold prompt
+    dealt_first = later.ranked[0]
+    other.on_peer_picked(PeerPick(home.address, len(prompt) / 4, "", len(prompt), result.context.keys), 0.5)
+    back = other.schedule(req(SYSTEM + "a later question"), endpoints, 10.0)
+    assert back.context is not None and back.context.home == home.address and back.ranked[0] is home
+    assert dealt_first is not home  # the peer's pick changed where it goes
+
+
+def test_a_replica_that_replayed_the_shared_index_matches_each_pod_on_its_cache() -> None:
+    """A replica that starts replays the fleet's picks into its index before it has picked any pod itself; the
+    first prompt it matches must see each pod's share bounded by the pod's reported cache, not by the default
+    (which kept prefixes the pod had long evicted, and sent that prompt to be prefilled cold)."""
+    endpoints = pods(2)
+    for e in endpoints:
+        e.metrics.block_size, e.metrics.num_gpu_blocks = 16, 20  # 20 index blocks of 64 characters each
+    hashing = build_scheduler()  # the replicas' keys (their index apart)
+
+    def keys_of(request: InferenceRequest) -> list[int]:
+        result = hashing.schedule(request, endpoints, 0.0)
+        assert result.context is not None
+        return result.context.keys
+
+    index = InMemoryPrefixIndex()
+    s = build_scheduler(index=index, rng=random.Random(3))
+    old = req(SYSTEM + "an old question")
+    keys = keys_of(old)
+    index.record(keys, endpoints[0].address, 0.0)  # replayed: sent there a while ago
+    for i in range(8):  # then newer prompts there, three times its cache over
+        index.record(keys_of(req(f"{i:04d} a newer prompt " * 20)), endpoints[0].address, 0.1 + i)
+    assert index.match(keys, None, 9.0).get(endpoints[0].address)  # the default share still holds it
+    result = s.schedule(old, endpoints, 9.0)
+    assert result.context is not None and endpoints[0].address not in result.context.matches
 
 
 def test_random_tie_break_alone_is_uneven() -> None:
@@ -589,6 +636,6 @@ def test_a_peer_replicas_pick_steers_the_next_cold_request_elsewhere() -> None:
     for busy in (0, 1):
         s = build_scheduler(None, rng=random.Random(3))
         endpoints = pods(2)
-        s.on_peer_picked(endpoints[busy].address, 4096, "", 0.0)
+        s.on_peer_picked(PeerPick(endpoints[busy].address, 4096), 0.0)
         chosen = s.schedule(req("a cold question nobody asked before " * 4), endpoints, 0.001).ranked[0]
         assert chosen is endpoints[1 - busy]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from picker.core.replicas import ReplicaPosition
+from picker.core.replicas import ReplicaView
 from picker.core.requests import InferenceRequest
 from picker.core.schema import ConfigError
 from picker.endpoints.saturation import SaturationThresholds
@@ -63,11 +63,11 @@ def test_replicas_sharing_a_pool_deal_concurrent_cold_prompts_to_different_pods(
         return scores.index(max(scores))
 
     alone = best(ColdPrefixSpreader(), pods)
-    picks = [best(ColdPrefixSpreader(replicas=ReplicaPosition(i, 4)), pods) for i in range(4)]
+    picks = [best(ColdPrefixSpreader(replicas=ReplicaView(i, 4)), pods) for i in range(4)]
     assert picks[0] == alone and len(set(picks)) == 4
-    assert best(ColdPrefixSpreader(replicas=ReplicaPosition(0, 1)), pods) == alone
+    assert best(ColdPrefixSpreader(replicas=ReplicaView(0, 1)), pods) == alone
     few = pods[:6]  # fewer than two pods per replica: each deals its best
-    assert best(ColdPrefixSpreader(replicas=ReplicaPosition(3, 4)), few) == best(ColdPrefixSpreader(), few)
+    assert best(ColdPrefixSpreader(replicas=ReplicaView(3, 4)), few) == best(ColdPrefixSpreader(), few)
 
 
 def test_prefix_score_blends_ratio_and_absolute_length() -> None:

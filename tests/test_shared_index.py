@@ -133,8 +133,8 @@ async def test_a_pick_on_one_replica_is_matched_on_the_other(valkey: Valkey, nam
 async def test_peers_hear_of_each_others_picks_with_prompt_size_and_session(valkey: Valkey, namespace: str,
                                                                            replicas: Factory) -> None:
     a, b = replicas(valkey.url, namespace), replicas(valkey.url, namespace)
-    heard_by_a: list[tuple[str, int, str, float]] = []
-    heard_by_b: list[tuple[str, int, str, float]] = []
+    heard_by_a: list[tuple[str, int, str, float, list[int]]] = []
+    heard_by_b: list[tuple[str, int, str, float, list[int]]] = []
     a.peer_listener = lambda *pick: heard_by_a.append(pick)
     b.peer_listener = lambda *pick: heard_by_b.append(pick)
     await a.start()
@@ -143,8 +143,8 @@ async def test_peers_hear_of_each_others_picks_with_prompt_size_and_session(valk
     a.record(chain("theta"), POD_A, before, prompt_chars=5000, session_id="user-7")
     a.record(chain("iota"), POD_B, before, prompt_chars=300)
     await eventually(lambda: len(heard_by_b) == 2)
-    (address, chars, session, at), second = heard_by_b
-    assert (address, chars, session) == (POD_A, 5000, "user-7")
+    (address, chars, session, at, keys), second = heard_by_b
+    assert (address, chars, session, keys) == (POD_A, 5000, "user-7", chain("theta"))
     assert second[:3] == (POD_B, 300, "")
     assert before - 1.0 < at <= time.monotonic()  # in the follower's clock, never in the future
     await _read_up_to_now(a, valkey.url)  # `a` has read its own entry back from the stream
@@ -410,7 +410,7 @@ def test_serve_wires_the_shared_index_into_the_scheduler() -> None:
         pods = [Endpoint.from_address(f"10.0.0.{i + 1}:8000") for i in range(2)]
         for pod in pods:
             pod.metrics = EndpointMetrics(updated_at=0.0)
-        heard.shared_index.peer_listener(pods[busy].address, 4 * 4096, "", 0.0)
+        heard.shared_index.peer_listener(pods[busy].address, 4 * 4096, "", 0.0, [])
         cold = InferenceRequest("r", "llama", prompt_text="a cold question nobody asked before " * 4)
         assert heard.scheduler.schedule(cold, pods, 0.001).ranked[0] is pods[1 - busy]
     assert build_policy(ServeConfig()).shared_index is None

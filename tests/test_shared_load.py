@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.core.replicas import ReplicaPosition
+from picker.core.replicas import ReplicaView
 from picker.endpoints.shared_load import SharedLoad, decode, encode
 from picker.endpoints.state import Endpoint
 from picker_lab.supervisor import (
@@ -57,9 +57,12 @@ def test_report_round_trip_lists_only_pods_with_requests() -> None:
     busy, idle = (Endpoint.from_address(a) for a in PODS)
     busy.start_request(300, 0.0)
     busy.start_request(200, 0.0)
-    assert decode(encode(12.5, 0.05, [busy, idle])) == (12.5, 0.05, [(PODS[0], 2, 500)])
-    with pytest.raises(ValueError, match="malformed"):
-        decode(msgpack.packb(["late", 0.05, [["x", "y"]]]))
+    assert decode(encode(12.5, 0.05, [busy, idle])) == (12.5, 0.05, [(PODS[0], 2, 500)], None)
+    assert decode(encode(12.5, 0.05, [idle], 2.7)) == (12.5, 0.05, [], 2.7)  # what the replica learned
+    assert decode(msgpack.packb([12.5, 0.05, []])) == (12.5, 0.05, [], None)  # an earlier release's report
+    for bad in (["late", 0.05, [["x", "y"]]], [12.5, 0.05, [], 0.0], [12.5, 0.05, [], "many"]):
+        with pytest.raises(ValueError, match="malformed"):
+            decode(msgpack.packb(bad))
 
 
 async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
@@ -77,9 +80,14 @@ async def test_each_replica_counts_the_others_requests(valkey: Valkey) -> None:
         assert [(e.fleet_in_flight, e.peer_in_flight_tokens, e.in_flight) for e in pods_a] == [(2, 0, 2), (1, 50, 0)]
         assert b.stats.peers == 1 and changes[-1] == 1
         # each knows its place among the replicas reporting (ordered by id: both agree)
-        a.position, b.position = ReplicaPosition(), ReplicaPosition()
+        a.position, b.position = ReplicaView(), ReplicaView()
         assert await a.sync_once() and await b.sync_once()
         assert (a.position.index, a.position.count, b.position.index, b.position.count) == (0, 2, 1, 2)
+        # what one has learned of the traffic the other hears (a replica just started routes on it)
+        assert b.position.peers_chars_per_token is None
+        a.position.chars_per_token = 2.7
+        assert await a.sync_once() and await b.sync_once()
+        assert b.position.peers_chars_per_token == 2.7 and a.position.peers_chars_per_token is None
         pods_a[0].finish_request(400)
         pods_b[1].start_request(70, 0.0)  # counted at once by its own replica, by the other at the next sync
         assert pods_b[1].fleet_in_flight == 2 and pods_a[1].fleet_in_flight == 1

@@ -5,7 +5,8 @@ Every `interval` each replica writes its own in-flight requests and prompt token
 requests on) into one hash per pool, a field per replica, and reads the hash back: one pipelined round trip, never
 one inside a routing decision. It then sets each pod's peer counts to the others' last reports
 (`Endpoint.set_peer_load`); a pick another replica makes counts at once in between, heard through the shared
-index's stream (`peer_picked`). Flow control's dispatch level and its running slots read the fleet's count
+index's stream (`peer_picked`). A report also carries the characters per token its replica has learned, which a
+replica that has just started routes on until it has learned its own (`picker.core.replicas`). Flow control's dispatch level and its running slots read the fleet's count
 (`Endpoint.fleet_in_flight`), so replicas do not each fill the room they all see. Routing keeps scoring on our own
 counts: on the simulator and on live replicas the fleet's counts, a sync old for the requests that ended, routed no
 better and live worse (bench/studies/replicas.md, "Several picker replicas"; docs/decisions.md).
@@ -32,7 +33,7 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from picker.core.replicas import ReplicaPosition
+from picker.core.replicas import ReplicaView
 from picker.endpoints.state import Endpoint
 
 log = logging.getLogger(__name__)
@@ -58,18 +59,22 @@ class LoadSyncStats:
     connected: bool = False  # the last round trip worked
 
 
-def encode(at: float, period: float, pods: Sequence[Endpoint]) -> bytes:
-    """One replica's report: when, the seconds until its next, and [address, requests, prompt tokens] of every pod
-    it has requests on."""
+def encode(at: float, period: float, pods: Sequence[Endpoint], chars_per_token: float | None = None) -> bytes:
+    """One replica's report: when, the seconds until its next, [address, requests, prompt tokens] of every pod it
+    has requests on, and the characters per token it has learned (nil: none yet)."""
     return msgpack.packb([at, period, [[e.address, e.in_flight, e.in_flight_tokens]
-                                       for e in pods if e.in_flight or e.in_flight_tokens]])
+                                       for e in pods if e.in_flight or e.in_flight_tokens], chars_per_token])
 
 
-def decode(data: bytes) -> tuple[float, float, list[tuple[str, int, int]]]:
-    """(wall time, period, [(address, requests, tokens)]); ValueError when the report is not one."""
+def decode(data: bytes) -> tuple[float, float, list[tuple[str, int, int]], float | None]:
+    """(wall time, period, [(address, requests, tokens)], learned chars per token or None); ValueError when the
+    report is not one. A report of a release before the learned figure has three fields."""
     try:
-        at, period, pods = msgpack.unpackb(data, raw=False)
-        return float(at), float(period), [(str(a), int(n), int(t)) for a, n, t in pods]
+        at, period, pods, *rest = msgpack.unpackb(data, raw=False)
+        learned = float(rest[0]) if rest and rest[0] is not None else None
+        if learned is not None and not learned > 0:
+            raise ValueError(f"characters per token {learned}")
+        return float(at), float(period), [(str(a), int(n), int(t)) for a, n, t in pods], learned
     except (TypeError, ValueError, msgpack.UnpackException) as exc:
         raise ValueError(f"malformed load report: {exc}") from None
 
@@ -82,7 +87,7 @@ class SharedLoad:
                  find: Callable[[str], Endpoint | None] | None = None,
                  interval: float, stale: float | None = None, replica_id: str | None = None,
                  wall_clock: Callable[[], float] = time.time, on_change: Callable[[int], None] | None = None,
-                 position: ReplicaPosition | None = None) -> None:
+                 position: ReplicaView | None = None) -> None:
         if interval <= 0:
             raise ValueError("the shared load's interval must be positive")
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
@@ -92,7 +97,8 @@ class SharedLoad:
         self.stale = stale if stale is not None else max(1.0, 10 * interval)
         self.wall_clock = wall_clock
         self.on_change = on_change
-        self.position = position  # kept current: this replica's index among those reporting
+        # kept current: this replica's index among those reporting, and the characters per token they learned
+        self.position = position
         self.key = f"picker:{{{namespace}}}:load"  # one Redis Cluster slot per pool, like the index
         self.stats = LoadSyncStats()
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=0.5)
@@ -128,7 +134,8 @@ class SharedLoad:
         """Publish ours, read everyone's, apply the others'. False when Redis did not answer."""
         pods = self.pool()
         now = self.wall_clock()
-        report = encode(now, self.period, pods)
+        report = encode(now, self.period, pods,
+                        self.position.chars_per_token if self.position is not None else None)
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hset(self.key, self.replica_id, report)
@@ -155,13 +162,14 @@ class SharedLoad:
         tokens: dict[str, int] = {}
         peers = 0
         live: list[str] = []
+        learned: list[float] = []
         abandoned = []
         for replica, data in reports.items():
             if replica == own:
                 continue
             try:
                 self.stats.bytes_received += len(data)
-                at, period, counts = decode(data)
+                at, period, counts, chars_per_token = decode(data)
             except (TypeError, ValueError):
                 log.warning("ignoring a malformed shared load report from replica %r", replica)
                 continue
@@ -171,6 +179,8 @@ class SharedLoad:
                 continue
             peers += 1
             live.append(replica.decode(errors="replace"))
+            if chars_per_token is not None:
+                learned.append(chars_per_token)
             for address, n, t in counts:
                 requests[address] = requests.get(address, 0) + n
                 tokens[address] = tokens.get(address, 0) + t
@@ -180,6 +190,7 @@ class SharedLoad:
         self._peers_applied = peers > 0
         if self.position is not None:
             self.position.update(self.replica_id, live)
+            self.position.heard(learned)
         if abandoned:
             asyncio.get_running_loop().create_task(self._forget(abandoned))
         if self.on_change is not None:

@@ -142,9 +142,9 @@ class SharedPrefixIndex:
         self.wall_clock = wall_clock
         self.stats = SyncStats()
         self._warned: set[str] = set()  # directions ("follow", "publish") whose failure was logged since it last worked
-        # Told of every pick another replica made (address, prompt chars, session id, when), so the scheduler's
-        # load and stickiness state covers the whole fleet's routing, not only this replica's.
-        self.peer_listener: Callable[[str, int, str, float], None] | None = None
+        # Told of every pick another replica made (address, prompt chars, session id, when, the prompt's keys), so
+        # the scheduler's load, stickiness and homes cover the whole fleet's routing, not only this replica's.
+        self.peer_listener: Callable[[str, int, str, float, list[int]], None] | None = None
         # from_url validates the URL now, so a typo fails `picker serve` at start-up, not at the first pick.
         self._writer = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
         self._reader = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0)
@@ -352,7 +352,7 @@ class SharedPrefixIndex:
             self._applied_floor = at
             self.local.record(keys, address, at, never_older=True)
             if self.peer_listener is not None:
-                self.peer_listener(address, int(pick[4]), str(pick[5]), at)
+                self.peer_listener(address, int(pick[4]), str(pick[5]), at, keys)
         else:
             raise ValueError(f"unknown operation {op!r}")
         self.stats.received += 1

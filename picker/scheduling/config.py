@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from picker.core.model_rewrite import RewriteRuleSpec
-from picker.core.replicas import ReplicaPosition
+from picker.core.replicas import ReplicaView
 from picker.core.schema import ConfigError, Section, decode
 from picker.endpoints.saturation import SaturationThresholds
 from picker.prefix.hashing import (
@@ -240,7 +240,7 @@ def build_scheduler(
     index_key: IndexKey | None = None,
     timer: PluginTimer | None = None,
     precise: PrecisePrefix | None = None,
-    replicas: ReplicaPosition | None = None,
+    replicas: ReplicaView | None = None,
 ) -> PrefixAwareScheduler:
     """The full scheduler from its config (None = defaults). `index` swaps in a shared backend; `saturation`
     is the admission section's definition of a full pod (the saturation filter's default); `observer` hears how
@@ -369,7 +369,7 @@ class StrategyDeps:
     index_key: IndexKey | None = None  # keys what a prefix index stores
     timer: PluginTimer | None = None
     precise: PrecisePrefix | None = None  # KV events: correct the picker's prefix matches
-    replicas: ReplicaPosition | None = None  # this replica's index among those sharing the pool
+    replicas: ReplicaView | None = None  # this replica's index among those sharing the pool
 
 
 def _plugin(plugin_type: str, name: str | None = None, **parameters: Any) -> dict[str, Any]:

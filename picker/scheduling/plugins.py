@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from picker.core.replicas import ReplicaPosition
+from picker.core.replicas import ReplicaView
 from picker.core.schema import Section
 from picker.endpoints.saturation import SaturationThresholds
 from picker.endpoints.state import Endpoint
@@ -30,6 +30,8 @@ class PeerPick:
     address: str
     prompt_tokens: float  # the peer's prompt, counted at `chars_per_token` as ours are
     session_id: str = ""
+    prompt_chars: int = 0  # the prompt's length as the peer sent it
+    keys: Sequence[int] = ()  # the prompt's chained block keys (our block width: the replicas share a config)
 
 
 class Plugin:
@@ -141,7 +143,7 @@ class PluginDeps:
     hasher: PrefixHasher | None = None
     precise: PrecisePrefix | None = None
     # this replica's index among the replicas sharing the pool (None: it routes alone)
-    replicas: ReplicaPosition | None = None
+    replicas: ReplicaView | None = None
 
 
 class NoParams(Section):

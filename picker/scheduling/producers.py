@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import Field, field_validator
 
+from picker.core.replicas import ReplicaView
 from picker.core.requests import InferenceRequest
 from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
@@ -27,7 +28,7 @@ from picker.prefix.index import PrefixIndex
 from picker.prefix.precise import DEFAULT_MEDIUM_WEIGHTS, PrecisePrefix
 from picker.scheduling.context import SchedulingContext, effective_model
 from picker.scheduling.memory import PodMemory
-from picker.scheduling.plugins import NoParams, Plugin, PluginDeps, PluginFactory, default_of
+from picker.scheduling.plugins import NoParams, PeerPick, Plugin, PluginDeps, PluginFactory, default_of
 
 
 @runtime_checkable
@@ -45,6 +46,10 @@ class PrefixProducer(Protocol):
         """The request went to `endpoint`."""
         ...
 
+    def on_peer_picked(self, pick: PeerPick, now: float) -> None:
+        """Another replica sharing the prefix index routed a request (its keys are in the index already)."""
+        ...
+
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         """The pod left the pool, or its cache is presumed lost."""
         ...
@@ -56,6 +61,7 @@ class PrefixProducer(Protocol):
 
 HOME_BLOCKS = 4  # a prompt's opening, in index blocks: what names "the same prefix" once no pod holds any of it
 HOMES = 50_000  # openings whose last pod is remembered (least recently sent forgotten first)
+SIZING_INTERVAL = 1.0  # seconds between two sizings of every pod's share of the index
 
 
 class ApproximatePrefix(Plugin):
@@ -66,19 +72,28 @@ class ApproximatePrefix(Plugin):
     Also the prompt's home: the pod its first HOME_BLOCKS blocks last went to. The index forgets a prefix when the
     pod's cache must have evicted it; sent anywhere when it comes back, it would add to another pod's working set
     and evict a prefix there, which comes back cold in turn (a real run under cache pressure moved 14-17 of 24
-    prefixes a run this way and lost to a hash ring, which always sends a prefix home). Kept from this replica's
-    own picks."""
+    prefixes a run this way and lost to a hash ring, which always sends a prefix home). Kept from every replica's
+    picks (the shared index's stream carries the others'), so a prefix goes home whichever replica sent it there,
+    and a replica that starts learns the homes of the stream it replays.
+
+    Every pod's share is sized from its scraped cache before a prompt is matched (again each second, and whenever
+    the learned characters per token move), not only when a pick goes to it: a replica that has just replayed the
+    shared stream would otherwise match each pod's first pick on an unbounded share, holding prefixes the pod has
+    long evicted."""
 
     type_name = "approx-prefix-cache-producer"
 
-    def __init__(self, index: PrefixIndex, hasher: PrefixHasher, name: str | None = None) -> None:
+    def __init__(self, index: PrefixIndex, hasher: PrefixHasher, name: str | None = None,
+                 replicas: ReplicaView | None = None) -> None:
         super().__init__(name)
         self.index = index
         self.hasher = hasher
         self._homes: PodMemory[int] = PodMemory(HOMES)
         # what the traffic's prompts really are in tokens: sizes each pod's share of the index from its cache
-        self.chars_per_token = CharsPerToken(hasher.chars_per_token)
+        self.chars_per_token = CharsPerToken(hasher.chars_per_token, replicas=replicas)
         self._next_sweep = -float("inf")
+        self._next_sizing = -float("inf")
+        self._sized_at = self.chars_per_token.value  # characters per token the pods were last sized at
 
     def keys(self, request: InferenceRequest, block_chars: int) -> list[int]:
         seed = self.hasher.key.seed(effective_model(request), None, request.cache_salt)
@@ -94,25 +109,41 @@ class ApproximatePrefix(Plugin):
 
     def produce(self, ctx: SchedulingContext, endpoints: Sequence[Endpoint], now: float) -> None:
         ctx.block_chars = self.block_chars(endpoints)
+        if now >= self._next_sizing or self.chars_per_token.value != self._sized_at:
+            self._size_pods(endpoints, ctx.block_chars, now)
         ctx.keys = keys = self.keys(ctx.request, ctx.block_chars)
         ctx.matches = self.index.match(keys, None, now)
         if len(keys) >= HOME_BLOCKS:
             ctx.home = self._homes.get(keys[HOME_BLOCKS - 1])
+
+    def _size_pods(self, endpoints: Sequence[Endpoint], block_chars: int, now: float) -> None:
+        """Each pod's share of the index from its cache (pods whose cache is not reported yet keep the default), at
+        the characters per token learned (or, by a replica that has just started, the other replicas')."""
+        self._next_sizing = now + SIZING_INTERVAL
+        self.chars_per_token.follow_peers()
+        self._sized_at = self.chars_per_token.value
+        for endpoint in endpoints:
+            capacity = self._capacity_blocks(endpoint, block_chars)
+            if capacity:
+                self.index.set_capacity(endpoint.address, capacity)
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         if not ctx.keys:
             return
         request = ctx.request
         self.chars_per_token.picked(endpoint, len(request.prompt_text))
-        capacity = self._capacity_blocks(endpoint, ctx.block_chars)
-        if capacity:
-            self.index.set_capacity(endpoint.address, capacity)
         self.index.record(ctx.keys, endpoint.address, now, prompt_chars=len(request.prompt_text),
                           session_id=ctx.session)
         if len(ctx.keys) >= HOME_BLOCKS:
             self._homes.remember(ctx.keys[HOME_BLOCKS - 1], endpoint.address)
         if now >= self._next_sweep:
             self._sweep(now)
+
+    def on_peer_picked(self, pick: PeerPick, now: float) -> None:
+        keys = pick.keys
+        if len(keys) >= HOME_BLOCKS:
+            self._homes.remember(keys[HOME_BLOCKS - 1], pick.address)
+        self.chars_per_token.peer_picked(pick.address, pick.prompt_chars)
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self.index.remove_endpoint(endpoint.address)
@@ -190,7 +221,7 @@ class PreciseOverlay(Plugin):
 def _approximate(name: str, params: NoParams, deps: PluginDeps) -> Plugin:
     if deps.prefix_index is None or deps.hasher is None:
         raise ValueError("the approximate prefix index needs an index to read (a strategy without one cannot run it)")
-    return ApproximatePrefix(deps.prefix_index, deps.hasher, name)
+    return ApproximatePrefix(deps.prefix_index, deps.hasher, name, replicas=deps.replicas)
 
 
 class PreciseParams(Section):

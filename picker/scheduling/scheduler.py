@@ -171,9 +171,10 @@ class PrefixAwareScheduler:
         for plugin in self._stateful:
             plugin.on_picked(ctx, endpoint, now)
 
-    def on_peer_picked(self, address: str, prompt_tokens: float, session_id: str, now: float) -> None:
+    def on_peer_picked(self, pick: PeerPick, now: float) -> None:
         """Another replica sharing our prefix index routed a request (the shared index reports it)."""
-        pick = PeerPick(address, prompt_tokens, session_id)
+        for producer in self.producers:
+            producer.on_peer_picked(pick, now)
         for plugin in self._stateful:
             plugin.on_peer_picked(pick, now)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
-from picker.core.replicas import ReplicaPosition
+from picker.core.replicas import ReplicaView
 from picker.core.schema import Section
 from picker.endpoints.state import Endpoint
 from picker.scheduling.context import SchedulingContext
@@ -63,7 +63,7 @@ class ColdPrefixSpreader(Plugin):
 
     def __init__(self, name: str | None = None, *, recency_weight: float = 0.25, work_tokens: float = 128.0,
                  work_half_life: float = 0.2, home_credit: float = 0.5,
-                 stand_aside_share: float = 0.3, replicas: ReplicaPosition | None = None) -> None:
+                 stand_aside_share: float = 0.3, replicas: ReplicaView | None = None) -> None:
         super().__init__(name)
         self.replicas = replicas
         if not 0.0 <= recency_weight <= 1.0 or not 0.0 <= home_credit <= 1.0 or not 0.0 <= stand_aside_share <= 1.0:

@@ -10,6 +10,7 @@ from picker.core.requests import InferenceRequest
 from picker.endpoints.state import Endpoint
 from picker.prefix.index import PrefixIndex
 from picker.scheduling.context import SchedulingContext
+from picker.scheduling.plugins import PeerPick
 
 
 @dataclass(slots=True)
@@ -101,8 +102,8 @@ class Scheduler(Protocol):
         """Called once the pick is final (e.g. to record the prompt's prefix on that endpoint)."""
         ...
 
-    def on_peer_picked(self, address: str, prompt_tokens: float, session_id: str, now: float) -> None:
-        """Another replica sharing our prefix index routed a request to `address` (its stream tells us)."""
+    def on_peer_picked(self, pick: PeerPick, now: float) -> None:
+        """Another replica sharing our prefix index routed a request to `pick.address` (its stream tells us)."""
         ...
 
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from picker.core.replicas import ReplicaPosition
+from picker.core.replicas import ReplicaView
 from picker.endpoints.pool import EndpointPool
 from picker.endpoints.scraper import Cadence, MetricsScraper
 from picker.endpoints.shared_load import SharedLoad
@@ -25,6 +25,7 @@ from picker.prefix.precise import PreciseIndex, PrecisePrefix
 from picker.prefix.shared import SharedPrefixIndex
 from picker.routing.admission import AdmissionConfig, BoundedWait, Gate, Priorities
 from picker.scheduling.config import INDEXED_STRATEGIES, StrategyDeps, build_prefix_index, build_strategy
+from picker.scheduling.plugins import PeerPick
 from picker.scheduling.types import Scheduler
 from picker.serving.config import ConfigError, ServeConfig
 from picker.serving.metrics import PickerMetrics
@@ -39,7 +40,7 @@ class Policy:
     priorities: Priorities
     shared_index: SharedPrefixIndex | None  # with --index-backend redis: start() it, stop() it
     precise_index: PreciseIndex | None = None  # with --kv-events-endpoint: fed by the KV-event subscriber
-    replicas: ReplicaPosition | None = None  # with a shared index: this replica's place, kept by the shared load
+    replicas: ReplicaView | None = None  # with a shared index: this replica's place, kept by the shared load
 
 
 def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> Policy:
@@ -56,7 +57,7 @@ def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> P
     precise = (PrecisePrefix(precise_index, config.prefix_mode)
                if precise_index is not None and config.prefix_mode != "approximate" else None)
     observer = metrics.scheduling if metrics is not None else None  # plugin timings and TTFT predictions
-    replicas = ReplicaPosition() if shared is not None else None
+    replicas = ReplicaView() if shared is not None else None
     scheduler = build_strategy(config.strategy, StrategyDeps(
         config.scheduling, random.Random(config.seed), shared, config.admission.thresholds, observer=observer,
         index_key=key, timer=observer, precise=precise, replicas=replicas))
@@ -145,14 +146,14 @@ def shared_load(config: ServeConfig, pool: EndpointPool, gate: Gate[Any], policy
 
 
 def peer_listener(scheduler: Scheduler, load: SharedLoad | None = None,
-                  clock: Callable[[], float] = time.monotonic) -> Callable[[str, int, str, float], None]:
+                  clock: Callable[[], float] = time.monotonic) -> Callable[[str, int, str, float, list[int]], None]:
     """What hears another replica's pick through the shared index, which carries its prompt in characters: the
     prompt counted in tokens once, as the director counts ours, for the scheduler and the shared in-flight load."""
     chars_per_token = scheduler.chars_per_token
 
-    def peer_picked(address: str, prompt_chars: int, session_id: str, at: float) -> None:
+    def peer_picked(address: str, prompt_chars: int, session_id: str, at: float, keys: list[int]) -> None:
         tokens = prompt_chars / chars_per_token
-        scheduler.on_peer_picked(address, tokens, session_id, at)
+        scheduler.on_peer_picked(PeerPick(address, tokens, session_id, prompt_chars, keys), at)
         if load is not None and clock() - at <= load.period:  # a pick replayed after an outage is reported already
             load.peer_picked(address, tokens)
     return peer_picked

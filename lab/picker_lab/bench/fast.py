@@ -64,6 +64,7 @@ from picker.scheduling.config import (
     scheduling_config,
 )
 from picker.scheduling.disagg import ROLE_LABEL
+from picker.scheduling.plugins import PeerPick
 from picker.scheduling.types import Scheduler
 from picker.serving.policy import build_gate
 from picker_lab.bench.fast_config import (
@@ -148,7 +149,7 @@ class _FastRun(FleetEvents):
         self.hasher: PrefixHasher = build_hasher(own_config)
         self.arrivals = 0  # requests dealt to replicas so far
         use_peers = cfg.replicas > 1 and cfg.shared_index and cfg.peer_picks
-        self.peers: list[Callable[[str, float, str, float], None]] = (
+        self.peers: list[Callable[[PeerPick, float], None]] = (
             [s.on_peer_picked for s in schedulers] if use_peers else [])
         self.builder = PromptBuilder(self.engines[0].tokenizer)
         self.oracle = InfiniteCacheOracle(profile.block_size)
@@ -179,13 +180,18 @@ class _FastRun(FleetEvents):
         self.unreported = 0
         self.last_event = 0.0
 
-    def tell_peers(self, replica: int, request: InferenceRequest, address: str, now: float) -> None:
+    def tell_peers(self, replica: int, decision: Decision, address: str, now: float) -> None:
         """What the shared index's stream tells the other replicas of a pick (picker/prefix/shared.py)."""
-        tokens = len(request.prompt_text) / self.chars_per_token  # as picker.serving.policy.peer_listener counts
-        session = request.session_id or ""
+        request = decision.request
+        chars = len(request.prompt_text)
+        context = decision.result.context if decision.result is not None else None
+        # as picker.serving.policy.peer_listener hears it
+        pick = PeerPick(address, chars / self.chars_per_token, request.session_id or "", chars,
+                        context.keys if context is not None else ())
+        tokens = pick.prompt_tokens
         for r, hook in enumerate(self.peers):
             if r != replica:
-                hook(address, tokens, session, now)
+                hook(pick, now)
                 if self.cfg.load_sync_interval > 0:  # counted until the next sync, as SharedLoad.peer_picked does
                     self.replica_endpoints[r][self.pod_index[address]].peer_started(tokens)
 
@@ -387,7 +393,7 @@ class _FastRun(FleetEvents):
         r = self.trace.requests[i]
         res = self.res
         if self.peers:
-            self.tell_peers(replica, decision.request, chosen.address, now)
+            self.tell_peers(replica, decision, chosen.address, now)
         k = self.pod_of[chosen.address]
         prefill_pod = self.prefill_leg(i, decision, ids, now) if decision.prefill is not None else None
         sim_request = SimRequest(str(i), ids, r.max_tokens, ignore_eos=True)
