@@ -51,20 +51,29 @@ def ctx_for(request: InferenceRequest | None = None, *, keys: int = 0, matched: 
 
 
 def test_replicas_sharing_a_pool_deal_concurrent_cold_prompts_to_different_pods() -> None:
-    """The same view (shared scrapes, each other's picks): replica i of n deals its i-th best pod first, so n
-    replicas dealing at once take n different pods; alone, or in a pool too small for it, a replica deals its best."""
+    """The same view (shared scrapes, each other's picks): replica i of n deals its own share of the pods first
+    (every n-th in address order from the i-th), so n replicas dealing at once take n different pods, and still do
+    when one has heard of a deal the others have not (their rankings then differ by a pod: the rank each took
+    before, its i-th best, could be the same pod). Alone, or in a pool too small for it, a replica deals its best."""
     pods = [ep(i) for i in range(1, 9)]
     for i, pod in enumerate(pods):
         pod.in_flight = i % 3  # the same loads every replica sees
     cold = ctx_for(keys=3, matched=[0] * 8)
+    order = sorted(range(8), key=lambda i: pods[i].address)
 
     def best(spreader: ColdPrefixSpreader, candidates: list[Endpoint]) -> int:
         scores = spreader.score(cold, candidates)
+        assert all(0.0 <= x <= 1.0 for x in scores)
         return scores.index(max(scores))
 
-    alone = best(ColdPrefixSpreader(), pods)
     picks = [best(ColdPrefixSpreader(replicas=ReplicaView(i, 4)), pods) for i in range(4)]
-    assert picks[0] == alone and len(set(picks)) == 4
+    assert len(set(picks)) == 4 and all(order.index(p) % 4 == i for i, p in enumerate(picks))
+    for heard in range(4):  # one replica has heard of a deal to the pod every replica ranks best, the others not
+        spreaders = [ColdPrefixSpreader(replicas=ReplicaView(i, 4)) for i in range(4)]
+        top = best(ColdPrefixSpreader(), pods)
+        spreaders[heard].on_peer_picked(PeerPick(pods[top].address, 2000), 0.0)
+        assert len({best(s, pods) for s in spreaders}) == 4
+    alone = best(ColdPrefixSpreader(), pods)
     assert best(ColdPrefixSpreader(replicas=ReplicaView(0, 1)), pods) == alone
     few = pods[:6]  # fewer than two pods per replica: each deals its best
     assert best(ColdPrefixSpreader(replicas=ReplicaView(3, 4)), few) == best(ColdPrefixSpreader(), few)

@@ -55,7 +55,7 @@ class ColdPrefixSpreader(Plugin):
     (fading with `workHalfLife`, and never more than its requests still in flight carry), `workTokens` of them
     weighing as one request in flight. A pod still prefilling a long cold prompt is skipped even when its turn has
     come; a short or cached prompt barely counts, a pod that has answered its requests not at all (docs/decisions.md,
-    21).
+    21). Replicas sharing a pool each deal their own share of the pods first (`_own_share_first`).
     """
 
     type_name = "cold-prefix-spreader"
@@ -77,6 +77,9 @@ class ColdPrefixSpreader(Plugin):
         self._seq = 0
         self._last_pick: dict[str, int] = {}
         self._work = FadingTally(work_half_life)  # uncached prompt tokens dealt to each pod lately
+        # the candidates the replicas' shares were last cut from, and each one's place in their address order
+        self._shared_out: frozenset[str] = frozenset()
+        self._place: dict[str, int] = {}
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
         matched = ctx.matched
@@ -113,8 +116,25 @@ class ColdPrefixSpreader(Plugin):
         scores = [w * r + (1.0 - w) * (1.0 - (f - lo) / span) for r, f in zip(recency, loads, strict=True)]
         replicas = self.replicas
         if replicas is not None and replicas.count > 1 and len(candidates) >= 2 * replicas.count:
-            return _dealt_from(scores, replicas.index)
+            return self._own_share_first(scores, candidates, replicas.index, replicas.count)
         return scores
+
+    def _own_share_first(self, scores: list[float], candidates: Sequence[Endpoint], index: int,
+                         count: int) -> list[float]:
+        """Replicas sharing a pool see nearly the same pods (shared scrapes, each other's picks within
+        milliseconds), so each dealing its best pod would send cold prompts that reach different replicas within
+        those milliseconds to the same one. Replica `index` of `count` deals its own share of the candidates
+        first: the pods whose place in their address order is `index` modulo `count` score in [0.5, 1], the others
+        in [0, 0.5], each by its deal score within. Every replica agrees on the shares whatever it has heard yet,
+        so two replicas dealing at once do not meet on one pod through the deal (the load scorers still weigh: a
+        busy share sends a prompt to another's idle pod)."""
+        addresses = frozenset(e.address for e in candidates)
+        if addresses != self._shared_out:  # another set of candidates (pods came or went, another model's pool)
+            self._shared_out = addresses
+            self._place = {a: i for i, a in enumerate(sorted(addresses))}
+        place = self._place
+        return [0.5 + 0.5 * x if place[e.address] % count == index else 0.5 * x
+                for x, e in zip(scores, candidates, strict=True)]
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         self._note(endpoint.address)
@@ -133,20 +153,6 @@ class ColdPrefixSpreader(Plugin):
     def on_endpoint_removed(self, endpoint: Endpoint) -> None:
         self._last_pick.pop(endpoint.address, None)
         self._work.forget(endpoint.address)
-
-
-
-def _dealt_from(scores: list[float], index: int) -> list[float]:
-    """Replicas sharing a pool see nearly the same pods (shared scrapes, each other's picks within milliseconds),
-    so each dealing its best pod would send concurrent cold prompts of different replicas to the same one. Replica
-    `index` takes the `index`-th best first: its scores are rotated so that pod ranks first, the better ones after
-    the rest (n replicas dealing at once take n different pods)."""
-    n = len(scores)
-    order = sorted(range(n), key=scores.__getitem__, reverse=True)
-    out = [0.0] * n
-    for rank, i in enumerate(order):
-        out[i] = 1.0 - ((rank - index) % n) / n
-    return out
 
 
 # Config factories: each decodes its own parameters (camelCase in YAML) and takes what it needs from the deps.
