@@ -6,8 +6,9 @@ requests on) into one hash per pool, a field per replica, and reads the hash bac
 one inside a routing decision. It then sets each pod's peer counts to the others' last reports
 (`Endpoint.set_peer_load`); a pick another replica makes counts at once in between, heard through the shared
 index's stream (`peer_picked`). A report also carries the characters per token its replica has learned, which a
-replica that has just started routes on until it has learned its own (`picker.core.replicas`). Flow control's dispatch level and its running slots read the fleet's count
-(`Endpoint.fleet_in_flight`), so replicas do not each fill the room they all see. Routing keeps scoring on our own
+replica that has just started routes on until it has learned its own (`picker.core.replicas`). Flow control's
+dispatch level and its running slots read the fleet's count (`Endpoint.fleet_in_flight`), so replicas do not each
+fill the room they all see. Routing keeps scoring on our own
 counts: on the simulator and on live replicas the fleet's counts, a sync old for the requests that ended, routed no
 better and live worse (bench/studies/replicas.md, "Several picker replicas"; docs/decisions.md).
 

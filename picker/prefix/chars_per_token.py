@@ -12,8 +12,7 @@ samples with exponential smoothing. Per request, not totals: the other replicas'
 index, count with ours (the pod's counters count their requests too, and a sample comes as many times sooner), and
 a replica that hears none reads the same ratio from its own part of the pod's traffic. Replicas report their
 estimate to each other (the shared load), and one that has just started routes on theirs until it has a sample of
-its own. A pod that does not report the histogram (other engines) leaves the
-configured value in place.
+its own. A pod that does not report the histogram (other engines) leaves the configured value in place.
 """
 
 from __future__ import annotations

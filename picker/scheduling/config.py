@@ -369,7 +369,7 @@ class StrategyDeps:
     index_key: IndexKey | None = None  # keys what a prefix index stores
     timer: PluginTimer | None = None
     precise: PrecisePrefix | None = None  # KV events: correct the picker's prefix matches
-    replicas: ReplicaView | None = None  # this replica's index among those sharing the pool
+    replicas: ReplicaView | None = None  # this replica among those sharing the pool: its place, what they learned
 
 
 def _plugin(plugin_type: str, name: str | None = None, **parameters: Any) -> dict[str, Any]:

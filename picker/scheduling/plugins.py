@@ -142,7 +142,7 @@ class PluginDeps:
     prefix_index: PrefixIndex | None = None
     hasher: PrefixHasher | None = None
     precise: PrecisePrefix | None = None
-    # this replica's index among the replicas sharing the pool (None: it routes alone)
+    # this replica among the replicas sharing the pool: its place, what they learned (None: it routes alone)
     replicas: ReplicaView | None = None
 
 

@@ -77,7 +77,7 @@ class ApproximatePrefix(Plugin):
     and a replica that starts learns the homes of the stream it replays.
 
     Every pod's share is sized from its scraped cache before a prompt is matched (again each second, and whenever
-    the learned characters per token move), not only when a pick goes to it: a replica that has just replayed the
+    the learned characters per token move), not only when a pick goes to it (as it also is): a replica that has just replayed the
     shared stream would otherwise match each pod's first pick on an unbounded share, holding prefixes the pod has
     long evicted."""
 
@@ -123,15 +123,19 @@ class ApproximatePrefix(Plugin):
         self.chars_per_token.follow_peers()
         self._sized_at = self.chars_per_token.value
         for endpoint in endpoints:
-            capacity = self._capacity_blocks(endpoint, block_chars)
-            if capacity:
-                self.index.set_capacity(endpoint.address, capacity)
+            self._size(endpoint, block_chars)
+
+    def _size(self, endpoint: Endpoint, block_chars: int) -> None:
+        capacity = self._capacity_blocks(endpoint, block_chars)
+        if capacity:
+            self.index.set_capacity(endpoint.address, capacity)
 
     def on_picked(self, ctx: SchedulingContext, endpoint: Endpoint, now: float) -> None:
         if not ctx.keys:
             return
         request = ctx.request
         self.chars_per_token.picked(endpoint, len(request.prompt_text))
+        self._size(endpoint, ctx.block_chars)  # pods another model's requests size less often than each second
         self.index.record(ctx.keys, endpoint.address, now, prompt_chars=len(request.prompt_text),
                           session_id=ctx.session)
         if len(ctx.keys) >= HOME_BLOCKS:

@@ -40,7 +40,7 @@ class Policy:
     priorities: Priorities
     shared_index: SharedPrefixIndex | None  # with --index-backend redis: start() it, stop() it
     precise_index: PreciseIndex | None = None  # with --kv-events-endpoint: fed by the KV-event subscriber
-    replicas: ReplicaView | None = None  # with a shared index: this replica's place, kept by the shared load
+    replicas: ReplicaView | None = None  # with a shared index: this replica among the others, kept by the shared load
 
 
 def build_policy(config: ServeConfig, metrics: PickerMetrics | None = None) -> Policy:

@@ -390,8 +390,13 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
                 values.setdefault(key, []).append(float(row[key]))
     for key, got in values.items():
         clean = [v for v in got if not math.isnan(v)]
-        table[key] = [float(np.median(clean)), min(clean), max(clean)] if clean else [math.nan] * 3
+        table[key] = _spread(clean) if clean else [math.nan] * 3
     return table
+
+
+def _spread(values: list[float]) -> list[float]:
+    """[median, min, max] of `values` (not empty)."""
+    return [float(np.median(values)), min(values), max(values)]
 
 
 def noise(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -408,7 +413,7 @@ def noise(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
             values["window_p90_ratio"].append(statistics.median(ratios))
             values["worst_window_p90_ratio"].append(max(ratios))
         values["extra_cold"].append(float(sum(x["cold"] - y["cold"] for x, y in pairs)))
-    return {k: [float(np.median(v)), min(v), max(v)] for k, v in values.items() if v}
+    return {k: _spread(v) for k, v in values.items() if v}
 
 
 def _cell(figure: list[float] | None, fmt: str, scale: float = 1.0) -> str:
