@@ -77,8 +77,7 @@ class ColdPrefixSpreader(Plugin):
         self._seq = 0
         self._last_pick: dict[str, int] = {}
         self._work = FadingTally(work_half_life)  # uncached prompt tokens dealt to each pod lately
-        # the candidates the replicas' shares were last cut from, and each one's place in their address order
-        self._shared_out: frozenset[str] = frozenset()
+        # each of the candidates the replicas' shares were last cut from: its place in their address order
         self._place: dict[str, int] = {}
 
     def score(self, ctx: SchedulingContext, candidates: Sequence[Endpoint]) -> list[float]:
@@ -128,11 +127,10 @@ class ColdPrefixSpreader(Plugin):
         in [0, 0.5], each by its deal score within. Every replica agrees on the shares whatever it has heard yet,
         so two replicas dealing at once do not meet on one pod through the deal (the load scorers still weigh: a
         busy share sends a prompt to another's idle pod)."""
-        addresses = frozenset(e.address for e in candidates)
-        if addresses != self._shared_out:  # another set of candidates (pods came or went, another model's pool)
-            self._shared_out = addresses
-            self._place = {a: i for i, a in enumerate(sorted(addresses))}
         place = self._place
+        if len(place) != len(candidates) or any(e.address not in place for e in candidates):
+            # another set of candidates (pods came or went, another model's pool): their order anew
+            self._place = place = {a: i for i, a in enumerate(sorted(e.address for e in candidates))}
         return [0.5 + 0.5 * x if place[e.address] % count == index else 0.5 * x
                 for x, e in zip(scores, candidates, strict=True)]
 

@@ -315,7 +315,7 @@ def run_scenario(spec: ScenarioSpec, out: Path) -> dict[str, Any]:
     report = {"scenario": spec.scenario, "spec": {**asdict(spec), "live": asdict(live)}, "requests": requests,
               "rate_rps": rate, "wall_rate_rps": rate * live.time_scale, "runs": runs, "skipped": skipped,
               "medians": {r: medians(rows) for r, rows in runs.items() if rows},
-              "noise": {r: noise(rows) for r, rows in runs.items() if len(rows) > 1}}
+              "noise": {r: noise(rows) for r, rows in runs.items() if undisturbed and len(rows) > 1}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "fleet.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "fleet.md").write_text("\n".join(markdown(report)) + "\n")
