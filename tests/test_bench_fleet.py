@@ -64,6 +64,19 @@ def test_noise_compares_the_undisturbed_runs_of_two_repeats_window_by_window() -
     assert noise(rows[:1]) == {} and noise([{}, {}]) == {}
 
 
+def test_noise_reads_the_overlapping_minutes_and_counts_their_span_once() -> None:
+    def row(minutes: list[float], span_cold: int) -> dict[str, object]:
+        return {"minutes": [{"undisturbed": {"ttft_p90": p90, "cold": 0}} for p90 in minutes],
+                "span": {"undisturbed": {"ttft_p90": 0.1, "cold": span_cold}}}
+
+    floor = noise([row([0.10, 0.12], 5), row([0.10, 0.10], 9)])
+    # (a, b): ratios 1.0, 1.2 (median 1.1, worst 1.2), span colds -4; (b, a): 1.0, 0.833 (median 0.917, worst 1.0), +4
+    assert floor["worst_minute_p90_ratio"] == pytest.approx([1.1, 1.0, 1.2])
+    assert floor["minute_p90_ratio"] == pytest.approx([(1.1 + 0.91667) / 2, 0.91667, 1.1], rel=1e-4)
+    assert floor["extra_cold_span"] == [0.0, -4.0, 4.0]
+    assert "extra_cold" not in floor  # the gap windows' colds only where there are gap windows
+
+
 def test_only_routers_with_something_to_disrupt_take_part() -> None:
     assert takes_part("valkey-outage", "picker@4") and not takes_part("valkey-outage", "smg-mesh@4")
     assert not takes_part("valkey-outage", "picker") and not takes_part("router-restart", "round-robin")

@@ -5,8 +5,9 @@ repeated with the routers' order reversed on every other repeat (interleaved), m
 - `replicas`: steady traffic, nothing disrupted (the live mode's figures, repeated).
 - `router-restart`: the router's replicas restarted one at a time mid-run, as a Deployment rolls (SIGTERM, the
   same command started again); each restart is measured over the window from its stop to the next restart (gap_s),
-  against the same router's undisturbed run of the same trace over the same windows: TTFT p90 and cold prefills
-  (requests served from cache for under half of what the infinite-cache oracle could).
+  and over the minute after its stop (minute_s, later restarts included: the issue's measure), against the same
+  router's undisturbed run of the same trace over the same windows: TTFT p90 and cold prefills (requests served
+  from cache for under half of what the infinite-cache oracle could).
 - `pod-restart`: one model-server pod (the last, in a process of its own) restarted mid-run, its cache empty when
   it returns: requests the router sends it afterwards for a prefix only its old cache held ("misled": the prefix,
   its shared-prefix group or its conversation, was served there before the restart and not since) are counted.
@@ -59,13 +60,14 @@ class ScenarioSpec:
     repeats: int = 3
     settle_s: float = 8.0  # wall seconds of traffic before the first disruption
     gap_s: float = 10.0  # router-restart: wall seconds between two restarts (each one's window)
+    minute_s: float = 60.0  # router-restart: wall seconds after each restart's stop measured as its minute
     outage_s: float = 30.0  # valkey-outage: wall seconds Valkey stays away
     after_s: float = 20.0  # pod-restart, valkey-outage: wall seconds of traffic measured after the return
 
     def wall_seconds(self, replicas: int) -> float:
         """How long a run must last for the scenario to play out."""
         if self.scenario == "router-restart":
-            return self.settle_s + self.gap_s * (replicas + 0.5)
+            return self.settle_s + self.gap_s * (replicas - 1) + max(self.gap_s * 1.5, self.minute_s)
         if self.scenario == "valkey-outage":
             return self.settle_s + self.outage_s + self.after_s
         if self.scenario == "pod-restart":
@@ -81,6 +83,7 @@ class Disruption:
     down: float
     back: float
     window_end: float = math.inf  # the end of the window measured after it (router-restart)
+    minute_end: float = math.inf  # router-restart: the end of the minute after its stop
     agreed_after_s: float | None = None  # valkey-outage: wall seconds from Valkey's return to the replicas agreeing
     # valkey-outage: each replica's _sync_counts when last asked
     sync_counts: list[Any] = field(default_factory=list)
@@ -150,7 +153,8 @@ def disruptions(spec: ScenarioSpec, router: Router, pod: Managed | None, pod_rea
             down = time.monotonic()
             await _restart(proc, ready)
             log.append(Disruption(f"replica {i} restarted", model(start, down), model(start, time.monotonic()),
-                                  model(start, start + spec.settle_s + (i + 1) * spec.gap_s)))
+                                  model(start, start + spec.settle_s + (i + 1) * spec.gap_s),
+                                  minute_end=model(start, down + spec.minute_s)))
 
     async def pod_restart(start: float) -> None:
         assert pod is not None
@@ -354,16 +358,19 @@ def _compare(spec: ScenarioSpec, trace: Trace, row: dict[str, Any]) -> dict[str,
     calm: RunResult | None = row.pop("_undisturbed", None)
     log = row["disturbed"]["disruptions"]
     if calm is not None:
-        windows = []
-        for d in log:
-            hit, base = window(res, d["down"], d["window_end"]), window(calm, d["down"], d["window_end"])
-            windows.append({"after": hit, "undisturbed": base})
-        row["windows"] = windows
-        row["window_p90_ratio"] = statistics.median(w["after"]["ttft_p90"] / w["undisturbed"]["ttft_p90"]
-                                                    for w in windows) if windows else math.nan
-        row["worst_window_p90_ratio"] = max((w["after"]["ttft_p90"] / w["undisturbed"]["ttft_p90"]
-                                             for w in windows), default=math.nan)
-        row["extra_cold"] = sum(w["after"]["cold"] - w["undisturbed"]["cold"] for w in windows)
+        def both(begin: float, end: float) -> dict[str, dict[str, float]]:
+            return {"after": window(res, begin, end), "undisturbed": window(calm, begin, end)}
+
+        row["windows"] = [both(d["down"], d["window_end"]) for d in log]
+        row.update(_ratios(row["windows"], "after", "undisturbed", "window"))
+        row["extra_cold"] = sum(w["after"]["cold"] - w["undisturbed"]["cold"] for w in row["windows"])
+        minutes = [d for d in log if math.isfinite(d["minute_end"])]
+        if minutes:
+            row["minutes"] = [both(d["down"], d["minute_end"]) for d in minutes]
+            row.update(_ratios(row["minutes"], "after", "undisturbed", "minute"))
+            # the minutes overlap: cold prefills once over their span, from the first stop to the last minute's end
+            row["span"] = both(minutes[0]["down"], max(d["minute_end"] for d in minutes))
+            row["extra_cold_span"] = row["span"]["after"]["cold"] - row["span"]["undisturbed"]["cold"]
     if spec.scenario == "pod-restart" and log:
         row.update(misled(trace, res, spec.live.pods - 1, log[0]["down"]))
         row.update(recovery(res, spec.live.pods - 1, log[0]["back"]))
@@ -373,8 +380,23 @@ def _compare(spec: ScenarioSpec, trace: Trace, row: dict[str, Any]) -> dict[str,
 
 
 # --- the report --------------------------------------------------------------------------------------------------
-SCENARIO_FIGURES = ("window_p90_ratio", "worst_window_p90_ratio", "extra_cold", "misled", "sent_to_restarted_pod",
+SCENARIO_FIGURES = ("window_p90_ratio", "worst_window_p90_ratio", "extra_cold", "minute_p90_ratio",
+                    "worst_minute_p90_ratio", "extra_cold_span", "misled", "sent_to_restarted_pod",
                     "hit_after_restart", "hit_fresh_pods", "agreed_after_s")
+
+
+# the router-restart columns, in the report's order
+RESTART_FIGURES = ("window_p90_ratio", "worst_window_p90_ratio", "extra_cold", "minute_p90_ratio",
+                   "worst_minute_p90_ratio", "extra_cold_span")
+
+
+def _ratios(windows: list[dict[str, Any]], key: str, base: str, name: str) -> dict[str, float]:
+    """TTFT p90 of each window's `key` run over its `base` run: the median window and the worst, as
+    `{name}_p90_ratio` and `worst_{name}_p90_ratio` (nothing where no window has a base p90)."""
+    ratios = [w[key]["ttft_p90"] / w[base]["ttft_p90"] for w in windows if w[base]["ttft_p90"] > 0]
+    if not ratios:
+        return {}
+    return {f"{name}_p90_ratio": statistics.median(ratios), f"worst_{name}_p90_ratio": max(ratios)}
 
 
 def medians(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -403,16 +425,20 @@ def noise(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     """What the scenario's window figures read with nothing done: the same windows of two undisturbed runs of one
     router (every ordered pair of repeats), as [median, min, max] over the pairs. A restart or an outage costs
     something only where its figures lie beyond these."""
-    values: dict[str, list[float]] = {"window_p90_ratio": [], "worst_window_p90_ratio": [], "extra_cold": []}
+    values: dict[str, list[float]] = {}
     for a, b in itertools.permutations(rows, 2):
-        if "windows" not in a or "windows" not in b or len(a["windows"]) != len(b["windows"]):
-            continue
-        pairs = [(x["undisturbed"], y["undisturbed"]) for x, y in zip(a["windows"], b["windows"], strict=True)]
-        ratios = [x["ttft_p90"] / y["ttft_p90"] for x, y in pairs if y["ttft_p90"] > 0]
-        if ratios:
-            values["window_p90_ratio"].append(statistics.median(ratios))
-            values["worst_window_p90_ratio"].append(max(ratios))
-        values["extra_cold"].append(float(sum(x["cold"] - y["cold"] for x, y in pairs)))
+        for name in ("window", "minute"):
+            listed = f"{name}s"
+            if listed not in a or listed not in b or len(a[listed]) != len(b[listed]):
+                continue
+            pairs = [{"a": x["undisturbed"], "b": y["undisturbed"]} for x, y in zip(a[listed], b[listed], strict=True)]
+            for figure, value in _ratios(pairs, "a", "b", name).items():
+                values.setdefault(figure, []).append(value)
+            if name == "window":
+                values.setdefault("extra_cold", []).append(float(sum(p["a"]["cold"] - p["b"]["cold"] for p in pairs)))
+        if "span" in a and "span" in b:
+            values.setdefault("extra_cold_span", []).append(
+                float(a["span"]["undisturbed"]["cold"] - b["span"]["undisturbed"]["cold"]))
     return {k: _spread(v) for k, v in values.items() if v}
 
 
@@ -433,7 +459,9 @@ def markdown(report: dict[str, Any]) -> list[str]:
              "repeats' range in brackets; TTFT in model ms.", ""]
     scenario = report["scenario"]
     extra_head = {"router-restart": ["p90 after a restart / undisturbed (median window)", "worst window",
-                                     "extra cold prefills (all windows)"],
+                                     "extra cold prefills (all windows)",
+                                     "p90 in the minute after each restart / undisturbed (median)", "worst minute",
+                                     "extra cold prefills (first restart to last minute's end)"],
                   "pod-restart": ["sent to the restarted pod", "misled (for a prefix only its lost cache held)",
                                   "its hit rate, first 30 after / fresh pods' first 30"],
                   "valkey-outage": ["p90 from the outage to 20 s after / undisturbed", "extra cold prefills",
@@ -445,8 +473,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
                  _cell(m.get("ttft_p90"), ".0f", 1e3), _cell(m.get("ttft_p99"), ".0f", 1e3),
                  _cell(m.get("failed"), ".0f"), _cell(m.get("router_cpu_s"), ".1f")]
         if scenario == "router-restart":
-            cells += [_cell(m.get("window_p90_ratio"), ".2f"), _cell(m.get("worst_window_p90_ratio"), ".2f"),
-                      _cell(m.get("extra_cold"), ".0f")]
+            cells += [_cell(m.get(figure), ".0f" if "cold" in figure else ".2f") for figure in RESTART_FIGURES]
         elif scenario == "pod-restart":
             cells += [_cell(m.get("sent_to_restarted_pod"), ".0f"), _cell(m.get("misled"), ".0f"),
                       f"{_cell(m.get('hit_after_restart'), '.2f')} / {_cell(m.get('hit_fresh_pods'), '.2f')}"]
@@ -458,11 +485,11 @@ def markdown(report: dict[str, Any]) -> list[str]:
     if floor and scenario in ("router-restart", "valkey-outage"):
         lines += ["", "Nothing done (noise): the same windows of two undisturbed runs of each router, every ordered "
                   "pair of repeats, medians [range].", "",
-                  "| router | p90 / undisturbed (median window) | worst window | extra cold prefills |",
-                  "|---|---|---|---|"]
-        lines += [f"| {router} | {_cell(n.get('window_p90_ratio'), '.2f')} | "
-                  f"{_cell(n.get('worst_window_p90_ratio'), '.2f')} | {_cell(n.get('extra_cold'), '.0f')} |"
-                  for router, n in floor.items()]
+                  "| router | p90 / undisturbed (median window) | worst window | extra cold prefills | minute after "
+                  "(median) | worst minute | extra cold prefills (span) |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {router} | " + " | ".join(_cell(n.get(figure), ".0f" if "cold" in figure else ".2f")
+                                                for figure in RESTART_FIGURES) + " |" for router, n in floor.items()]
     for router, why in report["skipped"].items():
         lines.append(f"\n- skipped **{router}**: {why}")
     return lines
