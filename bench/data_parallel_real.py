@@ -1,14 +1,17 @@
-"""Does a prefix stay on its rank of a real data-parallel vLLM server? (opt-in: vLLM 0.32 CPU, ~3 minutes)
+"""Does a prefix stay on its rank of a real data-parallel vLLM server? (opt-in: vLLM 0.32 CPU, ~4 minutes)
 
     make dp-real     # or: .venv/bin/python bench/data_parallel_real.py [--url 127.0.0.1:8000] [--groups 8]
 
 Starts one real vLLM CPU server with `--data-parallel-size 2` (bench/.venvs/vllm, the tiny local model, prefix
 caching, blocks of 128 tokens), or uses the one at `--url`, and puts the picker and Envoy in front of it twice:
-routing each rank as a target of its own (the default: the ranks read from the server's `engine` label), and
-routing the server as one (`--data-parallel-ranks 1`: vLLM balances its engines itself). Each time it sends
+routing each rank as a target of its own (the default: the ranks read from the server's `engine` label), the same
+in precise mode (the server's KV events: each engine publishes its own on the picker's endpoint port + its rank;
+started here only, as the server must be told where), and routing the server as one (`--data-parallel-ranks 1`:
+vLLM balances its engines itself). Each time it sends
 `--groups` system prompts, each followed by three more requests sharing it, one at a time, and reads from vLLM's
-own metrics which engine served them and what each engine's prefix cache hit. Each run uses prompts of its own,
-so the first run's cache does not help the second. Writes bench/out/data_parallel_real.md and .json.
+own metrics which engine served them and what each engine's prefix cache hit; in precise mode also what the
+picker's view of each rank holds and which ranks' messages it applied. Each run uses prompts of its own, so one
+run's cache does not help the next. Writes bench/out/data_parallel_real.md and .json.
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ sys.path.insert(0, str(ROOT))
 from picker.api.v1 import picker_pb2, picker_pb2_grpc  # noqa: E402
 from picker.endpoints.metrics import parse_metrics  # noqa: E402
 from picker_lab.bench import vllm_engine as engine  # noqa: E402
-from picker_lab.supervisor import process_scope, start_envoy, start_picker, wait_until  # noqa: E402
+from picker_lab.supervisor import (  # noqa: E402
+    free_port,
+    free_port_range,
+    process_scope,
+    start_envoy,
+    start_picker,
+    wait_until,
+)
 
 BLOCK, BLOCKS = 128, 64  # per engine
 
@@ -51,8 +61,22 @@ def engines(address: str) -> dict[int, tuple[float, float, float]]:
     return {i: (e.prompt_count, e.prefix_queries, e.prefix_hits) for i, e in m.engines.items()}
 
 
-async def run(address: str, logdir: Path, started: list[Any], mode: str, groups: int, seed: int) -> dict[str, Any]:
+def picker_series(picker: Any, name: str) -> dict[str, float]:
+    """The picker's `name` samples by model_server_endpoint."""
+    with urllib.request.urlopen(f"http://{picker.host}:{picker.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {line.split('model_server_endpoint="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(name + "{") and "model_server_endpoint" in line}
+
+
+async def run(address: str, logdir: Path, started: list[Any], mode: str, groups: int, seed: int,
+              events: tuple[str, int] | None = None) -> dict[str, Any]:
+    """One routing `mode` (ranks, precise: with `events`' endpoint and replay port, whole) over `groups` prompts."""
     extra = ["--data-parallel-ranks", "1"] if mode == "whole" else []
+    if mode == "precise":
+        assert events is not None
+        extra = ["--kv-events-endpoint", events[0], "--kv-events-replay-port", str(events[1]),
+                 "--prefix-mode", "precise", "--tokenizer", str(engine.MODEL_DIR)]
     picker = start_picker(logdir, endpoints=[address], extra=extra, name=f"picker-{mode}")
     started.append(picker.process)
     want = {address} if mode == "whole" else {f"{address}#0", f"{address}#1"}
@@ -78,17 +102,20 @@ async def run(address: str, logdir: Path, started: list[Any], mode: str, groups:
                     prompt += usage["prompt_tokens"]
                     cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     after = engines(address)
+    views = {"blocks": picker_series(picker, "picker_precise_blocks"),
+             "batches": picker_series(picker, "picker_kv_events_batches_total")} if mode == "precise" else {}
     envoy.process.stop()
     picker.process.stop()
     per_engine = {i: {"requests": after[i][0] - before[i][0], "queries": after[i][1] - before[i][1],
                       "hits": after[i][2] - before[i][2]} for i in after}
     return {"mode": mode, "follow_up_prompt_tokens": prompt, "follow_up_cached_tokens": cached,
-            "follow_up_cached_share": cached / prompt if prompt else 0.0, "engines": per_engine}
+            "follow_up_cached_share": cached / prompt if prompt else 0.0, "engines": per_engine, **views}
 
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="", help="host:port of a running vLLM with --data-parallel-size 2")
+    parser.add_argument("--url", default="", help="host:port of a running vLLM with --data-parallel-size 2 (no "
+                        "precise run: its KV events go where it was told)")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = parser.parse_args()
@@ -97,13 +124,16 @@ async def main() -> int:
         if not address:
             engine.install()
             engine.build_model()
+            # rank r publishes on the endpoint's port + r and replays on the replay port + r (vLLM's rule)
+            port, endpoint, replay = free_port(), f"tcp://{engine.HOST}:{free_port_range(2)}", free_port_range(2)
+            address = f"{engine.HOST}:{port}"
+            flags = engine.kv_events_flags(endpoint, f"kv@{address}@{engine.MODEL_NAME}", f"tcp://*:{replay}")
             server = engine.start_server(Path(tempfile.mkdtemp(prefix="picker-dp-real-")), block_size=BLOCK,
-                                         num_blocks=BLOCKS, extra=["--data-parallel-size", "2"])
+                                         num_blocks=BLOCKS, port=port, extra=["--data-parallel-size", "2", *flags])
             try:
                 server.wait_healthy()
-                address = f"{engine.HOST}:{server.port}"
-                results = [await run(address, logdir, started, mode, args.groups, seed)
-                           for seed, mode in enumerate(("ranks", "whole"))]
+                results = [await run(address, logdir, started, mode, args.groups, seed, (endpoint, replay))
+                           for seed, mode in enumerate(("ranks", "precise", "whole"))]
             finally:
                 server.stop()
         else:
@@ -117,9 +147,16 @@ async def main() -> int:
              "hit tokens |", "|---|---|---|---|"]
     for r in results:
         e = r["engines"]
-        lines.append(f"| {'each rank a target' if r['mode'] == 'ranks' else 'the server as one'} | "
+        name = {"ranks": "each rank a target", "precise": "each rank a target, precise (KV events)",
+                "whole": "the server as one"}[r["mode"]]
+        lines.append(f"| {name} | "
                      f"{r['follow_up_cached_share']:.0%} ({r['follow_up_cached_tokens']}/{r['follow_up_prompt_tokens']})"
                      f" | {e[0]['requests']:g}, {e[0]['hits']:g} | {e[1]['requests']:g}, {e[1]['hits']:g} |")
+    for r in results:
+        if r["mode"] == "precise":
+            lines += ["", "Precise run, the picker's views at the end: blocks "
+                      + ", ".join(f"{k} {v:g}" for k, v in sorted(r["blocks"].items())) + "; messages applied "
+                      + ", ".join(f"{k} {v:g}" for k, v in sorted(r["batches"].items())) + "."]
     (args.out / "data_parallel_real.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

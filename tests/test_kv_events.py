@@ -145,11 +145,12 @@ def test_a_pod_is_trusted_only_while_its_events_account_for_its_work() -> None:
 class Buffered:
     """A pod's replay buffer in memory (the real one is vLLM's ROUTER socket: see the sim test)."""
 
-    def __init__(self, messages: dict[int, list[bytes]] | None) -> None:
+    def __init__(self, messages: dict[int, list[bytes]] | None, rank: int = 0) -> None:
         self.messages = messages
+        self.rank = rank  # the data-parallel rank whose replay socket this is (another rank's: nothing)
 
-    async def fetch(self, host: str, start: int, stop: int) -> list[EventBatch] | None:
-        if self.messages is None:
+    async def fetch(self, host: str, start: int, stop: int, dp_rank: int = 0) -> list[EventBatch] | None:
+        if self.messages is None or dp_rank != self.rank:
             return None
         return [decode_message(self.messages[s]) for s in range(start, stop) if s in self.messages]
 
@@ -195,7 +196,7 @@ async def test_a_gap_nothing_can_fill_resets_and_distrusts_the_view() -> None:
     await sub.receive(message(5, stored(tokens[4:], 4, [2], parent=1)))  # 1..4 lost, no replay
     cache = index.pod("10.0.0.1:8000")
     assert cache.matched(token_keys(tokens, 4), 100.0) == 0  # its parent was forgotten with the rest
-    assert not index.fresh("10.0.0.1:8000", 100.0) and sub.stats.resets == 1 and sub.next_seq["10.0.0.1:8000"] == 6
+    assert not index.fresh("10.0.0.1:8000", 100.0) and sub.stats.resets == 1 and sub.next_seq["10.0.0.1:8000", 0] == 6
 
 
 def test_topics_name_their_pod() -> None:
@@ -237,3 +238,41 @@ def test_the_scheduler_scores_what_the_pods_events_say_they_hold() -> None:
     assert not index.fresh(pods[1].address, 2.0) and index.fresh(pods[0].address, 2.0)
     assert given_token_ids([1, 2, 3]) == [1, 2, 3] and given_token_ids("text") is None
     assert given_token_ids([True]) is None and given_token_ids([[1, 2]]) is None
+
+
+def rank_message(rank: int, seq: int, *events: BlockStored | BlockRemoved | AllBlocksCleared) -> list[bytes]:
+    return encode_message(list(events), seq, TOPIC, ts=float(seq), dp_rank=rank)
+
+
+async def test_each_data_parallel_rank_is_a_stream_of_its_own_feeding_its_rank_view() -> None:
+    # vLLM's engines of one server each publish under the server's topic, with their own sequence from 0
+    tokens = list(range(8))
+    keys = token_keys(tokens, 4)
+    index = PreciseIndex()
+    rank1 = {1: rank_message(1, 1, stored(tokens[4:], 4, [12], parent=11))}
+    sub = KVEventSubscriber("tcp://127.0.0.1:0", index, {"10.0.0.1:8000": "10.0.0.1:8000"}.get,
+                            target_of=lambda address, rank: f"{address}#{rank}", replayer=Buffered(rank1, rank=1),
+                            clock=lambda: 100.0)
+    await sub.receive(rank_message(0, 0, stored(tokens[:4], 4, [1])))
+    await sub.receive(rank_message(0, 1, stored(tokens[4:], 4, [2], parent=1)))
+    await sub.receive(rank_message(1, 0, stored(tokens[:4], 4, [11])))  # rank 1's first: no restart of rank 0
+    await sub.receive(rank_message(1, 2, stored([9] * 4, 4, [13])))  # rank 1's 1 lost: replayed from its socket
+    assert index.pod("10.0.0.1:8000#0").matched(keys, 100.0) == 2
+    assert index.pod("10.0.0.1:8000#1").matched(keys, 100.0) == 2
+    assert (sub.stats.resets, sub.stats.gaps, sub.stats.replayed) == (0, 1, 1)
+    assert sub.next_seq == {("10.0.0.1:8000", 0): 2, ("10.0.0.1:8000", 1): 3}
+    assert "10.0.0.1:8000" not in index.pods  # nothing of a ranked server goes to a view of the whole
+    sub.restart_streams("10.0.0.1:8000")  # its views were dropped (the pool merged its ranks, say)
+    assert sub.next_seq == {}
+
+
+async def test_a_server_routed_as_one_gets_every_ranks_blocks_in_its_view() -> None:
+    index = PreciseIndex()
+    sub = subscriber(index, replay=None)
+    await sub.receive(rank_message(0, 0, stored(list(range(4)), 4, [1])))
+    await sub.receive(rank_message(1, 0, stored(list(range(10, 14)), 4, [2])))
+    await sub.receive(rank_message(0, 1, stored(list(range(4, 8)), 4, [3], parent=1)))
+    cache = index.pod("10.0.0.1:8000")
+    assert cache.matched(token_keys(list(range(8)), 4), 100.0) == 2
+    assert cache.matched(token_keys(list(range(10, 14)), 4), 100.0) == 1
+    assert sub.stats.resets == 0 and sub.stats.gaps == 0

@@ -17,6 +17,7 @@ import pytest
 from picker.kvevents.events import EventBatch
 from picker.kvevents.subscriber import KVEventSubscriber, ZmqReplayer
 from picker.prefix.precise import PreciseIndex, token_keys
+from picker_lab.sim.data_parallel import DataParallelPod
 from picker_lab.sim.fleet import SimFleet
 from picker_lab.sim.kvcache import block_hashes
 from picker_lab.supervisor import free_port, free_port_range
@@ -33,8 +34,8 @@ class PortPerPod:
     def __init__(self, base: int, addresses: list[str]) -> None:
         self.replayers = {a: ZmqReplayer(base + i) for i, a in enumerate(addresses)}
 
-    async def fetch(self, host: str, start: int, stop: int) -> list[EventBatch] | None:
-        return await self.replayers[host].fetch(host, start, stop)
+    async def fetch(self, host: str, start: int, stop: int, dp_rank: int = 0) -> list[EventBatch] | None:
+        return await self.replayers[host].fetch(host, start, stop, dp_rank)
 
 
 @dataclass
@@ -155,3 +156,34 @@ async def test_without_replay_a_gap_resets_the_view_and_distrusts_it(following: 
     await f.until_connected(subscriber)
     await eventually(lambda: subscriber.stats.resets == PODS, what="both pods' views reset")
     assert not any(index.fresh(a, 0.0) for a in f.addresses)  # scored from the approximate index meanwhile
+
+
+async def test_each_rank_of_a_data_parallel_server_is_followed_on_its_own_port_into_its_own_view() -> None:
+    # connect mode: the server's engines bind the publisher port + their rank (vLLM's rule), replays likewise
+    port, replay = free_port_range(2), free_port_range(2)
+    async with SimFleet(1, base_port=free_port(), profile="tiny-cpu", time_scale=50.0, kv_events_bind_port=port,
+                        kv_events_replay_port_base=replay, data_parallel_size=2,
+                        profile_overrides={"block_size": BLOCK, "num_gpu_blocks": 40}) as fleet:
+        address, server = fleet.urls[0].removeprefix("http://"), fleet.pods[0]
+        assert isinstance(server, DataParallelPod)
+        index = PreciseIndex()
+        subscriber = KVEventSubscriber("", index, lambda host: None, target_of=lambda a, rank: f"{a}#{rank}",
+                                       replayer=ZmqReplayer(replay))
+        subscriber.follow(address, "127.0.0.1", port)
+        subscriber.follow(address, "127.0.0.1", port, ranks=2)  # its second rank learned later: that port too
+        rng = random.Random(9)
+        shared = [rng.randrange(300, 4000) for _ in range(3 * BLOCK)]
+        try:
+            async with aiohttp.ClientSession() as http:
+                for i in range(24):
+                    prompt = shared[: (i % 3 + 1) * BLOCK] + [rng.randrange(300, 4000) for _ in range(BLOCK)]
+                    async with http.post(fleet.urls[0] + "/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                                         headers={"X-data-parallel-rank": str(i % 2)}) as response:
+                        assert response.status == 200
+            await eventually(lambda: all(set(index.pod(f"{address}#{r}").keys) == set(engine.engine.kv.cached)
+                                         for r, engine in enumerate(server.ranks)), what="each rank mirrored")
+            assert all(engine.engine.kv.num_cached_blocks() for engine in server.ranks)
+            assert set(subscriber.stats.by_pod) == {f"{address}#0", f"{address}#1"}
+            assert subscriber.stats.resets == 0 and subscriber.stats.malformed == 0
+        finally:
+            await subscriber.stop()

@@ -29,6 +29,7 @@ from picker_lab.supervisor import (
     start_sim,
     wait_until,
 )
+from tests.test_data_parallel_envoy import rank_counters, targets
 from tests.test_disagg import PD
 
 ROLE = "llm-d.ai/role"
@@ -140,3 +141,50 @@ def _answers(address: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def test_a_prefill_rank_of_a_data_parallel_server_gets_the_prompt_and_keeps_its_prefix(tmp_path: Path) -> None:
+    """The prefill pod is a server of two data-parallel ranks: the picker scores each rank, names the one it chose
+    in x-prefiller-data-parallel-rank, and the sidecar's prefill leg steers the server to it; a second long prompt
+    sharing the first's beginning is prefilled on the same rank, from its cache."""
+    rng = random.Random(8)
+
+    def prompt(words: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(words))
+
+    with process_scope("pd-ranks") as (logdir, started):
+        decoder = start_sim(1, logdir, model="tiny", extra=["--profile", "tiny-cpu"], name="decoder")
+        started.append(decoder.process)
+        prefiller = start_sim(1, logdir, model="tiny", extra=["--profile", "tiny-cpu", "--data-parallel-size", "2"],
+                              name="prefiller")
+        started.append(prefiller.process)
+        port, metrics_port = free_port(), free_port()
+        started.append(spawn("sidecar", [sys.executable, "-m", "picker", "pd-sidecar", "--host", HOST, "--port",
+                                         str(port), "--model-server-port", decoder.addresses[0].rsplit(":", 1)[1],
+                                         "--metrics-port", str(metrics_port)], logdir))
+        wait_until(functools.partial(_answers, f"{HOST}:{metrics_port}"), 20, "sidecar")
+        server = prefiller.addresses[0]
+        endpoints = tmp_path / "endpoints.yaml"
+        endpoints.write_text(yaml.safe_dump([{"address": f"{HOST}:{port}", "labels": {ROLE: "decode"}},
+                                             {"address": server, "labels": {ROLE: "prefill"}}]))
+        config = tmp_path / "picker.yaml"
+        config.write_text(yaml.safe_dump({"scheduling": PD}))
+        picker = start_picker(logdir, endpoints_file=endpoints, extra=["--config-file", str(config),
+                                                                       "--metrics-slow-interval", "200ms"])
+        started.append(picker.process)
+        wait_until(lambda: {f"{server}#0", f"{server}#1"} <= set(targets(picker)), 20, "the prefill server's ranks",
+                   picker.process.proc)
+        envoy = start_envoy(logdir, picker, [f"{HOST}:{port}", server], disaggregation=True)
+        started.append(envoy.process)
+
+        shared = prompt(600)
+        send(envoy.url, shared + " " + prompt(300))  # long and cached nowhere: prefilled on one rank of the server
+        first = rank_counters(server)
+        assert sum(r["steered"] for r in first) == 1  # the prefill leg named the rank (vLLM did not balance it)
+        home = next(r["rank"] for r in first if r["steered"])
+        send(envoy.url, shared + " " + prompt(300))  # its beginning is cached on that rank: prefilled there again
+        second = rank_counters(server)
+        assert second[home]["steered"] == 2 and second[1 - home]["requests"] == 0
+        assert second[home]["prefix_cache_hits"] > first[home]["prefix_cache_hits"]
+        assert counter(f"{HOST}:{picker.metrics_port}", "llm_d_epp_disagg_decision_total",
+                       decision_type="prefill-decode") == 2

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from picker.serving.pd_sidecar import prefill_headers
 from picker_lab.supervisor import (
     HOST,
     free_port,
@@ -70,3 +71,11 @@ def test_a_bad_allowlist_is_refused_naming_the_flag() -> None:
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "allowed-prefillers: 'pods' is not an IP address or CIDR block" in result.stderr
+
+
+def test_the_prefill_leg_carries_the_prefill_pods_rank_never_the_decode_engines() -> None:
+    decode = {"x-request-id": "r1", "X-data-parallel-rank": "1", "authorization": "Bearer t"}
+    assert prefill_headers(decode, "3") == {"x-request-id": "r1", "authorization": "Bearer t",
+                                            "x-data-parallel-rank": "3"}
+    assert prefill_headers(decode, "") == {"x-request-id": "r1", "authorization": "Bearer t"}
+    assert prefill_headers(decode, "-1") == prefill_headers(decode, "one") == prefill_headers(decode, "")

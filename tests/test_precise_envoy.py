@@ -26,6 +26,7 @@ from picker_lab.supervisor import (
     Picker,
     Valkey,
     free_port,
+    free_port_range,
     process_scope,
     start_envoy,
     start_picker,
@@ -50,11 +51,11 @@ class Stack:
 
 
 def start_publishing_pods(logdir: Path, started: list[Managed], flags: list[str], first_host: int,
-                          count: int = 2) -> tuple[list[Backends], str, int]:
+                          count: int = 2, ranks: int = 1) -> tuple[list[Backends], str, int]:
     """`count` sim pods, each on its own loopback address, publishing their KV events to one endpoint (the picker
     binds it) with a replay socket each: the pods, the endpoint and the replay port. Pods first: the static pool
-    names their addresses."""
-    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", free_port()
+    names their addresses. With data-parallel `ranks`, rank r publishes (and replays) on the port + r."""
+    endpoint, replay = f"tcp://127.0.0.1:{free_port_range(ranks)}", free_port_range(ranks)
     pods = []
     for i in range(count):
         sim = start_sim(1, logdir, host=f"127.0.0.{first_host + i}", name=f"sim-{i}", extra=[

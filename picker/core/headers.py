@@ -24,6 +24,7 @@ DESTINATION = "x-gateway-destination-endpoint"  # the chosen pod, "ip:port"
 REQUEST_ID = "x-request-id"  # read; set only when the request has none (Envoy normally generates it)
 CONTENT_LENGTH = "content-length"  # read; set when the model name in the body is rewritten (another length)
 PREFILLER = "x-prefiller-host-port"  # P/D: the prefill pod ("ip:port") the decode pod's sidecar prefills on
+PREFILLER_RANK = "x-prefiller-data-parallel-rank"  # P/D: the prefill pod's engine, when it is a rank of its server
 DATA_PARALLEL_RANK = "x-data-parallel-rank"  # the engine of a data-parallel server that gets it (vLLM, SGLang)
 
 # Set on the picker's own answers (errors, the model listing) ------------------------------------------------
@@ -51,6 +52,9 @@ MUTATED: tuple[MutatedHeader, ...] = (
                   f"`{MODEL_REWRITE}` from the gateway), in BUFFERED mode and FULL_DUPLEX_STREAMED alike"),
     MutatedHeader(PREFILLER, "request", "with P/D configured only: set when a prefill pod is chosen; removed when "
                   "the client's request carries it and no prefill pod is chosen", disaggregation_only=True),
+    MutatedHeader(PREFILLER_RANK, "request", "with P/D configured only: set when the prefill pod chosen is one rank "
+                  "of a server with several data-parallel ranks behind one port (the sidecar hands it to that "
+                  "engine); removed when the client's request carries it otherwise", disaggregation_only=True),
     MutatedHeader(DATA_PARALLEL_RANK, "request", "set when the pick is one rank of a server with several "
                   "data-parallel ranks behind one port; removed when the client's request carries it and the pick "
                   "is a whole server"),

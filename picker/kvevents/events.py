@@ -4,7 +4,9 @@ One ZMQ message per engine step, three frames: `[topic, seq (uint64 big-endian),
 dp_rank])]`. vLLM 0.32 writes each event as a map whose first key is "type"; older releases wrote positional arrays
 tagged by their first element (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
 medium, ...]`), and both are read. Block hashes are the low 64 bits of vLLM's digests (unsigned; some releases send
-bytes): opaque identifiers to us, used only to find a block again when it is removed.
+bytes): opaque identifiers to us, used only to find a block again when it is removed. A data-parallel server's
+engines publish apart: rank r on the configured endpoint offset by r (`rank_endpoint`), replay socket too, with
+r as the payload's dp_rank and a sequence of its own, all under the server's one topic.
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ class EventBatch:
     ts: float
     events: list[KVEvent]
     dp_rank: int
+
+
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Where data-parallel rank `rank` publishes (or replays) when its server is told `endpoint`: a tcp port plus
+    the rank (port 0 stays 0), an inproc or ipc name with `_dp{rank}` appended; rank 0 and None as given."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        head, _, port = endpoint.rpartition(":")
+        return endpoint if not port.isdigit() or int(port) == 0 else f"{head}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
 
 
 class MalformedEvent(ValueError):

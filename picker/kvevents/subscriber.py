@@ -10,6 +10,11 @@ them in order:
     replay that cannot fill it, the pod's view is reset and distrusted until its events rebuild it;
   - sequence 0 again: the pod's publisher restarted (vLLM restarts with an empty cache): its view starts over;
   - an older one: a duplicate, dropped.
+A data-parallel server's engines publish apart (rank r on the endpoint's port + r, its own sequence, r in the
+payload; vLLM's rule): each rank is a stream of its own, ordered and replayed (from the replay port + r) on its
+own, and feeds the view of the rank's target when the pool routes the server's ranks apart (`target_of`), else
+the server's one view. In bind mode the subscriber also binds the endpoint's port + r for every rank the pool
+knows of (`listen_ranks`); in connect mode it follows each rank's port.
 A malformed message is counted and dropped; nothing a pod sends can stop the loop.
 """
 
@@ -26,7 +31,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from picker.kvevents.events import EventBatch, MalformedEvent, decode_message
+from picker.kvevents.events import EventBatch, MalformedEvent, decode_message, rank_endpoint
 from picker.prefix.precise import PreciseIndex
 
 log = logging.getLogger(__name__)
@@ -57,27 +62,29 @@ class SubscriberStats:
 class Replayer(Protocol):
     """Where missed messages are asked for."""
 
-    async def fetch(self, host: str, start: int, stop: int) -> list[EventBatch] | None:
-        """The pod's messages `start`..`stop - 1` in order, or None when they cannot be had."""
+    async def fetch(self, host: str, start: int, stop: int, dp_rank: int = 0) -> list[EventBatch] | None:
+        """The messages `start`..`stop - 1` of the pod's rank `dp_rank`, in order, or None when they cannot be
+        had."""
         ...
 
 
 class ZmqReplayer:
-    """vLLM's replay socket (its `replay_endpoint`, a ROUTER on `port` of every pod): send the first sequence
-    wanted, get every buffered message from it, then an end marker of sequence -1."""
+    """vLLM's replay socket (its `replay_endpoint`, a ROUTER on `port` of every pod, `port + r` for its
+    data-parallel rank r): send the first sequence wanted, get every buffered message from it, then an end marker
+    of sequence -1."""
 
     def __init__(self, port: int, timeout: float = 1.0) -> None:
         self.port = port
         self.timeout = timeout
         self._ctx = zmq.asyncio.Context.instance()
 
-    async def fetch(self, host: str, start: int, stop: int) -> list[EventBatch] | None:
+    async def fetch(self, host: str, start: int, stop: int, dp_rank: int = 0) -> list[EventBatch] | None:
         hostname = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         got: dict[int, EventBatch] = {}
         try:
-            dealer.connect(f"tcp://{hostname}:{self.port}")
+            dealer.connect(f"tcp://{hostname}:{self.port + dp_rank}")
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             async with asyncio.timeout(self.timeout):
                 while True:
@@ -96,21 +103,30 @@ class ZmqReplayer:
         return [got[seq] for seq in sorted(got)]
 
 
+def _whole_server(address: str, dp_rank: int) -> str:
+    return address
+
+
 class KVEventSubscriber:
     def __init__(self, endpoint: str, index: PreciseIndex, pod_of: Callable[[str], str | None], *,
-                 replayer: Replayer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        """`pod_of(host[:port])` names the pool's pod a topic speaks for (its address), None if none."""
+                 target_of: Callable[[str, int], str] | None = None, replayer: Replayer | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`pod_of(host[:port])` names the pool's pod a topic speaks for (its address), None if none;
+        `target_of(address, dp_rank)` the view that rank's events feed (default: the pod's own)."""
         self.endpoint = endpoint
         self.index = index
         self.pod_of = pod_of
+        self.target_of = target_of or _whole_server
         self.replayer = replayer
         self.clock = clock
-        self.next_seq: dict[str, int] = {}  # pod address -> the sequence number expected next
+        self.next_seq: dict[tuple[str, int], int] = {}  # (pod address, dp rank) -> the sequence number expected next
         self.stats = SubscriberStats()
         self._ctx = zmq.asyncio.Context.instance()
         self._socket: zmq.asyncio.Socket | None = None
+        self._listening = 1  # bind mode: ranks whose ports are bound (the endpoint's port + rank)
         self.bound = asyncio.Event()  # set once the socket listens (tests wait on it)
-        self._followed: dict[str, asyncio.Task[None]] = {}  # connect mode: pod address -> its reader
+        # connect mode: pod address -> its reader, its socket and how many ranks' ports it is connected to
+        self._followed: dict[str, tuple[asyncio.Task[None], zmq.asyncio.Socket, int]] = {}
         # bind mode with replicas: where the messages this socket receives go for the other replicas (relay.py)
         self.relay: Callable[[list[bytes]], None] | None = None
 
@@ -121,20 +137,54 @@ class KVEventSubscriber:
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         return socket
 
-    def follow(self, address: str, host: str, port: int) -> None:
-        """Connect mode: read the pod's own publisher at host:port (from the running loop)."""
-        if address in self._followed:
-            return
-        socket = self._sub_socket()
-        socket.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
-        self._followed[address] = asyncio.get_running_loop().create_task(self._follow(address, host, socket),
-                                                                         name=f"kv-events {address}")
+    def follow(self, address: str, host: str, port: int, ranks: int = 1) -> None:
+        """Connect mode: read the pod's own publishers at host:port, and port + r for each of its other `ranks`
+        (from the running loop); a pod followed before with fewer ranks gains the ports of the new ones."""
+        followed = self._followed.get(address)
+        if followed is None:
+            socket = self._sub_socket()
+            task = asyncio.get_running_loop().create_task(self._follow(address, host, socket),
+                                                          name=f"kv-events {address}")
+            followed = (task, socket, 0)
+        task, socket, connected = followed
+        for rank in range(connected, ranks):
+            socket.connect(f"tcp://[{host}]:{port + rank}" if ":" in host else f"tcp://{host}:{port + rank}")
+        self._followed[address] = (task, socket, max(connected, ranks))
 
     def unfollow(self, address: str) -> None:
-        task = self._followed.pop(address, None)
-        if task is not None:
-            task.cancel()
-        self.next_seq.pop(address, None)
+        followed = self._followed.pop(address, None)
+        if followed is not None:
+            followed[0].cancel()
+        self.restart_streams(address)
+
+    def restart_streams(self, address: str) -> None:
+        """Forget where every rank's stream of the pod stood: its next messages are taken as gaps (replayed, or its
+        views rebuilt from scratch), as when the views they fed were dropped for others (its ranks split apart or
+        merged again)."""
+        for stream in [k for k in self.next_seq if k[0] == address]:
+            del self.next_seq[stream]
+
+    def listen_ranks(self, ranks: int) -> None:
+        """Bind mode: also listen where ranks 1..`ranks - 1` of a data-parallel server publish (the endpoint's
+        port + rank); a port that cannot be bound is logged, its rank's events not heard."""
+        if ranks <= self._listening:
+            return
+        wanted, self._listening = range(self._listening, ranks), ranks
+        if self._socket is not None:
+            self._bind_ranks(self._socket, wanted)
+
+    def _bind_ranks(self, socket: zmq.asyncio.Socket, ranks: range) -> None:
+        for rank in ranks:
+            endpoint = rank_endpoint(self.endpoint, rank) or self.endpoint
+            if endpoint == self.endpoint:
+                log.warning("KV events: %s has no port to offset: rank %d's events are not heard", endpoint, rank)
+                continue
+            try:
+                socket.bind(endpoint)
+            except zmq.ZMQError as exc:
+                log.warning("KV events: cannot listen on %s for data-parallel rank %d (%s)", endpoint, rank, exc)
+            else:
+                log.info("KV events: listening on %s for data-parallel rank %d", endpoint, rank)
 
     async def _follow(self, address: str, host: str, socket: zmq.asyncio.Socket) -> None:
         try:
@@ -153,6 +203,7 @@ class KVEventSubscriber:
         """Bind mode: listen on the endpoint for every pod's publisher."""
         socket = self._socket = self._sub_socket()
         socket.bind(self.endpoint)
+        self._bind_ranks(socket, range(1, self._listening))
         self.bound.set()
         log.info("KV events: listening on %s", self.endpoint)
         try:
@@ -188,43 +239,46 @@ class KVEventSubscriber:
         return True
 
     async def _in_order(self, address: str, host: str, batch: EventBatch) -> None:
-        expected = self.next_seq.get(address)
+        stream = (address, batch.dp_rank)
+        view = self.target_of(address, batch.dp_rank)
+        expected = self.next_seq.get(stream)
         if expected is None and batch.seq == 0:
-            self._apply(address, batch)
+            self._apply(stream, view, batch)
         elif batch.seq == 0 and expected is not None and expected > 0:
-            log.info("KV events from %s start over (its publisher restarted): its view too", address)
+            log.info("KV events from %s start over (its publisher restarted): its view too", view)
             self.stats.resets += 1
-            self.index.pod(address).clear()  # a restarted vLLM starts empty: nothing to distrust
-            self._apply(address, batch)
+            self.index.pod(view).clear()  # a restarted vLLM starts empty: nothing to distrust
+            self._apply(stream, view, batch)
         elif expected is not None and batch.seq < expected:
             self.stats.duplicates += 1
         elif expected is not None and batch.seq == expected:
-            self._apply(address, batch)
+            self._apply(stream, view, batch)
         else:  # a gap, or the first message we see of a pod that ran before us
             self.stats.gaps += 1
             start = expected if expected is not None else 0
-            if not await self._replay(address, host, start, batch.seq):
+            if not await self._replay(stream, view, host, start, batch.seq):
                 log.info("KV events from %s: messages %d..%d missing and not replayed; its view starts over",
-                         address, start, batch.seq - 1)
+                         view, start, batch.seq - 1)
                 self.stats.resets += 1
-                self.index.reset(address, self.clock())
-            self._apply(address, batch)
+                self.index.reset(view, self.clock())
+            self._apply(stream, view, batch)
 
-    def _apply(self, address: str, batch: EventBatch) -> None:
-        self.index.apply(address, batch.events, self.clock())
-        self.next_seq[address] = batch.seq + 1
+    def _apply(self, stream: tuple[str, int], view: str, batch: EventBatch) -> None:
+        self.index.apply(view, batch.events, self.clock())
+        self.next_seq[stream] = batch.seq + 1
         self.stats.batches += 1
-        self.stats.by_pod[address] = self.stats.by_pod.get(address, 0) + 1
+        self.stats.by_pod[view] = self.stats.by_pod.get(view, 0) + 1
 
-    async def _replay(self, address: str, host: str, start: int, stop: int) -> bool:
-        """Messages `start`..`stop - 1` from the pod's replay socket, applied; True if every one came."""
+    async def _replay(self, stream: tuple[str, int], view: str, host: str, start: int, stop: int) -> bool:
+        """Messages `start`..`stop - 1` of the stream from its pod's replay socket, applied; True if every one
+        came."""
         if self.replayer is None:
             return False
-        got = await self.replayer.fetch(host, start, stop)
+        got = await self.replayer.fetch(host, start, stop, stream[1])
         if got is None or [b.seq for b in got] != list(range(start, stop)):
             return False
         for batch in got:
-            self._apply(address, batch)
+            self._apply(stream, view, batch)
         self.stats.replayed += len(got)
         return True
 

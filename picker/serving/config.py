@@ -294,12 +294,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "counts only its own)")
     a("--kv-events-endpoint", metavar="tcp://HOST:PORT",
       help="precise prefix routing: bind here for the pods' vLLM KV events (their --kv-events-config endpoint, "
-      "topic kv@<pod ip>:<port>@<model>); default: none, the approximate index alone")
+      "topic kv@<pod ip>:<port>@<model>; data-parallel rank r publishes on PORT + r, bound too for the ranks the "
+      "pool has); default: none, the approximate index alone")
     a("--kv-events-port", type=int, help="precise prefix routing, the other way round: every pod's vLLM binds its "
-      "KV-event publisher on this port (endpoint tcp://*:PORT) and the picker connects to each pod of its pool; "
-      "every replica can (default {default}: not this way)")
+      "KV-event publisher on this port (endpoint tcp://*:PORT; data-parallel rank r on PORT + r) and the picker "
+      "connects to each pod of its pool; every replica can (default {default}: not this way)")
     a("--kv-events-replay-port", type=int, help="the port of every pod's KV-event replay socket (vLLM's "
-      "replay_endpoint), asked for missed events (default {default}: none; a gap then resets that pod's view)")
+      "replay_endpoint; data-parallel rank r's on PORT + r), asked for missed events (default {default}: none; a "
+      "gap then resets that pod's view)")
     a("--prefix-mode", choices=("approximate", "precise", "auto"),
       help="with --kv-events-endpoint: auto (default) scores pods whose events flow from them and the rest from "
       "the approximate index; precise trusts the events alone; approximate ignores them")

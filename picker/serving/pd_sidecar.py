@@ -7,6 +7,9 @@ with vLLM's NIXL connector protocol, for its KV cache to be kept for a remote de
 prefill answered with, and streams the answer back. With the shared-storage connector (vLLM's ExampleConnector,
 KV blocks in a directory both engines mount) the prefill writes the KV there and the decode engine finds it by
 the prompt: the decode request goes unchanged. Without the header the request goes straight to the decode engine.
+When the prefill pod is one rank of a data-parallel server, the picker names it in
+`x-prefiller-data-parallel-rank` and the prefill leg carries it as `x-data-parallel-rank` (vLLM hands the prompt to
+that engine); the decode request keeps its own `x-data-parallel-rank`, which is never passed to the prefill pod.
 
 A failed prefill leg (unreachable, an error status, an answer without transfer parameters) costs a local prefill,
 not a failed request: the original request goes to the decode engine, counted in
@@ -37,12 +40,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from picker.core.argtypes import port, port_or_off, positive_number
-from picker.core.headers import PREFILLER
+from picker.core.headers import DATA_PARALLEL_RANK, PREFILLER, PREFILLER_RANK
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 CONNECTORS = ("nixlv2", "shared-storage")
 # Request headers not passed on (hop-by-hop, or recomputed by the client library for the new body)
-_DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", PREFILLER})
+_DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", PREFILLER,
+                      PREFILLER_RANK})
 _NOT_RETURNED = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,18 @@ class SidecarMetrics:
         self.fallbacks = Counter("picker_pd_sidecar_prefill_fallbacks",
                                  "Prefill legs given up for a local prefill, by reason.", ["reason"],
                                  registry=self.registry)
+
+
+def prefill_headers(headers: Mapping[str, str], rank: str) -> dict[str, str]:
+    """The prefill leg's headers: the request's, without the decode engine's data-parallel rank (another server's
+    engine), with the prefill pod's own rank when the picker named one (digits only: anything else is dropped)."""
+    out = {k: v for k, v in headers.items() if k.lower() != DATA_PARALLEL_RANK}
+    rank = rank.strip()
+    if rank.isdigit():
+        out[DATA_PARALLEL_RANK] = rank
+    elif rank:
+        log.warning("ignored %s %r: not a rank", PREFILLER_RANK, rank[:40])
+    return out
 
 
 def prefill_body(body: dict[str, Any], path: str, connector: str) -> dict[str, Any]:
@@ -158,7 +174,8 @@ class Sidecar:
             return await self._fall_back(request, body, headers, PrefillFailed("bad_body", "not a JSON object"))
         headers.setdefault("x-request-id", str(uuid.uuid4()))
         try:
-            params = await self._prefill(prefiller, request.path, parsed, headers)
+            params = await self._prefill(prefiller, request.path, parsed,
+                                         prefill_headers(headers, request.headers.get(PREFILLER_RANK, "")))
         except PrefillFailed as failed:
             return await self._fall_back(request, body, headers, failed)
         self.metrics.requests.labels("remote").inc()

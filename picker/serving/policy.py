@@ -10,7 +10,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,16 +99,19 @@ def flow_settings(admission: AdmissionConfig, chars_per_token: int) -> FlowSetti
                         retry_after=admission.retry_after, chars_per_token=chars_per_token)
 
 
-def scrape_listener(gate: Gate[Any], precise: PreciseIndex | None) -> Callable[[Endpoint], None]:
+def scrape_listener(gate: Gate[Any], precise: PreciseIndex | None,
+                    ranks_of: Callable[[Endpoint], Sequence[Endpoint]]) -> Callable[[Endpoint], None]:
     """What hears of each refreshed pod: the admission gate (room may have freed), the precise view (whether the
-    pod's events account for the work its metrics show)."""
+    pod's events account for the work its metrics show: each data-parallel rank's view against its engine's
+    counters, `ranks_of`)."""
     if precise is None:
         return gate.pod_refreshed
 
     def refreshed(endpoint: Endpoint) -> None:
         gate.pod_refreshed(endpoint)
-        m = endpoint.metrics
-        precise.observe_scrape(endpoint.address, m.prefix_queries - m.prefix_hits, m.updated_at)
+        for target in ranks_of(endpoint) or (endpoint,):
+            m = target.metrics
+            precise.observe_scrape(target.address, m.prefix_queries - m.prefix_hits, m.updated_at)
     return refreshed
 
 

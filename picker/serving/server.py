@@ -180,7 +180,7 @@ class PickerServer:
                                  models=ModelServing(models.adapters), tokenizer=self.tokenizer,
                                  fallbacks=c.fallback_endpoints, media=c.multimodal)
         self.supervise(start_monitor(c, self.pool, self.scheduler, self.metrics,
-                                     on_metrics=scrape_listener(gate, policy.precise_index)))
+                                     on_metrics=scrape_listener(gate, policy.precise_index, self.pool.ranks)))
         self.shared_load = shared_load(c, self.pool, gate, policy)
         if self.shared_load is not None:
             self.on_stop("shared load", self.shared_load.close)  # after its task is cancelled: deletes our report
@@ -262,29 +262,40 @@ class PickerServer:
                 hosts[e.address] = e.address
                 hosts.setdefault(e.ip, e.address)
 
+        def target_of(address: str, dp_rank: int) -> str:
+            """A ranked server's rank `dp_rank` feeds its rank's view; a server routed as one, its own."""
+            server = self.pool.get(address)
+            ranks = self.pool.ranks(server) if server is not None else ()
+            return next((r.address for r in ranks if r.rank == dp_rank), address)
+
         replayer = ZmqReplayer(c.kv_events_replay_port) if c.kv_events_replay_port else None
-        events = KVEventSubscriber(c.kv_events_endpoint, index, hosts.get, replayer=replayer)
+        events = KVEventSubscriber(c.kv_events_endpoint, index, hosts.get, target_of=target_of, replayer=replayer)
         self.on_stop("kv-event subscriber", events.stop)
 
         def pool_changed(event: PoolEvent, endpoint: Endpoint) -> None:
-            if endpoint.server is not None:  # a data-parallel rank: its server publishes the events
-                return
             learn_hosts()
-            if event is PoolEvent.REMOVED:
-                index.forget(endpoint.address)
-                events.unfollow(endpoint.address)
-            elif event is PoolEvent.RESTARTED:  # its cache went with the old process: its events start over
-                index.forget(endpoint.address)
-            elif c.kv_events_port:
-                events.follow(endpoint.address, endpoint.ip, c.kv_events_port)
+            server = endpoint.server or endpoint
+            if event is PoolEvent.REMOVED or event is PoolEvent.RESTARTED:
+                index.forget(endpoint.address)  # a restarted pod's events start over from 0 too
+            if self.pool.get(server.address) is not server:  # the server left the pool
+                events.unfollow(server.address)
+                return
+            ranks = len(self.pool.ranks(server)) or 1
+            if event is PoolEvent.ADDED or event is PoolEvent.REMOVED:  # its targets changed: views start over
+                events.restart_streams(server.address)
+            if c.kv_events_port:
+                events.follow(server.address, server.ip, c.kv_events_port, ranks)
+            else:
+                events.listen_ranks(ranks)
 
         learn_hosts()
         self.pool.subscribe(pool_changed)
         self.metrics.watch_kv_events(events.stats, index, events.clock)
         if c.kv_events_port:  # connect mode: one reader per pod of the pool
             for endpoint in self.pool.all():
-                events.follow(endpoint.address, endpoint.ip, c.kv_events_port)
+                events.follow(endpoint.address, endpoint.ip, c.kv_events_port, len(self.pool.ranks(endpoint)) or 1)
             return
+        events.listen_ranks(max((len(self.pool.ranks(e)) for e in self.pool.all()), default=1))
         self.supervise(asyncio.create_task(events.run(), name="kv-events"))
         if c.index_backend == "redis":  # bind mode with replicas: each hears some pods, the relay gives it all
             relay = EventRelay(c.redis_url, index_namespace(c), events.receive_relayed)

@@ -81,8 +81,10 @@ async def test_a_ranks_model_listing_and_token_ids_are_its_servers(server: tuple
     assert ids
 
 
-@pytest.mark.parametrize("flags", [["--engine", "sglang"], ["--kv-events-endpoint", "tcp://127.0.0.1:5557"]])
-def test_a_data_parallel_pod_speaks_vllms_metrics_without_kv_events(capsys: pytest.CaptureFixture[str],
-                                                                     flags: list[str]) -> None:
+@pytest.mark.parametrize("flags", [["--engine", "sglang"], ["--kv-events-endpoint-base", "tcp://127.0.0.1:5557"],
+                                   ["--pods", "2", "--kv-events-replay-port-base", "5600"]])
+def test_a_data_parallel_pod_refuses_what_its_ranks_ports_would_break(capsys: pytest.CaptureFixture[str],
+                                                                      flags: list[str]) -> None:
+    # vLLM's metrics only; each rank publishes on a port of its own (+ its rank): numbered per pod, they collide
     assert main(["sim", "--data-parallel-size", "2", "--base-port", "0", *flags]) == 2
     assert "--data-parallel-size" in capsys.readouterr().err

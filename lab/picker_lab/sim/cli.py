@@ -71,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--data-parallel-size", type=whole_number(1), default=1, metavar="N",
       help="each pod is a server of N data-parallel ranks behind its one port, as vLLM's --data-parallel-size: N "
       "engines, each its own KV cache, a request going to the rank its X-data-parallel-rank names or else balanced "
-      "as vLLM does; one metrics page with each engine's series labelled engine=\"0\".. (vLLM's metrics, no KV "
-      "events); GET /sim/ranks counts each rank's requests and cache hits (default %(default)s)")
+      "as vLLM does; one metrics page with each engine's series labelled engine=\"0\".. (vLLM's metrics); with KV "
+      "events, rank r publishes on the endpoint's port + r as vLLM does; GET /sim/ranks counts each rank's "
+      "requests and cache hits (default %(default)s)")
     a("--engine", default="vllm", choices=DIALECTS,
       help="whose metric names the pods serve: vllm or sglang on /metrics; trtllm on /prometheus/metrics as "
       "trtllm-serve does (its gauges as of the last finished request) and its JSON iteration stats on /metrics "
@@ -80,10 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    if args.data_parallel_size > 1 and (args.engine != "vllm" or args.kv_events_endpoint or args.kv_events_endpoint_base
-                                        or args.kv_events_bind_port):
-        print("picker sim: --data-parallel-size: a data-parallel pod serves vLLM's metrics (--engine vllm) and "
-              "publishes no KV events", file=sys.stderr)
+    if args.data_parallel_size > 1 and args.engine != "vllm":
+        print("picker sim: --data-parallel-size: a data-parallel pod serves vLLM's metrics (--engine vllm)",
+              file=sys.stderr)
+        return 2
+    if args.data_parallel_size > 1 and (args.kv_events_endpoint_base or args.kv_events_replay_port_base
+                                        and args.pods > 1):
+        # rank r of a data-parallel pod publishes (and replays) on its port + r, as vLLM offsets it: with a port
+        # per pod counted up from a base, pod 0's rank 1 and pod 1's rank 0 would share one
+        print("picker sim: --data-parallel-size: each rank publishes on its port + its rank, so pods numbered from "
+              "--kv-events-endpoint-base (or several pods' --kv-events-replay-port-base) would collide; give "
+              "--kv-events-endpoint or --kv-events-bind-port, one pod per host address for replays",
+              file=sys.stderr)
         return 2
     profile = get_profile(args.profile).with_overrides(
         num_gpu_blocks=args.num_gpu_blocks,

@@ -5,7 +5,8 @@ As vLLM 0.32 runs it: one API server, N engines, each with its own KV cache. A r
 ignored, as vLLM's `_get_data_parallel_rank` reads it); any other is balanced by vLLM's own rule
 (`DPLBAsyncMPClient.get_core_engine_for_request`): the engine with the lowest max(in flight, waiting + running),
 plus 6 x waiting x the KV use above 50 %, the scan's start rotating so ties spread. `/metrics` is one page with
-every engine's series labelled `engine="0"`, `engine="1"`...
+every engine's series labelled `engine="0"`, `engine="1"`... With KV events, each engine publishes its own
+under the server's topic, rank r on the configured endpoint's port + r with r in the payload (vLLM's rule).
 
 Rank 0 is the server itself (a `SimPod`: its port, its name); the other ranks are pods without a port whose
 handlers it calls. Every response says which rank served it (`x-sim-rank`), and `GET /sim/ranks` gives each
@@ -31,14 +32,13 @@ _RANK_KEY = web.RequestKey("sim_rank", int)
 
 
 class DataParallelPod(SimPod):
-    """`ranks` engines behind one port; rank 0 is this pod. Only vLLM's metric dialect, no KV events (vLLM
-    publishes them per engine on ports of their own, which this does not model)."""
+    """`ranks` engines behind one port; rank 0 is this pod. Only vLLM's metric dialect."""
 
     def __init__(self, config: PodConfig, ranks: int) -> None:
         if ranks < 2:
             raise ValueError("a data-parallel server has two ranks or more")
-        if config.engine != "vllm" or config.kv_events_endpoint or config.kv_events_bind_port:
-            raise ValueError("a data-parallel server speaks vLLM's metrics and publishes no KV events here")
+        if config.engine != "vllm":
+            raise ValueError("a data-parallel server speaks vLLM's metrics")
         super().__init__(dataclasses.replace(config, rank=0))
         self.ranks: list[SimPod] = [self, *(SimPod(dataclasses.replace(config, rank=r, port=0, seed=config.seed + r,
                                                                         process_metrics=False))
@@ -50,8 +50,10 @@ class DataParallelPod(SimPod):
 
     async def start(self) -> None:
         await super().start()
+        topic = self.publisher.topic if self.publisher is not None else None
         for rank in self.ranks[1:]:
             rank.start_engine()
+            rank.open_publisher(topic)  # the server's topic: vLLM's engines share it
 
     async def stop(self) -> None:
         for rank in self.ranks[1:]:

@@ -4,7 +4,9 @@ records are the picker's own, `picker.kvevents.events`, which also decodes them)
 Wire format (vLLM 0.32, checked against tests/data/vllm-kv-events/, captured from vLLM): one ZMQ message per engine step with
 three frames `[topic, seq (uint64 big-endian), msgpack([ts, [event, ...], dp_rank])]`; each event is a map whose
 first key is "type", with the keys in the order vLLM writes them. Hashes are unsigned 64-bit integers.
-vLLM *connects* its PUB socket to a concrete tcp endpoint (the consumer binds), so we do the same.
+vLLM *connects* its PUB socket to a concrete tcp endpoint (the consumer binds), so we do the same. A
+data-parallel server's engines each publish on their own: rank r on the endpoint's port + r (its replay socket
+too), with r in the payload and a sequence of its own (vLLM's `ZmqEventPublisher.offset_endpoint_port`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from picker.kvevents.events import BlockRemoved, BlockStored, KVEvent
+from picker.kvevents.events import BlockRemoved, BlockStored, KVEvent, rank_endpoint
 
 DEFAULT_TOPIC = "kv-events"
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
@@ -75,13 +77,16 @@ class KVEventPublisher:
     request `[start seq]` gets every buffered message from it, then an end marker of sequence -1)."""
 
     def __init__(self, endpoint: str, topic: str = DEFAULT_TOPIC, replay_endpoint: str | None = None,
-                 buffer_steps: int = 10_000, bind: bool | None = None) -> None:
+                 buffer_steps: int = 10_000, bind: bool | None = None, dp_rank: int = 0) -> None:
         """`bind`: None follows vLLM's rule (bind wildcard and ipc endpoints, connect to the rest); True binds a
         concrete address, as `tcp://*:PORT` would on a pod with an IP of its own (a fleet on one host's loopback
-        addresses)."""
+        addresses). `dp_rank`: the data-parallel rank publishing, its endpoints offset as vLLM offsets them."""
         import zmq
         import zmq.asyncio
 
+        endpoint = rank_endpoint(endpoint, dp_rank) or endpoint
+        replay_endpoint = rank_endpoint(replay_endpoint, dp_rank)
+        self.dp_rank = dp_rank
         self.endpoint = endpoint
         self.topic = topic
         self._ctx = zmq.asyncio.Context.instance()
@@ -106,7 +111,7 @@ class KVEventPublisher:
         """Queue one message without blocking the event loop (a PUB socket drops rather than blocks)."""
         if not events:
             return
-        frames = encode_message(events, self._seq, self.topic)
+        frames = encode_message(events, self._seq, self.topic, dp_rank=self.dp_rank)
         self._buffer.append((self._seq, frames[2]))
         self._seq += 1
         future: Any = self._socket.send_multipart(frames)

@@ -164,13 +164,20 @@ class SimPod(InfoRoutes):
                                bad_host=bad_host) from None
         address = self._runner.addresses[0]
         self.port = int(address[1])
-        if self.config.kv_events_endpoint:  # after the bind: the topic may name the port
-            topic = self.config.kv_events_topic or pod_topic(self.config.host, self.port, self.model_name)
-            self.publisher = KVEventPublisher(self.config.kv_events_endpoint, topic, self.config.kv_events_replay)
-        elif self.config.kv_events_bind_port:
-            own = f"tcp://{self.config.host}:{self.config.kv_events_bind_port}"
-            self.publisher = KVEventPublisher(own, self.config.kv_events_topic or DEFAULT_TOPIC,
-                                              self.config.kv_events_replay, bind=True)
+        self.open_publisher()  # after the bind: the topic may name the port
+
+    def open_publisher(self, topic: str | None = None) -> None:
+        """Publish the engine's KV events as configured (nothing when not), under `topic` (default: the config's,
+        else one naming this pod's address); a data-parallel rank publishes on its server's endpoints offset by
+        its rank."""
+        c = self.config
+        if c.kv_events_endpoint:
+            topic = topic or c.kv_events_topic or pod_topic(c.host, self.port, self.model_name)
+            self.publisher = KVEventPublisher(c.kv_events_endpoint, topic, c.kv_events_replay, dp_rank=c.rank)
+        elif c.kv_events_bind_port:
+            self.publisher = KVEventPublisher(f"tcp://{c.host}:{c.kv_events_bind_port}",
+                                              topic or c.kv_events_topic or DEFAULT_TOPIC, c.kv_events_replay,
+                                              bind=True, dp_rank=c.rank)
 
     async def stop(self) -> None:
         """Stop serving; pending requests get an error."""

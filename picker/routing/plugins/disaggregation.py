@@ -1,6 +1,8 @@
 """Prefill/decode disaggregation's part of a request's life: the prefill pod the scheduler chose is busy with the
 prompt until the response begins (its in-flight count), and the decode pod's sidecar learns it from
-`x-prefiller-host-port`, a header only the picker may set (a client's is removed)."""
+`x-prefiller-host-port`, a header only the picker may set (a client's is removed); when that pod is one rank of a
+data-parallel server, its rank goes in `x-prefiller-data-parallel-rank` (the sidecar's prefill leg carries it to
+the server as `x-data-parallel-rank`)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ class Disaggregation(RequestPlugin):
             decision.set_header(names.PREFILLER, prefill.destination)
         elif names.PREFILLER in decision.request.headers:
             decision.remove_header(names.PREFILLER)
+        if prefill is not None and prefill.rank >= 0:
+            decision.set_header(names.PREFILLER_RANK, str(prefill.rank))
+        elif names.PREFILLER_RANK in decision.request.headers:
+            decision.remove_header(names.PREFILLER_RANK)
 
     def response_started(self, decision: Decision, headers: Mapping[str, str], body_follows: bool) -> None:
         self._prefilled(decision)
