@@ -43,15 +43,17 @@ bench-smoke: install
 
 # Fleet scenarios (live mode, 8 simulated pods, 3 interleaved repeats each; lab/picker_lab/bench/fleet.py): the replicated
 # routers under steady traffic (shared-prefix, multi-turn, zipf-prefix: cache pressure), a rolling restart of their replicas, a pod
-# restarting, the picker's Valkey away for 30 s (~75 min in all); reports in bench/out/fleet-<scenario>.
+# restarting, the picker's Valkey away for 30 s (~110 min in all); reports in bench/out/fleet-<scenario>.
 FLEET_ROUTERS ?= picker@4,hash-ring@4,smg@4,smg-mesh@4
+# the other peers, one tree per replica as smg@4 without its mesh: in steady traffic only (the run's length)
+FLEET_STEADY_PEERS ?= vllm-router@4,sglang-router@4
 bench-fleet: install
 	$(BIN)/picker bench --scenario valkey-outage --live-pods 8 --strategies picker@4 \
 	  --out bench/out/fleet-valkey-outage $(ARGS)
 	$(BIN)/picker bench --scenario pod-restart --live-pods 8 --strategies $(FLEET_ROUTERS) \
 	  --out bench/out/fleet-pod-restart $(ARGS)
 	for w in shared-prefix multi-turn zipf-prefix; do $(BIN)/picker bench --scenario replicas --live-pods 8 \
-	  --live-requests 400 --live-workload $$w --strategies picker,$(FLEET_ROUTERS) \
+	  --live-requests 400 --live-workload $$w --strategies picker,$(FLEET_ROUTERS),$(FLEET_STEADY_PEERS) \
 	  --out bench/out/fleet-replicas-$$w $(ARGS) || exit 1; done
 	$(BIN)/picker bench --scenario router-restart --live-pods 8 --strategies $(FLEET_ROUTERS) \
 	  --out bench/out/fleet-router-restart $(ARGS)

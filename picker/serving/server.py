@@ -37,10 +37,7 @@ from picker.endpoints.kubernetes import (
 from picker.endpoints.model_listing import ModelListings
 from picker.endpoints.model_serving import ModelServing
 from picker.endpoints.pool import EndpointPool, PoolEvent
-from picker.endpoints.state import Endpoint
 from picker.extproc.servicer import ExtProcServicer
-from picker.kvevents.relay import EventRelay
-from picker.prefix.precise import PreciseIndex
 from picker.prefix.tokens import LocalTokenizer, PodTokenizer, PromptTokenizer
 from picker.routing import plugins as request_plugins
 from picker.routing.director import Director
@@ -49,12 +46,12 @@ from picker.serving import config as cfg
 from picker.serving import reference_flags
 from picker.serving.handshakes import HandshakeWatch
 from picker.serving.health import CheckedHealth
+from picker.serving.kv_events import start_kv_events
 from picker.serving.metrics import PickerMetrics
 from picker.serving.metrics.tracing import DecisionTracer
 from picker.serving.policy import (
     build_gate,
     build_policy,
-    index_namespace,
     scrape_listener,
     shared_load,
     start_monitor,
@@ -187,7 +184,7 @@ class PickerServer:
             self.metrics.watch_load_sync(self.shared_load.stats)
             self.supervise(asyncio.create_task(self.shared_load.run(), name="shared-load"))
         if policy.precise_index is not None:
-            self._start_kv_events(c, policy.precise_index)
+            start_kv_events(c, self.pool, policy.precise_index, self.metrics, self.supervise, self.on_stop)
         if c.models_refresh_interval > 0:
             self._start_model_listings(c)
         if self.discovery is not None and self.discovery.pool_name:
@@ -249,60 +246,6 @@ class PickerServer:
             self.supervise(asyncio.create_task(self.discovery.run(), name="kubernetes-discovery"))
             with contextlib.suppress(TimeoutError):  # serve at once either way; the first list is usually quick
                 await asyncio.wait_for(self.discovery.synced.wait(), 3.0)
-
-    def _start_kv_events(self, c: cfg.ServeConfig, index: PreciseIndex) -> None:
-        """Follow the pods' KV events into the precise view; a pod that leaves is forgotten there too."""
-        from picker.kvevents.subscriber import KVEventSubscriber, ZmqReplayer  # pyzmq: the kv-events extra
-
-        hosts: dict[str, str] = {}  # what a topic may name a pod by (ip:port, or its ip) -> its address
-
-        def learn_hosts() -> None:
-            hosts.clear()
-            for e in self.pool.all():
-                hosts[e.address] = e.address
-                hosts.setdefault(e.ip, e.address)
-
-        def target_of(address: str, dp_rank: int) -> str:
-            """A ranked server's rank `dp_rank` feeds its rank's view; a server routed as one, its own."""
-            server = self.pool.get(address)
-            ranks = self.pool.ranks(server) if server is not None else ()
-            return next((r.address for r in ranks if r.rank == dp_rank), address)
-
-        replayer = ZmqReplayer(c.kv_events_replay_port) if c.kv_events_replay_port else None
-        events = KVEventSubscriber(c.kv_events_endpoint, index, hosts.get, target_of=target_of, replayer=replayer)
-        self.on_stop("kv-event subscriber", events.stop)
-
-        def pool_changed(event: PoolEvent, endpoint: Endpoint) -> None:
-            learn_hosts()
-            server = endpoint.server or endpoint
-            if event is PoolEvent.REMOVED or event is PoolEvent.RESTARTED:
-                index.forget(endpoint.address)  # a restarted pod's events start over from 0 too
-            if self.pool.get(server.address) is not server:  # the server left the pool
-                events.unfollow(server.address)
-                return
-            ranks = len(self.pool.ranks(server)) or 1
-            if event is PoolEvent.ADDED or event is PoolEvent.REMOVED:  # its targets changed: views start over
-                events.restart_streams(server.address)
-            if c.kv_events_port:
-                events.follow(server.address, server.ip, c.kv_events_port, ranks)
-            else:
-                events.listen_ranks(ranks)
-
-        learn_hosts()
-        self.pool.subscribe(pool_changed)
-        self.metrics.watch_kv_events(events.stats, index, events.clock)
-        if c.kv_events_port:  # connect mode: one reader per pod of the pool
-            for endpoint in self.pool.all():
-                events.follow(endpoint.address, endpoint.ip, c.kv_events_port, len(self.pool.ranks(endpoint)) or 1)
-            return
-        events.listen_ranks(max((len(self.pool.ranks(e)) for e in self.pool.all()), default=1))
-        self.supervise(asyncio.create_task(events.run(), name="kv-events"))
-        if c.index_backend == "redis":  # bind mode with replicas: each hears some pods, the relay gives it all
-            relay = EventRelay(c.redis_url, index_namespace(c), events.receive_relayed)
-            self.on_stop("kv-event relay", relay.stop)
-            events.relay = relay.relay
-            self.metrics.watch_kv_relay(relay.stats)
-            relay.start()
 
     def _start_model_listings(self, c: cfg.ServeConfig) -> None:
         """Read every pod's /v1/models on a slow timer, and a joining pod's at once."""
