@@ -9,7 +9,6 @@ import json
 import random
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -18,15 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker_lab.bench.workloads import WORDS
 from picker_lab.supervisor import (
-    Backends,
-    Envoy,
     Picker,
     process_scope,
     start_envoy,
     start_picker,
     wait_until,
 )
-from tests.test_precise_envoy import start_publishing_pods
+from tests.test_precise_envoy import PublishingStack, start_publishing_pods
 
 # 79 usable device blocks of 16 tokens, 512 in host memory: three ~40-block prompts push a fourth out of the device
 SERVED_BY = "x-served-by"  # the pod that answered, as Envoy names it
@@ -34,19 +31,8 @@ SIM_FLAGS = ["--profile", "tiny-cpu", "--block-size", "16", "--time-scale", "20"
              "--num-cpu-blocks", "512"]
 
 
-@dataclass
-class Stack:
-    pods: list[Backends]
-    picker: Picker
-    envoy: Envoy
-
-    @property
-    def addresses(self) -> list[str]:
-        return [a for p in self.pods for a in p.addresses]
-
-
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def stack() -> Iterator[PublishingStack]:
     with process_scope("cache-tiers") as (logdir, started):
         pods, endpoint, replay = start_publishing_pods(logdir, started, SIM_FLAGS, first_host=30)
         addresses = [a for p in pods for a in p.addresses]
@@ -55,7 +41,7 @@ def stack() -> Iterator[Stack]:
         started.append(picker.process)
         envoy = start_envoy(logdir, picker, addresses, served_by=SERVED_BY)
         started.append(envoy.process)
-        yield Stack(pods, picker, envoy)
+        yield PublishingStack(pods, picker, envoy)
 
 
 def complete(url: str, prompt: str) -> tuple[dict[str, int], str]:
@@ -89,7 +75,7 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def test_a_prefix_only_host_memory_holds_goes_to_that_pod_and_is_loaded(stack: Stack) -> None:
+def test_a_prefix_only_host_memory_holds_goes_to_that_pod_and_is_loaded(stack: PublishingStack) -> None:
     rng = random.Random(11)
     home = stack.addresses[0]
     prefix = text(rng, 600)  # ~40 blocks

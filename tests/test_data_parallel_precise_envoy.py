@@ -11,37 +11,22 @@ import json
 import random
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from picker_lab.bench.workloads import WORDS
 from picker_lab.supervisor import (
-    Backends,
-    Envoy,
-    Picker,
     process_scope,
     start_envoy,
     start_picker,
     wait_until,
 )
 from tests.test_data_parallel_envoy import rank_counters, targets
-from tests.test_precise_envoy import SIM_FLAGS, series, start_publishing_pods
-
-
-@dataclass
-class RankedStack:
-    pods: list[Backends]
-    picker: Picker
-    envoy: Envoy
-
-    @property
-    def addresses(self) -> list[str]:
-        return [a for p in self.pods for a in p.addresses]
+from tests.test_precise_envoy import SIM_FLAGS, PublishingStack, series, start_publishing_pods
 
 
 @pytest.fixture(scope="module")
-def ranked() -> Iterator[RankedStack]:
+def ranked() -> Iterator[PublishingStack]:
     with process_scope("data-parallel-precise") as (logdir, started):
         pods, endpoint, replay = start_publishing_pods(logdir, started, [*SIM_FLAGS, "--data-parallel-size", "2"],
                                                        first_host=40, ranks=2)
@@ -54,7 +39,7 @@ def ranked() -> Iterator[RankedStack]:
         wait_until(lambda: set(targets(picker)) == wanted, 20, "the picker routes each rank", picker.process)
         envoy = start_envoy(logdir, picker, addresses, mode="full-duplex")
         started.append(envoy.process)
-        yield RankedStack(pods, picker, envoy)
+        yield PublishingStack(pods, picker, envoy)
 
 
 def complete(url: str, prompt: str, rank: int | None = None) -> dict[str, int]:
@@ -71,7 +56,7 @@ def complete(url: str, prompt: str, rank: int | None = None) -> dict[str, int]:
             "rank": served}
 
 
-def test_a_prefix_warmed_on_one_rank_is_routed_to_that_rank(ranked: RankedStack) -> None:
+def test_a_prefix_warmed_on_one_rank_is_routed_to_that_rank(ranked: PublishingStack) -> None:
     rng = random.Random(11)
     homes = [(ranked.addresses[0], 1), (ranked.addresses[1], 0)]
     prefixes = []

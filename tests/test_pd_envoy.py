@@ -13,6 +13,7 @@ import json
 import random
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -20,6 +21,7 @@ import yaml
 from picker.core.headers import PREFILLER
 from picker_lab.supervisor import (
     HOST,
+    Managed,
     free_port,
     metric_sum,
     process_scope,
@@ -49,28 +51,31 @@ def send(url: str, prompt: str, headers: dict[str, str] | None = None) -> dict[s
         return answer
 
 
+def prompter(seed: int) -> Callable[[int], str]:
+    """Prompts of so many words drawn from WORDS, the same sequence for the same seed."""
+    rng = random.Random(seed)
+    return lambda words: " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def start_sidecar(logdir: Path, started: list[Managed], decoder: str, name: str) -> tuple[str, str]:
+    """`picker pd-sidecar` in front of the decode engine at `decoder`: its address and its metrics' address."""
+    port, metrics_port = free_port(), free_port()
+    started.append(spawn(name, [sys.executable, "-m", "picker", "pd-sidecar", "--host", HOST, "--port", str(port),
+                                "--model-server-port", decoder.rsplit(":", 1)[1], "--metrics-port",
+                                str(metrics_port)], logdir))
+    wait_until(functools.partial(_answers, f"{HOST}:{metrics_port}"), 20, f"sidecar {name}")
+    return f"{HOST}:{port}", f"{HOST}:{metrics_port}"
+
+
 def test_a_long_prompt_is_prefilled_on_the_prefill_pod_and_a_dead_one_costs_a_local_prefill(tmp_path: Path) -> None:
-    rng = random.Random(5)
-
-    def prompt(words: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(words))
-
+    prompt = prompter(5)
     with process_scope("pd") as (logdir, started):
         decoders = start_sim(2, logdir, model="tiny", extra=["--profile", "tiny-cpu"], name="decoders")
         started.append(decoders.process)
         prefiller = start_sim(1, logdir, model="tiny", extra=["--profile", "tiny-cpu"], name="prefiller")
         started.append(prefiller.process)
-        sidecars, sidecar_metrics = [], []
-        for i, decoder in enumerate(decoders.addresses):
-            port, metrics_port = free_port(), free_port()
-            started.append(spawn(f"sidecar-{i}", [sys.executable, "-m", "picker", "pd-sidecar", "--host", HOST,
-                                                  "--port", str(port), "--model-server-port",
-                                                  decoder.rsplit(":", 1)[1], "--metrics-port", str(metrics_port)],
-                                 logdir))
-            sidecars.append(f"{HOST}:{port}")
-            sidecar_metrics.append(f"{HOST}:{metrics_port}")
-        for address in sidecar_metrics:
-            wait_until(functools.partial(_answers, address), 20, f"sidecar {address}")
+        sidecars, sidecar_metrics = zip(*(start_sidecar(logdir, started, decoder, f"sidecar-{i}")
+                                          for i, decoder in enumerate(decoders.addresses)), strict=True)
         endpoints = tmp_path / "endpoints.yaml"
         endpoints.write_text(yaml.safe_dump(
             [{"address": a, "labels": {ROLE: "decode"}} for a in sidecars]
@@ -147,25 +152,17 @@ def test_a_prefill_rank_of_a_data_parallel_server_gets_the_prompt_and_keeps_its_
     """The prefill pod is a server of two data-parallel ranks: the picker scores each rank, names the one it chose
     in x-prefiller-data-parallel-rank, and the sidecar's prefill leg steers the server to it; a second long prompt
     sharing the first's beginning is prefilled on the same rank, from its cache."""
-    rng = random.Random(8)
-
-    def prompt(words: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(words))
-
+    prompt = prompter(8)
     with process_scope("pd-ranks") as (logdir, started):
         decoder = start_sim(1, logdir, model="tiny", extra=["--profile", "tiny-cpu"], name="decoder")
         started.append(decoder.process)
         prefiller = start_sim(1, logdir, model="tiny", extra=["--profile", "tiny-cpu", "--data-parallel-size", "2"],
                               name="prefiller")
         started.append(prefiller.process)
-        port, metrics_port = free_port(), free_port()
-        started.append(spawn("sidecar", [sys.executable, "-m", "picker", "pd-sidecar", "--host", HOST, "--port",
-                                         str(port), "--model-server-port", decoder.addresses[0].rsplit(":", 1)[1],
-                                         "--metrics-port", str(metrics_port)], logdir))
-        wait_until(functools.partial(_answers, f"{HOST}:{metrics_port}"), 20, "sidecar")
+        sidecar, _ = start_sidecar(logdir, started, decoder.addresses[0], "sidecar")
         server = prefiller.addresses[0]
         endpoints = tmp_path / "endpoints.yaml"
-        endpoints.write_text(yaml.safe_dump([{"address": f"{HOST}:{port}", "labels": {ROLE: "decode"}},
+        endpoints.write_text(yaml.safe_dump([{"address": sidecar, "labels": {ROLE: "decode"}},
                                              {"address": server, "labels": {ROLE: "prefill"}}]))
         config = tmp_path / "picker.yaml"
         config.write_text(yaml.safe_dump({"scheduling": PD}))
@@ -174,7 +171,7 @@ def test_a_prefill_rank_of_a_data_parallel_server_gets_the_prompt_and_keeps_its_
         started.append(picker.process)
         wait_until(lambda: {f"{server}#0", f"{server}#1"} <= set(targets(picker)), 20, "the prefill server's ranks",
                    picker.process.proc)
-        envoy = start_envoy(logdir, picker, [f"{HOST}:{port}", server], disaggregation=True)
+        envoy = start_envoy(logdir, picker, [sidecar, server], disaggregation=True)
         started.append(envoy.process)
 
         shared = prompt(600)

@@ -50,6 +50,19 @@ class Stack:
         return [a for p in self.pods for a in p.addresses]
 
 
+@dataclass
+class PublishingStack:
+    """Pods publishing their KV events, the picker that follows them, and its Envoy."""
+
+    pods: list[Backends]
+    picker: Picker
+    envoy: Envoy
+
+    @property
+    def addresses(self) -> list[str]:
+        return [a for p in self.pods for a in p.addresses]
+
+
 def start_publishing_pods(logdir: Path, started: list[Managed], flags: list[str], first_host: int,
                           count: int = 2, ranks: int = 1) -> tuple[list[Backends], str, int]:
     """`count` sim pods, each on its own loopback address, publishing their KV events to one endpoint (the picker
