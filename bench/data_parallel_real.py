@@ -3,15 +3,15 @@
     make dp-real     # or: .venv/bin/python bench/data_parallel_real.py [--url 127.0.0.1:8000] [--groups 8]
 
 Starts one real vLLM CPU server with `--data-parallel-size 2` (bench/.venvs/vllm, the tiny local model, prefix
-caching, blocks of 128 tokens), or uses the one at `--url`, and puts the picker and Envoy in front of it twice:
+caching, blocks of 128 tokens), or uses the one at `--url`, and puts the picker and Envoy in front of it in turn:
 routing each rank as a target of its own (the default: the ranks read from the server's `engine` label), the same
 in precise mode (the server's KV events: each engine publishes its own on the picker's endpoint port + its rank;
-started here only, as the server must be told where), and routing the server as one (`--data-parallel-ranks 1`:
-vLLM balances its engines itself). Each time it sends
-`--groups` system prompts, each followed by three more requests sharing it, one at a time, and reads from vLLM's
-own metrics which engine served them and what each engine's prefix cache hit; in precise mode also what the
-picker's view of each rank holds and which ranks' messages it applied. Each run uses prompts of its own, so one
-run's cache does not help the next. Writes bench/out/data_parallel_real.md and .json.
+only with a server started here, as it must be told where), and routing the server as one
+(`--data-parallel-ranks 1`: vLLM balances its engines itself). Each time it sends `--groups` system prompts,
+each followed by three more requests sharing it, one at a time, and reads from vLLM's own metrics which engine
+served them and what each engine's prefix cache hit; in precise mode also what the picker's view of each rank
+holds and which ranks' messages it applied. Each run uses prompts of its own, so one run's cache does not help
+the next. Writes bench/out/data_parallel_real.md and .json.
 """
 
 from __future__ import annotations
