@@ -37,6 +37,7 @@ from picker_lab.bench import vllm_engine as engine  # noqa: E402
 from picker_lab.supervisor import (  # noqa: E402
     free_port,
     free_port_range,
+    metric_sum,
     process_scope,
     start_envoy,
     start_picker,
@@ -59,14 +60,6 @@ def engines(address: str) -> dict[int, tuple[float, float, float]]:
         m = parse_metrics(response.read().decode())
     assert m.engines is not None, "the server does not label several engines"
     return {i: (e.prompt_count, e.prefix_queries, e.prefix_hits) for i, e in m.engines.items()}
-
-
-def picker_series(picker: Any, name: str) -> dict[str, float]:
-    """The picker's `name` samples by model_server_endpoint."""
-    with urllib.request.urlopen(f"http://{picker.host}:{picker.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {line.split('model_server_endpoint="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(name + "{") and "model_server_endpoint" in line}
 
 
 async def run(address: str, logdir: Path, started: list[Any], mode: str, groups: int, seed: int,
@@ -102,8 +95,10 @@ async def run(address: str, logdir: Path, started: list[Any], mode: str, groups:
                     prompt += usage["prompt_tokens"]
                     cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     after = engines(address)
-    views = {"blocks": picker_series(picker, "picker_precise_blocks"),
-             "batches": picker_series(picker, "picker_kv_events_batches_total")} if mode == "precise" else {}
+    metrics = f"{picker.host}:{picker.metrics_port}"
+    views = {what: {t: metric_sum(metrics, name, model_server_endpoint=t) for t in sorted(want)}
+             for what, name in (("blocks", "picker_precise_blocks"), ("batches", "picker_kv_events_batches_total"))
+             } if mode == "precise" else {}
     envoy.process.stop()
     picker.process.stop()
     per_engine = {i: {"requests": after[i][0] - before[i][0], "queries": after[i][1] - before[i][1],

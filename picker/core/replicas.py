@@ -4,8 +4,8 @@ ones, and what they have learned of the traffic.
 Replicas sharing a pool hold nearly the same view: the same scraped metrics (one replica scrapes each pod for
 all), the same prefix index and each other's picks within milliseconds. Plugins that break ties the same way on
 the same view then send concurrent requests of different replicas to the same pod; knowing its index among the
-live replicas lets a plugin make replica i of n take its own share of the choices first instead. The shared load keeps it
-current (every replica reports there each sync); without sharing, a replica is 0 of 1.
+live replicas lets a plugin make replica i of n take its own share of the choices first instead. The shared load
+keeps it current (every replica reports there each sync); without sharing, a replica is 0 of 1.
 
 What a replica learns from the pods over minutes (the traffic's characters per token, which sizes each pod's share
 of the prefix index) a replica that has just started does not know: it reads the others' figure from their

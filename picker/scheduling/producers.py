@@ -77,9 +77,9 @@ class ApproximatePrefix(Plugin):
     and a replica that starts learns the homes of the stream it replays.
 
     Every pod's share is sized from its scraped cache before a prompt is matched (again each second, and whenever
-    the learned characters per token move), not only when a pick goes to it (as it also is): a replica that has just replayed the
-    shared stream would otherwise match each pod's first pick on an unbounded share, holding prefixes the pod has
-    long evicted."""
+    the learned characters per token move), not only when a pick goes to it (as it also is): a replica that has
+    just replayed the shared stream would otherwise match each pod's first pick on an unbounded share, holding
+    prefixes the pod has long evicted."""
 
     type_name = "approx-prefix-cache-producer"
 
