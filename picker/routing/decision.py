@@ -49,6 +49,14 @@ class Decision:
         if name not in self.removed_headers:
             self.removed_headers = (*self.removed_headers, name)
 
+    def own_header(self, name: str, value: str | None) -> None:
+        """A header only the picker may give the pod: set to `value`, or, with None, the client's removed (a
+        removal Envoy refuses for a header the request lacks, so only when it carries one)."""
+        if value is not None:
+            self.set_header(name, value)
+        elif name in self.request.headers:
+            self.remove_header(name)
+
     def keep(self, plugin: str, value: Any) -> None:
         """A plugin's state for this request (`kept(plugin)` gives it back)."""
         if self.state is None:

@@ -15,10 +15,7 @@ class DataParallelRank(RequestPlugin):
 
     def placed(self, decision: Decision, body: bytes) -> None:
         rank = decision.endpoint.rank
-        if rank >= 0:
-            decision.set_header(names.DATA_PARALLEL_RANK, str(rank))
-        elif names.DATA_PARALLEL_RANK in decision.request.headers:
-            decision.remove_header(names.DATA_PARALLEL_RANK)
+        decision.own_header(names.DATA_PARALLEL_RANK, str(rank) if rank >= 0 else None)
 
 
 def factory(deps: PluginDeps) -> DataParallelRank:

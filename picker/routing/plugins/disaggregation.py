@@ -25,13 +25,9 @@ class Disaggregation(RequestPlugin):
         if prefill is not None:
             prefill.start_request(decision.tokens, self.clock())
             decision.keep(self.name, prefill)
-            decision.set_header(names.PREFILLER, prefill.destination)
-        elif names.PREFILLER in decision.request.headers:
-            decision.remove_header(names.PREFILLER)
-        if prefill is not None and prefill.rank >= 0:
-            decision.set_header(names.PREFILLER_RANK, str(prefill.rank))
-        elif names.PREFILLER_RANK in decision.request.headers:
-            decision.remove_header(names.PREFILLER_RANK)
+        decision.own_header(names.PREFILLER, prefill.destination if prefill is not None else None)
+        decision.own_header(names.PREFILLER_RANK, str(prefill.rank) if prefill is not None and prefill.rank >= 0
+                            else None)
 
     def response_started(self, decision: Decision, headers: Mapping[str, str], body_follows: bool) -> None:
         self._prefilled(decision)
