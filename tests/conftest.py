@@ -55,11 +55,13 @@ def stack() -> Iterator[Stack]:
         # Metric labels carry only models the pool serves (the echo pods report "tiny") or configured ones: the
         # metrics tests give their requests models of their own, to tell their series apart, which the pods serve
         # too (a request for a model no pod serves is 404).
-        models = ["metrics-model", "usage-model", "gauge-model"]
+        # "tiles-model": a multimodal model of Idefics3's processor family (tests/test_media_envoy.py).
+        models = ["metrics-model", "usage-model", "gauge-model", "tiles-model"]
         for address in backends.addresses:
             set_echo_metrics(address, models=["tiny", *models])
         config = logdir / "picker.yaml"
-        config.write_text(f"scheduling:\n  models:\n    base: [{', '.join(models)}]\n")
+        config.write_text(f"scheduling:\n  models:\n    base: [{', '.join(models)}]\n"
+                          "multimodal:\n  models:\n    tiles-model: {imageLayout: tiles}\n")
         picker = start_picker(logdir, endpoints_file=endpoints_file,
                               extra=["--max-body-bytes", "10Mi", "--config-file", str(config)])
         started.append(picker.process)

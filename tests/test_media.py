@@ -104,6 +104,32 @@ def test_qwen2_vl_arithmetic() -> None:
     assert image_tokens(4000, 3000, tokens) <= 1280  # scaled down to max_pixels
 
 
+def test_idefics3_tiles_arithmetic() -> None:
+    """The counts vLLM 0.32 gave a locally built Idefics3 (`make media-real`) for these sizes, less the one token its
+    tiny tokenizer spends on a second line break that real Idefics3 and SmolVLM tokenizers merge."""
+    tiles = MediaTokens(image_layout="tiles")
+    assert image_tokens(640, 480, tiles) == 2227  # 1456 x 1092: 4 x 3 tiles of 169 + the whole image's 169
+    assert image_tokens(1024, 1024, tiles) == 2912  # upscaled to 1456 x 1456: 4 x 4 tiles
+    assert image_tokens(3000, 200, tiles) == 857  # 1456 x 98 (97 made even): one row of four
+    assert image_tokens(64, 64, MediaTokens(image_layout="tiles", image_longest_edge=364)) == 172  # one tile: whole
+    smolvlm = MediaTokens(image_layout="tiles", image_longest_edge=2048, image_tile_pixels=512, image_tile_tokens=64)
+    assert image_tokens(2048, 1024, smolvlm) == 2 * (4 * 66 + 1) + 67
+    config = MultimodalConfig.from_dict({"models": {"smolvlm": {"imageLayout": "tiles"}}})
+    assert config.for_model("smolvlm").image_layout == "tiles"
+    remote = image("https://images.example/cat.png")
+    assert parse(chat(remote, model="smolvlm"), config).media[0].tokens == 2227  # taken as 640 x 480
+    assert parse(chat(remote, model="other"), config).media[0].tokens == 391
+    with pytest.raises(ConfigError, match="multimodal.imageLayout"):
+        MultimodalConfig.from_dict({"imageLayout": "mosaic"})
+
+
+def test_an_image_of_no_pixels_costs_the_unsized_count() -> None:
+    """A header claiming a zero side is read as no size: as patches it was counted as a strip one square high, and
+    the tiles' arithmetic divides by it."""
+    flat = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + struct.pack(">II", 640, 0) + b"\x00" * 9
+    assert parse(chat(image(data_url(flat)))).media[0].tokens == 391
+
+
 def test_audio_counts_its_seconds_and_other_formats_a_default() -> None:
     assert wav_seconds(wav(2.0)) == pytest.approx(2.0)
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(2.0)).decode(), "format": "wav"}}

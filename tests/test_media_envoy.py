@@ -8,6 +8,7 @@ import base64
 import json
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
@@ -19,8 +20,8 @@ from tests.test_media import png
 SYSTEM = "You describe pictures for a museum catalogue."  # short: the image is what the prompts share
 
 
-def asking(image_url: str, question: str, system: str = SYSTEM) -> dict[str, object]:
-    return {"model": "tiny", "messages": [
+def asking(image_url: str, question: str, system: str = SYSTEM, model: str = "tiny") -> dict[str, object]:
+    return {"model": model, "messages": [
         {"role": "system", "content": system},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
                                      {"type": "text", "text": question}]}]}
@@ -48,21 +49,25 @@ async def test_requests_sharing_an_image_land_where_the_first_was_served(envoy: 
             assert body["served_by"] == home, (name, i)
 
 
-async def test_routed_media_are_counted_with_their_tokens(envoy: Envoy, stack: Stack) -> None:
+@pytest.mark.parametrize(("model", "expected"), [("tiny", 391), ("tiles-model", 2227)])
+async def test_routed_media_are_counted_with_their_tokens(envoy: Envoy, stack: Stack, model: str,
+                                                          expected: int) -> None:
+    """A 640 x 480 image counts as its model's processor family counts it: Qwen2-VL's patches by default, 391
+    tokens; Idefics3's tiles for a model configured so, 2,227 (a real vLLM counted 2,228, `make media-real`)."""
     async def counted() -> tuple[float, float]:
         async with aiohttp.ClientSession() as session, \
                 session.get(f"http://127.0.0.1:{stack.picker.metrics_port}/metrics") as response:
             text = await response.text()
         values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-                  if s.labels.get("kind") == "image" and s.labels.get("model_name") == "tiny"}
+                  if s.labels.get("kind") == "image" and s.labels.get("model_name") == model}
         return values.get("picker_request_media_items_total", 0.0), values.get("picker_request_media_tokens_total", 0.0)
 
     items, tokens = await counted()
     raw = png(640, 480, shade=envoy.port % 199)
     status, _ = await post(envoy, "/v1/chat/completions",
-                           asking("data:image/png;base64," + base64.b64encode(raw).decode(), "Count me."))
+                           asking("data:image/png;base64," + base64.b64encode(raw).decode(), "Count me.", model=model))
     assert status == 200
-    assert await counted() == (items + 1, tokens + 391)
+    assert await counted() == (items + 1, tokens + expected)
 
 
 async def test_explain_lists_the_media_and_their_tokens(stack: Stack) -> None:

