@@ -11,11 +11,11 @@ server; vLLM's count for the image (`usage.prompt_tokens_details.multimodal_toke
 for the model's processor family (`imageLayout: tiles`) and the default one (`patches`, Qwen2-VL's), and vLLM's
 prompt tokens beside the picker's estimate of the whole prompt.
 
-Routing: the picker (that `multimodal:` section) and Envoy in front of both servers; `--groups` images, each after
-a preamble of its own, sent four times one at a time with a different question after the image: as data URLs
-(PNG bytes in the request) and as remote URLs served on loopback (vLLM fetches them; the picker never does).
-Which server answered each (Envoy's upstream host) and what vLLM served from its prefix cache. Writes
-bench/out/media_real.md and .json.
+Routing: the picker (that `multimodal:` section) and Envoy in front of both servers, then Envoy alone (round-robin,
+fresh preambles); `--groups` images, each after a preamble of its own, sent four times one at a time with a
+different question after the image: as data URLs (PNG bytes in the request) and as remote URLs served on loopback
+(vLLM fetches them; the picker never does). Which server answered each (Envoy's upstream host) and what vLLM served
+from its prefix cache. Writes bench/out/media_real.md and .json.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from picker.core.media import MediaTokens, MultimodalConfig, image_tokens  # noq
 from picker.core.requests import CHARS_PER_TOKEN, build_request, estimated_tokens  # noqa: E402
 from picker_lab.bench import vllm_engine as engine  # noqa: E402
 from picker_lab.bench import vllm_media  # noqa: E402
+from picker_lab.bench.live import start_direct_envoy  # noqa: E402
 from picker_lab.supervisor import HOST, process_scope, start_envoy, start_picker, wait_until  # noqa: E402
 
 SIZES = [(640, 480), (1024, 1024), (1280, 960), (1920, 1080), (4000, 3000), (500, 1500), (300, 200), (64, 64),
@@ -184,7 +185,10 @@ async def main() -> int:
             wait_until(lambda: picker.routes_to(set(pool)), 30, "the picker's pods", picker.process)
             envoy = start_envoy(logdir, picker, pool, served_by=SERVED_BY)
             started.append(envoy.process)
-            routed = await routing(envoy.url, args.groups, seed=1)
+            routed = {"picker": await routing(envoy.url, args.groups, seed=1)}
+            direct, direct_url = start_direct_envoy(logdir, pool, served_by=SERVED_BY)
+            started.append(direct)
+            routed["round-robin"] = await routing(direct_url, args.groups, seed=2)
         finally:
             for server in servers:
                 server.stop()
@@ -209,15 +213,16 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"| {row['size']} | {row['vllm_image']} | {row['picker_tiles']} | {ratio:.3f} | "
                      f"{row['picker_patches']} | {row['vllm_prompt']} | {row['picker_prompt']} |")
     lines += ["", f"Largest difference with the model's family: {worst:.1%}.", "",
-              "## Routing: the picker and Envoy in front of two servers", "",
+              "## Routing: Envoy in front of two servers, with the picker and without (round-robin)", "",
               f"{result['groups']} images, each after a preamble of its own, sent four times one at a time.", "",
-              "| image as | follow-ups on the first's pod | follow-ups' prompt tokens from cache | first requests' pods |",
-              "|---|---:|---:|---|"]
-    for kind, r in result["routing"].items():
-        pods = ", ".join(f"{pod} x{r['first_pods'].count(pod)}" for pod in sorted(set(r["first_pods"])))
-        lines.append(f"| {kind} URL | {r['on_first_pod']}/{r['follow_ups']} | "
-                     f"{r['cached_tokens'] / max(1, r['prompt_tokens']):.0%} ({r['cached_tokens']}/{r['prompt_tokens']}) "
-                     f"| {pods} |")
+              "| routing | image as | follow-ups on the first's pod | follow-ups' prompt tokens from cache | "
+              "first requests' pods |", "|---|---|---:|---:|---|"]
+    for router, kinds in result["routing"].items():
+        for kind, r in kinds.items():
+            pods = ", ".join(f"{pod} x{r['first_pods'].count(pod)}" for pod in sorted(set(r["first_pods"])))
+            share = r["cached_tokens"] / max(1, r["prompt_tokens"])
+            lines.append(f"| {router} | {kind} URL | {r['on_first_pod']}/{r['follow_ups']} | "
+                         f"{share:.0%} ({r['cached_tokens']}/{r['prompt_tokens']}) | {pods} |")
     return "\n".join(lines) + "\n"
 
 
