@@ -110,7 +110,8 @@ async def test_models_are_listed_by_the_picker_for_the_whole_pool(envoy: Envoy, 
         assert response.status == 200 and "x-picker-fail-open" not in response.headers
         body = await response.json()
     assert body["object"] == "list" and "served_by" not in body  # answered by the picker, not a pod
-    assert {m["id"] for m in body["data"]} == {"tiny", "metrics-model", "usage-model", "gauge-model"}
+    assert {m["id"] for m in body["data"]} == {"tiny", "metrics-model", "usage-model", "gauge-model",
+                                              "tiles-model"}
 
 
 async def test_client_cannot_choose_its_endpoint(envoy: Envoy, stack: Stack) -> None:
