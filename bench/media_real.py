@@ -39,12 +39,21 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from picker.api.v1 import picker_pb2, picker_pb2_grpc  # noqa: E402
 from picker.core.media import MediaTokens, MultimodalConfig, image_tokens  # noqa: E402
 from picker.core.requests import CHARS_PER_TOKEN, build_request, estimated_tokens  # noqa: E402
 from picker_lab.bench import vllm_engine as engine  # noqa: E402
 from picker_lab.bench import vllm_media  # noqa: E402
 from picker_lab.bench.live import start_direct_envoy  # noqa: E402
-from picker_lab.supervisor import HOST, process_scope, start_envoy, start_picker, wait_until  # noqa: E402
+from picker_lab.supervisor import (  # noqa: E402
+    HOST,
+    Picker,
+    free_port,
+    process_scope,
+    start_envoy,
+    start_picker,
+    wait_until,
+)
 
 SIZES = [(640, 480), (1024, 1024), (1280, 960), (1920, 1080), (4000, 3000), (500, 1500), (300, 200), (64, 64),
          (28, 28), (3000, 200)]
@@ -126,25 +135,38 @@ class ImageServer:
         self.server.server_close()
 
 
-async def routing(envoy_url: str, groups: int, seed: int) -> dict[str, Any]:
+async def claimed_tokens(picker: Picker, body: dict[str, Any]) -> tuple[str, int]:
+    """The pod the picker would pick for `body` and the prompt tokens it believes that pod holds (Explain)."""
+    async with picker.aio_channel() as channel:
+        answer = await picker_pb2_grpc.PickerStub(channel).Explain(picker_pb2.ExplainRequest(
+            path="/v1/chat/completions", body=json.dumps(body).encode()))
+    return answer.ranked[0], answer.prefix_matched_blocks * vllm_media.BLOCK_SIZE  # a block: block_size tokens
+
+
+async def routing(envoy_url: str, groups: int, seed: int, picker: Picker | None = None) -> dict[str, Any]:
+    """Each group: an image after a preamble of its own, four times with another question after it; with `picker`,
+    then two other images of the same size after the same preamble, what the picker believes their pod holds
+    (Explain) beside what vLLM served from cache."""
     rng = random.Random(seed)
     vocabulary = engine.vocabulary()
-    images = {f"img-{g}.png": png(rng.choice((640, 800, 1024)), rng.choice((480, 600, 768)), 10 + g * 20)
-              for g in range(groups)}
+    sizes = [(rng.choice((640, 800, 1024)), rng.choice((480, 600, 768))) for _ in range(groups)]
+    images = {f"img-{g}-{v}.png": png(*size, 10 + g * 20 + v * 7) for g, size in enumerate(sizes) for v in range(3)}
     remote = ImageServer(images)
     results: dict[str, Any] = {}
     try:
         async with aiohttp.ClientSession() as session:
             for kind in ("data", "remote"):
                 on_home = follow_ups = cached = prompt = 0
-                homes = []
-                for g, (name, data) in enumerate(images.items()):
-                    url = data_url(data) if kind == "data" else f"{remote.url}/{name}"
+                homes: list[str] = []
+                others: list[dict[str, int]] = []
+                for g in range(groups):
+                    urls = [data_url(images[name]) if kind == "data" else f"{remote.url}/{name}"
+                            for name in (f"img-{g}-{v}.png" for v in range(3))]
                     before = " ".join(rng.choice(vocabulary) for _ in range(60))
                     home = ""
                     for turn in range(4):
                         question = f"question {g}.{turn}: " + " ".join(rng.choice(vocabulary) for _ in range(8))
-                        usage, served_by = await post(session, envoy_url, chat(url, before, question))
+                        usage, served_by = await post(session, envoy_url, chat(urls[0], before, question))
                         if not turn:
                             home = served_by
                             homes.append(home)
@@ -153,8 +175,16 @@ async def routing(envoy_url: str, groups: int, seed: int) -> dict[str, Any]:
                         on_home += served_by == home
                         prompt += usage["prompt_tokens"]
                         cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    for variant in (1, 2):
+                        if picker is None:
+                            break
+                        body = chat(urls[variant], before, f"and this one, {variant}?")
+                        pick, believed = await claimed_tokens(picker, body)
+                        usage, served_by = await post(session, envoy_url, body)
+                        others.append({"believed": believed, "same_pod": served_by == pick,
+                                       "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0})
                 results[kind] = {"follow_ups": follow_ups, "on_first_pod": on_home, "prompt_tokens": prompt,
-                                 "cached_tokens": cached, "first_pods": homes}
+                                 "cached_tokens": cached, "first_pods": homes, "other_images": others}
     finally:
         remote.close()
     return results
@@ -168,11 +198,14 @@ async def main() -> int:
     engine.install()
     model = vllm_media.build_media_model()
     with process_scope("media-real") as (logdir, started):
-        servers = [engine.start_server(Path(tempfile.mkdtemp(prefix="picker-media-real-")), name=f"vllm-{i}",
-                                       block_size=vllm_media.BLOCK_SIZE, num_blocks=BLOCKS, model_dir=model, cpu=i,
-                                       max_model_len=vllm_media.MAX_MODEL_LEN,
-                                       extra=["--limit-mm-per-prompt", json.dumps({"image": 4})])
-                   for i in range(2)]
+        # Both publish their KV events to the endpoint the precise picker binds (dropped until it does).
+        endpoint, ports = f"tcp://{HOST}:{free_port()}", [free_port(), free_port()]
+        servers = [engine.start_server(
+            Path(tempfile.mkdtemp(prefix="picker-media-real-")), name=f"vllm-{i}", block_size=vllm_media.BLOCK_SIZE,
+            num_blocks=BLOCKS, model_dir=model, cpu=i, port=port, max_model_len=vllm_media.MAX_MODEL_LEN,
+            extra=["--limit-mm-per-prompt", json.dumps({"image": 4}),
+                   *engine.kv_events_flags(endpoint, f"kv@{HOST}:{port}@{engine.MODEL_NAME}")])
+            for i, port in enumerate(ports)]
         try:
             for server in servers:
                 server.wait_healthy()
@@ -180,15 +213,22 @@ async def main() -> int:
             pool = [server.address for server in servers]
             config = logdir / "media.yaml"
             config.write_text(json.dumps({"multimodal": {"models": {engine.MODEL_NAME: TILES}}}))
-            picker = start_picker(logdir, endpoints=pool, extra=["--config-file", str(config)])
-            started.append(picker.process)
-            wait_until(lambda: picker.routes_to(set(pool)), 30, "the picker's pods", picker.process)
-            envoy = start_envoy(logdir, picker, pool, served_by=SERVED_BY)
-            started.append(envoy.process)
-            routed = {"picker": await routing(envoy.url, args.groups, seed=1)}
+            routed = {}
+            for seed, (mode, flags) in enumerate((
+                    ("picker", []),
+                    ("picker, precise", ["--kv-events-endpoint", endpoint, "--prefix-mode", "precise"])), start=1):
+                picker = start_picker(logdir, endpoints=pool, name=f"picker-{seed}",
+                                      extra=["--config-file", str(config), *flags])
+                started.append(picker.process)
+                wait_until(lambda: picker.routes_to(set(pool)), 30, "the picker's pods", picker.process)  # noqa: B023
+                envoy = start_envoy(logdir, picker, pool, served_by=SERVED_BY, name=f"envoy-{seed}")
+                started.append(envoy.process)
+                routed[mode] = await routing(envoy.url, args.groups, seed, picker)
+                envoy.process.stop()
+                picker.process.stop()
             direct, direct_url = start_direct_envoy(logdir, pool, served_by=SERVED_BY)
             started.append(direct)
-            routed["round-robin"] = await routing(direct_url, args.groups, seed=2)
+            routed["round-robin"] = await routing(direct_url, args.groups, seed=3)
         finally:
             for server in servers:
                 server.stop()
@@ -223,6 +263,16 @@ def report(result: dict[str, Any]) -> str:
             share = r["cached_tokens"] / max(1, r["prompt_tokens"])
             lines.append(f"| {router} | {kind} URL | {r['on_first_pod']}/{r['follow_ups']} | "
                          f"{share:.0%} ({r['cached_tokens']}/{r['prompt_tokens']}) | {pods} |")
+    lines += ["", "Another image of the same size after the same preamble: the tokens the picker believed its pod held "
+              "(Explain, just before) and the tokens vLLM served from cache, summed.", "",
+              "| routing | image as | requests | believed held | served from cache | sent where Explain picked |",
+              "|---|---|---:|---:|---:|---:|"]
+    for router, kinds in result["routing"].items():
+        for kind, r in kinds.items():
+            others = r["other_images"]
+            if others:
+                lines.append(f"| {router} | {kind} URL | {len(others)} | {sum(o['believed'] for o in others)} | "
+                             f"{sum(o['cached'] for o in others)} | {sum(o['same_pod'] for o in others)} |")
     return "\n".join(lines) + "\n"
 
 

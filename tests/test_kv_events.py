@@ -113,6 +113,27 @@ def test_a_cache_salt_makes_its_own_chain() -> None:
     assert cache.matched(token_keys(tokens, 4), 0.0) == 2  # the unsalted base-model blocks
 
 
+def test_blocks_of_a_media_item_match_no_prompt_by_its_tokens_alone() -> None:
+    """vLLM keys the blocks holding an image's placeholder tokens on the item's identifier (in the event: an
+    `[identifier, offset]` pair among the block's extra keys). Two images of one size after the same text have the
+    same placeholder tokens: keyed by tokens alone, each pod would seem to hold the other's. The text before the
+    item still matches; nothing from the item on does."""
+    index = PreciseIndex()
+    text, image = list(range(100, 108)), [7] * 8  # two blocks of text, then two of one image's placeholders
+    after = list(range(200, 204))
+    tokens = text + image + after
+    for pod, identifier in (("a", "img-a"), ("b", "img-b")):
+        extras = [None, None, [[identifier, 0]], [[identifier, -4]], None]
+        index.apply(pod, [BlockStored([1, 2, 3, 4, 5], None, tokens, 4, None, None, extras)], now=0.0)
+    keys = token_keys(tokens, 4)
+    assert index.pod("a").matched(keys, 0.0) == 2 and index.pod("b").matched(keys, 0.0) == 2
+    assert index.pod("a").keys[3] != index.pod("b").keys[3]  # the two images' blocks are apart
+    assert index.pod("a").keys[5] != index.pod("b").keys[5]  # and so is the text after them
+    lora = BlockStored([6], None, text[:4], 4, 1, "sql-lora", [["sql-lora"]])  # an adapter's name alone: as before
+    index.apply("c", [lora], now=0.0)
+    assert index.pod("c").matched(token_keys(text[:4], 4, "sql-lora"), 0.0) == 1
+
+
 def test_speculative_entries_hold_until_stored_or_expired() -> None:
     index = PreciseIndex(speculative_s=2.0)
     tokens = list(range(12))

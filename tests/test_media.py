@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import struct
 import zlib
 from collections.abc import Mapping
@@ -21,6 +22,10 @@ from picker.core.media import (
 )
 from picker.core.requests import ApiKind, InferenceRequest, RequestError, build_request, estimated_tokens
 from picker.core.schema import ConfigError
+from picker.endpoints.pool import EndpointPool
+from picker.endpoints.state import Endpoint
+from picker.routing.director import Director
+from picker.scheduling.config import build_scheduler
 
 
 def png(width: int, height: int, shade: int = 0) -> bytes:
@@ -146,6 +151,33 @@ def test_headers_of_other_formats() -> None:
         + b"\x08" + struct.pack(">HH", 480, 640) + b"\x00" * 10
     assert image_size(jpeg) == (640, 480)
     assert image_size(b"not an image") is None
+
+
+async def test_a_prompt_with_media_is_not_tokenized_for_the_precise_view() -> None:
+    """Its media's blocks are keyed on identifiers no token id says: the approximate index routes it, and no pod is
+    asked to tokenize (fetch and process) its images."""
+    class Counting:
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        async def token_ids(self, request: InferenceRequest, candidates: object) -> list[int] | None:
+            self.asked.append(request.request_id)
+            return [1, 2, 3]
+
+        async def close(self) -> None:
+            pass
+
+    pool = EndpointPool()
+    pool.set_endpoints([Endpoint.from_address("10.0.2.1:8000")])
+    tokenizer = Counting()
+    director = Director(pool, build_scheduler(rng=random.Random(0)), tokenizer=tokenizer, clock=lambda: 0.0)
+    headers = {":path": "/v1/chat/completions", ":method": "POST"}
+    with_image = build_request(headers, chat(image(data_url(png(64, 64))), TEXT), request_id="image")
+    text_only = build_request(headers, chat(TEXT), request_id="text")
+    for request in (with_image, text_only):
+        await director.route(request)
+    assert tokenizer.asked == ["text"]
+    assert with_image.token_ids is None and text_only.token_ids == [1, 2, 3]
 
 
 def test_an_invalid_data_url_is_the_clients_400() -> None:

@@ -65,6 +65,32 @@ def _salt_of(event: BlockStored) -> str | None:
     return extra[-1] if extra else None
 
 
+def _opaque_extras(event: BlockStored, salt: str | None) -> list[bytes | None] | None:
+    """Per block, what its extra keys carry beyond the adapter's name and the chain's salt, serialised; None when no
+    block carries more. vLLM adds a media item's identifier and offset to the blocks holding its placeholder tokens
+    (a hash of the item's processed content) and a digest to blocks of prompt embeddings: a request's token ids
+    say neither, so such blocks, and the chain after them, must not match a prompt by its tokens alone (two images
+    of one size after the same text have the same placeholder tokens)."""
+    opaque: list[bytes | None] = []
+    found = False
+    for i, keys in enumerate(event.extra_keys):
+        rest = [k for k in keys or () if k != event.lora_name and not (i == 0 and k == salt and isinstance(k, str))]
+        opaque.append(repr(rest).encode() if rest else None)
+        found = found or bool(rest)
+    return opaque if found else None
+
+
+def opaque_chain(tokens: Sequence[int], block_size: int, parent: int, opaque: Sequence[bytes | None]) -> list[int]:
+    """`chain`, with each block that carries opaque extra keys keyed on them too (so only an event can name it)."""
+    out = []
+    for i, extra in enumerate(opaque):
+        parent = chain(tokens[i * block_size:(i + 1) * block_size], block_size, parent)[0]
+        if extra is not None:
+            parent = xxh3_64_intdigest(extra, parent)
+        out.append(parent)
+    return out
+
+
 # What a block found only in an offloading tier is worth against one in device memory (1.0): the share of its
 # recompute a load saves. vLLM loads an offloaded prefix into device memory before the request runs; from host
 # memory that costs ~0.1 of recomputing it on an 8B model (KV bytes per token over PCIe against prefill FLOPs per
@@ -129,14 +155,18 @@ class PodCache:
             self._hold(medium, [(h, k) for h in event.block_hashes if (k := known.get(h)) is not None])
             return
         self.block_size = event.block_size
+        salt = _salt_of(event) if event.parent_block_hash is None else None
         if event.parent_block_hash is None:
-            parent = root_key(event.lora_name, _salt_of(event))
+            parent = root_key(event.lora_name, salt)
         else:
             known_parent = self.keys.get(event.parent_block_hash)
             if known_parent is None:
                 return
             parent = known_parent
-        self._hold(medium, zip(event.block_hashes, chain(event.token_ids, event.block_size, parent), strict=True))
+        opaque = _opaque_extras(event, salt)
+        keys = chain(event.token_ids, event.block_size, parent) if opaque is None else \
+            opaque_chain(event.token_ids, event.block_size, parent, opaque)
+        self._hold(medium, zip(event.block_hashes, keys, strict=True))
 
     def _hold(self, medium: str, blocks: Iterable[tuple[BlockHash, int]]) -> None:
         refs, holders, keys, speculative = self._refs(medium), self._holders(medium), self.keys, self.speculative

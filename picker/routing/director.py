@@ -213,8 +213,11 @@ class Director:
 
     async def tokenize(self, request: InferenceRequest) -> None:
         """The prompt's token ids, for the precise view (bounded; none: the approximate index routes it); then
-        the parsed body is let go, so a request in flight does not keep it."""
-        if self.tokenizer is not None and request.has_body and request.token_ids is None:
+        the parsed body is let go, so a request in flight does not keep it. A prompt with media is not
+        tokenized: the pods' blocks of a media item are keyed on an identifier of its processed content, which
+        no token id says, so the precise view could match at most the text before it, while the approximate
+        index keys the item by its content (and a pod asked to tokenize it would fetch and process the item)."""
+        if self.tokenizer is not None and request.has_body and request.token_ids is None and not request.media:
             request.token_ids = await self.tokenizer.token_ids(request, lambda: self.candidates(request))
         request.parsed = None
 
