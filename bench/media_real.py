@@ -1,21 +1,24 @@
-"""Images on a real vLLM: how many tokens it counts for one, and do requests sharing one stay on its pod?
-(opt-in: vLLM 0.32 CPU, ~3 minutes)
+"""Images and audio on a real vLLM: how many tokens it counts for one, and do requests sharing an image stay on its
+pod? (opt-in: vLLM 0.32 CPU, ~3 minutes)
 
     make media-real     # or: .venv/bin/python bench/media_real.py [--groups 6]
 
-Builds a random-weight Idefics3 (lab/picker_lab/bench/vllm_media.py says why that architecture: Qwen2-VL cannot run
-here) and starts two vLLM CPU servers of it, one per core.
+Builds a random-weight Idefics3 and Qwen2-Audio (lab/picker_lab/bench/vllm_media.py says why those architectures:
+Qwen2-VL cannot run here), starts two vLLM CPU servers of the first, one per core, then one of the second.
 
 Token counts: one chat per image size (the ten of `make media-tokens`), the image and a line of text, sent to one
 server; vLLM's count for the image (`usage.prompt_tokens_details.multimodal_tokens`) beside the picker's estimate
 for the model's processor family (`imageLayout: tiles`) and the default one (`patches`, Qwen2-VL's), and vLLM's
-prompt tokens beside the picker's estimate of the whole prompt.
+prompt tokens beside the picker's estimate of the whole prompt. Audio: one chat per clip length (a 16 kHz WAV),
+vLLM's count for the clip beside the picker's default estimate.
 
-Routing: the picker (that `multimodal:` section) and Envoy in front of both servers, then Envoy alone (round-robin,
-fresh preambles); `--groups` images, each after a preamble of its own, sent four times one at a time with a
-different question after the image: as data URLs (PNG bytes in the request) and as remote URLs served on loopback
-(vLLM fetches them; the picker never does). Which server answered each (Envoy's upstream host) and what vLLM served
-from its prefix cache. Writes bench/out/media_real.md and .json.
+Routing: Envoy in front of both servers with the picker (that `multimodal:` section; approximate, then precise on
+the servers' KV events), then alone (round-robin); each run's preambles its own. `--groups` images, each after a
+preamble of its own, sent four times one at a time with a different question after the image: as data URLs (PNG
+bytes in the request) and as remote URLs served on loopback (vLLM fetches them; the picker never does). Which
+server answered each (Envoy's upstream host) and what vLLM served from its prefix cache; with the picker, two
+other images of the same size after the same preamble, what it believed their pod held against what vLLM served
+from cache. Writes bench/out/media_real.md and .json.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import asyncio
 import base64
 import http.server
 import json
+import math
 import random
 import struct
 import sys
 import tempfile
 import threading
 import zlib
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +64,7 @@ SIZES = [(640, 480), (1024, 1024), (1280, 960), (1920, 1080), (4000, 3000), (500
          (28, 28), (3000, 200)]
 TILES = {"imageLayout": "tiles"}  # the processor family of Idefics3 and SmolVLM; its defaults are Idefics3's
 SERVED_BY = "x-served-by"
+AUDIO_SECONDS = [0.3, 1.0, 2.5, 5.0, 10.0, 29.0, 30.0, 45.0, 60.0]
 BLOCKS = 2048  # per server: every group's images fit
 
 
@@ -109,6 +115,37 @@ async def token_counts(server_url: str) -> list[dict[str, Any]]:
                          "picker_patches": image_tokens(width, height, MediaTokens()),
                          "vllm_prompt": usage["prompt_tokens"], "picker_prompt": picker_estimate(body, tiles)})
     return rows
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    """A mono 16-bit WAV of a tone, `seconds` long."""
+    samples = array("h", (int(3000 * math.sin(i / 20)) for i in range(int(seconds * rate)))).tobytes()
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
+    return (b"RIFF" + struct.pack("<I", 36 + len(samples)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", len(samples)) + samples)
+
+
+async def audio_counts(server_url: str) -> list[dict[str, Any]]:
+    """vLLM's count for a clip of each length (`usage.prompt_tokens_details.multimodal_tokens`) beside the
+    picker's estimate (the default `multimodal` config: Qwen2-Audio's 25 a second, 30 seconds at most)."""
+    rows = []
+    async with aiohttp.ClientSession() as session:
+        for seconds in AUDIO_SECONDS:
+            clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(seconds)).decode(),
+                                                           "format": "wav"}}
+            body = {"model": engine.MODEL_NAME, "max_tokens": 1,
+                    "messages": [{"role": "user", "content": [clip, {"type": "text", "text": "what is said?"}]}]}
+            usage, _ = await post(session, server_url, body)
+            rows.append({"seconds": seconds, "vllm_audio": usage["prompt_tokens_details"]["multimodal_tokens"]["audio"],
+                         "picker": picker_estimate_media(body)})
+    return rows
+
+
+def picker_estimate_media(body: dict[str, Any]) -> int:
+    """The picker's token estimate for the one media item of `body`, by the default config."""
+    request = build_request({":path": "/v1/chat/completions", ":method": "POST"}, json.dumps(body).encode(),
+                            request_id="estimate")
+    return request.media[0].tokens
 
 
 class ImageServer:
@@ -196,7 +233,8 @@ async def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = parser.parse_args()
     engine.install()
-    model = vllm_media.build_media_model()
+    model = vllm_media.build_media_model("idefics3")
+    audio_model = vllm_media.build_media_model("qwen2-audio")
     with process_scope("media-real") as (logdir, started):
         # Both publish their KV events to the endpoint the precise picker binds (dropped until it does).
         endpoint, ports = f"tcp://{HOST}:{free_port()}", [free_port(), free_port()]
@@ -232,7 +270,15 @@ async def main() -> int:
         finally:
             for server in servers:
                 server.stop()
-    result = {"token_counts": counts, "routing": routed, "groups": args.groups}
+        audio = engine.start_server(Path(tempfile.mkdtemp(prefix="picker-media-real-")), name="vllm-audio",
+                                    block_size=vllm_media.BLOCK_SIZE, num_blocks=BLOCKS, model_dir=audio_model, cpu=0,
+                                    max_model_len=vllm_media.MAX_MODEL_LEN)
+        try:
+            audio.wait_healthy()
+            audio_rows = await audio_counts(audio.url)
+        finally:
+            audio.stop()
+    result = {"token_counts": counts, "audio_counts": audio_rows, "routing": routed, "groups": args.groups}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "media_real.json").write_text(json.dumps(result, indent=2) + "\n")
     text = report(result)
@@ -253,6 +299,12 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"| {row['size']} | {row['vllm_image']} | {row['picker_tiles']} | {ratio:.3f} | "
                      f"{row['picker_patches']} | {row['vllm_prompt']} | {row['picker_prompt']} |")
     lines += ["", f"Largest difference with the model's family: {worst:.1%}.", "",
+              "## Audio: vLLM's count and the picker's estimate (a random-weight Qwen2-Audio, 16 kHz WAV)", "",
+              "| seconds | vLLM | picker | picker / vLLM |", "|---:|---:|---:|---:|"]
+    for row in result["audio_counts"]:
+        lines.append(f"| {row['seconds']:g} | {row['vllm_audio']} | {row['picker']} | "
+                     f"{row['picker'] / row['vllm_audio']:.3f} |")
+    lines += ["",
               "## Routing: Envoy in front of two servers, with the picker and without (round-robin)", "",
               f"{result['groups']} images, each after a preamble of its own, sent four times one at a time.", "",
               "| routing | image as | follow-ups on the first's pod | follow-ups' prompt tokens from cache | "

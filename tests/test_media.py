@@ -144,6 +144,16 @@ def test_audio_counts_its_seconds_and_other_formats_a_default() -> None:
     assert parse(chat(mp3)).media[0].tokens == 750
 
 
+def test_audio_counts_as_a_real_vllm_counts_it() -> None:
+    """Qwen2-Audio on vLLM 0.32 (`make media-real`): 25 tokens a second rounded down, the first 30 seconds only."""
+    def tokens(seconds: float, media: MultimodalConfig = DEFAULT_MEDIA) -> int:
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(seconds)).decode()}}
+        return parse(chat(part), media).media[0].tokens
+
+    assert [tokens(s) for s in (0.3, 2.5, 29.0, 45.0, 60.0)] == [7, 62, 725, 750, 750]
+    assert tokens(60.0, MultimodalConfig.from_dict({"maxAudioSeconds": 0})) == 1500  # an encoder that takes it all
+
+
 def test_headers_of_other_formats() -> None:
     gif = b"GIF89a" + struct.pack("<HH", 300, 200) + b"\x00" * 8
     assert image_size(gif) == (300, 200)

@@ -18,8 +18,9 @@ and `maxImageTokens`) and `tiles` (Idefics3 and SmolVLM: resized to `imageLonges
 `imageTilePixels`-pixel tiles of `imageTileTokens` each, plus a downscaled whole image and the markers around
 them). A model whose family is wrong is off by up to 7x (a 640 x 480 image is 391 tokens as patches, 2,227 as
 Idefics3's tiles), so the family is per model. An image whose size cannot be read (a remote URL) costs
-`unsizedImageTokens`, by default what the family counts for 640 x 480. Audio: `audioTokensPerSecond` of a WAV's duration, else `unsizedAudioTokens`; video:
-`videoTokens`.
+`unsizedImageTokens`, by default what the family counts for 640 x 480. Audio: `audioTokensPerSecond` of a WAV's
+duration, up to `maxAudioSeconds` (Whisper-style encoders such as Qwen2-Audio's take one 30-second window and drop
+the rest), else `unsizedAudioTokens`; video: `videoTokens`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class MediaTokens(Section):
     image_tile_tokens: int = Field(169, gt=0)  # tiles: tokens a tile stands for (Idefics3: 169; SmolVLM: 64)
     unsized_image_tokens: int = Field(0, ge=0)  # size unknown (a remote URL); 0: the family's count for 640 x 480
     audio_tokens_per_second: float = Field(25.0, gt=0)  # Whisper-style encoders (Qwen2-Audio): 25 per second
+    max_audio_seconds: float = Field(30.0, ge=0)  # what the encoder takes of a clip (Qwen2-Audio: 30); 0: all
     unsized_audio_tokens: int = Field(750, gt=0)  # duration unknown (remote or compressed audio): 30 s
     video_tokens: int = Field(1024, gt=0)
 
@@ -169,7 +171,11 @@ def _tokens(kind: str, payload: bytes | None, tokens: MediaTokens) -> int:
         return tokens.unsized_image_tokens or image_tokens(*UNSIZED_IMAGE, tokens)
     if kind == "audio":
         seconds = wav_seconds(payload) if payload else None
-        return max(1, round(seconds * tokens.audio_tokens_per_second)) if seconds else tokens.unsized_audio_tokens
+        if not seconds:
+            return tokens.unsized_audio_tokens
+        if tokens.max_audio_seconds:
+            seconds = min(seconds, tokens.max_audio_seconds)
+        return max(1, int(seconds * tokens.audio_tokens_per_second))  # the encoder's frames, rounded down
     return tokens.video_tokens
 
 
