@@ -64,11 +64,32 @@ MEDIUM = ModelShape("medium-llama", hidden=1024, intermediate=3072, layers=12, h
 MODEL_SHAPES = {"small": SMALL, "medium": MEDIUM}
 MODEL_DIR = TINY.directory
 
-BUILD_MODEL = textwrap.dedent(
+# Prepended to the model-building scripts run in the vLLM venv (here and in vllm_media.py).
+TRAIN_TOKENIZER = textwrap.dedent(
     """
-    import random, sys
+    import random
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    def train_tokenizer(specials, unk, vocab):
+        \"\"\"A byte-level BPE of `vocab` tokens trained on random words (the words `vocabulary()` gives).\"\"\"
+        rng = random.Random(0)
+        words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+                 for _ in range(3000)]
+        corpus = (" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(20000))
+        tok = Tokenizer(models.BPE(unk_token=unk))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        return tok
+    """
+)
+
+BUILD_MODEL = TRAIN_TOKENIZER + textwrap.dedent(
+    """
+    import sys
     from pathlib import Path
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out, vocab, max_len = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -76,15 +97,7 @@ BUILD_MODEL = textwrap.dedent(
     hidden, intermediate, layers, heads, kv_heads = (int(a) for a in sys.argv[5:10])
     specials = ["<|unk|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                 "<|eot_id|>"]
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
-    corpus = (" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(20000))
-    tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
+    tok = train_tokenizer(specials, "<|unk|>", vocab)
     bos = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
                                                        special_tokens=[("<|begin_of_text|>", bos)])

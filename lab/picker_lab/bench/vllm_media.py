@@ -18,18 +18,17 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-from picker_lab.bench.vllm_engine import OUT, VOCAB, run_logged, venv_python
+from picker_lab.bench.vllm_engine import OUT, TRAIN_TOKENIZER, VOCAB, run_logged, venv_python
 
 MODEL_DIRS = {"idefics3": OUT / "tiny-idefics3", "qwen2-audio": OUT / "tiny-qwen2-audio"}
 MAX_MODEL_LEN = 16384  # an image is up to 2,913 tokens here; a few per prompt
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32 for this model's layers
 
-BUILD = textwrap.dedent(
+BUILD = TRAIN_TOKENIZER + textwrap.dedent(
     """
-    import random, sys
+    import sys
     from pathlib import Path
     from safetensors.torch import load_file, save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     kind, out, vocab, max_len = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -43,14 +42,7 @@ BUILD = textwrap.dedent(
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]
         named = {"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
         eos = "<|im_end|>"
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
-    corpus = (" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(20000))
-    tok = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = train_tokenizer(specials, "<|endoftext|>", vocab)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>",
                                    unk_token="<|endoftext|>", extra_special_tokens=named)
     fast.model_max_length = max_len
