@@ -80,7 +80,7 @@ def _opaque_extras(event: BlockStored, salt: str | None) -> list[bytes | None] |
     return opaque if found else None
 
 
-def opaque_chain(tokens: Sequence[int], block_size: int, parent: int, opaque: Sequence[bytes | None]) -> list[int]:
+def _opaque_chain(tokens: Sequence[int], block_size: int, parent: int, opaque: Sequence[bytes | None]) -> list[int]:
     """`chain`, with each block that carries opaque extra keys keyed on them too (so only an event can name it)."""
     out = []
     for i, extra in enumerate(opaque):
@@ -165,7 +165,7 @@ class PodCache:
             parent = known_parent
         opaque = _opaque_extras(event, salt)
         keys = chain(event.token_ids, event.block_size, parent) if opaque is None else \
-            opaque_chain(event.token_ids, event.block_size, parent, opaque)
+            _opaque_chain(event.token_ids, event.block_size, parent, opaque)
         self._hold(medium, zip(event.block_hashes, keys, strict=True))
 
     def _hold(self, medium: str, blocks: Iterable[tuple[BlockHash, int]]) -> None:
