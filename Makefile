@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/picker/api/v1/*.proto)
 GENERATED := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: install protos demo test lint bench bench-smoke bench-fleet bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload token-fairness scale pd pd-real mixed-models precise-scenarios cache-tiers fuzzy-prefix kv-events-real dp-real media-real clean
+.PHONY: install protos demo test lint bench bench-smoke bench-fleet bench-real real-report scrape-cost tokenize-cost validate-sim overhead soak upload-memory overload token-fairness scale pd pd-real mixed-models precise-scenarios cache-tiers fuzzy-prefix kv-events-real dp-real media-real media-peers clean
 
 # The picker with the dev extra (tools, Envoy, Valkey), and the lab beside it (lab/: the simulator, the
 # benchmarks, the demo), both editable. The picker's install compiles the protos too (setup.py's build hook).
@@ -105,6 +105,10 @@ dp-real: install
 # Images on two real vLLM CPU servers of a small multimodal model: its token count, routing by image (~3 minutes).
 media-real: install
 	$(BIN)/python bench/media_real.py $(ARGS)
+
+# The routers in front of two real vLLM servers of a small multimodal model under load (~9 minutes a repeat, 3 repeats).
+media-peers: install
+	$(BIN)/python bench/media_peers.py $(ARGS)
 
 # What precise routing's POST /tokenize per request costs a real vLLM server, ~5 minutes.
 tokenize-cost: install
