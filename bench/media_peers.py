@@ -177,8 +177,8 @@ def report(result: dict[str, Any], routers: list[str]) -> str:
              f"{a['images']} images of 2,228 tokens after a shared system prompt, {a['rate']} requests a second for "
              f"{a['seconds']} s, {a['kv_blocks']} KV blocks of 32 tokens a server; medians of {a['repeats']} "
              "repeats [range].", "",
-             "| router | TTFT p50 ms | TTFT p90 ms | p90 / picker's | prompt tokens from cache | failed |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| router | TTFT p50 ms | TTFT p90 ms | p90 / picker's | prompt tokens from cache | failed | "
+             "requests on each server, per repeat |", "|---|---:|---:|---:|---:|---:|---|"]
     runs = result["runs"]
 
     def spread(values: list[float], fmt: str) -> str:
@@ -195,7 +195,8 @@ def report(result: dict[str, Any], routers: list[str]) -> str:
         lines.append(f"| {name} | {spread([r['p50_ms'] for r in mine], '.0f')} | "
                      f"{spread([r['p90_ms'] for r in mine], '.0f')} | {spread(ratios, '.2f') if ratios else '-'} | "
                      f"{spread([100 * r['cached_share'] for r in mine], '.0f')} % | "
-                     f"{sum(r['failed'] for r in mine)} |")
+                     f"{sum(r['failed'] for r in mine)} | "
+                     f"{'; '.join('/'.join(f'{n:.0f}' for n in r['per_server']) for r in mine)} |")
     return "\n".join(lines) + "\n"
 
 
