@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from picker.api.v1 import picker_pb2, picker_pb2_grpc  # noqa: E402
-from picker.core.media import MediaTokens, MultimodalConfig, image_tokens  # noqa: E402
-from picker.core.requests import CHARS_PER_TOKEN, build_request, estimated_tokens  # noqa: E402
+from picker.core.media import DEFAULT_MEDIA, MediaTokens, MultimodalConfig, image_tokens  # noqa: E402
+from picker.core.requests import CHARS_PER_TOKEN, InferenceRequest, build_request, estimated_tokens  # noqa: E402
 from picker_lab.bench import vllm_engine as engine  # noqa: E402
 from picker_lab.bench import vllm_media  # noqa: E402
 from picker_lab.bench.live import start_direct_envoy  # noqa: E402
@@ -89,10 +89,15 @@ def chat(url: str, before: str, after: str) -> dict[str, Any]:
             "messages": [{"role": "user", "content": content}]}
 
 
+def parsed(body: dict[str, Any], media: MultimodalConfig = DEFAULT_MEDIA) -> InferenceRequest:
+    """`body` as the picker reads it (its media counted by `media`)."""
+    return build_request({":path": "/v1/chat/completions", ":method": "POST"}, json.dumps(body).encode(),
+                         request_id="estimate", media=media)
+
+
 def picker_estimate(body: dict[str, Any], media: MultimodalConfig) -> int:
     """The picker's estimate of the prompt's tokens (its default characters per token, less the answer's)."""
-    request = build_request({":path": "/v1/chat/completions", ":method": "POST"}, json.dumps(body).encode(),
-                            request_id="estimate", media=media)
+    request = parsed(body, media)
     return estimated_tokens(request, CHARS_PER_TOKEN) - (request.max_tokens or 0)
 
 
@@ -137,15 +142,8 @@ async def audio_counts(server_url: str) -> list[dict[str, Any]]:
                     "messages": [{"role": "user", "content": [clip, {"type": "text", "text": "what is said?"}]}]}
             usage, _ = await post(session, server_url, body)
             rows.append({"seconds": seconds, "vllm_audio": usage["prompt_tokens_details"]["multimodal_tokens"]["audio"],
-                         "picker": picker_estimate_media(body)})
+                         "picker": parsed(body).media[0].tokens})
     return rows
-
-
-def picker_estimate_media(body: dict[str, Any]) -> int:
-    """The picker's token estimate for the one media item of `body`, by the default config."""
-    request = build_request({":path": "/v1/chat/completions", ":method": "POST"}, json.dumps(body).encode(),
-                            request_id="estimate")
-    return request.media[0].tokens
 
 
 class ImageServer:
