@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "interleaved, default 3; see lab/picker_lab/bench/fleet.py)")
     a("--phase", type=parse_duration, default=None, help="--scenario overload: length of each phase (default 40s)")
     a("--max-num-seqs", type=whole_number(1), default=None, help="--scenario overload: sequences per pod (default 8)")
+    a("--kept-slot-share", type=float, default=0.1, help="--scenario token-fairness: the share of the running slots "
+      "the bound keeps for the light tenants")
+    a("--max-num-batched-tokens", type=whole_number(1), default=None, help="--scenario token-fairness: the pods' "
+      "prefill chunk (default: the profile's 8,192)")
     a("--replicas", type=whole_number(1), default=None, help="--scenario overload: picker replicas behind Envoy (default 1); more "
       "than one runs each picker with each replica counting only its own requests and with the replicas sharing "
       "their in-flight counts (live: through a local Valkey)")
@@ -338,7 +342,8 @@ def run_token_fairness(args: argparse.Namespace, mode: str, out: Path) -> int:
     from picker_lab.bench.token_fairness import TokenFairnessSpec, run_token_fairness
 
     spec = TokenFairnessSpec(pods=args.pods or 2, phase_s=args.phase or 40.0, seed=args.seed,
-                             repeats=args.repeats or 3, max_num_seqs=args.max_num_seqs or 64)
+                             repeats=args.repeats or 3, max_num_seqs=args.max_num_seqs or 64,
+                             kept_slot_share=args.kept_slot_share, max_num_batched_tokens=args.max_num_batched_tokens)
     run_token_fairness(spec, ("fast", "live") if mode == "both" else (mode,), out)
     print((out / "token-fairness.md").read_text())
     return 0

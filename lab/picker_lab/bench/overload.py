@@ -40,7 +40,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -206,10 +206,13 @@ def fast_trace(rate: float, seconds: float, kinds: Sequence[tuple[str, str, floa
 
 
 def fast_config(pods: int, admission: AdmissionConfig | None, seed: int,
-                max_num_seqs: int = MAX_NUM_SEQS, replicas: int = 1, load_sync_s: float = 0.0) -> FastConfig:
+                max_num_seqs: int = MAX_NUM_SEQS, replicas: int = 1, load_sync_s: float = 0.0,
+                max_num_batched_tokens: int | None = None) -> FastConfig:
     """The live fleet in simulated time: its pods, picker serve's adaptive scrape cadence and the queue TTL in
-    model seconds; several replicas share an index and scrapes, and their load every `load_sync_s` (0: never)."""
-    profile = replace(get_profile(PROFILE), max_num_seqs=max_num_seqs)
+    model seconds; several replicas share an index and scrapes, and their load every `load_sync_s` (0: never);
+    `max_num_batched_tokens`: the pods' prefill chunk, if not the profile's."""
+    profile = get_profile(PROFILE).with_overrides(max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=max_num_batched_tokens)
     if admission is not None:
         flow = admission.flow_control.model_copy(update={"queue_ttl": admission.flow_control.queue_ttl * TIME_SCALE})
         admission = admission.model_copy(update={"flow_control": flow})
@@ -229,9 +232,10 @@ def fast_capacity(pods: int, seed: int, requests: int = 400, max_num_seqs: int =
 
 
 def fast_shots(trace: Trace, strategy_config: str, pods: int, seed: int,
-               max_num_seqs: int = MAX_NUM_SEQS, replicas: int = 1, load_sync_s: float = 0.0) -> list[Shot]:
+               max_num_seqs: int = MAX_NUM_SEQS, replicas: int = 1, load_sync_s: float = 0.0,
+               max_num_batched_tokens: int | None = None) -> list[Shot]:
     res = run_fast(trace, "picker", fast_config(pods, admission_section(strategy_config), seed, max_num_seqs,
-                                                replicas, load_sync_s))
+                                                replicas, load_sync_s, max_num_batched_tokens))
     shots = []
     for r in trace.requests:
         i = r.index

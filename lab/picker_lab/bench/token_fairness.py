@@ -66,11 +66,11 @@ SIZES = {"light": (100, 32), "heavy": (1000, 320)}
 # name -> flow control settings ({seqs}: the pods' --max-num-seqs)
 PICKERS = {"requests": "fairness: requests", "tokens": "fairness: tokens",
            "tokens, slots": "fairness: tokens, criticalSlotShare: 0.02, maxRunningPerPod: {seqs}",
-           BOUND: "fairness: tokens, criticalSlotShare: 0.1, maxRunningPerPod: {seqs}"}
+           BOUND: "fairness: tokens, criticalSlotShare: {kept}, maxRunningPerPod: {seqs}"}
 
 
-def picker_config(name: str, max_num_seqs: int) -> str:
-    settings = PICKERS[name].format(seqs=max_num_seqs)
+def picker_config(name: str, max_num_seqs: int, kept_slot_share: float = 0.1) -> str:
+    settings = PICKERS[name].format(seqs=max_num_seqs, kept=kept_slot_share)
     return f"admission:\n{OBJECTIVES}  flowControl: {{enabled: true, {settings}}}\n"
 
 
@@ -83,6 +83,10 @@ def kind_of(tenant: str, picker: str) -> str:
 class TokenFairnessSpec:
     pods: int = 2
     max_num_seqs: int = 64
+    # What else was tried against the bound: more of the slots kept for the light tenants, and the pods' prefill
+    # chunk (vLLM's --max-num-batched-tokens; None: the profile's 8,192).
+    kept_slot_share: float = 0.1
+    max_num_batched_tokens: int | None = None
     phase_s: float = 40.0  # wall seconds of arrivals per phase
     calibrate_s: float = 15.0
     load: float = 2.0  # the loaded phase's offered load, times the fleet's capacity for the mix
@@ -169,12 +173,15 @@ async def one_seed(spec: TokenFairnessSpec, seed: int, order: tuple[str, ...]) -
     from picker_lab.supervisor import process_scope, start_picker_fleet, start_sim
 
     with process_scope("token-fairness") as (logdir, started):
-        sim = start_sim(spec.pods, logdir, time_scale=TIME_SCALE, extra=["--max-num-seqs", str(spec.max_num_seqs)])
+        chunk = ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)] if spec.max_num_batched_tokens else []
+        sim = start_sim(spec.pods, logdir, time_scale=TIME_SCALE,
+                        extra=["--max-num-seqs", str(spec.max_num_seqs), *chunk])
         started.append(sim.process)
         result: dict[str, Any] = {"seed": seed}
         for k, name in enumerate(order):
             fleet = start_picker_fleet(logdir, sim.addresses, name=f"picker-{k}", first_host=10 + 10 * k,
-                                       flags=["--config-text", picker_config(name, spec.max_num_seqs)])
+                                       flags=["--config-text", picker_config(name, spec.max_num_seqs,
+                                                                             spec.kept_slot_share)])
             started.extend(fleet.processes)
             url = fleet.envoy.url + "/v1/chat/completions"
             if "capacity_rps" not in result:
@@ -208,14 +215,16 @@ def fast_trace(rate: float, seconds: float, seed: int, with_heavy: bool, picker:
 
 def fast_seed(spec: TokenFairnessSpec, seed: int) -> dict[str, Any]:
     saturated = run_fast(saturating(fast_trace(1.0, 25.0 * spec.pods * spec.max_num_seqs, seed, True)),
-                         "round-robin", fast_config(spec.pods, None, seed, spec.max_num_seqs))
+                         "round-robin", fast_config(spec.pods, None, seed, spec.max_num_seqs,
+                                                    max_num_batched_tokens=spec.max_num_batched_tokens))
     capacity = sum(1 for s in saturated.status if s == OK) / (saturated.duration_s / TIME_SCALE)
     result: dict[str, Any] = {"seed": seed, "capacity_rps": capacity}
     for name in PICKERS:
-        config = picker_config(name, spec.max_num_seqs)
+        config = picker_config(name, spec.max_num_seqs, spec.kept_slot_share)
         result[name] = with_ratio({phase: phase_figures(fast_shots(
             fast_trace(spec.load * capacity, spec.phase_s, seed, with_heavy, name), config, spec.pods, seed,
-            spec.max_num_seqs)) for phase, with_heavy in (("unloaded", False), ("loaded", True))})
+            spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens))
+            for phase, with_heavy in (("unloaded", False), ("loaded", True))})
     return result
 
 
@@ -247,7 +256,10 @@ def markdown(report: dict[str, Any], modes: tuple[str, ...]) -> list[str]:
     lines = ["# Token fairness under a heavy tenant", ""]
     for mode in modes:
         runs = report[mode]
-        lines += [f"## {mode}: {spec['pods']} sim pods x {spec['max_num_seqs']} sequences; capacity for the mix "
+        chunk = spec.get("max_num_batched_tokens")
+        lines += [f"## {mode}: {spec['pods']} sim pods x {spec['max_num_seqs']} sequences"
+                  f"{f', prefill chunk {chunk} tokens' if chunk else ''}; the bound keeps "
+                  f"{spec.get('kept_slot_share', 0.1):g} of the slots; capacity for the mix "
                   f"{_spread([r['capacity_rps'] for r in runs], '.2f')} req/s; loaded at {spec['load']:g} x it, "
                   f"{spec['phase_s']:g} s phases; {len(runs)} seeds, medians [range]; TTFT in model ms", "",
                   "| fairness | light TTFT p90 unloaded | loaded | loaded / unloaded | light served | heavy served | "
