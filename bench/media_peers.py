@@ -25,7 +25,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -37,14 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from media_real import TILES, chat, data_url, png  # noqa: E402
+from media_real import TILES, chat, start_picker_for  # noqa: E402
 
 from picker.endpoints.metrics import parse_metrics  # noqa: E402
 from picker_lab.bench import vllm_engine as engine  # noqa: E402
 from picker_lab.bench import vllm_media  # noqa: E402
 from picker_lab.bench.live import start_direct_envoy  # noqa: E402
 from picker_lab.bench.peers import PEERS, start_replicas  # noqa: E402
-from picker_lab.supervisor import Managed, process_scope, start_envoy, start_picker, wait_until  # noqa: E402
+from picker_lab.media_files import data_url, png  # noqa: E402
+from picker_lab.supervisor import Managed, process_scope  # noqa: E402
 
 ROUTERS = ("picker", "smg", "sglang-router", "vllm-router", "round-robin")
 SYSTEM = "You describe pictures for a museum catalogue, in one short sentence."
@@ -58,14 +58,8 @@ def prompt_count(address: str) -> float:
 def start_router(name: str, pool: list[str], logdir: Path, config: Path) -> tuple[list[Managed], str]:
     """The router's processes and the URL clients send to."""
     if name == "picker":
-        picker = start_picker(logdir, endpoints=pool, name="picker", extra=["--config-file", str(config)])
-        try:
-            wait_until(lambda: picker.routes_to(set(pool)), 30, "the picker's pods", picker.process)
-            envoy = start_envoy(logdir, picker, pool, name="envoy-picker")
-        except BaseException:
-            picker.process.stop()
-            raise
-        return [envoy.process, picker.process], envoy.url
+        fleet = start_picker_for(logdir, pool, config, [], "picker")
+        return fleet.processes, fleet.envoy.url
     if name == "round-robin":
         envoy_process, url = start_direct_envoy(logdir, pool)
         return [envoy_process], url
@@ -129,10 +123,8 @@ async def main() -> int:
     model = vllm_media.build_media_model("idefics3")
     runs: list[dict[str, Any]] = []
     with process_scope("media-peers") as (logdir, started):
-        servers = [engine.start_server(
-            Path(tempfile.mkdtemp(prefix="picker-media-peers-")), name=f"vllm-{i}", block_size=vllm_media.BLOCK_SIZE,
-            num_blocks=args.kv_blocks, model_dir=model, cpu=i, max_model_len=vllm_media.MAX_MODEL_LEN, resettable=True,
-            extra=["--limit-mm-per-prompt", json.dumps({"image": 1}), "--enable-scale-out"]) for i in range(2)]
+        servers = [vllm_media.start_media_server(model, f"vllm-{i}", cpu=i, num_blocks=args.kv_blocks, images=1,
+                                                 extra=("--enable-scale-out",), resettable=True) for i in range(2)]
         try:
             for server in servers:
                 server.wait_healthy()

@@ -28,14 +28,9 @@ import asyncio
 import base64
 import http.server
 import json
-import math
 import random
-import struct
 import sys
-import tempfile
 import threading
-import zlib
-from array import array
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +38,9 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from media_tokens import SIZES  # noqa: E402
 
 from picker.api.v1 import picker_pb2, picker_pb2_grpc  # noqa: E402
 from picker.core.media import DEFAULT_MEDIA, MediaTokens, MultimodalConfig, image_tokens  # noqa: E402
@@ -50,36 +48,36 @@ from picker.core.requests import CHARS_PER_TOKEN, InferenceRequest, build_reques
 from picker_lab.bench import vllm_engine as engine  # noqa: E402
 from picker_lab.bench import vllm_media  # noqa: E402
 from picker_lab.bench.live import start_direct_envoy  # noqa: E402
+from picker_lab.media_files import data_url, png, wav  # noqa: E402
 from picker_lab.supervisor import (  # noqa: E402
     HOST,
     Picker,
+    PickerFleet,
     free_port,
     process_scope,
-    start_envoy,
-    start_picker,
+    start_picker_fleet,
     wait_until,
 )
 
-SIZES = [(640, 480), (1024, 1024), (1280, 960), (1920, 1080), (4000, 3000), (500, 1500), (300, 200), (64, 64),
-         (28, 28), (3000, 200)]
 TILES = {"imageLayout": "tiles"}  # the processor family of Idefics3 and SmolVLM; its defaults are Idefics3's
 SERVED_BY = "x-served-by"
 AUDIO_SECONDS = [0.3, 1.0, 2.5, 5.0, 10.0, 29.0, 30.0, 45.0, 60.0]
 BLOCKS = 2048  # per server: every group's images fit
 
 
-def png(width: int, height: int, shade: int) -> bytes:
-    """A valid PNG of one grey row repeated: any size, small on the wire; `shade` makes images differ."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    rows = (b"\x00" + bytes([shade]) * width) * height
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) \
-        + chunk(b"IEND", b"")
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
+def start_picker_for(logdir: Path, pool: list[str], config: Path, flags: list[str], name: str,
+                     served_by: str = "") -> PickerFleet:
+    """The picker (its `config` file, `flags`) behind Envoy, once it routes to every server of `pool`."""
+    fleet = start_picker_fleet(logdir, pool, flags=["--config-file", str(config), *flags], name=name,
+                               served_by=served_by)
+    picker = fleet.pickers[0]
+    try:
+        wait_until(lambda: picker.routes_to(set(pool)), 30, "the picker's pods", picker.process)
+    except BaseException:
+        for process in reversed(fleet.processes):
+            process.stop()
+        raise
+    return fleet
 
 
 def chat(url: str, before: str, after: str) -> dict[str, Any]:
@@ -122,21 +120,13 @@ async def token_counts(server_url: str) -> list[dict[str, Any]]:
     return rows
 
 
-def wav(seconds: float, rate: int = 16000) -> bytes:
-    """A mono 16-bit WAV of a tone, `seconds` long."""
-    samples = array("h", (int(3000 * math.sin(i / 20)) for i in range(int(seconds * rate)))).tobytes()
-    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
-    return (b"RIFF" + struct.pack("<I", 36 + len(samples)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
-            + b"data" + struct.pack("<I", len(samples)) + samples)
-
-
 async def audio_counts(server_url: str) -> list[dict[str, Any]]:
     """vLLM's count for a clip of each length (`usage.prompt_tokens_details.multimodal_tokens`) beside the
     picker's estimate (the default `multimodal` config: Qwen2-Audio's 25 a second, 30 seconds at most)."""
     rows = []
     async with aiohttp.ClientSession() as session:
         for seconds in AUDIO_SECONDS:
-            clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(seconds)).decode(),
+            clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(seconds, tone=True)).decode(),
                                                            "format": "wav"}}
             body = {"model": engine.MODEL_NAME, "max_tokens": 1,
                     "messages": [{"role": "user", "content": [clip, {"type": "text", "text": "what is said?"}]}]}
@@ -236,11 +226,9 @@ async def main() -> int:
     with process_scope("media-real") as (logdir, started):
         # Both publish their KV events to the endpoint the precise picker binds (dropped until it does).
         endpoint, ports = f"tcp://{HOST}:{free_port()}", [free_port(), free_port()]
-        servers = [engine.start_server(
-            Path(tempfile.mkdtemp(prefix="picker-media-real-")), name=f"vllm-{i}", block_size=vllm_media.BLOCK_SIZE,
-            num_blocks=BLOCKS, model_dir=model, cpu=i, port=port, max_model_len=vllm_media.MAX_MODEL_LEN,
-            extra=["--limit-mm-per-prompt", json.dumps({"image": 4}),
-                   *engine.kv_events_flags(endpoint, f"kv@{HOST}:{port}@{engine.MODEL_NAME}")])
+        servers = [vllm_media.start_media_server(
+            model, f"vllm-{i}", cpu=i, num_blocks=BLOCKS, port=port,
+            extra=tuple(engine.kv_events_flags(endpoint, f"kv@{HOST}:{port}@{engine.MODEL_NAME}")))
             for i, port in enumerate(ports)]
         try:
             for server in servers:
@@ -253,24 +241,18 @@ async def main() -> int:
             for seed, (mode, flags) in enumerate((
                     ("picker", []),
                     ("picker, precise", ["--kv-events-endpoint", endpoint, "--prefix-mode", "precise"])), start=1):
-                picker = start_picker(logdir, endpoints=pool, name=f"picker-{seed}",
-                                      extra=["--config-file", str(config), *flags])
-                started.append(picker.process)
-                wait_until(lambda: picker.routes_to(set(pool)), 30, "the picker's pods", picker.process)  # noqa: B023
-                envoy = start_envoy(logdir, picker, pool, served_by=SERVED_BY, name=f"envoy-{seed}")
-                started.append(envoy.process)
-                routed[mode] = await routing(envoy.url, args.groups, seed, picker)
-                envoy.process.stop()
-                picker.process.stop()
+                fleet = start_picker_for(logdir, pool, config, flags, f"picker-{seed}", served_by=SERVED_BY)
+                started.extend(fleet.processes)
+                routed[mode] = await routing(fleet.envoy.url, args.groups, seed, fleet.pickers[0])
+                for process in reversed(fleet.processes):
+                    process.stop()
             direct, direct_url = start_direct_envoy(logdir, pool, served_by=SERVED_BY)
             started.append(direct)
             routed["round-robin"] = await routing(direct_url, args.groups, seed=3)
         finally:
             for server in servers:
                 server.stop()
-        audio = engine.start_server(Path(tempfile.mkdtemp(prefix="picker-media-real-")), name="vllm-audio",
-                                    block_size=vllm_media.BLOCK_SIZE, num_blocks=BLOCKS, model_dir=audio_model, cpu=0,
-                                    max_model_len=vllm_media.MAX_MODEL_LEN)
+        audio = vllm_media.start_media_server(audio_model, "vllm-audio", cpu=0, num_blocks=BLOCKS)
         try:
             audio.wait_healthy()
             audio_rows = await audio_counts(audio.url)

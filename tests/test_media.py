@@ -7,7 +7,6 @@ import base64
 import json
 import random
 import struct
-import zlib
 from collections.abc import Mapping
 
 import pytest
@@ -26,26 +25,7 @@ from picker.endpoints.pool import EndpointPool
 from picker.endpoints.state import Endpoint
 from picker.routing.director import Director
 from picker.scheduling.config import build_scheduler
-
-
-def png(width: int, height: int, shade: int = 0) -> bytes:
-    """A real PNG (one grey row repeated), small on the wire whatever its size."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    rows = b"".join(b"\x00" + bytes([shade]) * width for _ in range(height))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
-
-
-def wav(seconds: float, rate: int = 16000) -> bytes:
-    frames = b"\x00\x00" * int(seconds * rate)
-    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
-    return (b"RIFF" + struct.pack("<I", 36 + len(frames)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
-            + b"data" + struct.pack("<I", len(frames)) + frames)
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+from picker_lab.media_files import data_url, png, wav
 
 
 def chat(*parts: Mapping[str, object], model: str = "m") -> bytes:

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.api.v1 import picker_pb2, picker_pb2_grpc
+from picker_lab.media_files import png
 from picker_lab.supervisor import Envoy
 from tests.conftest import Stack
 from tests.test_envoy_routing import post
-from tests.test_media import png
 
 SYSTEM = "You describe pictures for a museum catalogue."  # short: the image is what the prompts share
 

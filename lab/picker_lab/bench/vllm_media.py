@@ -14,11 +14,21 @@ tokens each; audio at 16 kHz in 30-second windows, 25 tokens a second.
 
 from __future__ import annotations
 
+import json
 import subprocess
+import tempfile
 import textwrap
 from pathlib import Path
 
-from picker_lab.bench.vllm_engine import OUT, TRAIN_TOKENIZER, VOCAB, run_logged, venv_python
+from picker_lab.bench.vllm_engine import (
+    OUT,
+    TRAIN_TOKENIZER,
+    VOCAB,
+    VllmServer,
+    run_logged,
+    start_server,
+    venv_python,
+)
 
 MODEL_DIRS = {"idefics3": OUT / "tiny-idefics3", "qwen2-audio": OUT / "tiny-qwen2-audio"}
 MAX_MODEL_LEN = 16384  # an image is up to 2,913 tokens here; a few per prompt
@@ -109,3 +119,13 @@ def install_audio() -> None:
     """vLLM's audio extra (librosa to read and resample clips, soundfile), once, into the vLLM venv."""
     if subprocess.run([str(venv_python()), "-c", "import librosa, soundfile"], capture_output=True).returncode:
         run_logged([str(venv_python()), "-m", "pip", "install", "-q", "librosa", "soundfile"])
+
+
+def start_media_server(model_dir: Path, name: str, *, cpu: int, num_blocks: int, images: int = 4,
+                       port: int | None = None, extra: tuple[str, ...] = (), resettable: bool = False) -> VllmServer:
+    """One vLLM server of a model built here (its block size and context; up to `images` images a prompt), logging
+    under a directory of its own; call `wait_healthy()` before use."""
+    return start_server(Path(tempfile.mkdtemp(prefix=f"picker-{name}-")), name=name, block_size=BLOCK_SIZE,
+                        num_blocks=num_blocks, model_dir=model_dir, cpu=cpu, port=port, max_model_len=MAX_MODEL_LEN,
+                        resettable=resettable,
+                        extra=["--limit-mm-per-prompt", json.dumps({"image": images}), *extra])
